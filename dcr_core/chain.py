@@ -1,0 +1,79 @@
+"""Refit path planning: which committed steps a receiver applies, in which direction.
+
+Committed steps form a forest: each delta names its base step, each keyframe is a root. To go
+from the step a receiver holds (M) to a target (N) the planner considers
+- the delta path: undo deltas from M back to the latest common ancestor C of M and N (XOR masks
+  are self-inverse, so only steps whose every tensor is invertible can be undone), then apply
+  deltas forward from C to N;
+- the keyframe path: load N's nearest keyframe ancestor, then apply deltas forward to N;
+and takes the one that pulls fewer stored bytes (the delta path on a tie).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+
+from dcr_core.errors import IntegrityError, StepNotFoundError
+
+
+class Direction(str, Enum):
+    KEYFRAME = "keyframe"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True, slots=True)
+class StepInfo:
+    """What the planner needs to know of one committed step."""
+
+    step: int
+    base_step: int | None  # None for a keyframe
+    invertible: bool  # every tensor's encoding can be undone (xor/unchanged only)
+    stored_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    step: int
+    direction: Direction
+
+
+def ancestors(steps: Mapping[int, StepInfo], n: int) -> list[int]:
+    """``[n, base(n), base(base(n)), ..., keyframe]``; an error if the chain is broken or cyclic."""
+    out: list[int] = []
+    cur: int | None = n
+    while cur is not None:
+        if cur not in steps:
+            raise StepNotFoundError(f"step {cur} (in the chain of step {n}) is not committed")
+        if out and cur >= out[-1]:
+            raise IntegrityError(f"step {out[-1]} names base step {cur}, which is not earlier")
+        out.append(cur)
+        cur = steps[cur].base_step
+    return out
+
+
+def plan_path(steps: Mapping[int, StepInfo], current: int | None, target: int) -> list[Move]:
+    """The cheapest exact sequence of moves from ``current`` (None: nothing held) to ``target``."""
+    chain_n = ancestors(steps, target)
+    keyframe_path = [Move(chain_n[-1], Direction.KEYFRAME)] + [
+        Move(s, Direction.FORWARD) for s in reversed(chain_n[:-1])
+    ]
+    if current is None or current not in steps:
+        return keyframe_path
+    if current == target:
+        return []
+    chain_m = ancestors(steps, current)
+    common = next((s for s in chain_m if s in set(chain_n)), None)
+    candidates = [keyframe_path]
+    if common is not None:
+        undo = chain_m[: chain_m.index(common)]
+        redo = list(reversed(chain_n[: chain_n.index(common)]))
+        if all(steps[s].invertible for s in undo):
+            candidates.insert(
+                0,
+                [Move(s, Direction.BACKWARD) for s in undo]
+                + [Move(s, Direction.FORWARD) for s in redo],
+            )
+    return min(candidates, key=lambda path: sum(steps[m.step].stored_bytes for m in path))

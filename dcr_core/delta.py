@@ -1,0 +1,100 @@
+"""Deltas chunk by chunk: XOR masks, overwrites and full values, and their in-place apply.
+
+Encodings of one tensor in one step:
+- ``full``: the tensor's bits (keyframes). Chunks that are all zero bits are not stored.
+- ``xor``: ``new ^ base``. Unchanged chunks are all zero and not stored. Self-inverse: applying
+  the same mask again restores the base, which is how receivers step backward.
+- ``overwrite``: the new bits of every chunk that changed. Not invertible; chosen when nearly every
+  element changed (the mask would be as large as the values) or when a loader is not bit-preserving.
+- ``unchanged``: nothing stored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import Enum
+
+import numpy as np
+
+from dcr_core.chunking import ChunkGrid
+
+
+class Encoding(str, Enum):
+    FULL = "full"
+    XOR = "xor"
+    OVERWRITE = "overwrite"
+    UNCHANGED = "unchanged"
+
+    @property
+    def invertible(self) -> bool:
+        return self in (Encoding.XOR, Encoding.UNCHANGED)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPayload:
+    """One stored chunk: its flat index, its (unpadded) payload bits and how many elements changed."""
+
+    index: int
+    payload: np.ndarray
+    changed: int
+
+
+def count_changed(new: np.ndarray, base: np.ndarray) -> int:
+    return int(np.count_nonzero(new != base))
+
+
+def choose_encoding(changed: int, numel: int, overwrite_above: float) -> Encoding:
+    """``xor`` unless the changed fraction exceeds ``overwrite_above`` (then ``overwrite``)."""
+    if changed == 0:
+        return Encoding.UNCHANGED
+    if numel and changed / numel > overwrite_above:
+        return Encoding.OVERWRITE
+    return Encoding.XOR
+
+
+def encode_chunks(
+    new: np.ndarray, base: np.ndarray | None, grid: ChunkGrid, encoding: Encoding
+) -> Iterator[ChunkPayload]:
+    """Yield the chunks ``encoding`` stores, in chunk order. ``new``/``base`` are flat raw bits."""
+    if encoding is Encoding.UNCHANGED:
+        return
+    if encoding is not Encoding.FULL and (base is None or base.shape != new.shape):
+        raise ValueError(f"{encoding.value} needs a base of the same size")
+    for i in range(grid.n_chunks):
+        start, stop = grid.chunk_range(i)
+        n = new[start:stop]
+        if encoding is Encoding.FULL:
+            nz = int(np.count_nonzero(n))
+            if nz:
+                yield ChunkPayload(i, n, nz)
+            continue
+        mask = np.bitwise_xor(n, base[start:stop])
+        changed = int(np.count_nonzero(mask))
+        if not changed:
+            continue
+        yield ChunkPayload(i, mask if encoding is Encoding.XOR else n, changed)
+
+
+def apply_chunk(
+    target: np.ndarray, grid: ChunkGrid, index: int, payload: np.ndarray, encoding: Encoding
+) -> None:
+    """Apply one chunk in place to ``target`` (flat raw bits, writable)."""
+    start, stop = grid.chunk_range(index)
+    if payload.shape != (stop - start,):
+        raise ValueError(f"chunk {index} payload has {payload.shape[0]} elements, needs {stop - start}")
+    if encoding is Encoding.XOR:
+        np.bitwise_xor(target[start:stop], payload, out=target[start:stop])
+    elif encoding in (Encoding.FULL, Encoding.OVERWRITE):
+        target[start:stop] = payload
+    else:
+        raise ValueError(f"nothing to apply for encoding {encoding.value}")
+
+
+def pad(payload: np.ndarray, n_padded: int) -> np.ndarray:
+    """The chunk as Zarr stores it: padded with zeros (the fill value) to the full chunk size."""
+    if payload.shape[0] == n_padded:
+        return payload
+    out = np.zeros(n_padded, dtype=payload.dtype)
+    out[: payload.shape[0]] = payload
+    return out

@@ -1,0 +1,55 @@
+"""The project's error hierarchy: one base class, each also a matching builtin where one fits.
+
+Every error carries a one-line message that names the object concerned and, where possible,
+says what to do instead. The CLI prints ``str(error)`` and exits with ``exit_code``.
+"""
+
+
+class DCRError(Exception):
+    """Base class of every error DCR raises on purpose."""
+
+    exit_code = 1
+
+
+class InvalidCheckpointError(DCRError, ValueError):
+    """A checkpoint (or receiver state file) cannot be read or is not a valid safetensors file."""
+
+    exit_code = 2
+
+
+class SchemaMismatchError(DCRError, ValueError):
+    """Tensor names, dtypes or shapes differ from the base step."""
+
+    exit_code = 2
+
+
+class StepConflictError(DCRError):
+    """The step is already committed, not after the latest committed step, or lost a race."""
+
+    exit_code = 3
+
+
+class StepNotFoundError(DCRError, FileNotFoundError):
+    """The requested step is not committed in ROOT (or ROOT holds no committed step)."""
+
+    exit_code = 4
+
+
+class IntegrityError(DCRError):
+    """Stored bytes do not match the digests that bind them: corrupted, missing or foreign data."""
+
+    exit_code = 5
+
+
+class StateMismatchError(IntegrityError):
+    """A receiver's state is not the step it claims to be."""
+
+
+class UnsafeKeyError(IntegrityError, ValueError):
+    """A key taken from a manifest or commit marker points outside where it must lie."""
+
+
+class UsageError(DCRError, ValueError):
+    """Bad arguments (receiver id, step number, option values)."""
+
+    exit_code = 2

@@ -1,0 +1,45 @@
+"""Typed options of the publisher and the receiver, validated on construction."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from dcr_core.codec import CodecSpec
+from dcr_core.errors import UsageError
+
+DEFAULT_CHUNK_BYTES = 4 << 20
+
+
+def default_cache_dir() -> str:
+    return os.environ.get("DCR_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dcr"
+    )
+
+
+@dataclass(frozen=True)
+class PublishOptions:
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    keyframe_codec: CodecSpec = field(default_factory=lambda: CodecSpec(clevel=3, shuffle="shuffle"))
+    delta_codec: CodecSpec = field(default_factory=lambda: CodecSpec(clevel=3, shuffle="bitshuffle"))
+    overwrite_above: float = 0.9  # store new values instead of an XOR mask above this changed fraction
+    io_workers: int = 8
+    cache_dir: str = field(default_factory=default_cache_dir)
+    use_cache: bool = True
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.chunk_bytes <= 1 << 30:
+            raise UsageError(f"chunk_bytes must be 1..2^30, got {self.chunk_bytes}")
+        if not 0.0 <= self.overwrite_above <= 1.0:
+            raise UsageError(f"overwrite_above must be within 0..1, got {self.overwrite_above}")
+        if self.io_workers < 1:
+            raise UsageError(f"io_workers must be >= 1, got {self.io_workers}")
+
+
+@dataclass(frozen=True)
+class ReceiveOptions:
+    io_workers: int = 8
+
+    def __post_init__(self) -> None:
+        if self.io_workers < 1:
+            raise UsageError(f"io_workers must be >= 1, got {self.io_workers}")

@@ -1,0 +1,151 @@
+"""The refit pipelines, written once and run either as Prefect flows or in-process.
+
+``run_publish``/``run_receive`` call their steps through a ``tasks`` namespace: the plain functions
+(``LOCAL``), or the same functions wrapped as Prefect tasks (see ``flows.prefect_flows``). The
+in-process form exists because a Prefect flow run without a server first starts a temporary API
+server (about 9 s per process on this machine), which is too slow for ``dcr receive`` called in a
+loop; with ``PREFECT_API_URL`` set, the CLI runs the Prefect flows (see the README).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+from dcr_core.errors import UsageError
+from flows import publish_steps as ps
+from flows import receive_steps as rs
+from flows.options import PublishOptions, ReceiveOptions
+from flows.sources import open_source
+from storage import layout
+
+
+@dataclass
+class PublishResult:
+    step: int
+    kind: str
+    base_step: int | None
+    attempt: str
+    policy_digest: str
+    summary: dict
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class ReceiveResult:
+    step: int
+    from_step: int | None
+    moves: list[str]
+    bytes_pulled: int
+    policy_digest: str
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+LOCAL = SimpleNamespace(
+    snapshot=open_source,
+    plan_publish=ps.plan_publish,
+    load_baseline=ps.load_baseline,
+    encode_and_write=ps.encode_and_write,
+    write_manifest=ps.write_manifest,
+    commit_step=ps.commit_step,
+    remember_baseline=ps.remember_baseline,
+    load_state=rs.load_state_file,
+    plan_receive=rs.plan_receive,
+    fetch_payloads=rs.fetch_payloads,
+    apply_payloads=rs.apply_payloads,
+    write_state=rs.write_state_file,
+    record_commit=rs.record_commit,
+)
+
+
+class _Timer:
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    def __call__(self, name: str, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.timings[name] = self.timings.get(name, 0.0) + time.perf_counter() - t0
+
+
+def run_publish(
+    root: str,
+    source,
+    step: int,
+    keyframe: bool = False,
+    storage_options: dict | None = None,
+    options: PublishOptions | None = None,
+    tasks=LOCAL,
+) -> PublishResult:
+    options = options or PublishOptions()
+    so = dict(storage_options or {})
+    root = os.fspath(root)
+    t = _Timer()
+    src = t("snapshot", tasks.snapshot, source)
+    name = getattr(src, "path", "<source>")
+    plan = t("plan", tasks.plan_publish, root, so, src.infos, step, keyframe, options, name)
+    baseline = t("baseline", tasks.load_baseline, plan)
+    entries = t("encode_write", tasks.encode_and_write, plan, src, baseline)
+    manifest, digest = t("manifest", tasks.write_manifest, plan, entries)
+    marker = t("commit", tasks.commit_step, plan, manifest, digest)
+    t("remember_baseline", tasks.remember_baseline, plan, src, marker)
+    return PublishResult(
+        marker.step, marker.kind, marker.base_step, marker.attempt, marker.policy_digest,
+        manifest.summary(), t.timings,
+    )
+
+
+def run_receive(
+    root: str,
+    receiver_id: str,
+    state_path: str,
+    step: int | None = None,
+    storage_options: dict | None = None,
+    options: ReceiveOptions | None = None,
+    tasks=LOCAL,
+    record: bool = True,
+    fresh: bool = False,
+) -> ReceiveResult:
+    """Bring the state file at ``state_path`` to ``step`` (default: latest) and record the commit."""
+    if record:
+        layout.check_receiver(receiver_id)
+    if step is not None:
+        layout.check_step(step)
+    so = dict(storage_options or {})
+    root = os.fspath(root)
+    state_path = rs.check_state_path(state_path)
+    t = _Timer()
+    state = None if fresh else t("load_state", tasks.load_state, root, so, state_path)
+    current = state.step if state is not None else None
+    plan = t("plan", tasks.plan_receive, root, so, current, step)
+    fetched = t("fetch", tasks.fetch_payloads, plan, options)
+    if plan.moves:
+        state = t("apply", tasks.apply_payloads, plan, state, fetched)
+        t("write_state", tasks.write_state, state_path, state, root, fetched.manifests[plan.target_step])
+    if state is None:
+        raise UsageError("no state to write")
+    if record:
+        t(
+            "record_commit", tasks.record_commit, root, so, receiver_id, plan.target_step,
+            {
+                "from_step": current,
+                "moves": [f"{m.direction.value}:{m.step}" for m in plan.moves],
+                "bytes_pulled": fetched.bytes_pulled,
+                "policy_digest": fetched.manifests[plan.target_step].policy_digest,
+            },
+        )
+    return ReceiveResult(
+        plan.target_step, current, [f"{m.direction.value}:{m.step}" for m in plan.moves],
+        fetched.bytes_pulled, fetched.manifests[plan.target_step].policy_digest, t.timings,
+    )
+
+
+def run_materialize(
+    root: str, step: int | None, out: str, storage_options: dict | None = None, options: ReceiveOptions | None = None
+) -> ReceiveResult:
+    """Write the full checkpoint of a committed step to ``out`` (no receiver record)."""
+    return run_receive(root, "materialize", out, step, storage_options, options, record=False, fresh=True)

@@ -1,0 +1,262 @@
+"""The publisher's refit, as plain functions (the Prefect flow wraps each one as a task).
+
+Order and why: validate everything before the first write (plan); encode and upload every chunk
+into a fresh attempt prefix, streaming; write the manifest; then create the commit marker, the
+one create-if-absent write that makes the step real. A crash before the marker leaves only an
+unreferenced attempt prefix (invisible to every reader; a retry writes a new attempt). Racing
+publishers of one step each write their own attempt; exactly one marker creation succeeds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import blake3
+import numpy as np
+
+from dcr_core.bits import bits_of
+from dcr_core.chunking import ChunkGrid, choose_chunk_shape
+from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chunks
+from dcr_core.digest import policy_digest, tensor_digest
+from dcr_core.dtypes import DTYPES
+from dcr_core.errors import SchemaMismatchError, StepConflictError
+from flows.options import PublishOptions
+from flows.sources import Source
+from storage import layout
+from storage.catalog import Catalog, manifest_digest, utc_now
+from storage.checkpoint import SafetensorsCheckpoint, TensorInfo, write_safetensors
+from storage.manifest import DELTA, KEYFRAME, ChunkTable, CommitMarker, Manifest, TensorEntry
+from storage.root import Root
+from storage.step_io import StepWriter
+
+BASELINE_FILE = "baseline.safetensors"
+
+
+@dataclass
+class PublishPlan:
+    root_url: str
+    storage_options: dict
+    step: int
+    kind: str
+    base_step: int | None
+    base_policy_digest: str | None
+    attempt: str
+    infos: dict[str, TensorInfo]
+    options: PublishOptions
+    source_name: str = ""
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def _schema_diff(base: Manifest, infos: dict[str, TensorInfo]) -> str | None:
+    missing = sorted(set(base.tensors) - set(infos))
+    extra = sorted(set(infos) - set(base.tensors))
+    if missing:
+        return f"tensor {missing[0]!r} of step {base.step} is missing" + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+    if extra:
+        return f"tensor {extra[0]!r} is not in step {base.step}" + (f" (and {len(extra) - 1} more)" if len(extra) > 1 else "")
+    for name in sorted(infos):
+        e, i = base.tensors[name], infos[name]
+        if (e.dtype, e.shape) != (i.dtype, i.shape):
+            return f"tensor {name!r} is {i.dtype}{list(i.shape)}, step {base.step} has {e.dtype}{list(e.shape)}"
+    return None
+
+
+def plan_publish(
+    root_url: str,
+    storage_options: dict,
+    infos: dict[str, TensorInfo],
+    step: int,
+    keyframe: bool,
+    options: PublishOptions,
+    source_name: str = "",
+) -> PublishPlan:
+    """Validate the publish of ``step`` without writing anything."""
+    layout.check_step(step)
+    root = Root(root_url, storage_options)
+    cat = Catalog(root)
+    if cat.marker(step) is not None:
+        raise StepConflictError(f"{root.url}: step {step} is already committed")
+    latest = cat.latest_committed()
+    if latest is not None and step <= latest:
+        raise StepConflictError(
+            f"{root.url}: step {step} is not after the latest committed step {latest}; publish step {latest + 1} or later"
+        )
+    if latest is None or keyframe:
+        kind, base_step, base_policy = KEYFRAME, None, None
+    else:
+        base = cat.manifest(latest)
+        diff = _schema_diff(base, infos)
+        if diff:
+            raise SchemaMismatchError(
+                f"{source_name or 'checkpoint'}: {diff}; publish with --keyframe to start a new lineage"
+            )
+        kind, base_step, base_policy = DELTA, latest, base.policy_digest
+    return PublishPlan(
+        root_url, dict(storage_options), step, kind, base_step, base_policy,
+        uuid.uuid4().hex, dict(infos), options, source_name,
+    )
+
+
+def _cache_path(plan: PublishPlan) -> str:
+    key = blake3.blake3(plan.root_url.encode()).hexdigest()[:16]
+    return os.path.join(plan.options.cache_dir, key, BASELINE_FILE)
+
+
+def load_baseline(plan: PublishPlan) -> dict[str, np.ndarray] | None:
+    """The base step's bits: from the local baseline cache if it verifies, else rebuilt from ROOT."""
+    if plan.kind == KEYFRAME:
+        return None
+    from flows import receive_steps as rs  # the publisher's baseline is a receiver's refit
+
+    cache = _cache_path(plan)
+    if plan.options.use_cache and os.path.exists(cache):
+        try:
+            ck = SafetensorsCheckpoint(cache)
+            if ck.metadata.get(rs.STATE_STEP) == str(plan.base_step) and ck.metadata.get(
+                rs.STATE_POLICY
+            ) == plan.base_policy_digest:
+                bits = {n: bits_of(t) for n, t in ck.items()}
+                digest = policy_digest(
+                    (n, ck.infos[n].dtype, ck.infos[n].shape, tensor_digest(b)) for n, b in bits.items()
+                )
+                if digest == plan.base_policy_digest:
+                    return bits
+        except Exception:  # a broken cache is only a cache: rebuild from ROOT
+            pass
+    rplan = rs.plan_receive(plan.root_url, plan.storage_options, None, plan.base_step)
+    state = rs.apply_payloads(rplan, None, rs.fetch_payloads(rplan))
+    return state.bits
+
+
+def encode_and_write(plan: PublishPlan, source: Source, baseline: dict[str, np.ndarray] | None) -> dict[str, TensorEntry]:
+    """Encode every tensor chunk by chunk and upload the stored chunks (streamed, bounded)."""
+    opts = plan.options
+    codec = opts.keyframe_codec if plan.kind == KEYFRAME else opts.delta_codec
+    root = Root(plan.root_url, plan.storage_options)
+    pending: list[tuple[dict, list]] = []
+    used_arrays: set[str] = set()
+    with StepWriter(root, plan.step, plan.attempt, codec, workers=opts.io_workers) as w:
+        w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
+        for name in sorted(plan.infos):
+            info = plan.infos[name]
+            new = bits_of(source.tensor(name))
+            dt = DTYPES[info.dtype]
+            grid = ChunkGrid(info.shape, choose_chunk_shape(info.shape, dt.itemsize, opts.chunk_bytes))
+            base = None
+            if plan.kind == KEYFRAME:
+                encoding = Encoding.FULL
+            else:
+                base = baseline[name]
+                encoding = choose_encoding(count_changed(new, base), new.size, opts.overwrite_above)
+            array = layout.array_segment(name)
+            while array in used_arrays:  # two names escaping alike: keep arrays distinct
+                array += "_"
+            used_arrays.add(array)
+            attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": encoding.value, "step": plan.step}}
+            futures = [w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs)]
+            changed = 0
+            chunk_futs = []
+            for c in encode_chunks(new, base, grid, encoding):
+                changed += c.changed
+                chunk_futs.append(w.write_chunk(array, grid, c.index, c.payload))
+            meta = {
+                "name": name, "dtype": info.dtype, "shape": info.shape, "digest": tensor_digest(new),
+                "encoding": encoding, "array": array, "chunk_shape": grid.chunk_shape,
+                "base_digest": None if base is None else tensor_digest(base), "changed": changed,
+            }
+            pending.append((meta, futures + chunk_futs))
+        entries = {}
+        for meta, futs in pending:
+            stored = [f.result() for f in futs[1:]]
+            futs[0].result()
+            stored.sort(key=lambda s: s.index)
+            table = ChunkTable(
+                tuple(s.index for s in stored), tuple(s.digest for s in stored), tuple(s.nbytes for s in stored)
+            )
+            entries[meta["name"]] = TensorEntry(chunks=table, **meta)
+    return entries
+
+
+def write_manifest(plan: PublishPlan, entries: dict[str, TensorEntry]) -> tuple[Manifest, str]:
+    """Write the attempt's manifest (not yet visible to readers: no marker points at it)."""
+    opts = plan.options
+    m = Manifest(
+        step=plan.step,
+        kind=plan.kind,
+        base_step=plan.base_step,
+        base_policy_digest=plan.base_policy_digest,
+        policy_digest=policy_digest((e.name, e.dtype, e.shape, e.digest) for e in entries.values()),
+        attempt=plan.attempt,
+        codec=opts.keyframe_codec if plan.kind == KEYFRAME else opts.delta_codec,
+        chunk_bytes=opts.chunk_bytes,
+        tensors=entries,
+        created_at=utc_now(),
+        producer={"tool": "dcr", "source": plan.source_name},
+    )
+    data = m.to_json()
+    root = Root(plan.root_url, plan.storage_options)
+    root.write(layout.manifest_key(plan.step, plan.attempt), data)
+    return m, manifest_digest(data)
+
+
+def commit_step(plan: PublishPlan, manifest: Manifest, digest: str) -> CommitMarker:
+    """Create the commit marker if absent. Exactly one racing publisher of a step gets here first."""
+    root = Root(plan.root_url, plan.storage_options)
+    cat = Catalog(root)
+    latest = cat.latest_committed()
+    if latest is not None and latest >= plan.step:
+        _discard(root, plan)
+        raise StepConflictError(
+            f"{root.url}: step {latest} was committed while step {plan.step} was being published; nothing committed"
+        )
+    marker = CommitMarker(
+        step=plan.step,
+        attempt=plan.attempt,
+        manifest_digest=digest,
+        kind=plan.kind,
+        base_step=plan.base_step,
+        policy_digest=manifest.policy_digest,
+        committed_at=utc_now(),
+        summary=manifest.summary(),
+    )
+    if not root.create_if_absent(layout.commit_key(plan.step), marker.to_json()):
+        winner = Catalog(root).marker(plan.step)
+        if winner is not None and winner.attempt == plan.attempt and winner.manifest_digest == digest:
+            return winner  # a retry of a commit whose first try succeeded but did not report back
+        _discard(root, plan)
+        raise StepConflictError(
+            f"{root.url}: step {plan.step} was committed by another publisher"
+            f" (attempt {winner.attempt if winner else '?'}); this attempt was discarded"
+        )
+    return marker
+
+
+def _discard(root: Root, plan: PublishPlan) -> None:
+    """Best-effort removal of a losing attempt (never referenced, so leaving it is also safe)."""
+    try:
+        root.remove(layout.attempt_dir(plan.step, plan.attempt), recursive=True)
+    except Exception:
+        pass
+
+
+def remember_baseline(plan: PublishPlan, source: Source, marker: CommitMarker) -> None:
+    """Keep the committed policy as the local baseline of the next delta (verified on use)."""
+    if not plan.options.use_cache:
+        return
+    from flows.receive_steps import STATE_POLICY, STATE_ROOT, STATE_STEP
+
+    try:
+        write_safetensors(
+            _cache_path(plan),
+            {n: source.tensor(n) for n in plan.infos},
+            {STATE_STEP: str(marker.step), STATE_POLICY: marker.policy_digest, STATE_ROOT: plan.root_url},
+        )
+    except OSError:
+        pass  # the next publish rebuilds the baseline from ROOT
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,217 @@
+"""The receiver's refit, as plain functions (the Prefect flow wraps each one as a task).
+
+Order and why: plan (read markers and manifests), load and verify the receiver's current state,
+fetch and verify every payload of every move, and only then apply them to a private copy, verify
+the result against the target manifest's digests and atomically replace the state file. A failure
+anywhere before the final rename leaves the state file exactly as it was.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dcr_core.bits import bits_of, tensor_from_bits
+from dcr_core.chain import Direction, Move, plan_path
+from dcr_core.delta import Encoding, apply_chunk
+from dcr_core.digest import tensor_digest
+from dcr_core.dtypes import DTYPES
+from dcr_core.errors import InvalidCheckpointError, StateMismatchError, StepNotFoundError, UsageError
+from flows.options import ReceiveOptions
+from storage import layout
+from storage.catalog import Catalog, utc_now
+from storage.checkpoint import SafetensorsCheckpoint, write_safetensors
+from storage.manifest import Manifest
+from storage.root import Root
+from storage.step_io import read_chunks
+
+STATE_STEP = "dcr.step"
+STATE_POLICY = "dcr.policy_digest"
+STATE_ROOT = "dcr.root"
+
+
+@dataclass
+class State:
+    """Canonical tensors as raw bits (flat, writable), plus the step they are known to hold."""
+
+    step: int | None
+    dtypes: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    bits: dict[str, np.ndarray] = field(default_factory=dict)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {n: tensor_from_bits(b, DTYPES[self.dtypes[n]], self.shapes[n]) for n, b in self.bits.items()}
+
+    @classmethod
+    def from_tensors(cls, step: int | None, tensors: dict[str, torch.Tensor]) -> State:
+        s = cls(step)
+        for n, t in tensors.items():
+            t = t.detach().cpu().contiguous().clone()
+            s.bits[n] = bits_of(t)
+            s.dtypes[n] = _dtype_name(t)
+            s.shapes[n] = tuple(t.shape)
+        return s
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    from dcr_core.dtypes import dtype_of
+
+    return dtype_of(t).name
+
+
+@dataclass
+class ReceivePlan:
+    root_url: str
+    storage_options: dict
+    target_step: int
+    current_step: int | None
+    moves: list[Move]
+
+    @property
+    def bytes_to_pull(self) -> int:
+        return sum(self.stored.get(m.step, 0) for m in self.moves)
+
+    stored: dict[int, int] = field(default_factory=dict)
+
+
+def resolve_target(root: Root, step: int | None) -> int:
+    cat = Catalog(root)
+    if step is None:
+        latest = cat.latest_committed()
+        if latest is None:
+            raise StepNotFoundError(f"{root.url}: no committed step")
+        return latest
+    layout.check_step(step)
+    cat.require_marker(step)
+    return step
+
+
+def verify_state(root: Root, state: State, where: str) -> None:
+    """Check that ``state`` holds exactly the policy of ``state.step`` (names, dtypes, shapes, bits)."""
+    cat = Catalog(root)
+    if cat.marker(state.step) is None:
+        raise StateMismatchError(f"{where}: claims step {state.step}, which is not committed in {root.url}")
+    m = cat.manifest(state.step)
+    if set(m.tensors) != set(state.bits):
+        raise StateMismatchError(f"{where}: its tensor names differ from step {state.step}")
+    for name, e in m.tensors.items():
+        if (state.dtypes[name], state.shapes[name]) != (e.dtype, e.shape):
+            raise StateMismatchError(f"{where}: tensor {name!r} dtype/shape differ from step {state.step}")
+        if tensor_digest(state.bits[name]) != e.digest:
+            raise StateMismatchError(
+                f"{where}: tensor {name!r} is not the bits of step {state.step} (digest mismatch)"
+            )
+
+
+def load_state_file(root_url: str, storage_options: dict, path: str) -> State | None:
+    """The receiver's state file as verified State, or None if it does not exist."""
+    if not os.path.exists(path):
+        return None
+    ck = SafetensorsCheckpoint(path)
+    raw = ck.metadata.get(STATE_STEP)
+    if raw is None or not raw.isdigit():
+        raise StateMismatchError(f"{path}: not a DCR receiver state (no {STATE_STEP} metadata); move it away")
+    state = State(int(raw))
+    for name, t in ck.items():
+        state.bits[name] = bits_of(t)
+        state.dtypes[name] = ck.infos[name].dtype
+        state.shapes[name] = ck.infos[name].shape
+    verify_state(Root(root_url, storage_options), state, path)
+    return state
+
+
+def plan_receive(root_url: str, storage_options: dict, current: int | None, step: int | None) -> ReceivePlan:
+    root = Root(root_url, storage_options)
+    target = resolve_target(root, step)
+    cat = Catalog(root)
+    infos = cat.chain_infos(target, current)
+    moves = plan_path(infos, current, target)
+    return ReceivePlan(
+        root_url, storage_options, target, current, moves, {s: i.stored_bytes for s, i in infos.items()}
+    )
+
+
+@dataclass
+class Fetched:
+    """Verified payloads of every move of a plan, and what fetching them cost."""
+
+    manifests: dict[int, Manifest]
+    chunks: dict[int, dict[str, list[tuple[int, np.ndarray]]]]
+    bytes_pulled: int
+    seconds: float
+
+
+def fetch_payloads(plan: ReceivePlan, options: ReceiveOptions | None = None) -> Fetched:
+    options = options or ReceiveOptions()
+    t0 = time.perf_counter()
+    root = Root(plan.root_url, plan.storage_options)
+    cat = Catalog(root)
+    manifests = {plan.target_step: cat.manifest(plan.target_step)}
+    chunks = {}
+    pulled = 0
+    for move in plan.moves:
+        m = manifests.setdefault(move.step, cat.manifest(move.step))
+        chunks[move.step] = read_chunks(root, m, m.tensors, workers=options.io_workers)
+        pulled += sum(m.tensors[n].stored_bytes for n in chunks[move.step])
+    return Fetched(manifests, chunks, pulled, time.perf_counter() - t0)
+
+
+def apply_payloads(plan: ReceivePlan, state: State | None, fetched: Fetched) -> State:
+    """Apply every move to ``state`` (modified in place unless a keyframe replaces it) and verify."""
+    for move in plan.moves:
+        m = fetched.manifests[move.step]
+        chunks = fetched.chunks[move.step]
+        if move.direction is Direction.KEYFRAME:
+            state = State(None)
+            for name, e in m.tensors.items():
+                state.dtypes[name], state.shapes[name] = e.dtype, e.shape
+                state.bits[name] = np.zeros(math.prod(e.shape), dtype=DTYPES[e.dtype].storage)
+        elif state is None or set(state.bits) != set(m.tensors):
+            raise StateMismatchError(f"step {move.step}: the held tensors do not match its manifest")
+        for name, items in chunks.items():
+            e = m.tensors[name]
+            encoding = e.encoding
+            if move.direction is Direction.BACKWARD and encoding is not Encoding.XOR:
+                raise StateMismatchError(f"step {move.step}: tensor {name!r} ({encoding.value}) cannot be undone")
+            grid = e.grid
+            target = state.bits[name]
+            for index, payload in items:
+                apply_chunk(target, grid, index, payload, encoding)
+        state.step = m.base_step if move.direction is Direction.BACKWARD else m.step
+    if state is None:
+        raise UsageError("nothing to apply and no state held")
+    target = fetched.manifests[plan.target_step]
+    if state.step != plan.target_step:
+        raise StateMismatchError(f"refit ended at step {state.step}, not {plan.target_step}")
+    for name, e in target.tensors.items():
+        if tensor_digest(state.bits[name]) != e.digest:
+            raise StateMismatchError(
+                f"step {plan.target_step}: tensor {name!r} does not match its digest after apply; nothing written"
+            )
+    return state
+
+
+def write_state_file(path: str, state: State, root_url: str, manifest: Manifest) -> None:
+    write_safetensors(
+        path,
+        state.tensors(),
+        {STATE_STEP: str(state.step), STATE_POLICY: manifest.policy_digest, STATE_ROOT: root_url},
+    )
+
+
+def record_commit(root_url: str, storage_options: dict, receiver_id: str, step: int, record: dict) -> None:
+    Catalog(Root(root_url, storage_options)).record_receiver(
+        step, receiver_id, {"committed_at": utc_now(), **record}
+    )
+
+
+def check_state_path(path: str) -> str:
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise InvalidCheckpointError(f"{path}: the receiver state must be a .safetensors file, not a directory")
+    return path

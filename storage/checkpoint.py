@@ -1,0 +1,160 @@
+"""Canonical checkpoints on local disk: safetensors files or Hugging Face sharded directories.
+
+Readers validate the whole header (names, dtypes, shapes, offsets within the file) before any
+tensor is used; writers write a temp file in the destination directory, fsync it and rename it
+over the destination, so a crash never leaves a half-written checkpoint or receiver state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from dcr_core.dtypes import DTYPES, dtype_named, dtype_of
+from dcr_core.errors import InvalidCheckpointError
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    name: str
+    dtype: str  # safetensors name
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+
+def _read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """Parse and check one safetensors header without loading any tensor."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            raw_len = f.read(8)
+            if len(raw_len) < 8:
+                raise InvalidCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+            (n,) = struct.unpack("<Q", raw_len)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise InvalidCheckpointError(f"{path}: truncated or not a safetensors file (header of {n} bytes)")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise InvalidCheckpointError(f"{path}: cannot read checkpoint ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError):
+        raise InvalidCheckpointError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(header, dict):
+        raise InvalidCheckpointError(f"{path}: safetensors header is not an object")
+    metadata = header.pop("__metadata__", None) or {}
+    infos: dict[str, TensorInfo] = {}
+    end_max = 0
+    for name, d in header.items():
+        try:
+            dt = dtype_named(d["dtype"])
+            shape = tuple(int(x) for x in d["shape"])
+            start, end = (int(x) for x in d["data_offsets"])
+        except InvalidCheckpointError as e:
+            raise InvalidCheckpointError(f"{path}: tensor {name!r}: {e}") from None
+        except (KeyError, TypeError, ValueError):
+            raise InvalidCheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if any(x < 0 for x in shape) or end - start != math.prod(shape) * dt.itemsize or start < 0:
+            raise InvalidCheckpointError(f"{path}: tensor {name!r} has inconsistent shape/offsets")
+        end_max = max(end_max, end)
+        infos[name] = TensorInfo(name, dt.name, shape)
+    if 8 + n + end_max > size:
+        raise InvalidCheckpointError(
+            f"{path}: truncated (needs {8 + n + end_max} bytes, file has {size})"
+        )
+    return infos, {str(k): str(v) for k, v in metadata.items()}
+
+
+class SafetensorsCheckpoint:
+    """A ``.safetensors`` file or a sharded directory, opened for reading tensor by tensor."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            self._files = self._index_files()
+        elif os.path.exists(self.path):
+            self._files = [self.path]
+        else:
+            raise InvalidCheckpointError(f"{self.path}: no such checkpoint")
+        self.infos: dict[str, TensorInfo] = {}
+        self._where: dict[str, str] = {}
+        self.metadata: dict[str, str] = {}
+        for f in self._files:
+            infos, meta = _read_header(f)
+            self.metadata.update(meta)
+            for name, info in infos.items():
+                if name in self.infos:
+                    raise InvalidCheckpointError(f"{self.path}: tensor {name!r} appears in two files")
+                self.infos[name] = info
+                self._where[name] = f
+        self._handles: dict[str, object] = {}
+
+    def _index_files(self) -> list[str]:
+        index = os.path.join(self.path, INDEX_NAME)
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise InvalidCheckpointError(f"{index}: not a valid safetensors index") from None
+            for name in files:
+                if os.path.basename(name) != name:
+                    raise InvalidCheckpointError(f"{index}: shard {name!r} lies outside the directory")
+        else:
+            files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+        if not files:
+            raise InvalidCheckpointError(f"{self.path}: directory holds no .safetensors files")
+        return [os.path.join(self.path, n) for n in files]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        f = self._where[name]
+        h = self._handles.get(f)
+        if h is None:
+            try:
+                h = self._handles[f] = safe_open(f, framework="pt")
+            except Exception as e:
+                raise InvalidCheckpointError(f"{f}: cannot open ({e})") from None
+        try:
+            return h.get_tensor(name)  # type: ignore[attr-defined]
+        except Exception as e:
+            raise InvalidCheckpointError(f"{f}: cannot read tensor {name!r} ({e})") from None
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in sorted(self.infos):
+            yield name, self.tensor(name)
+
+
+def infos_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, TensorInfo]:
+    return {n: TensorInfo(n, dtype_of(t).name, tuple(t.shape)) for n, t in tensors.items()}
+
+
+def write_safetensors(
+    path: str | os.PathLike, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> None:
+    """Write ``tensors`` to ``path`` atomically (temp file, fsync, rename)."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+    try:
+        save_file({n: t.contiguous() for n, t in tensors.items()}, tmp, metadata=dict(metadata or {}))
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)

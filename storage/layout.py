@@ -1,0 +1,102 @@
+"""The bucket layout under ROOT, keyed by step, and the validation of every key read from it.
+
+    ROOT/steps/<step:012d>/commit.json                      publisher commit marker (written last)
+    ROOT/steps/<step:012d>/attempts/<attempt>/manifest.json JSON manifest of one publish attempt
+    ROOT/steps/<step:012d>/attempts/<attempt>/data.zarr/    Zarr v3 group, one array per tensor
+    ROOT/steps/<step:012d>/receivers/<receiver-id>.json     receiver commit records
+
+Every publish writes into a fresh attempt prefix, so a crashed or losing publisher never
+overwrites what another attempt wrote; only the attempt named by ``commit.json`` is real.
+"""
+
+from __future__ import annotations
+
+import re
+
+from dcr_core.errors import UnsafeKeyError, UsageError
+
+STEP_WIDTH = 12
+MAX_STEP = 10**STEP_WIDTH - 1
+STEPS = "steps"
+COMMIT = "commit.json"
+MANIFEST = "manifest.json"
+STORE = "data.zarr"
+
+_ATTEMPT = re.compile(r"^[0-9a-f]{16,64}$")
+_RECEIVER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SEGMENT = re.compile(r"^[A-Za-z0-9_.%-]{1,255}$")
+
+
+def check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int) or not 0 <= step <= MAX_STEP:
+        raise UsageError(f"step must be an integer in 0..{MAX_STEP}, got {step!r}")
+    return step
+
+
+def check_receiver(receiver_id: str) -> str:
+    if not isinstance(receiver_id, str) or not _RECEIVER.match(receiver_id):
+        raise UsageError(
+            f"receiver id {receiver_id!r} must be 1-128 characters of [A-Za-z0-9._-], "
+            "starting with a letter or digit"
+        )
+    return receiver_id
+
+
+def check_attempt(attempt: str) -> str:
+    if not isinstance(attempt, str) or not _ATTEMPT.match(attempt):
+        raise UnsafeKeyError(f"attempt id {attempt!r} is not 16-64 lowercase hex digits")
+    return attempt
+
+
+def check_segment(segment: str, what: str) -> str:
+    """A single path segment taken from stored metadata: no separators, no ``.``/``..``."""
+    if not isinstance(segment, str) or not _SEGMENT.match(segment) or segment in (".", ".."):
+        raise UnsafeKeyError(f"{what} {segment!r} is not a safe path segment")
+    return segment
+
+
+def step_dir(step: int) -> str:
+    return f"{STEPS}/{check_step(step):0{STEP_WIDTH}d}"
+
+
+def parse_step_dir(name: str) -> int | None:
+    """The step of a ``steps/`` child name, or None if it is not one of ours."""
+    return int(name) if len(name) == STEP_WIDTH and name.isdigit() else None
+
+
+def commit_key(step: int) -> str:
+    return f"{step_dir(step)}/{COMMIT}"
+
+
+def attempt_dir(step: int, attempt: str) -> str:
+    return f"{step_dir(step)}/attempts/{check_attempt(attempt)}"
+
+
+def manifest_key(step: int, attempt: str) -> str:
+    return f"{attempt_dir(step, attempt)}/{MANIFEST}"
+
+
+def store_dir(step: int, attempt: str) -> str:
+    return f"{attempt_dir(step, attempt)}/{STORE}"
+
+
+def receivers_dir(step: int) -> str:
+    return f"{step_dir(step)}/receivers"
+
+
+def receiver_key(step: int, receiver_id: str) -> str:
+    return f"{receivers_dir(step)}/{check_receiver(receiver_id)}.json"
+
+
+def array_segment(name: str) -> str:
+    """The Zarr array name for a tensor: the tensor name, percent-escaped outside [A-Za-z0-9._-]."""
+    out = []
+    for ch in name:
+        if ch.isascii() and (ch.isalnum() or ch in "._-"):
+            out.append(ch)
+        else:
+            out.extend(f"%{b:02X}" for b in ch.encode())
+    seg = "".join(out)
+    if seg in ("", ".", "..") or seg.startswith("."):
+        seg = "%2E" + seg[1:] if seg.startswith(".") else "%00"
+    return seg

@@ -1,0 +1,356 @@
+"""Manifests and commit markers: versioned, human-readable JSON with strict parsing.
+
+A manifest describes one publish attempt of one step: every tensor of the policy (name, dtype,
+shape, target digest), how its change is encoded, the chunk grid and, for every stored chunk, its
+digest and stored size. The commit marker names the one attempt that is real and binds its
+manifest by digest. Parsing checks every field's type and range before anything is used, so a
+hostile or corrupted manifest fails with an error naming it instead of exhausting memory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcr_core.chunking import ChunkGrid
+from dcr_core.codec import CodecSpec
+from dcr_core.delta import Encoding
+from dcr_core.digest import DIGEST_ALGORITHM, policy_digest
+from dcr_core.dtypes import DTYPES
+from dcr_core.errors import IntegrityError
+from storage import layout
+
+SCHEMA_VERSION = 1
+FORMAT = "dcr-manifest"
+KEYFRAME, DELTA = "keyframe", "delta"
+
+# Limits a manifest must respect (a hostile one must not exhaust memory).
+MAX_MANIFEST_BYTES = 512 << 20
+MAX_TENSORS = 1_000_000
+MAX_NDIM = 16
+MAX_CHUNKS_PER_TENSOR = 50_000_000
+MAX_DIM = 1 << 48
+
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _fail(what: str, msg: str) -> IntegrityError:
+    return IntegrityError(f"{what}: {msg}")
+
+
+def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise _fail(what, f"expected an integer in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def _hexdigest(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not _HEX.match(v):
+        raise _fail(what, f"expected a 64-hex-digit digest, got {v!r}")
+    return v
+
+
+def _shape(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_NDIM:
+        raise _fail(what, f"expected a list of at most {MAX_NDIM} dims, got {v!r}")
+    return tuple(_int(d, what, 0, MAX_DIM) for d in v)
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkTable:
+    """Stored chunks of one tensor, as parallel columns (compact for large models)."""
+
+    indices: tuple[int, ...] = ()
+    digests: tuple[str, ...] = ()
+    nbytes: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def to_dict(self) -> dict:
+        return {"indices": list(self.indices), "digests": list(self.digests), "nbytes": list(self.nbytes)}
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str, n_chunks: int) -> ChunkTable:
+        if not isinstance(d, dict):
+            raise _fail(what, "chunks must be an object")
+        idx, dig, nb = d.get("indices"), d.get("digests"), d.get("nbytes")
+        if not all(isinstance(x, list) for x in (idx, dig, nb)) or not len(idx) == len(dig) == len(nb):
+            raise _fail(what, "chunks.indices/digests/nbytes must be lists of equal length")
+        if len(idx) > n_chunks:
+            raise _fail(what, f"{len(idx)} stored chunks but the grid has {n_chunks}")
+        indices = tuple(_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
+        if any(a >= b for a, b in zip(indices, indices[1:])):
+            raise _fail(what, "chunk indices must be strictly increasing")
+        return cls(indices, tuple(_hexdigest(x, what) for x in dig), tuple(_int(x, what) for x in nb))
+
+
+@dataclass(frozen=True, slots=True)
+class TensorEntry:
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    digest: str  # digest of the tensor's bits at this step
+    encoding: Encoding
+    array: str  # Zarr array name inside the step's store
+    chunk_shape: tuple[int, ...]
+    chunks: ChunkTable = field(default_factory=ChunkTable)
+    base_digest: str | None = None  # digest at the base step (deltas)
+    changed: int = 0  # elements whose bits differ from the base (keyframes: non-zero elements)
+
+    @property
+    def grid(self) -> ChunkGrid:
+        return ChunkGrid(self.shape, self.chunk_shape)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(self.chunks.nbytes)
+
+    def to_dict(self) -> dict:
+        d = {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "digest": self.digest,
+            "base_digest": self.base_digest,
+            "encoding": self.encoding.value,
+            "changed_elements": self.changed,
+            "array": self.array,
+            "chunk_shape": list(self.chunk_shape),
+            "chunks": self.chunks.to_dict(),
+        }
+        return d
+
+    @classmethod
+    def from_dict(cls, name: str, d: Any, where: str) -> TensorEntry:
+        what = f"{where} tensor {name!r}"
+        if not isinstance(d, dict):
+            raise _fail(what, "entry must be an object")
+        dtype = d.get("dtype")
+        if dtype not in DTYPES:
+            raise _fail(what, f"unsupported dtype {dtype!r}")
+        try:
+            encoding = Encoding(d.get("encoding"))
+        except ValueError:
+            raise _fail(what, f"unknown encoding {d.get('encoding')!r}") from None
+        shape = _shape(d.get("shape"), what)
+        chunk_shape = _shape(d.get("chunk_shape"), what)
+        grid = ChunkGrid(shape, chunk_shape)  # validates contiguity and ranks
+        if grid.n_chunks > MAX_CHUNKS_PER_TENSOR:
+            raise _fail(what, f"{grid.n_chunks} chunks exceeds the limit {MAX_CHUNKS_PER_TENSOR}")
+        base = d.get("base_digest")
+        return cls(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            digest=_hexdigest(d.get("digest"), what),
+            encoding=encoding,
+            array=layout.check_segment(d.get("array"), f"{what} array"),
+            chunk_shape=chunk_shape,
+            chunks=ChunkTable.from_dict(d.get("chunks"), what, grid.n_chunks),
+            base_digest=None if base is None else _hexdigest(base, what),
+            changed=_int(d.get("changed_elements", 0), what),
+        )
+
+
+@dataclass(frozen=True)
+class Manifest:
+    step: int
+    kind: str
+    base_step: int | None
+    base_policy_digest: str | None
+    policy_digest: str
+    attempt: str
+    codec: CodecSpec
+    chunk_bytes: int
+    tensors: dict[str, TensorEntry]
+    created_at: str = ""
+    producer: dict = field(default_factory=dict)
+    schema_version: int = SCHEMA_VERSION
+
+    @property
+    def invertible(self) -> bool:
+        return self.kind == DELTA and all(t.encoding.invertible for t in self.tensors.values())
+
+    def summary(self) -> dict:
+        total = sum(t.numel for t in self.tensors.values())
+        changed = sum(t.changed for t in self.tensors.values()) if self.kind == DELTA else total
+        return {
+            "tensors": len(self.tensors),
+            "tensors_changed": sum(
+                1 for t in self.tensors.values() if t.encoding is not Encoding.UNCHANGED
+            ) if self.kind == DELTA else len(self.tensors),
+            "elements": total,
+            "elements_changed": changed,
+            "change_rate": (changed / total) if total else 0.0,
+            "bytes_full": sum(t.nbytes for t in self.tensors.values()),
+            "bytes_stored": sum(t.stored_bytes for t in self.tensors.values()),
+            "chunks_stored": sum(len(t.chunks) for t in self.tensors.values()),
+            "invertible": self.invertible,
+        }
+
+    def computed_policy_digest(self) -> str:
+        return policy_digest((t.name, t.dtype, t.shape, t.digest) for t in self.tensors.values())
+
+    def to_dict(self) -> dict:
+        return {
+            "format": FORMAT,
+            "schema_version": self.schema_version,
+            "step": self.step,
+            "kind": self.kind,
+            "base_step": self.base_step,
+            "base_policy_digest": self.base_policy_digest,
+            "policy_digest": self.policy_digest,
+            "digest_algorithm": DIGEST_ALGORITHM,
+            "attempt": self.attempt,
+            "store": layout.STORE,
+            "created_at": self.created_at,
+            "producer": self.producer,
+            "codec": self.codec.to_dict(),
+            "chunk_bytes": self.chunk_bytes,
+            "summary": self.summary(),
+            "tensors": {name: self.tensors[name].to_dict() for name in sorted(self.tensors)},
+        }
+
+    def to_json(self) -> bytes:
+        return json.dumps(self.to_dict(), indent=1, sort_keys=False).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str) -> Manifest:
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise _fail(where, f"{len(data)} bytes exceeds the manifest limit {MAX_MANIFEST_BYTES}")
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _fail(where, f"not valid JSON ({e})") from None
+        return cls.from_dict(d, where)
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> Manifest:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise _fail(where, "not a DCR manifest")
+        version = d.get("schema_version")
+        if version != SCHEMA_VERSION:
+            raise _fail(where, f"schema_version {version!r} is not supported (this DCR reads {SCHEMA_VERSION})")
+        if d.get("digest_algorithm", DIGEST_ALGORITHM) != DIGEST_ALGORITHM:
+            raise _fail(where, f"digest algorithm {d.get('digest_algorithm')!r} is not supported")
+        kind = d.get("kind")
+        if kind not in (KEYFRAME, DELTA):
+            raise _fail(where, f"kind must be keyframe or delta, got {kind!r}")
+        step = _int(d.get("step"), where, 0, layout.MAX_STEP)
+        base_step = d.get("base_step")
+        if kind == DELTA:
+            base_step = _int(base_step, where, 0, step - 1) if step > 0 else _int(base_step, where, 1, 0)
+            base_policy = _hexdigest(d.get("base_policy_digest"), where)
+        else:
+            if base_step is not None:
+                raise _fail(where, "a keyframe has no base step")
+            base_policy = None
+        tensors_d = d.get("tensors")
+        if not isinstance(tensors_d, dict) or len(tensors_d) > MAX_TENSORS:
+            raise _fail(where, f"tensors must be an object of at most {MAX_TENSORS} entries")
+        tensors = {}
+        for name, td in tensors_d.items():
+            entry = TensorEntry.from_dict(name, td, where)
+            if kind == KEYFRAME and entry.encoding not in (Encoding.FULL,):
+                raise _fail(where, f"keyframe tensor {name!r} has encoding {entry.encoding.value}")
+            if kind == DELTA and entry.encoding is Encoding.FULL:
+                raise _fail(where, f"delta tensor {name!r} has encoding full")
+            tensors[name] = entry
+        arrays = [t.array for t in tensors.values()]
+        if len(set(arrays)) != len(arrays):
+            raise _fail(where, "two tensors share one array")
+        try:
+            codec = CodecSpec.from_dict(d.get("codec"))
+        except (TypeError, KeyError, ValueError) as e:
+            raise _fail(where, f"bad codec ({e})") from None
+        m = cls(
+            step=step,
+            kind=kind,
+            base_step=base_step,
+            base_policy_digest=base_policy,
+            policy_digest=_hexdigest(d.get("policy_digest"), where),
+            attempt=layout.check_attempt(d.get("attempt")),
+            codec=codec,
+            chunk_bytes=_int(d.get("chunk_bytes"), where, 1),
+            tensors=tensors,
+            created_at=str(d.get("created_at", "")),
+            producer=d.get("producer") if isinstance(d.get("producer"), dict) else {},
+        )
+        if m.computed_policy_digest() != m.policy_digest:
+            raise _fail(where, "policy digest does not match its tensors")
+        return m
+
+
+@dataclass(frozen=True)
+class CommitMarker:
+    """The object whose existence makes a step real; it names the attempt and binds its manifest."""
+
+    step: int
+    attempt: str
+    manifest_digest: str
+    kind: str
+    base_step: int | None
+    policy_digest: str
+    committed_at: str
+    summary: dict = field(default_factory=dict)
+
+    @property
+    def manifest_key(self) -> str:
+        return layout.manifest_key(self.step, self.attempt)
+
+    def to_json(self) -> bytes:
+        d = {
+            "format": "dcr-commit",
+            "schema_version": SCHEMA_VERSION,
+            "step": self.step,
+            "attempt": self.attempt,
+            "manifest": f"attempts/{self.attempt}/{layout.MANIFEST}",
+            "manifest_digest": self.manifest_digest,
+            "kind": self.kind,
+            "base_step": self.base_step,
+            "policy_digest": self.policy_digest,
+            "committed_at": self.committed_at,
+            "summary": self.summary,
+        }
+        return json.dumps(d, indent=1).encode() + b"\n"
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str, step: int) -> CommitMarker:
+        if len(data) > 1 << 20:
+            raise _fail(where, "commit marker is larger than 1 MiB")
+        try:
+            d = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise _fail(where, f"not valid JSON ({e})") from None
+        if not isinstance(d, dict) or d.get("format") != "dcr-commit":
+            raise _fail(where, "not a DCR commit marker")
+        if d.get("step") != step:
+            raise _fail(where, f"commit marker of step {d.get('step')!r} found under step {step}")
+        attempt = layout.check_attempt(d.get("attempt"))
+        if d.get("manifest") != f"attempts/{attempt}/{layout.MANIFEST}":
+            raise _fail(where, f"manifest {d.get('manifest')!r} lies outside attempt {attempt}")
+        kind = d.get("kind")
+        if kind not in (KEYFRAME, DELTA):
+            raise _fail(where, f"bad kind {kind!r}")
+        base = d.get("base_step")
+        return cls(
+            step=step,
+            attempt=attempt,
+            manifest_digest=_hexdigest(d.get("manifest_digest"), where),
+            kind=kind,
+            base_step=None if base is None else _int(base, where, 0, max(0, step - 1)),
+            policy_digest=_hexdigest(d.get("policy_digest"), where),
+            committed_at=str(d.get("committed_at", "")),
+            summary=d.get("summary") if isinstance(d.get("summary"), dict) else {},
+        )

@@ -1,0 +1,127 @@
+"""Chunk objects of one step's Zarr store: bounded-parallel writes and verified reads.
+
+Writers compress, digest and upload chunks on a thread pool with a bounded number in flight, so
+uploading starts while later tensors are still being encoded and memory stays bounded. Readers
+fetch chunks in parallel, decompress into buffers of exactly the expected size and check each
+chunk's digest before returning anything; a bad chunk raises an error naming its object.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcr_core.chunking import ChunkGrid
+from dcr_core.codec import CodecSpec
+from dcr_core.delta import pad
+from dcr_core.digest import chunk_digest
+from dcr_core.dtypes import DTYPES
+from dcr_core.errors import IntegrityError
+from storage import layout, zarr_meta
+from storage.manifest import Manifest, TensorEntry
+from storage.root import Root
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    index: int
+    digest: str
+    nbytes: int
+
+
+class StepWriter:
+    """Writes one attempt's Zarr store. Use as a context manager; ``close`` waits for all uploads."""
+
+    def __init__(self, root: Root, step: int, attempt: str, codec: CodecSpec, workers: int = 8):
+        self.root = root
+        self.prefix = layout.store_dir(step, attempt)
+        self.codec = codec
+        self._pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dcr-put")
+        self._slots = threading.BoundedSemaphore(max(1, workers) * 2)
+        self.bytes_written = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> StepWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=exc[0] is not None)
+
+    def write_group(self, attributes: dict) -> None:
+        self.root.write(f"{self.prefix}/zarr.json", zarr_meta.group_json(attributes))
+
+    def write_array(self, array: str, shape, chunk_shape, dtype: str, attributes: dict) -> Future:
+        data = zarr_meta.array_json(tuple(shape), tuple(chunk_shape), dtype, self.codec, attributes)
+        return self._submit(self.root.write, f"{self.prefix}/{array}/zarr.json", data)
+
+    def write_chunk(self, array: str, grid: ChunkGrid, index: int, payload: np.ndarray) -> Future:
+        """Compress, digest and upload one chunk; the future gives its StoredChunk."""
+        key = f"{self.prefix}/{array}/{grid.chunk_key(index)}"
+
+        def work() -> StoredChunk:
+            data = self.codec.encode(pad(payload, grid.chunk_numel))
+            self.root.write(key, data)
+            with self._lock:
+                self.bytes_written += len(data)
+            return StoredChunk(index, chunk_digest(payload), len(data))
+
+        return self._submit(work)
+
+    def _submit(self, fn, *args) -> Future:
+        self._slots.acquire()
+        fut = self._pool.submit(fn, *args)
+        fut.add_done_callback(lambda _: self._slots.release())
+        return fut
+
+
+def chunk_object_key(manifest: Manifest, entry: TensorEntry, index: int) -> str:
+    return f"{layout.store_dir(manifest.step, manifest.attempt)}/{entry.array}/{entry.grid.chunk_key(index)}"
+
+
+def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int) -> tuple[int, np.ndarray]:
+    """Fetch, decompress and verify the ``pos``-th stored chunk of ``entry``."""
+    index = entry.chunks.indices[pos]
+    key = chunk_object_key(manifest, entry, index)
+    grid = entry.grid
+    try:
+        data = root.read(key)
+    except FileNotFoundError:
+        raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
+    if len(data) != entry.chunks.nbytes[pos]:
+        raise IntegrityError(
+            f"{root.url}/{key}: chunk is {len(data)} bytes, the manifest says {entry.chunks.nbytes[pos]}"
+        )
+    try:
+        padded = manifest.codec.decode(data, DTYPES[entry.dtype].storage, grid.chunk_numel)
+    except IntegrityError as e:
+        raise IntegrityError(f"{root.url}/{key}: {e}") from None
+    start, stop = grid.chunk_range(index)
+    payload = padded[: stop - start]
+    if chunk_digest(payload) != entry.chunks.digests[pos]:
+        raise IntegrityError(f"{root.url}/{key}: chunk digest does not match the manifest")
+    return index, payload
+
+
+def read_chunks(
+    root: Root, manifest: Manifest, names: Iterable[str], workers: int = 8
+) -> dict[str, list[tuple[int, np.ndarray]]]:
+    """All stored chunks of the named tensors, verified, in chunk order."""
+    names = [n for n in names if len(manifest.tensors[n].chunks)]
+    out: dict[str, list[tuple[int, np.ndarray]]] = {n: [] for n in names}
+    jobs = [(n, p) for n in names for p in range(len(manifest.tensors[n].chunks))]
+    if not jobs:
+        return out
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dcr-get") as pool:
+        futures = [(n, pool.submit(read_chunk, root, manifest, manifest.tensors[n], p)) for n, p in jobs]
+        try:
+            for n, fut in futures:
+                out[n].append(fut.result())
+        except BaseException:
+            for _, fut in futures:
+                fut.cancel()
+            raise
+    return out
