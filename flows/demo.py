@@ -29,11 +29,11 @@ MARKER = ".dcr-demo"  # marks a workdir the demo created, so a rerun may wipe it
 @dataclass(frozen=True)
 class ModelConfig:
     vocab: int = 8192
-    hidden: int = 384
+    hidden: int = 512
     layers: int = 4
-    heads: int = 6
+    heads: int = 8
     kv_heads: int = 2  # grouped-query attention: k/v projections are narrower than q
-    intermediate: int = 1024
+    intermediate: int = 1376
     seq_len: int = 64
     batch: int = 8
 
@@ -143,13 +143,14 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, c: ModelConfig, gen
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
-    return float(loss)
+    return loss.item()
 
 
 def mismatch(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) -> str | None:
     """None when ``got`` equals ``expected`` bit for bit, else a message naming the first difference."""
     if set(expected) != set(got):
-        return f"tensor names differ: missing {sorted(set(expected) - set(got))}, extra {sorted(set(got) - set(expected))}"
+        missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+        return f"tensor names differ: missing {missing}, extra {extra}"
     for name, e in expected.items():
         g = got[name]
         if g.dtype != e.dtype or g.shape != e.shape:
@@ -160,7 +161,7 @@ def mismatch(expected: dict[str, torch.Tensor], got: dict[str, torch.Tensor]) ->
 
 
 def _mib(n: float) -> str:
-    return f"{n / (1 << 20):.2f}M"
+    return f"{n / (1 << 20):.2f}MiB"
 
 
 HEADER = (
@@ -246,7 +247,8 @@ def _summarize(rows, problem, wall_s, root, workdir, lr, c, n_params, say) -> di
         "root": root, "workdir": workdir, "lr": lr, "config": asdict(c), "parameters": n_params,
         "steps": len(rows) - 1, "exact": problem is None and all(r["exact"] for r in rows), "mismatch": problem,
         "checkpoint_bytes": full, "keyframe_bytes_stored": rows[0]["bytes_stored"],
-        "delta_bytes_stored": stored, "delta_bytes_full": full * len(deltas), "delta_ratio": stored / (full * len(deltas)),
+        "delta_bytes_stored": stored, "delta_bytes_full": full * len(deltas),
+        "delta_ratio": stored / (full * len(deltas)),
         "mean_change_rate": mean("change_rate"), "mean_publish_s": mean("publish_s"),
         "mean_receive_s": mean("receive_s"), "wall_s": wall_s, "rows": rows,
     }
@@ -277,12 +279,14 @@ def main(argv: list[str] | None = None) -> int:
         "checking every refit bit for bit against the trainer and a dense refit. The workdir of an earlier "
         "demo run is wiped at start.",
     )
-    p.add_argument("--workdir", default="dcr-demo", help="where state files, cache and the default root go (default ./dcr-demo)")
+    p.add_argument(
+        "--workdir", default="dcr-demo", help="state files, cache and the default root (default ./dcr-demo)"
+    )
     p.add_argument("--root", help="ROOT to publish to; must hold no steps (default WORKDIR/bucket)")
     p.add_argument("--steps", type=int, default=8, help="training steps, each published as a delta (default 8)")
     p.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW learning rate (default {DEFAULT_LR:g})")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON to PATH")
-    p.add_argument("--fresh", action="store_true", help="delete WORKDIR first even if an earlier demo did not create it")
+    p.add_argument("--fresh", action="store_true", help="delete WORKDIR even if no earlier demo created it")
     a = p.parse_args(argv)
     if a.steps < 1:
         p.error("--steps must be >= 1")
@@ -297,7 +301,10 @@ def main(argv: list[str] | None = None) -> int:
     if a.json:
         with open(a.json, "w") as f:
             json.dump(summary, f, indent=2, default=str)
-    return 0 if summary["exact"] else 1
+    if not summary["exact"]:
+        print(f"dcr demo: refit is not bit-exact: {summary['mismatch']}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

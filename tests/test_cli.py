@@ -1,0 +1,140 @@
+"""The ``dcr`` command line as users call it: exit codes, one-line errors, ls/verify output, kill -9."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from storage.checkpoint import write_safetensors
+from tests.helpers import assert_bits_equal
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def dcr(*args, env=None, check=None):
+    e = {**os.environ, "DCR_ORCHESTRATOR": "none", **(env or {})}
+    out = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], capture_output=True, text=True, cwd=REPO, env=e)
+    if check is not None:
+        assert out.returncode == check, (out.returncode, out.stdout, out.stderr)
+    return out
+
+
+def _ck(seed: int, rows: int = 300) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w": torch.randn(rows, 64, generator=g).bfloat16(),
+        "b": torch.randn(7, generator=g),
+        "step": torch.tensor(seed, dtype=torch.int64),
+    }
+
+
+def _evolve(ck, seed):
+    out = {n: t.clone() for n, t in ck.items()}
+    out["w"].view(-1).view(torch.int16)[seed::97] ^= 1
+    out["step"] += 1
+    return out
+
+
+@pytest.fixture
+def published(tmp_path):
+    root = tmp_path / "bucket"
+    cks = [_ck(0)]
+    for s in range(1, 4):
+        cks.append(_evolve(cks[-1], s))
+    for s, ck in enumerate(cks):
+        p = tmp_path / f"c{s}.safetensors"
+        write_safetensors(p, ck)
+        dcr("publish", root, p, "--step", s, "--chunk-bytes", 4096, check=0)
+    return root, cks
+
+
+def test_publish_receive_materialize_ls_and_verify_from_the_command_line(published, tmp_path):
+    root, cks = published
+    state = tmp_path / "state.safetensors"
+    out = dcr("receive", root, "--receiver", "rollout-a", "--state", state, check=0)
+    assert "step 3" in out.stdout
+    assert_bits_equal(load_file(state), cks[3])
+    dcr("receive", root, "--receiver", "rollout-a", "--state", state, "--step", 1, check=0)
+    assert_bits_equal(load_file(state), cks[1])
+    m = tmp_path / "m.safetensors"
+    dcr("materialize", root, "--step", 2, "--out", m, check=0)
+    assert_bits_equal(load_file(m), cks[2])
+
+    ls = dcr("ls", root, check=0).stdout.splitlines()
+    assert ls[0].split()[:4] == ["STEP", "KIND", "BASE", "COMMITTED"]
+    rows = [line.split() for line in ls[1:]]
+    assert [r[0] for r in rows] == ["0", "1", "2", "3"]
+    assert rows[0][1] == "keyframe" and all(r[1] == "delta" for r in rows[1:])
+    assert rows[1][2] == "0" and rows[3][2] == "2"
+    assert "rollout-a" in ls[2] and "rollout-a" in ls[4]  # committed steps 1 and 3
+    out = dcr("verify", root, check=0)
+    assert out.stdout.startswith("verify ok: 4 steps")
+    dcr("verify", root, "--deep", "--step", 3, check=0)
+
+
+def test_errors_are_one_line_with_distinct_exit_codes(published, tmp_path):
+    root, cks = published
+    p = tmp_path / "c3.safetensors"
+    out = dcr("publish", root, p, "--step", 3)
+    assert out.returncode == 3 and len(out.stderr.strip().splitlines()) == 1
+    assert "already committed" in out.stderr
+    out = dcr("publish", root, p, "--step", 2)
+    assert out.returncode == 3 and "not after the latest committed step 3" in out.stderr
+    (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 3)
+    out = dcr("publish", root, tmp_path / "junk.safetensors", "--step", 9)
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    out = dcr("receive", root, "--receiver", "../evil", "--state", tmp_path / "s.safetensors")
+    assert out.returncode == 2 and "receiver id" in out.stderr
+    out = dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", "--step", 99)
+    assert out.returncode == 4 and "not committed" in out.stderr
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+def test_a_verify_of_a_corrupted_chunk_names_the_object_and_fails(published):
+    root, _ = published
+    chunk = next(p for p in (root / "steps").rglob("c/*/*") if "000000000002" in str(p))
+    data = bytearray(chunk.read_bytes())
+    data[-1] ^= 0xFF
+    chunk.write_bytes(bytes(data))
+    out = dcr("verify", root)
+    assert out.returncode == 1
+    assert str(chunk.relative_to(root)) in out.stderr
+
+
+def test_a_publish_killed_at_random_points_is_invisible_and_a_retry_commits(tmp_path):
+    root = tmp_path / "bucket"
+    base = _ck(0, rows=4000)
+    p0 = tmp_path / "c0.safetensors"
+    write_safetensors(p0, base)
+    dcr("publish", root, p0, "--step", 0, check=0)
+    new = _evolve(base, 1)
+    p1 = tmp_path / "c1.safetensors"
+    write_safetensors(p1, new)
+    for delay in (0.3, 0.6, 0.9, 1.2):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "publish", str(root), str(p1), "--step", "1",
+             "--chunk-bytes", "512", "--io-workers", "1"],
+            cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        committed = (root / "steps" / "000000000001" / "commit.json").exists()
+        out = dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", check=0)
+        expect = new if committed else base
+        assert_bits_equal(load_file(tmp_path / "s.safetensors"), expect)
+        if committed:
+            break
+    if not (root / "steps" / "000000000001" / "commit.json").exists():
+        dcr("publish", root, p1, "--step", 1, check=0)
+    dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", check=0)
+    assert_bits_equal(load_file(tmp_path / "s.safetensors"), new)
+    assert out.returncode == 0
