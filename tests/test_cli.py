@@ -85,6 +85,7 @@ def test_errors_are_one_line_with_distinct_exit_codes(published, tmp_path):
     out = dcr("publish", root, p, "--step", 3)
     assert out.returncode == 3 and len(out.stderr.strip().splitlines()) == 1
     assert "already committed" in out.stderr
+    (root / "steps" / "000000000002" / "commit.json").unlink()  # a gap below the latest step
     out = dcr("publish", root, p, "--step", 2)
     assert out.returncode == 3 and "not after the latest committed step 3" in out.stderr
     (tmp_path / "junk.safetensors").write_bytes(b"\x00" * 3)
