@@ -28,23 +28,29 @@ class CodecSpec:
 
     cname: str = "zstd"
     clevel: int = 3
-    shuffle: str = "bitshuffle"
+    shuffle: str = "shuffle"
+    blocksize: int = 0  # Blosc block size in bytes; 0 lets Blosc choose
 
     def __post_init__(self) -> None:
         if self.shuffle not in _SHUFFLES:
             raise ValueError(f"shuffle must be one of {sorted(_SHUFFLES)}, got {self.shuffle!r}")
         if not 0 <= self.clevel <= 9:
             raise ValueError(f"clevel must be 0..9, got {self.clevel}")
+        if not 0 <= self.blocksize <= 1 << 30:
+            raise ValueError(f"blocksize must be 0..2^30, got {self.blocksize}")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> CodecSpec:
-        return cls(cname=str(d["cname"]), clevel=int(d["clevel"]), shuffle=str(d["shuffle"]))
+        return cls(
+            cname=str(d["cname"]), clevel=int(d["clevel"]), shuffle=str(d["shuffle"]),
+            blocksize=int(d.get("blocksize", 0)),
+        )
 
     def _blosc(self) -> Blosc:
-        return Blosc(cname=self.cname, clevel=self.clevel, shuffle=_SHUFFLES[self.shuffle])
+        return Blosc(cname=self.cname, clevel=self.clevel, shuffle=_SHUFFLES[self.shuffle], blocksize=self.blocksize)
 
     def encode(self, padded: np.ndarray) -> bytes:
         """Compress one full (padded) chunk of raw bits."""

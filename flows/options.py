@@ -21,7 +21,9 @@ def default_cache_dir() -> str:
 class PublishOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     keyframe_codec: CodecSpec = field(default_factory=lambda: CodecSpec(clevel=3, shuffle="shuffle"))
-    delta_codec: CodecSpec = field(default_factory=lambda: CodecSpec(clevel=3, shuffle="bitshuffle"))
+    # Measured on the demo's real AdamW deltas: byte shuffle beats bit shuffle on XOR masks
+    # (2.35 vs 3.2 B per changed element) and 1 MiB blocks give zstd more context than the default.
+    delta_codec: CodecSpec = field(default_factory=lambda: CodecSpec(clevel=1, shuffle="shuffle", blocksize=1 << 20))
     overwrite_above: float = 0.9  # store new values instead of an XOR mask above this changed fraction
     io_workers: int = 8
     cache_dir: str = field(default_factory=default_cache_dir)

@@ -47,7 +47,7 @@ def array_json(
                     "cname": codec.cname,
                     "clevel": codec.clevel,
                     "shuffle": codec.shuffle,
-                    "blocksize": 0,
+                    "blocksize": codec.blocksize,
                 },
             },
         ],

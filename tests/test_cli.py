@@ -139,3 +139,33 @@ def test_a_publish_killed_at_random_points_is_invisible_and_a_retry_commits(tmp_
     dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", check=0)
     assert_bits_equal(load_file(tmp_path / "s.safetensors"), new)
     assert out.returncode == 0
+
+
+def test_publishers_racing_for_one_step_from_separate_processes_commit_exactly_once(tmp_path):
+    root = tmp_path / "bucket"
+    p0 = tmp_path / "c0.safetensors"
+    write_safetensors(p0, _ck(0))
+    dcr("publish", root, p0, "--step", 0, check=0)
+    paths = []
+    for i in range(4):  # four different candidate policies for step 1
+        p = tmp_path / f"cand{i}.safetensors"
+        write_safetensors(p, _evolve(_ck(0), i + 1))
+        paths.append(p)
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
+    procs = [
+        subprocess.Popen([sys.executable, "-m", "flows.cli", "publish", str(root), str(p), "--step", "1"],
+                         cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for p in paths
+    ]
+    results = [(proc.wait(), proc.stderr.read()) for proc in procs]
+    winners = [i for i, (rc, _) in enumerate(results) if rc == 0]
+    assert len(winners) == 1, results
+    for i, (rc, err) in enumerate(results):
+        if i != winners[0]:
+            assert rc == 3 and len(err.strip().splitlines()) == 1, (rc, err)
+    state = tmp_path / "s.safetensors"
+    dcr("receive", root, "--receiver", "r", "--state", state, check=0)
+    assert_bits_equal(load_file(state), load_file(paths[winners[0]]))
+    attempts = list((root / "steps" / "000000000001" / "attempts").iterdir())
+    commit = (root / "steps" / "000000000001" / "commit.json").read_text()
+    assert any(a.name in commit for a in attempts)
