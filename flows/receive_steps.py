@@ -114,7 +114,7 @@ def load_state_file(root_url: str, storage_options: dict, path: str) -> State | 
         return None
     ck = SafetensorsCheckpoint(path)
     raw = ck.metadata.get(STATE_STEP)
-    if raw is None or not raw.isdigit():
+    if raw is None or not (raw.isascii() and raw.isdigit()):
         raise StateMismatchError(f"{path}: not a DCR receiver state (no {STATE_STEP} metadata); move it away")
     state = State(int(raw))
     for name, t in ck.items():

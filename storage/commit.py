@@ -7,8 +7,9 @@ Atomicity per backend (the publisher relies on it to let exactly one racing publ
   the whole extent of that filesystem.
 - S3 (s3fs): ``PutObject`` with ``If-None-Match: *``; the server refuses (412) if the key exists.
   Atomic on AWS S3 and on servers that honour the header (moto 5 does).
-- GCS (gcsfs): upload with ``ifGenerationMatch=0``. Atomic on real GCS; the GCS emulator ignores
-  the precondition, so there the check degrades to check-then-write (documented in the README).
+- GCS (gcsfs): upload with ``ifGenerationMatch=0`` (``mode="create"``). Atomic on real GCS; the
+  GCS emulator ignores the precondition, so there it degrades to check-then-write: two publishers
+  racing within the same few milliseconds could both "win" (documented in the README).
 - anything else: refused, rather than silently racy.
 """
 
@@ -80,13 +81,13 @@ def _fsync_dir(directory: str) -> None:
 
 
 def _gcs(fs, path: str, data: bytes) -> bool:
-    # gcsfs passes extra keyword arguments of pipe_file through to the upload as query parameters.
+    # gcsfs sends ifGenerationMatch=0 for mode="create" and raises FileExistsError on 412. The
+    # existence check first narrows the window on servers that ignore the precondition (the GCS
+    # emulator); on real GCS the conditional upload alone is atomic.
+    if fs.exists(path):
+        return False
     try:
-        fs.pipe_file(path, data, ifGenerationMatch=0)
+        fs.pipe_file(path, data, mode="create")
     except FileExistsError:
         return False
-    except Exception as e:  # gcsfs maps 412 to a generic HttpError
-        if "412" in str(e) or "Precondition" in str(e):
-            return False
-        raise
     return True

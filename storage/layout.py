@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import re
 
+import blake3
+
 from dcr_core.errors import UnsafeKeyError, UsageError
 
 STEP_WIDTH = 12
@@ -24,6 +26,7 @@ STORE = "data.zarr"
 
 _ATTEMPT = re.compile(r"^[0-9a-f]{16,64}$")
 _RECEIVER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+MAX_ARRAY_SEGMENT = 200
 _SEGMENT = re.compile(r"^[A-Za-z0-9_.%-]{1,255}$")
 
 
@@ -97,6 +100,12 @@ def array_segment(name: str) -> str:
         else:
             out.extend(f"%{b:02X}" for b in ch.encode())
     seg = "".join(out)
-    if seg in ("", ".", "..") or seg.startswith("."):
-        seg = "%2E" + seg[1:] if seg.startswith(".") else "%00"
+    if seg.startswith("."):
+        seg = "%2E" + seg[1:]
+    if not seg:
+        seg = "%00"
+    if len(seg) > MAX_ARRAY_SEGMENT:
+        # Too long for a file or object name segment: keep a readable prefix, make it unique by digest.
+        digest = blake3.blake3(name.encode()).hexdigest()[:16]
+        seg = f"{seg[: MAX_ARRAY_SEGMENT - 17]}-{digest}"
     return seg

@@ -33,6 +33,8 @@ MAX_TENSORS = 1_000_000
 MAX_NDIM = 16
 MAX_CHUNKS_PER_TENSOR = 50_000_000
 MAX_DIM = 1 << 48
+MAX_TENSOR_ELEMENTS = 1 << 40
+MAX_CHUNK_BYTES = 1 << 30  # a padded chunk, decompressed
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -145,6 +147,10 @@ class TensorEntry:
             raise _fail(what, f"unknown encoding {d.get('encoding')!r}") from None
         shape = _shape(d.get("shape"), what)
         chunk_shape = _shape(d.get("chunk_shape"), what)
+        if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+            raise _fail(what, f"{math.prod(shape)} elements exceeds the limit {MAX_TENSOR_ELEMENTS}")
+        if math.prod(chunk_shape) * DTYPES[dtype].itemsize > MAX_CHUNK_BYTES:
+            raise _fail(what, f"chunk shape {list(chunk_shape)} exceeds {MAX_CHUNK_BYTES} bytes per chunk")
         grid = ChunkGrid(shape, chunk_shape)  # validates contiguity and ranks
         if grid.n_chunks > MAX_CHUNKS_PER_TENSOR:
             raise _fail(what, f"{grid.n_chunks} chunks exceeds the limit {MAX_CHUNKS_PER_TENSOR}")

@@ -1,18 +1,31 @@
 """ROOT: an fsspec URL or local path, and every byte DCR reads or writes under it.
 
 All keys are relative, '/'-separated and checked to stay under ROOT; nothing else is touched.
+Every operation goes through this class, which retries transient failures (``storage.retry``)
+and counts requests and bytes per ROOT (``io_stats``), so what a refit moved can be measured.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import posixpath
+import threading
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 
-import fsspec
+# gcsfs 2026.x otherwise probes a gRPC endpoint on every call (seconds each); set before import.
+os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
 
-from dcr_core.errors import UnsafeKeyError, UsageError
-from storage import commit
+import fsspec  # noqa: E402
+
+from dcr_core.errors import UnsafeKeyError, UsageError  # noqa: E402
+from storage import commit  # noqa: E402
+from storage.retry import RetryPolicy  # noqa: E402
+
+log = logging.getLogger("dcr.storage")
+
+DEFAULT_POOL = 32
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, object]:
@@ -50,56 +63,148 @@ def _check_rel(key: str) -> str:
     return key
 
 
+@dataclass
+class IOStats:
+    """Requests and bytes moved under one ROOT in this process."""
+
+    gets: int = 0
+    bytes_read: int = 0
+    puts: int = 0
+    bytes_written: int = 0
+    lists: int = 0
+    heads: int = 0
+    retries: int = 0
+
+    def copy(self) -> IOStats:
+        return IOStats(**asdict(self))
+
+    def minus(self, other: IOStats) -> IOStats:
+        return IOStats(**{k: v - getattr(other, k) for k, v in asdict(self).items()})
+
+
+_STATS: dict[str, IOStats] = {}
+_STATS_LOCK = threading.Lock()
+
+
+def io_stats(url: str | os.PathLike) -> IOStats:
+    """A snapshot of the counters of ROOT ``url`` in this process."""
+    with _STATS_LOCK:
+        return _STATS.setdefault(os.fspath(url), IOStats()).copy()
+
+
+def _backend_defaults(protocol: str, opts: dict) -> dict:
+    if protocol in ("file", "local"):
+        opts.setdefault("auto_mkdir", True)
+    elif protocol in ("s3", "s3a"):
+        # botocore's pool is 10 connections by default; DCR moves many chunks in parallel.
+        cfg = dict(opts.get("config_kwargs") or {})
+        cfg.setdefault("max_pool_connections", DEFAULT_POOL)
+        opts["config_kwargs"] = cfg
+    elif protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
+        opts.setdefault("token", "anon")
+    return opts
+
+
 class Root:
     """One ROOT opened through fsspec."""
 
-    def __init__(self, url: str | os.PathLike, storage_options: Mapping[str, object] | None = None):
+    def __init__(
+        self,
+        url: str | os.PathLike,
+        storage_options: Mapping[str, object] | None = None,
+        retry: RetryPolicy | None = None,
+    ):
         url = os.fspath(url)
-        opts = dict(storage_options or {})
         protocol = fsspec.utils.get_protocol(url)
-        if protocol in ("file", "local"):
-            opts.setdefault("auto_mkdir", True)
+        opts = _backend_defaults(protocol, dict(storage_options or {}))
         try:
             self.fs, self.path = fsspec.url_to_fs(url, **opts)
-        except (ImportError, ValueError) as e:
+        except (ImportError, ValueError, TypeError) as e:
             raise UsageError(f"cannot open ROOT {url!r}: {e}") from None
         self.url = url
         self.storage_options = dict(storage_options or {})
         self.protocol = protocol
         self.path = self.path.rstrip("/") or "/"
+        self.retry = retry or RetryPolicy()
+        with _STATS_LOCK:
+            self._stats = _STATS.setdefault(url, IOStats())
 
     def __repr__(self) -> str:
         return f"Root({self.url!r})"
+
+    def _count(self, **deltas: int) -> None:
+        with _STATS_LOCK:
+            for k, v in deltas.items():
+                setattr(self._stats, k, getattr(self._stats, k) + v)
+
+    def _call(self, what: str, key: str, fn):
+        def on_retry(attempt: int, e: BaseException) -> None:
+            self._count(retries=1)
+            log.warning("retrying %s %s/%s after %s: %s (attempt %d)", what, self.url, key, type(e).__name__, e, attempt)
+
+        return self.retry.call(fn, on_retry)
 
     def full(self, key: str) -> str:
         return posixpath.join(self.path, _check_rel(key))
 
     def read(self, key: str) -> bytes:
-        return self.fs.cat_file(self.full(key))
+        path = self.full(key)
+
+        def get() -> bytes:
+            self._count(gets=1)
+            data = self.fs.cat_file(path)
+            self._count(bytes_read=len(data))
+            return data
+
+        return self._call("GET", key, get)
 
     def write(self, key: str, data: bytes) -> None:
         """Write (or replace) an object. Only for objects no reader trusts before a commit."""
         path = self.full(key)
-        if self.protocol in ("file", "local"):
-            self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
-        self.fs.pipe_file(path, data)
+
+        def put() -> None:
+            if self.protocol in ("file", "local"):
+                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
+            self._count(puts=1, bytes_written=len(data))
+            self.fs.pipe_file(path, data)
+
+        self._call("PUT", key, put)
 
     def create_if_absent(self, key: str, data: bytes) -> bool:
         """Create ``key`` with ``data`` unless it exists; True if this call created it."""
-        return commit.create_if_absent(self.fs, self.protocol, self.full(key), data)
+        path = self.full(key)
+
+        def put() -> bool:
+            self._count(puts=1, bytes_written=len(data))
+            return commit.create_if_absent(self.fs, self.protocol, path, data)
+
+        return self._call("PUT-if-absent", key, put)
 
     def exists(self, key: str) -> bool:
-        return self.fs.exists(self.full(key))
+        path = self.full(key)
+
+        def head() -> bool:
+            self._count(heads=1)
+            self.fs.invalidate_cache(path)
+            return self.fs.exists(path)
+
+        return self._call("HEAD", key, head)
 
     def listdir(self, key: str) -> list[str]:
         """Names of the children of ``key`` ([] if it does not exist). Always a fresh listing."""
         path = self.full(key)
-        self.fs.invalidate_cache(path)
-        try:
-            entries = self.fs.ls(path, detail=False)
-        except FileNotFoundError:
-            return []
-        return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
+
+        def ls() -> list[str]:
+            self._count(lists=1)
+            self.fs.invalidate_cache(path)
+            try:
+                entries = self.fs.ls(path, detail=False)
+            except FileNotFoundError:
+                return []
+            return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
+
+        return self._call("LIST", key, ls)
 
     def remove(self, key: str, recursive: bool = False) -> None:
-        self.fs.rm(self.full(key), recursive=recursive)
+        path = self.full(key)
+        self._call("DELETE", key, lambda: self.fs.rm(path, recursive=recursive))

@@ -257,7 +257,10 @@ def test_seeded_sweep_of_random_shapes_keeps_every_grid_property():
 
 if given is not None:
     shapes = st.lists(st.integers(0, 9), min_size=0, max_size=4).map(tuple)
-    _hyp = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    _hyp = settings(
+        max_examples=150, deadline=None, derandomize=True, database=None,
+        suppress_health_check=[HealthCheck.too_slow],
+    )
 
     @_hyp
     @given(shape=shapes, itemsize=st.sampled_from([1, 2, 4, 8]), target=st.integers(1, 800))
