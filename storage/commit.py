@@ -87,7 +87,9 @@ def _gcs(fs, path: str, data: bytes) -> bool:
     if fs.exists(path):
         return False
     try:
-        fs.pipe_file(path, data, mode="create")
+        from storage.root import gcs_upload_kwargs
+
+        fs.pipe_file(path, data, mode="create", **gcs_upload_kwargs("gs", data))
     except FileExistsError:
         return False
     return True

@@ -72,3 +72,6 @@ def prefect_api(tmp_path_factory):
         except subprocess.TimeoutExpired:
             proc.kill()
         log.close()
+
+
+pytest_plugins = ["tests.servers"]

@@ -57,7 +57,6 @@ def drop_root(root: str) -> None:
 
 def options(cache_dir, **kw) -> PublishOptions:
     kw.setdefault("overwrite_above", 1.0)  # xor for every changed tensor (0-d ones too)
-    kw.setdefault("io_workers", 2)
     return PublishOptions(chunk_bytes=kw.pop("chunk_bytes", CHUNK_BYTES), cache_dir=str(cache_dir), **kw)
 
 

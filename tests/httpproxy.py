@@ -1,0 +1,125 @@
+"""A counting, fault-injecting HTTP reverse proxy on 127.0.0.1, put in front of a storage server.
+
+Every request a client makes to the object store passes through it, so tests can count requests
+and response bytes at the wire (nothing in the client can bypass it) and inject faults: HTTP 5xx,
+throttling (503 SlowDown), connection resets, and a bandwidth cap.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import urlsplit
+
+HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
+
+
+class Proxy:
+    """``Proxy(upstream_url)``; ``.url`` is where clients connect. Use ``with`` or call ``close``."""
+
+    def __init__(self, upstream: str):
+        u = urlsplit(upstream)
+        self.upstream = (u.hostname, u.port)
+        self.lock = threading.Lock()
+        self.requests: Counter = Counter()  # method -> count
+        self.bytes_out: Counter = Counter()  # method -> response body bytes sent to clients
+        self.log: list[tuple[str, str, int, int]] = []  # (method, path, status, body bytes)
+        self.fault: Callable[[str, str], str | None] | None = None  # -> None | "503" | "500" | "reset"
+        self.bandwidth: float | None = None  # bytes/s cap on response bodies
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args) -> None:
+                pass
+
+            def _body(self) -> bytes:
+                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
+                    out = b""
+                    while True:
+                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
+                        if size == 0:
+                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
+                                pass
+                            return out
+                        out += self.rfile.read(size)
+                        self.rfile.readline()
+                n = int(self.headers.get("Content-Length") or 0)
+                return self.rfile.read(n) if n else b""
+
+            def _handle(self) -> None:
+                body = self._body()
+                method, path = self.command, self.path
+                fault = proxy.fault(method, path) if proxy.fault else None
+                if fault == "reset":
+                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+                    self.connection.close()
+                    self.close_connection = True
+                    with proxy.lock:
+                        proxy.log.append((method, path, 0, 0))
+                    return
+                if fault in ("500", "503"):
+                    msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>" if fault == "503" else b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
+                    self.send_response(int(fault))
+                    self.send_header("Content-Type", "application/xml")
+                    self.send_header("Content-Length", str(len(msg)))
+                    self.end_headers()
+                    self.wfile.write(msg)
+                    with proxy.lock:
+                        proxy.log.append((method, path, int(fault), 0))
+                    return
+                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
+                if body or "Content-Length" in self.headers or self.headers.get("Transfer-Encoding"):
+                    headers["Content-Length"] = str(len(body))
+                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
+                try:
+                    conn.request(method, path, body=body or None, headers=headers)
+                    resp = conn.getresponse()
+                    data = resp.read()
+                finally:
+                    conn.close()
+                if proxy.bandwidth and data:
+                    time.sleep(len(data) / proxy.bandwidth)
+                self.send_response(resp.status, resp.reason)
+                for k, v in resp.getheaders():
+                    if k.lower() not in HOP and k.lower() != "content-length":
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                if method != "HEAD":
+                    self.wfile.write(data)
+                with proxy.lock:
+                    proxy.requests[method] += 1
+                    if method != "HEAD":
+                        proxy.bytes_out[method] += len(data)
+                    proxy.log.append((method, path, resp.status, len(data)))
+
+            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def reset_counts(self) -> None:
+        with self.lock:
+            self.requests.clear()
+            self.bytes_out.clear()
+            self.log.clear()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def __enter__(self) -> Proxy:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
