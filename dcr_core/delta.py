@@ -4,8 +4,8 @@ Encodings of one tensor in one step:
 - ``full``: the tensor's bits (keyframes). Chunks that are all zero bits are not stored.
 - ``xor``: ``new ^ base``. Unchanged chunks are all zero and not stored. Self-inverse: applying
   the same mask again restores the base, which is how receivers step backward.
-- ``overwrite``: the new bits of every chunk that changed. Not invertible; chosen when nearly every
-  element changed (the mask would be as large as the values) or when a loader is not bit-preserving.
+- ``overwrite``: the new bits of every chunk that changed. Not invertible; used only when the caller
+  asks for it (``PublishOptions.overwrite_above``), e.g. for values a loader does not preserve.
 - ``unchanged``: nothing stored.
 """
 

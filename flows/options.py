@@ -24,7 +24,10 @@ class PublishOptions:
     # Measured on the demo's real AdamW deltas: byte shuffle beats bit shuffle on XOR masks
     # (2.35 vs 3.2 B per changed element) and 1 MiB blocks give zstd more context than the default.
     delta_codec: CodecSpec = field(default_factory=lambda: CodecSpec(clevel=1, shuffle="shuffle", blocksize=1 << 20))
-    overwrite_above: float = 0.9  # store new values instead of an XOR mask above this changed fraction
+    # Store new values instead of an XOR mask when more than this fraction of a tensor changed.
+    # Default 1.0: never. XOR masks are self-inverse (receivers can step back) and cost about the
+    # same as new values even when everything changed; overwrites are for callers that need them.
+    overwrite_above: float = 1.0
     io_workers: int = 8
     cache_dir: str = field(default_factory=default_cache_dir)
     use_cache: bool = True

@@ -119,15 +119,13 @@ def run_receive(
     root = os.fspath(root)
     state_path = rs.check_state_path(state_path)
     t = _Timer()
-    state = None if fresh else t("load_state", tasks.load_state, root, so, state_path)
-    current = state.step if state is not None else None
-    plan = t("plan", tasks.plan_receive, root, so, current, step)
+    current = None if fresh else rs.peek_state_step(state_path)
+    plan = t("plan", tasks.plan_receive, root, so, current, step, state_path)
+    state = t("load_state", tasks.load_state, plan, state_path)
     fetched = t("fetch", tasks.fetch_payloads, plan, options)
     if plan.moves:
         state = t("apply", tasks.apply_payloads, plan, state, fetched)
         t("write_state", tasks.write_state, state_path, state, root, fetched.manifests[plan.target_step])
-    if state is None:
-        raise UsageError("no state to write")
     if record:
         t(
             "record_commit", tasks.record_commit, root, so, receiver_id, plan.target_step,

@@ -77,6 +77,7 @@ class ReceivePlan:
         return sum(self.stored.get(m.step, 0) for m in self.moves)
 
     stored: dict[int, int] = field(default_factory=dict)
+    manifests: dict[int, Manifest] = field(default_factory=dict)  # verified, for every step used
 
 
 def resolve_target(root: Root, step: int | None) -> int:
@@ -91,15 +92,11 @@ def resolve_target(root: Root, step: int | None) -> int:
     return step
 
 
-def verify_state(root: Root, state: State, where: str) -> None:
-    """Check that ``state`` holds exactly the policy of ``state.step`` (names, dtypes, shapes, bits)."""
-    cat = Catalog(root)
-    if cat.marker(state.step) is None:
-        raise StateMismatchError(f"{where}: claims step {state.step}, which is not committed in {root.url}")
-    m = cat.manifest(state.step)
-    if set(m.tensors) != set(state.bits):
+def verify_state(state: State, manifest: Manifest, where: str) -> None:
+    """Check that ``state`` holds exactly the policy of ``manifest`` (names, dtypes, shapes, bits)."""
+    if set(manifest.tensors) != set(state.bits):
         raise StateMismatchError(f"{where}: its tensor names differ from step {state.step}")
-    for name, e in m.tensors.items():
+    for name, e in manifest.tensors.items():
         if (state.dtypes[name], state.shapes[name]) != (e.dtype, e.shape):
             raise StateMismatchError(f"{where}: tensor {name!r} dtype/shape differ from step {state.step}")
         if tensor_digest(state.bits[name]) != e.digest:
@@ -108,31 +105,54 @@ def verify_state(root: Root, state: State, where: str) -> None:
             )
 
 
-def load_state_file(root_url: str, storage_options: dict, path: str) -> State | None:
-    """The receiver's state file as verified State, or None if it does not exist."""
+def peek_state_step(path: str) -> int | None:
+    """The step a receiver's state file claims (header only), or None if the file does not exist."""
     if not os.path.exists(path):
         return None
-    ck = SafetensorsCheckpoint(path)
-    raw = ck.metadata.get(STATE_STEP)
+    raw = SafetensorsCheckpoint(path).metadata.get(STATE_STEP)
     if raw is None or not (raw.isascii() and raw.isdigit()):
         raise StateMismatchError(f"{path}: not a DCR receiver state (no {STATE_STEP} metadata); move it away")
-    state = State(int(raw))
+    if int(raw) > layout.MAX_STEP:
+        raise StateMismatchError(f"{path}: claims step {raw}, beyond any valid step")
+    return int(raw)
+
+
+def load_state_file(plan: ReceivePlan, path: str) -> State | None:
+    """The receiver's state file as verified State (None if it does not exist or is not needed)."""
+    if plan.current_step is None:
+        return None
+    if plan.moves and plan.moves[0].direction is Direction.KEYFRAME:
+        return None  # a keyframe replaces every tensor: the old bits are not needed
+    ck = SafetensorsCheckpoint(path)
+    state = State(plan.current_step)
     for name, t in ck.items():
         state.bits[name] = bits_of(t)
         state.dtypes[name] = ck.infos[name].dtype
         state.shapes[name] = ck.infos[name].shape
-    verify_state(Root(root_url, storage_options), state, path)
+    verify_state(state, plan.manifests[plan.current_step], path)
     return state
 
 
-def plan_receive(root_url: str, storage_options: dict, current: int | None, step: int | None) -> ReceivePlan:
+def plan_receive(
+    root_url: str, storage_options: dict, current: int | None, step: int | None, state_path: str | None = None
+) -> ReceivePlan:
+    """Resolve the target, plan the moves and read (and verify) every manifest they need."""
     root = Root(root_url, storage_options)
     target = resolve_target(root, step)
     cat = Catalog(root)
+    if current is not None and cat.marker(current) is None:
+        raise StateMismatchError(
+            f"{state_path or 'state'}: claims step {current}, which is not committed in {root.url}"
+        )
     infos = cat.chain_infos(target, current)
     moves = plan_path(infos, current, target)
+    needed = {target} | {m.step for m in moves}
+    if current is not None and (not moves or moves[0].direction is not Direction.KEYFRAME):
+        needed.add(current)
     return ReceivePlan(
-        root_url, storage_options, target, current, moves, {s: i.stored_bytes for s, i in infos.items()}
+        root_url, storage_options, target, current, moves,
+        {s: i.stored_bytes for s, i in infos.items()},
+        {s: cat.manifest(s) for s in sorted(needed)},
     )
 
 
@@ -150,12 +170,11 @@ def fetch_payloads(plan: ReceivePlan, options: ReceiveOptions | None = None) -> 
     options = options or ReceiveOptions()
     t0 = time.perf_counter()
     root = Root(plan.root_url, plan.storage_options)
-    cat = Catalog(root)
-    manifests = {plan.target_step: cat.manifest(plan.target_step)}
+    manifests = plan.manifests
     chunks = {}
     pulled = 0
     for move in plan.moves:
-        m = manifests.setdefault(move.step, cat.manifest(move.step))
+        m = manifests[move.step]
         chunks[move.step] = read_chunks(root, m, m.tensors, workers=options.io_workers)
         pulled += sum(m.tensors[n].stored_bytes for n in chunks[move.step])
     return Fetched(manifests, chunks, pulled, time.perf_counter() - t0)

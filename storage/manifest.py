@@ -20,7 +20,7 @@ from dcr_core.codec import CodecSpec
 from dcr_core.delta import Encoding
 from dcr_core.digest import DIGEST_ALGORITHM, policy_digest
 from dcr_core.dtypes import DTYPES
-from dcr_core.errors import IntegrityError
+from dcr_core.errors import IntegrityError, UnsafeKeyError
 from storage import layout
 
 SCHEMA_VERSION = 1
@@ -53,6 +53,13 @@ def _hexdigest(v: Any, what: str) -> str:
     if not isinstance(v, str) or not _HEX.match(v):
         raise _fail(what, f"expected a 64-hex-digit digest, got {v!r}")
     return v
+
+
+def _attempt(v: Any, what: str) -> str:
+    try:
+        return layout.check_attempt(v)
+    except UnsafeKeyError as e:
+        raise UnsafeKeyError(f"{what}: {e}") from None
 
 
 def _shape(v: Any, what: str) -> tuple[int, ...]:
@@ -151,7 +158,10 @@ class TensorEntry:
             raise _fail(what, f"{math.prod(shape)} elements exceeds the limit {MAX_TENSOR_ELEMENTS}")
         if math.prod(chunk_shape) * DTYPES[dtype].itemsize > MAX_CHUNK_BYTES:
             raise _fail(what, f"chunk shape {list(chunk_shape)} exceeds {MAX_CHUNK_BYTES} bytes per chunk")
-        grid = ChunkGrid(shape, chunk_shape)  # validates contiguity and ranks
+        try:
+            grid = ChunkGrid(shape, chunk_shape)  # validates contiguity and ranks
+        except IntegrityError as e:
+            raise _fail(what, str(e)) from None
         if grid.n_chunks > MAX_CHUNKS_PER_TENSOR:
             raise _fail(what, f"{grid.n_chunks} chunks exceeds the limit {MAX_CHUNKS_PER_TENSOR}")
         base = d.get("base_digest")
@@ -286,7 +296,7 @@ class Manifest:
             base_step=base_step,
             base_policy_digest=base_policy,
             policy_digest=_hexdigest(d.get("policy_digest"), where),
-            attempt=layout.check_attempt(d.get("attempt")),
+            attempt=_attempt(d.get("attempt"), where),
             codec=codec,
             chunk_bytes=_int(d.get("chunk_bytes"), where, 1),
             tensors=tensors,
@@ -343,7 +353,7 @@ class CommitMarker:
             raise _fail(where, "not a DCR commit marker")
         if d.get("step") != step:
             raise _fail(where, f"commit marker of step {d.get('step')!r} found under step {step}")
-        attempt = layout.check_attempt(d.get("attempt"))
+        attempt = _attempt(d.get("attempt"), where)
         if d.get("manifest") != f"attempts/{attempt}/{layout.MANIFEST}":
             raise _fail(where, f"manifest {d.get('manifest')!r} lies outside attempt {attempt}")
         kind = d.get("kind")

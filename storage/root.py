@@ -100,6 +100,8 @@ def _backend_defaults(protocol: str, opts: dict) -> dict:
         cfg = dict(opts.get("config_kwargs") or {})
         cfg.setdefault("max_pool_connections", DEFAULT_POOL)
         opts["config_kwargs"] = cfg
+        # One GET per object: with max_concurrency > 1 s3fs first HEADs every object to split it.
+        opts.setdefault("max_concurrency", 1)
     elif protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
         opts.setdefault("token", "anon")
     return opts

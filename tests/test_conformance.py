@@ -22,7 +22,7 @@ from tests.helpers import assert_bits_equal, chain_of_steps, file_bytes
 
 
 def opts(tmp_path, **kw) -> PublishOptions:
-    return PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"), **kw)
+    return PublishOptions(chunk_bytes=1024, cache_dir=str(tmp_path / "cache"), **kw)
 
 
 def load(path):

@@ -556,7 +556,12 @@ def test_a_state_file_whose_step_is_a_non_ascii_digit_is_refused(published):
 def test_a_long_non_ascii_tensor_name_is_refused_before_commit_or_round_trips(tmp_path, kind):
     root = str(tmp_path / "root") if kind == "local" else f"memory://t-{uuid.uuid4().hex}"
     name = "layer." + "\u00fc" * 60 + ".weight"  # 60 two-byte characters: 360 escaped characters
-    tensors = {name: torch.arange(6, dtype=torch.float32), "b": torch.zeros(2, dtype=torch.bfloat16)}
+    twin = name[:-len("weight")] + "bias"  # same long escaped prefix, a different tensor
+    tensors = {
+        name: torch.arange(6, dtype=torch.float32),
+        twin: torch.arange(4, dtype=torch.int16).view(torch.bfloat16),
+        "b": torch.zeros(2, dtype=torch.bfloat16),
+    }
     try:
         run_publish(root, tensors, 0, options=opts(tmp_path))
     except DCRError as e:
