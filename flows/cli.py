@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--receiver", required=True)
     p.add_argument("--state", required=True)
     p.add_argument("--step", type=_step, default=None)
+    p.add_argument("--follow", action="store_true", help="keep polling ROOT and apply every newly committed step")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
+    p.add_argument("--until-step", type=_step, default=None, help="with --follow: exit once at this step or later")
     _add_common(p)
 
     p = sub.add_parser("materialize", help="write the full checkpoint of step N")
@@ -128,6 +131,17 @@ def cmd_receive(args, so) -> int:
     from flows.pipeline import run_receive
 
     options = ReceiveOptions(io_workers=args.io_workers)
+    if args.follow:
+        from flows.follow import follow
+
+        if args.step is not None:
+            raise UsageError("--follow applies every new step; it takes no --step (use --until-step)")
+        for res in follow(args.root, args.receiver, args.state, so, options, args.interval, args.until_step,
+                          orchestrated=_use_prefect(args)):
+            _print(args, f"receiver {args.receiver} at step {res['step']} ({', '.join(res['moves'])}; "
+                   f"pulled {res['bytes_pulled']} bytes)", res)
+            sys.stdout.flush()
+        return 0
     if _use_prefect(args):
         from flows.prefect_flows import receive_refit
 

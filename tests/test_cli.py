@@ -169,3 +169,40 @@ def test_publishers_racing_for_one_step_from_separate_processes_commit_exactly_o
     attempts = list((root / "steps" / "000000000001" / "attempts").iterdir())
     commit = (root / "steps" / "000000000001" / "commit.json").read_text()
     assert any(a.name in commit for a in attempts)
+
+
+def test_receive_follow_applies_each_newly_committed_step_and_never_an_uncommitted_one(tmp_path):
+    root = tmp_path / "bucket"
+    cks = [_ck(0)]
+    for s in range(1, 4):
+        cks.append(_evolve(cks[-1], s))
+    paths = []
+    for s, ck in enumerate(cks):
+        p = tmp_path / f"c{s}.safetensors"
+        write_safetensors(p, ck)
+        paths.append(p)
+    dcr("publish", root, paths[0], "--step", 0, check=0)
+    state = tmp_path / "follower.safetensors"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "receive", str(root), "--receiver", "f", "--state", str(state),
+         "--follow", "--interval", "0.2", "--until-step", "3"],
+        cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none"}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    # an attempt that never commits: written, but no marker
+    (root / "steps" / "000000000002" / "attempts" / ("ab" * 16)).mkdir(parents=True)
+    held_wanted = 0
+    for s in (1, 3):  # wait until the follower holds the last published step, then publish the next
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            if state.exists():
+                meta = __import__("safetensors").safe_open(str(state), "pt").metadata()
+                if int(meta["dcr.step"]) == held_wanted:
+                    break
+            time.sleep(0.1)
+        dcr("publish", root, paths[s], "--step", s, check=0)
+        held_wanted = s
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    steps_applied = [int(line.split("at step ")[1].split()[0]) for line in out.splitlines() if "at step" in line]
+    assert steps_applied[-1] == 3 and 2 not in steps_applied, out
+    assert_bits_equal(load_file(state), cks[3])
