@@ -51,11 +51,10 @@ LOCAL = SimpleNamespace(
     write_manifest=ps.write_manifest,
     commit_step=ps.commit_step,
     remember_baseline=ps.remember_baseline,
-    load_state=rs.load_state_file,
     plan_receive=rs.plan_receive,
-    fetch_payloads=rs.fetch_payloads,
-    apply_payloads=rs.apply_payloads,
-    write_state=rs.write_state_file,
+    refit_file=rs.refit_file,
+    replace_state=rs.replace_state,
+    verify_state=rs.verify_state_file,
     record_commit=rs.record_commit,
 )
 
@@ -121,24 +120,27 @@ def run_receive(
     t = _Timer()
     current = None if fresh else rs.peek_state_step(state_path)
     plan = t("plan", tasks.plan_receive, root, so, current, step, state_path)
-    state = t("load_state", tasks.load_state, plan, state_path)
-    fetched = t("fetch", tasks.fetch_payloads, plan, options)
+    pulled = 0
     if plan.moves:
-        state = t("apply", tasks.apply_payloads, plan, state, fetched)
-        t("write_state", tasks.write_state, state_path, state, root, fetched.manifests[plan.target_step])
+        outcome = t("refit", tasks.refit_file, plan, state_path, options)
+        t("replace_state", tasks.replace_state, outcome)
+        pulled = outcome["bytes_pulled"]
+    else:
+        t("verify_state", tasks.verify_state, plan, state_path)
+    target = plan.manifests[plan.target_step]
     if record:
         t(
             "record_commit", tasks.record_commit, root, so, receiver_id, plan.target_step,
             {
                 "from_step": current,
                 "moves": [f"{m.direction.value}:{m.step}" for m in plan.moves],
-                "bytes_pulled": fetched.bytes_pulled,
-                "policy_digest": fetched.manifests[plan.target_step].policy_digest,
+                "bytes_pulled": pulled,
+                "policy_digest": target.policy_digest,
             },
         )
     return ReceiveResult(
         plan.target_step, current, [f"{m.direction.value}:{m.step}" for m in plan.moves],
-        fetched.bytes_pulled, fetched.manifests[plan.target_step].policy_digest, t.timings,
+        pulled, target.policy_digest, t.timings,
     )
 
 

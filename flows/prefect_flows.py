@@ -53,11 +53,10 @@ PREFECT_TASKS = SimpleNamespace(
     write_manifest=_task(L.write_manifest, "write-manifest", retries=2),
     commit_step=_task(L.commit_step, "commit", retries=2),
     remember_baseline=_task(L.remember_baseline, "remember-baseline"),
-    load_state=_task(L.load_state, "load-and-verify-state"),
     plan_receive=_task(L.plan_receive, "resolve-chain", retries=2),
-    fetch_payloads=_task(L.fetch_payloads, "fetch-and-verify-chunks", retries=2),
-    apply_payloads=_task(L.apply_payloads, "apply-and-verify"),
-    write_state=_task(L.write_state, "replace-state"),
+    refit_file=_task(L.refit_file, "fetch-apply-verify", retries=2),
+    replace_state=_task(L.replace_state, "replace-state"),
+    verify_state=_task(L.verify_state, "verify-held-state"),
     record_commit=_task(L.record_commit, "record-receiver-commit", retries=2),
 )
 

@@ -10,6 +10,7 @@ publishers of one step each write their own attempt; exactly one marker creation
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -22,7 +23,7 @@ from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chunks
 from dcr_core.digest import policy_digest, tensor_digest
 from dcr_core.dtypes import DTYPES
-from dcr_core.errors import SchemaMismatchError, StepConflictError
+from dcr_core.errors import IntegrityError, SchemaMismatchError, StepConflictError
 from flows.options import PublishOptions
 from flows.sources import Source
 from storage import layout
@@ -47,7 +48,7 @@ class PublishPlan:
     infos: dict[str, TensorInfo]
     options: PublishOptions
     source_name: str = ""
-    timings: dict[str, float] = field(default_factory=dict)
+    base_digests: dict[str, str] = field(default_factory=dict)  # tensor digests of the base step
 
 
 def _schema_diff(base: Manifest, infos: dict[str, TensorInfo]) -> str | None:
@@ -97,6 +98,7 @@ def plan_publish(
     return PublishPlan(
         root_url, dict(storage_options), step, kind, base_step, base_policy,
         uuid.uuid4().hex, dict(infos), options, source_name,
+        {} if kind == KEYFRAME else {n: e.digest for n, e in base.tensors.items()},
     )
 
 
@@ -105,39 +107,56 @@ def _cache_path(plan: PublishPlan) -> str:
     return os.path.join(plan.options.cache_dir, key, BASELINE_FILE)
 
 
-def load_baseline(plan: PublishPlan) -> dict[str, np.ndarray] | None:
-    """The base step's bits: from the local baseline cache if it verifies, else rebuilt from ROOT."""
+def _cache_valid(path: str, plan: PublishPlan) -> bool:
+    """The cached baseline holds exactly the base step's bits (checked tensor by tensor)."""
+    from flows import receive_steps as rs
+
+    try:
+        ck = SafetensorsCheckpoint(path)
+        if ck.metadata.get(rs.STATE_STEP) != str(plan.base_step) or ck.metadata.get(rs.STATE_POLICY) != plan.base_policy_digest:
+            return False
+        if set(ck.infos) != set(plan.base_digests):
+            return False
+        return all(tensor_digest(bits_of(ck.tensor(n))) == d for n, d in plan.base_digests.items())
+    except Exception:  # a broken cache is only a cache: it gets rebuilt
+        return False
+
+
+def load_baseline(plan: PublishPlan) -> str | None:
+    """A local file holding the base step's bits: the baseline cache if it verifies, else rebuilt
+    from ROOT into the cache (streamed: a keyframe plus deltas, one tensor at a time)."""
     if plan.kind == KEYFRAME:
         return None
-    from flows import receive_steps as rs  # the publisher's baseline is a receiver's refit
+    from flows import receive_steps as rs
 
     cache = _cache_path(plan)
-    if plan.options.use_cache and os.path.exists(cache):
-        try:
-            ck = SafetensorsCheckpoint(cache)
-            if ck.metadata.get(rs.STATE_STEP) == str(plan.base_step) and ck.metadata.get(
-                rs.STATE_POLICY
-            ) == plan.base_policy_digest:
-                bits = {n: bits_of(t) for n, t in ck.items()}
-                digest = policy_digest(
-                    (n, ck.infos[n].dtype, ck.infos[n].shape, tensor_digest(b)) for n, b in bits.items()
-                )
-                if digest == plan.base_policy_digest:
-                    return bits
-        except Exception:  # a broken cache is only a cache: rebuild from ROOT
-            pass
+    if plan.options.use_cache and os.path.exists(cache) and _cache_valid(cache, plan):
+        return cache
+    if not plan.options.use_cache:  # a private temp file, removed once encoding is done
+        cache = os.path.join(tempfile.gettempdir(), f"dcr-baseline-{plan.attempt}.safetensors")
     rplan = rs.plan_receive(plan.root_url, plan.storage_options, None, plan.base_step)
-    state = rs.apply_payloads(rplan, None, rs.fetch_payloads(rplan))
-    return state.bits
+    rs.replace_state(rs.refit_file(rplan, cache))
+    return cache
 
 
-def encode_and_write(plan: PublishPlan, source: Source, baseline: dict[str, np.ndarray] | None) -> dict[str, TensorEntry]:
-    """Encode every tensor chunk by chunk and upload the stored chunks (streamed, bounded)."""
+def encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) -> dict[str, TensorEntry]:
+    """Encode every tensor chunk by chunk and upload the stored chunks (streamed, bounded).
+
+    Memory: one tensor of the source and of the baseline at a time, plus the upload window."""
+    try:
+        return _encode_and_write(plan, source, baseline)
+    finally:
+        if baseline is not None and not plan.options.use_cache and os.path.exists(baseline):
+            os.unlink(baseline)
+
+
+def _encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) -> dict[str, TensorEntry]:
     opts = plan.options
     codec = opts.keyframe_codec if plan.kind == KEYFRAME else opts.delta_codec
     root = Root(plan.root_url, plan.storage_options)
     pending: list[tuple[dict, list]] = []
     used_arrays: set[str] = set()
+    base_ck = SafetensorsCheckpoint(baseline) if baseline is not None else None
     with StepWriter(root, plan.step, plan.attempt, codec, workers=opts.io_workers) as w:
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
         for name in sorted(plan.infos):
@@ -149,7 +168,9 @@ def encode_and_write(plan: PublishPlan, source: Source, baseline: dict[str, np.n
             if plan.kind == KEYFRAME:
                 encoding = Encoding.FULL
             else:
-                base = baseline[name]
+                base = bits_of(base_ck.tensor(name))
+                if tensor_digest(base) != plan.base_digests[name]:
+                    raise IntegrityError(f"{baseline}: tensor {name!r} changed since it was verified")
                 encoding = choose_encoding(count_changed(new, base), new.size, opts.overwrite_above)
             array = layout.array_segment(name)
             while array in used_arrays:  # two names escaping alike: keep arrays distinct
@@ -165,7 +186,7 @@ def encode_and_write(plan: PublishPlan, source: Source, baseline: dict[str, np.n
             meta = {
                 "name": name, "dtype": info.dtype, "shape": info.shape, "digest": tensor_digest(new),
                 "encoding": encoding, "array": array, "chunk_shape": grid.chunk_shape,
-                "base_digest": None if base is None else tensor_digest(base), "changed": changed,
+                "base_digest": None if base is None else plan.base_digests[name], "changed": changed,
             }
             pending.append((meta, futures + chunk_futs))
         entries = {}

@@ -1,9 +1,11 @@
 """The receiver's refit, as plain functions (the Prefect flow wraps each one as a task).
 
-Order and why: plan (read markers and manifests), load and verify the receiver's current state,
-fetch and verify every payload of every move, and only then apply them to a private copy, verify
-the result against the target manifest's digests and atomically replace the state file. A failure
-anywhere before the final rename leaves the state file exactly as it was.
+Order and why: plan (read and verify markers and manifests), then stream the refit tensor by
+tensor into a temp file (held bits verified against the held step, chunks verified as they
+arrive, every result verified against the target step) and only then atomically replace the state
+file. A failure anywhere before the final rename leaves the state file exactly as it was.
+``fetch_payloads``/``apply_payloads`` are the in-memory form of the same refit (whole model held),
+used where a caller wants every payload fetched before anything is applied.
 """
 
 from __future__ import annotations
@@ -25,10 +27,10 @@ from dcr_core.errors import InvalidCheckpointError, StateMismatchError, StepNotF
 from flows.options import ReceiveOptions
 from storage import layout
 from storage.catalog import Catalog, utc_now
-from storage.checkpoint import SafetensorsCheckpoint, write_safetensors
+from storage.checkpoint import SafetensorsCheckpoint, StreamingSafetensorsWriter, TensorInfo, write_safetensors
 from storage.manifest import Manifest
 from storage.root import Root
-from storage.step_io import read_chunks
+from storage.step_io import read_chunks, stream_chunks
 
 STATE_STEP = "dcr.step"
 STATE_POLICY = "dcr.policy_digest"
@@ -213,6 +215,100 @@ def apply_payloads(plan: ReceivePlan, state: State | None, fetched: Fetched) -> 
                 f"step {plan.target_step}: tensor {name!r} does not match its digest after apply; nothing written"
             )
     return state
+
+
+def _check_schema(manifest: Manifest, infos: dict, where: str) -> None:
+    if set(infos) != set(manifest.tensors):
+        raise StateMismatchError(f"{where}: its tensor names differ from step {manifest.step}")
+    for name, e in manifest.tensors.items():
+        if (infos[name].dtype, infos[name].shape) != (e.dtype, e.shape):
+            raise StateMismatchError(f"{where}: tensor {name!r} dtype/shape differ from step {manifest.step}")
+
+
+def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | None = None) -> dict:
+    """Stream the refit into a temp file beside ``state_path``; return its path and what it cost.
+
+    Tensor by tensor: read the held bits (verified against the held step's digest), apply every
+    move's chunks as they arrive (fetched ahead with a bounded window), verify against the target
+    digest, append to the new file. Memory: one tensor plus the fetch window. The state file
+    itself is not touched; ``replace_state`` moves the verified result into place.
+    """
+    options = options or ReceiveOptions()
+    t0 = time.perf_counter()
+    root = Root(plan.root_url, plan.storage_options)
+    target = plan.manifests[plan.target_step]
+    from_keyframe = bool(plan.moves) and plan.moves[0].direction is Direction.KEYFRAME
+    reader = None
+    held = None
+    if plan.current_step is not None and not from_keyframe:
+        reader = SafetensorsCheckpoint(state_path)
+        held = plan.manifests[plan.current_step]
+        _check_schema(held, reader.infos, state_path)
+    for move in plan.moves:
+        if set(plan.manifests[move.step].tensors) != set(target.tensors):
+            raise StateMismatchError(f"step {move.step}: its tensors differ from step {plan.target_step}")
+        if move.direction is Direction.BACKWARD and not plan.manifests[move.step].invertible:
+            raise StateMismatchError(f"step {move.step} cannot be undone (it holds overwrites)")
+    names = sorted(target.tensors)
+    manifests = [plan.manifests[m.step] for m in plan.moves]
+
+    def jobs():
+        for name in names:
+            for m in manifests:
+                e = m.tensors[name]
+                for pos in range(len(e.chunks)):
+                    yield m, e, pos
+
+    infos = [TensorInfo(n, target.tensors[n].dtype, target.tensors[n].shape) for n in names]
+    meta = {STATE_STEP: str(plan.target_step), STATE_POLICY: target.policy_digest, STATE_ROOT: plan.root_url}
+    writer = StreamingSafetensorsWriter(state_path, infos, meta)
+    pulled = 0
+    try:
+        stream = stream_chunks(root, jobs(), workers=options.io_workers)
+        for name in names:
+            e_target = target.tensors[name]
+            if reader is not None:
+                bits = bits_of(reader.tensor(name))
+                if tensor_digest(bits) != held.tensors[name].digest:
+                    raise StateMismatchError(
+                        f"{state_path}: tensor {name!r} is not the bits of step {held.step} (digest mismatch)"
+                    )
+            else:
+                bits = np.zeros(math.prod(e_target.shape), dtype=DTYPES[e_target.dtype].storage)
+            for move, m in zip(plan.moves, manifests):
+                e = m.tensors[name]
+                for _ in range(len(e.chunks)):
+                    _, _, index, payload = next(stream)
+                    apply_chunk(bits, e.grid, index, payload, e.encoding)
+                pulled += e.stored_bytes
+            if tensor_digest(bits) != e_target.digest:
+                raise StateMismatchError(
+                    f"step {plan.target_step}: tensor {name!r} does not match its digest after apply; nothing written"
+                )
+            writer.write(name, bits)
+        if next(stream, None) is not None:
+            raise StateMismatchError("more chunks fetched than applied")  # pragma: no cover - invariant
+    except BaseException:
+        writer.abort()
+        raise
+    return {"tmp_path": writer.tmp, "writer": writer, "bytes_pulled": pulled, "seconds": time.perf_counter() - t0}
+
+
+def replace_state(outcome: dict) -> None:
+    """Move the verified new state into place (fsync + atomic rename)."""
+    outcome["writer"].commit()
+
+
+def verify_state_file(plan: ReceivePlan, state_path: str) -> None:
+    """Check, tensor by tensor, that the state file holds exactly the step it claims."""
+    held = plan.manifests[plan.current_step]
+    reader = SafetensorsCheckpoint(state_path)
+    _check_schema(held, reader.infos, state_path)
+    for name, e in held.tensors.items():
+        if tensor_digest(bits_of(reader.tensor(name))) != e.digest:
+            raise StateMismatchError(
+                f"{state_path}: tensor {name!r} is not the bits of step {held.step} (digest mismatch)"
+            )
 
 
 def write_state_file(path: str, state: State, root_url: str, manifest: Manifest) -> None:

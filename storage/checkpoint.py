@@ -158,3 +158,57 @@ def write_safetensors(
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+class StreamingSafetensorsWriter:
+    """Writes a safetensors file tensor by tensor, in a fixed order, with bounded memory.
+
+    The header (names, dtypes, shapes, offsets, metadata) is known up front, so tensors are
+    appended as they are produced. The file is written under a temp name in the destination's
+    directory; ``commit`` fsyncs and renames it over the destination, ``abort`` removes it.
+    """
+
+    def __init__(self, path: str | os.PathLike, infos: list[TensorInfo], metadata: Mapping[str, str] | None = None):
+        self.path = os.fspath(path)
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        self.tmp = os.path.join(directory, f".{os.path.basename(self.path)}.tmp-{uuid.uuid4().hex}")
+        self._order = [i.name for i in infos]
+        self._sizes = {i.name: i.nbytes for i in infos}
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        offset = 0
+        for info in infos:
+            header[info.name] = {
+                "dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes],
+            }
+            offset += info.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        self._f = open(self.tmp, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def write(self, name: str, data) -> None:
+        if self._next >= len(self._order) or self._order[self._next] != name:
+            raise ValueError(f"tensor {name!r} written out of order")
+        view = memoryview(data).cast("B")
+        if view.nbytes != self._sizes[name]:
+            raise ValueError(f"tensor {name!r}: {view.nbytes} bytes, header says {self._sizes[name]}")
+        self._f.write(view)
+        self._next += 1
+
+    def commit(self) -> None:
+        if self._next != len(self._order):
+            raise ValueError(f"only {self._next} of {len(self._order)} tensors written")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._f.close()
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)

@@ -9,7 +9,8 @@ chunk's digest before returning anything; a bad chunk raises an error naming its
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections import deque
+from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -125,3 +126,35 @@ def read_chunks(
                 fut.cancel()
             raise
     return out
+
+
+
+def stream_chunks(
+    root: Root, jobs: Iterable[tuple[Manifest, TensorEntry, int]], workers: int = 8, window: int | None = None
+) -> Iterator[tuple[Manifest, TensorEntry, int, np.ndarray]]:
+    """Fetch and verify chunks in the order of ``jobs`` (manifest, entry, stored position), reading
+    ahead across tensors and steps with at most ``window`` chunks in flight.
+
+    Memory stays bounded by the window however large the model is, and many small tensors do not
+    cost one round trip each: later chunks are already in flight while earlier ones are applied.
+    """
+    window = max(1, window or 2 * workers)
+    it = iter(jobs)
+    with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dcr-get") as pool:
+        pending: deque = deque()
+        try:
+            while True:
+                while len(pending) < window:
+                    job = next(it, None)
+                    if job is None:
+                        break
+                    m, e, pos = job
+                    pending.append((m, e, pool.submit(read_chunk, root, m, e, pos)))
+                if not pending:
+                    return
+                m, e, fut = pending.popleft()
+                index, payload = fut.result()
+                yield m, e, index, payload
+        finally:
+            for _, _, f in pending:
+                f.cancel()

@@ -67,7 +67,7 @@ def test_flows_publish_and_receive_through_the_prefect_api_bit_exact(prefect_set
         names = {fr.name for fr in client.read_flow_runs()}
         tasks = {tr.name.rsplit("-", 1)[0] for tr in client.read_task_runs()}
     assert names, "flow runs are recorded by the API"
-    assert {"encode-and-write-chunks", "commit", "fetch-and-verify-chunks", "apply-and-verify"} <= tasks
+    assert {"encode-and-write-chunks", "commit", "fetch-apply-verify", "replace-state"} <= tasks
 
 
 def test_receive_refit_into_a_module_equals_a_dense_load_after_every_step(prefect_settings, tmp_path):
