@@ -28,7 +28,7 @@ from flows.options import PublishOptions
 from flows.sources import Source
 from storage import layout
 from storage.catalog import Catalog, manifest_digest, utc_now
-from storage.checkpoint import SafetensorsCheckpoint, TensorInfo, write_safetensors
+from storage.checkpoint import SafetensorsCheckpoint, StreamingSafetensorsWriter, TensorInfo
 from storage.manifest import DELTA, KEYFRAME, ChunkTable, CommitMarker, Manifest, TensorEntry
 from storage.root import Root
 from storage.step_io import StepWriter
@@ -269,14 +269,18 @@ def remember_baseline(plan: PublishPlan, source: Source, marker: CommitMarker) -
         return
     from flows.receive_steps import STATE_POLICY, STATE_ROOT, STATE_STEP
 
+    names = sorted(plan.infos)
+    meta = {STATE_STEP: str(marker.step), STATE_POLICY: marker.policy_digest, STATE_ROOT: plan.root_url}
     try:
-        write_safetensors(
-            _cache_path(plan),
-            {n: source.tensor(n) for n in plan.infos},
-            {STATE_STEP: str(marker.step), STATE_POLICY: marker.policy_digest, STATE_ROOT: plan.root_url},
-        )
+        writer = StreamingSafetensorsWriter(_cache_path(plan), [plan.infos[n] for n in names], meta)
     except OSError:
-        pass  # the next publish rebuilds the baseline from ROOT
+        return  # the next publish rebuilds the baseline from ROOT
+    try:
+        for n in names:  # one tensor at a time
+            writer.write(n, bits_of(source.tensor(n)))
+        writer.commit()
+    except OSError:
+        writer.abort()
 
 
 def now() -> float:

@@ -16,7 +16,6 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from dcr_core.dtypes import DTYPES, dtype_named, dtype_of
@@ -37,7 +36,7 @@ class TensorInfo:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
-def _read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+def _read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str], dict[str, int]]:
     """Parse and check one safetensors header without loading any tensor."""
     try:
         size = os.path.getsize(path)
@@ -57,6 +56,7 @@ def _read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         raise InvalidCheckpointError(f"{path}: safetensors header is not an object")
     metadata = header.pop("__metadata__", None) or {}
     infos: dict[str, TensorInfo] = {}
+    offsets: dict[str, int] = {}
     end_max = 0
     for name, d in header.items():
         try:
@@ -71,11 +71,12 @@ def _read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             raise InvalidCheckpointError(f"{path}: tensor {name!r} has inconsistent shape/offsets")
         end_max = max(end_max, end)
         infos[name] = TensorInfo(name, dt.name, shape)
+        offsets[name] = 8 + n + start
     if 8 + n + end_max > size:
         raise InvalidCheckpointError(
             f"{path}: truncated (needs {8 + n + end_max} bytes, file has {size})"
         )
-    return infos, {str(k): str(v) for k, v in metadata.items()}
+    return infos, {str(k): str(v) for k, v in metadata.items()}, offsets
 
 
 class SafetensorsCheckpoint:
@@ -91,16 +92,17 @@ class SafetensorsCheckpoint:
             raise InvalidCheckpointError(f"{self.path}: no such checkpoint")
         self.infos: dict[str, TensorInfo] = {}
         self._where: dict[str, str] = {}
+        self._offset: dict[str, int] = {}
         self.metadata: dict[str, str] = {}
         for f in self._files:
-            infos, meta = _read_header(f)
+            infos, meta, offsets = _read_header(f)
+            self._offset.update(offsets)
             self.metadata.update(meta)
             for name, info in infos.items():
                 if name in self.infos:
                     raise InvalidCheckpointError(f"{self.path}: tensor {name!r} appears in two files")
                 self.infos[name] = info
                 self._where[name] = f
-        self._handles: dict[str, object] = {}
 
     def _index_files(self) -> list[str]:
         index = os.path.join(self.path, INDEX_NAME)
@@ -121,17 +123,27 @@ class SafetensorsCheckpoint:
         return [os.path.join(self.path, n) for n in files]
 
     def tensor(self, name: str) -> torch.Tensor:
+        """A fresh copy of one tensor, read with plain reads (no mmap: the process's resident
+        memory then holds only what DCR allocated, one tensor at a time)."""
         f = self._where[name]
-        h = self._handles.get(f)
-        if h is None:
-            try:
-                h = self._handles[f] = safe_open(f, framework="pt")
-            except Exception as e:
-                raise InvalidCheckpointError(f"{f}: cannot open ({e})") from None
+        info = self.infos[name]
+        dt = DTYPES[info.dtype]
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
         try:
-            return h.get_tensor(name)  # type: ignore[attr-defined]
-        except Exception as e:
-            raise InvalidCheckpointError(f"{f}: cannot read tensor {name!r} ({e})") from None
+            with open(f, "rb", buffering=0) as fh:
+                fh.seek(self._offset[name])
+                view = memoryview(buf.numpy())
+                got = 0
+                while got < info.nbytes:
+                    n = fh.readinto(view[got:])
+                    if not n:
+                        break
+                    got += n
+        except OSError as e:
+            raise InvalidCheckpointError(f"{f}: cannot read tensor {name!r} ({e.strerror or e})") from None
+        if got != info.nbytes:
+            raise InvalidCheckpointError(f"{f}: tensor {name!r} is truncated")
+        return buf.view(dt.torch).reshape(info.shape)
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in sorted(self.infos):
