@@ -177,6 +177,10 @@ def receive_into_module(
          "fingerprint": placement.fingerprint(target)},
     )
     moves = [f"{m.direction.value}:{m.step}" for m in plan.moves]
-    record = {"from_step": current, "moves": moves, "policy_digest": manifest.policy_digest, **info}
+    table = getattr(target, _PROBE_ATTR, None)
+    probe = {} if table is None else {
+        path: len(table.names(path)) for path in (placement.DIRECT, placement.OVERWRITE, placement.IGNORED)
+    }
+    record = {"from_step": current, "moves": moves, "policy_digest": manifest.policy_digest, "probe": probe, **info}
     Catalog(Root(root, so)).record_receiver(plan.target_step, receiver_id, record)
     return {"step": plan.target_step, **record}
