@@ -26,7 +26,6 @@ import time
 
 import blake3
 import numpy as np
-import torch
 
 from dcr_core.bits import bits_of, tensor_from_bits
 from dcr_core.chain import Direction

@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from dcr_core.errors import UsageError
 from flows import publish_steps as ps
 from flows import receive_steps as rs
 from flows.options import PublishOptions, ReceiveOptions

@@ -16,7 +16,6 @@ import uuid
 from dataclasses import dataclass, field
 
 import blake3
-import numpy as np
 
 from dcr_core.bits import bits_of
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape

@@ -1,10 +1,11 @@
-"""Real storage servers for the tests, on 127.0.0.1 and free ports: moto (S3) and the GCS emulator.
+"""Real servers for the tests, on 127.0.0.1 and free ports: moto (S3), the GCS emulator, Prefect.
 
 Registered as a pytest plugin from conftest. Each test gets a fresh prefix (S3/GCS) or directory.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -25,6 +26,31 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running(cmd: list[str], health_url: str, log_path, env: dict | None = None, timeout: float = 120):
+    """Run a server process until the block ends; wait until ``health_url`` answers first."""
+    log = open(log_path, "wb")
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.time() + timeout
+    try:
+        while True:
+            try:
+                urllib.request.urlopen(health_url, timeout=2)
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"{cmd[0]} did not start; see {log_path}") from None
+                time.sleep(0.3)
+        yield proc
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
 
 
 @pytest.fixture(scope="session")
@@ -60,35 +86,44 @@ def gcs_server(tmp_path_factory):
     """The GCS emulator (gcp-storage-emulator) in a subprocess; sets STORAGE_EMULATOR_HOST."""
     port = _free_port()
     exe = shutil.which("gcp-storage-emulator", path=os.path.dirname(sys.executable)) or "gcp-storage-emulator"
-    log = open(tmp_path_factory.mktemp("gcs") / "emulator.log", "wb")
-    proc = subprocess.Popen(
-        [exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", GCS_BUCKET],
-        stdout=log, stderr=subprocess.STDOUT,
-    )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.time() + 60
-    while True:
+    cmd = [exe, "start", "--host", "127.0.0.1", "--port", str(port), "--in-memory", "--default-bucket", GCS_BUCKET]
+    with running(cmd, f"{url}/storage/v1/b", tmp_path_factory.mktemp("gcs") / "emulator.log", timeout=60):
+        mp = pytest.MonkeyPatch()
+        mp.setenv("STORAGE_EMULATOR_HOST", url)
+        mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
         try:
-            urllib.request.urlopen(f"{url}/storage/v1/b", timeout=2)
-            break
-        except OSError:
-            if proc.poll() is not None or time.time() > deadline:
-                proc.kill()
-                raise RuntimeError("GCS emulator did not start")
-            time.sleep(0.3)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("STORAGE_EMULATOR_HOST", url)
-    mp.setenv("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-    try:
-        yield url
-    finally:
-        mp.undo()
-        proc.terminate()
+            yield url
+        finally:
+            mp.undo()
+
+
+@pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory):
+    """A Prefect API server on 127.0.0.1 (or the one PREFECT_API_URL already names)."""
+    existing = os.environ.get("PREFECT_API_URL")
+    if existing:
+        yield existing
+        return
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    env = {
+        **os.environ,
+        "PREFECT_HOME": str(home),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        "PREFECT_API_DATABASE_CONNECTION_URL": f"sqlite+aiosqlite:///{home}/prefect.db",
+    }
+    prefect = shutil.which("prefect", path=os.path.dirname(sys.executable)) or "prefect"
+    url = f"http://127.0.0.1:{port}/api"
+    cmd = [prefect, "server", "start", "--host", "127.0.0.1", "--port", str(port)]
+    with running(cmd, f"{url}/health", home / "server.log", env=env):
+        mp = pytest.MonkeyPatch()
+        mp.setenv("PREFECT_API_URL", url)
+        mp.setenv("PREFECT_HOME", str(home))
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+            yield url
+        finally:
+            mp.undo()
 
 
 @pytest.fixture(params=BACKENDS)

@@ -8,7 +8,6 @@ import subprocess
 import sys
 import uuid
 
-import boto3
 import pytest
 import torch
 from safetensors.torch import load_file
