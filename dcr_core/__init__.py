@@ -1,4 +1,4 @@
-"""Pure codec and placement logic of DCR: tensors and bytes in, tensors and bytes out (no I/O)."""
+"""Pure codec and planning logic of DCR: tensors and bytes in, tensors and bytes out (no I/O)."""
 
 from dcr_core.bits import bits_of, tensor_from_bits
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape

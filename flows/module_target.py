@@ -78,8 +78,9 @@ def _dense(root, so, target, plan, mirror, options) -> dict:
     table = _probe_table(target, manifest)
     tmp = f"{mirror}.dense-{os.getpid()}.safetensors"
     t_fetch = time.perf_counter()
-    dense_plan = rs.plan_receive(root, so, None, plan.target_step)
-    outcome = rs.refit_file(dense_plan, tmp, options)
+    if plan.current_step is not None or not plan.moves or plan.moves[0].direction is not Direction.KEYFRAME:
+        plan = rs.plan_receive(root, so, None, plan.target_step)
+    outcome = rs.refit_file(plan, tmp, options)
     outcome["writer"].commit()
     fetch_s = time.perf_counter() - t_fetch
     try:
@@ -162,6 +163,12 @@ def receive_into_module(
     if held and held.get("root") == root and held.get("fingerprint") == placement.fingerprint(target):
         current = held["step"]
     plan = rs.plan_receive(root, so, current, step)
+    if current is not None and plan.manifests.get(current) is not None and (
+        plan.manifests[current].policy_digest != held.get("policy_digest")
+    ):
+        # ROOT's step `current` is not the policy this module holds (a reused prefix, say)
+        current = None
+        plan = rs.plan_receive(root, so, None, step)
     object.__setattr__(target, _ATTR, None)  # unknown until this refit completes
     if current is None or (plan.moves and plan.moves[0].direction is Direction.KEYFRAME):
         info = _dense(root, so, target, plan, mirror, options)

@@ -90,7 +90,7 @@ def run_publish(
     entries = t("encode_write", tasks.encode_and_write, plan, src, baseline)
     manifest, digest = t("manifest", tasks.write_manifest, plan, entries)
     marker = t("commit", tasks.commit_step, plan, manifest, digest)
-    t("remember_baseline", tasks.remember_baseline, plan, src, marker)
+    t("remember_baseline", tasks.remember_baseline, plan, src, marker, baseline)
     return PublishResult(
         marker.step, marker.kind, marker.base_step, marker.attempt, marker.policy_digest,
         manifest.summary(), t.timings,

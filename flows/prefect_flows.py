@@ -1,9 +1,9 @@
 """The Prefect flows ``publish_refit`` and ``receive_refit``: each refit step is one coarse task.
 
-Tasks take and return references and small plans; the one that returns payloads keeps them in
-process memory. No task hashes its inputs (``NO_CACHE``): tensors would cost seconds to hash and
-their hashes are not content-stable. I/O tasks retry transient failures; DCR's own errors (bad
-input, conflicts, integrity) are final and are not retried.
+Tasks take and return references, plans and in-process objects (the refit task hands an open,
+verified temp file to the task that moves it into place); nothing is serialized. No task hashes its inputs (``NO_CACHE``): tensors would cost seconds to hash and
+their hashes are not content-stable. I/O tasks retry transient failures
+(``storage.retry.is_transient``); DCR's own errors (bad input, conflicts, integrity) are final.
 """
 
 from __future__ import annotations
@@ -16,19 +16,17 @@ from typing import Any
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from dcr_core.errors import DCRError
 from flows import pipeline
 from flows.module_target import receive_into_module
+from storage.retry import is_transient
 
 
 def _transient(task_, task_run, state) -> bool:
     """Retry only failures that are not DCR's own verdicts."""
     try:
         state.result()
-    except DCRError:
-        return False
-    except Exception:
-        return True
+    except Exception as e:  # noqa: BLE001
+        return is_transient(e)
     return False
 
 

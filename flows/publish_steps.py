@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -22,10 +21,10 @@ from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chunks
 from dcr_core.digest import policy_digest, tensor_digest
 from dcr_core.dtypes import DTYPES
-from dcr_core.errors import IntegrityError, SchemaMismatchError, StepConflictError
+from dcr_core.errors import IntegrityError, SchemaMismatchError, StepConflictError, UsageError
 from flows.options import PublishOptions
 from flows.sources import Source
-from storage import layout
+from storage import commit, layout
 from storage.catalog import Catalog, manifest_digest, utc_now
 from storage.checkpoint import SafetensorsCheckpoint, StreamingSafetensorsWriter, TensorInfo
 from storage.manifest import DELTA, KEYFRAME, ChunkTable, CommitMarker, Manifest, TensorEntry
@@ -76,6 +75,10 @@ def plan_publish(
     """Validate the publish of ``step`` without writing anything."""
     layout.check_step(step)
     root = Root(root_url, storage_options)
+    if not commit.supports(root.protocol):
+        raise UsageError(
+            f"{root.url}: no atomic create-if-absent for {root.protocol!r} ROOTs; use a local path, memory://, s3:// or gs://"
+        )
     cat = Catalog(root)
     if cat.marker(step) is not None:
         raise StepConflictError(f"{root.url}: step {step} is already committed")
@@ -116,6 +119,7 @@ def _cache_valid(path: str, plan: PublishPlan) -> bool:
             return False
         if set(ck.infos) != set(plan.base_digests):
             return False
+        # Checked here (not only on use) so a damaged cache is rebuilt instead of failing the publish.
         return all(tensor_digest(bits_of(ck.tensor(n))) == d for n, d in plan.base_digests.items())
     except Exception:  # a broken cache is only a cache: it gets rebuilt
         return False
@@ -142,14 +146,6 @@ def encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) ->
     """Encode every tensor chunk by chunk and upload the stored chunks (streamed, bounded).
 
     Memory: one tensor of the source and of the baseline at a time, plus the upload window."""
-    try:
-        return _encode_and_write(plan, source, baseline)
-    finally:
-        if baseline is not None and not plan.options.use_cache and os.path.exists(baseline):
-            os.unlink(baseline)
-
-
-def _encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) -> dict[str, TensorEntry]:
     opts = plan.options
     codec = opts.keyframe_codec if plan.kind == KEYFRAME else opts.delta_codec
     root = Root(plan.root_url, plan.storage_options)
@@ -226,8 +222,17 @@ def commit_step(plan: PublishPlan, manifest: Manifest, digest: str) -> CommitMar
     """Create the commit marker if absent. Exactly one racing publisher of a step gets here first."""
     root = Root(plan.root_url, plan.storage_options)
     cat = Catalog(root)
+    existing = cat.marker(plan.step)
+    if existing is not None:
+        if existing.attempt == plan.attempt and existing.manifest_digest == digest:
+            return existing  # a retry of a commit whose first try succeeded but did not report back
+        _discard(root, plan)
+        raise StepConflictError(
+            f"{root.url}: step {plan.step} was committed by another publisher"
+            f" (attempt {existing.attempt}); this attempt was discarded"
+        )
     latest = cat.latest_committed()
-    if latest is not None and latest >= plan.step:
+    if latest is not None and latest > plan.step:
         _discard(root, plan)
         raise StepConflictError(
             f"{root.url}: step {latest} was committed while step {plan.step} was being published; nothing committed"
@@ -262,9 +267,13 @@ def _discard(root: Root, plan: PublishPlan) -> None:
         pass
 
 
-def remember_baseline(plan: PublishPlan, source: Source, marker: CommitMarker) -> None:
-    """Keep the committed policy as the local baseline of the next delta (verified on use)."""
+def remember_baseline(plan: PublishPlan, source: Source, marker: CommitMarker, baseline: str | None = None) -> None:
+    """Keep the committed policy as the local baseline of the next delta (verified on use).
+
+    Runs after the commit: a failure here only costs the cache (the next publish rebuilds it)."""
     if not plan.options.use_cache:
+        if baseline is not None and os.path.exists(baseline):
+            os.unlink(baseline)  # the private temp baseline of a --no-cache publish
         return
     from flows.receive_steps import STATE_POLICY, STATE_ROOT, STATE_STEP
 
@@ -272,15 +281,12 @@ def remember_baseline(plan: PublishPlan, source: Source, marker: CommitMarker) -
     meta = {STATE_STEP: str(marker.step), STATE_POLICY: marker.policy_digest, STATE_ROOT: plan.root_url}
     try:
         writer = StreamingSafetensorsWriter(_cache_path(plan), [plan.infos[n] for n in names], meta)
-    except OSError:
+    except Exception:  # noqa: BLE001
         return  # the next publish rebuilds the baseline from ROOT
     try:
         for n in names:  # one tensor at a time
             writer.write(n, bits_of(source.tensor(n)))
         writer.commit()
-    except OSError:
+    except Exception:  # noqa: BLE001 - the step is committed; only the cache is lost
         writer.abort()
 
-
-def now() -> float:
-    return time.perf_counter()

@@ -4,8 +4,9 @@ Order and why: plan (read and verify markers and manifests), then stream the ref
 tensor into a temp file (held bits verified against the held step, chunks verified as they
 arrive, every result verified against the target step) and only then atomically replace the state
 file. A failure anywhere before the final rename leaves the state file exactly as it was.
-``fetch_payloads``/``apply_payloads`` are the in-memory form of the same refit (whole model held),
-used where a caller wants every payload fetched before anything is applied.
+``fetch_payloads`` (every payload of a plan, in memory) serves receivers that must have everything
+fetched and verified before they touch their target (live modules); ``apply_payloads`` is the
+in-memory refit that ``dcr verify`` replays.
 """
 
 from __future__ import annotations
@@ -16,9 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
-from dcr_core.bits import bits_of, tensor_from_bits
+from dcr_core.bits import bits_of
 from dcr_core.chain import Direction, Move, plan_path
 from dcr_core.delta import Encoding, apply_chunk
 from dcr_core.digest import tensor_digest
@@ -27,7 +27,7 @@ from dcr_core.errors import InvalidCheckpointError, StateMismatchError, StepNotF
 from flows.options import ReceiveOptions
 from storage import layout
 from storage.catalog import Catalog, utc_now
-from storage.checkpoint import SafetensorsCheckpoint, StreamingSafetensorsWriter, TensorInfo, write_safetensors
+from storage.checkpoint import SafetensorsCheckpoint, StreamingSafetensorsWriter, TensorInfo
 from storage.manifest import Manifest
 from storage.root import Root
 from storage.step_io import read_chunks, stream_chunks
@@ -46,26 +46,6 @@ class State:
     shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
     bits: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def tensors(self) -> dict[str, torch.Tensor]:
-        return {n: tensor_from_bits(b, DTYPES[self.dtypes[n]], self.shapes[n]) for n, b in self.bits.items()}
-
-    @classmethod
-    def from_tensors(cls, step: int | None, tensors: dict[str, torch.Tensor]) -> State:
-        s = cls(step)
-        for n, t in tensors.items():
-            t = t.detach().cpu().contiguous().clone()
-            s.bits[n] = bits_of(t)
-            s.dtypes[n] = _dtype_name(t)
-            s.shapes[n] = tuple(t.shape)
-        return s
-
-
-def _dtype_name(t: torch.Tensor) -> str:
-    from dcr_core.dtypes import dtype_of
-
-    return dtype_of(t).name
-
-
 @dataclass
 class ReceivePlan:
     root_url: str
@@ -74,16 +54,12 @@ class ReceivePlan:
     current_step: int | None
     moves: list[Move]
 
-    @property
-    def bytes_to_pull(self) -> int:
-        return sum(self.stored.get(m.step, 0) for m in self.moves)
-
     stored: dict[int, int] = field(default_factory=dict)
     manifests: dict[int, Manifest] = field(default_factory=dict)  # verified, for every step used
 
 
-def resolve_target(root: Root, step: int | None) -> int:
-    cat = Catalog(root)
+def resolve_target(root: Root, step: int | None, cat: Catalog | None = None) -> int:
+    cat = cat or Catalog(root)
     if step is None:
         latest = cat.latest_committed()
         if latest is None:
@@ -92,19 +68,6 @@ def resolve_target(root: Root, step: int | None) -> int:
     layout.check_step(step)
     cat.require_marker(step)
     return step
-
-
-def verify_state(state: State, manifest: Manifest, where: str) -> None:
-    """Check that ``state`` holds exactly the policy of ``manifest`` (names, dtypes, shapes, bits)."""
-    if set(manifest.tensors) != set(state.bits):
-        raise StateMismatchError(f"{where}: its tensor names differ from step {state.step}")
-    for name, e in manifest.tensors.items():
-        if (state.dtypes[name], state.shapes[name]) != (e.dtype, e.shape):
-            raise StateMismatchError(f"{where}: tensor {name!r} dtype/shape differ from step {state.step}")
-        if tensor_digest(state.bits[name]) != e.digest:
-            raise StateMismatchError(
-                f"{where}: tensor {name!r} is not the bits of step {state.step} (digest mismatch)"
-            )
 
 
 def peek_state_step(path: str) -> int | None:
@@ -119,29 +82,13 @@ def peek_state_step(path: str) -> int | None:
     return int(raw)
 
 
-def load_state_file(plan: ReceivePlan, path: str) -> State | None:
-    """The receiver's state file as verified State (None if it does not exist or is not needed)."""
-    if plan.current_step is None:
-        return None
-    if plan.moves and plan.moves[0].direction is Direction.KEYFRAME:
-        return None  # a keyframe replaces every tensor: the old bits are not needed
-    ck = SafetensorsCheckpoint(path)
-    state = State(plan.current_step)
-    for name, t in ck.items():
-        state.bits[name] = bits_of(t)
-        state.dtypes[name] = ck.infos[name].dtype
-        state.shapes[name] = ck.infos[name].shape
-    verify_state(state, plan.manifests[plan.current_step], path)
-    return state
-
-
 def plan_receive(
     root_url: str, storage_options: dict, current: int | None, step: int | None, state_path: str | None = None
 ) -> ReceivePlan:
     """Resolve the target, plan the moves and read (and verify) every manifest they need."""
     root = Root(root_url, storage_options)
-    target = resolve_target(root, step)
     cat = Catalog(root)
+    target = resolve_target(root, step, cat)
     if current is not None and cat.marker(current) is None:
         raise StateMismatchError(
             f"{state_path or 'state'}: claims step {current}, which is not committed in {root.url}"
@@ -309,14 +256,6 @@ def verify_state_file(plan: ReceivePlan, state_path: str) -> None:
             raise StateMismatchError(
                 f"{state_path}: tensor {name!r} is not the bits of step {held.step} (digest mismatch)"
             )
-
-
-def write_state_file(path: str, state: State, root_url: str, manifest: Manifest) -> None:
-    write_safetensors(
-        path,
-        state.tensors(),
-        {STATE_STEP: str(state.step), STATE_POLICY: manifest.policy_digest, STATE_ROOT: root_url},
-    )
 
 
 def record_commit(root_url: str, storage_options: dict, receiver_id: str, step: int, record: dict) -> None:

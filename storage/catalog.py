@@ -59,10 +59,6 @@ class Catalog:
             raise StepNotFoundError(f"{self.root.url}: step {step} is not committed")
         return m
 
-    def forget(self, step: int) -> None:
-        """Drop cached knowledge of ``step`` (a marker may have appeared since)."""
-        self._marker.cache_clear()
-
     def _read_marker(self, step: int) -> CommitMarker | None:
         key = layout.commit_key(step)
         try:

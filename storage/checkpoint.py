@@ -36,18 +36,23 @@ class TensorInfo:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
-def _read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str], dict[str, int]]:
-    """Parse and check one safetensors header without loading any tensor."""
+def _read_header(path: str, f) -> tuple[dict[str, TensorInfo], dict[str, str], dict[str, int]]:
+    """Parse and check one safetensors header (from the open file ``f``) without loading any tensor."""
     try:
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
-            raw_len = f.read(8)
-            if len(raw_len) < 8:
-                raise InvalidCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-            (n,) = struct.unpack("<Q", raw_len)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise InvalidCheckpointError(f"{path}: truncated or not a safetensors file (header of {n} bytes)")
-            header = json.loads(f.read(n))
+        size = os.fstat(f.fileno()).st_size
+        raw_len = os.pread(f.fileno(), 8, 0)
+        if len(raw_len) < 8:
+            raise InvalidCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw_len)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise InvalidCheckpointError(f"{path}: truncated or not a safetensors file (header of {n} bytes)")
+        raw = b""
+        while len(raw) < n:
+            more = os.pread(f.fileno(), n - len(raw), 8 + len(raw))
+            if not more:
+                raise InvalidCheckpointError(f"{path}: truncated header")
+            raw += more
+        header = json.loads(raw)
     except OSError as e:
         raise InvalidCheckpointError(f"{path}: cannot read checkpoint ({e.strerror or e})") from None
     except (ValueError, UnicodeDecodeError):
@@ -94,8 +99,15 @@ class SafetensorsCheckpoint:
         self._where: dict[str, str] = {}
         self._offset: dict[str, int] = {}
         self.metadata: dict[str, str] = {}
+        # Files stay open: a reader keeps seeing the file it validated even if a writer atomically
+        # replaces the path meanwhile (the publisher's baseline cache is replaced that way).
+        self._fh: dict[str, object] = {}
         for f in self._files:
-            infos, meta, offsets = _read_header(f)
+            try:
+                self._fh[f] = open(f, "rb", buffering=0)
+            except OSError as e:
+                raise InvalidCheckpointError(f"{f}: cannot read checkpoint ({e.strerror or e})") from None
+            infos, meta, offsets = _read_header(f, self._fh[f])
             self._offset.update(offsets)
             self.metadata.update(meta)
             for name, info in infos.items():
@@ -129,21 +141,28 @@ class SafetensorsCheckpoint:
         info = self.infos[name]
         dt = DTYPES[info.dtype]
         buf = torch.empty(info.nbytes, dtype=torch.uint8)
+        fd = self._fh[f].fileno()
+        view = memoryview(buf.numpy())
+        got = 0
         try:
-            with open(f, "rb", buffering=0) as fh:
-                fh.seek(self._offset[name])
-                view = memoryview(buf.numpy())
-                got = 0
-                while got < info.nbytes:
-                    n = fh.readinto(view[got:])
-                    if not n:
-                        break
-                    got += n
+            while got < info.nbytes:
+                n = os.preadv(fd, [view[got:]], self._offset[name] + got)
+                if not n:
+                    break
+                got += n
         except OSError as e:
             raise InvalidCheckpointError(f"{f}: cannot read tensor {name!r} ({e.strerror or e})") from None
         if got != info.nbytes:
             raise InvalidCheckpointError(f"{f}: tensor {name!r} is truncated")
         return buf.view(dt.torch).reshape(info.shape)
+
+    def close(self) -> None:
+        for fh in self._fh.values():
+            fh.close()
+
+    def __del__(self) -> None:
+        for fh in getattr(self, "_fh", {}).values():
+            fh.close()
 
     def items(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in sorted(self.infos):

@@ -26,6 +26,15 @@ class UnsupportedBackendError(RuntimeError):
     pass
 
 
+_SUPPORTED = ("file", "local", "memory", "s3", "s3a", "gs", "gcs")
+
+
+def supports(protocol: str | tuple) -> bool:
+    """Whether ``create_if_absent`` has a create-if-absent for this protocol."""
+    proto = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
+    return proto in _SUPPORTED
+
+
 def create_if_absent(fs, protocol: str | tuple, path: str, data: bytes) -> bool:
     proto = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
     if proto in ("file", "local"):

@@ -64,7 +64,7 @@ def step_dir(step: int) -> str:
 
 def parse_step_dir(name: str) -> int | None:
     """The step of a ``steps/`` child name, or None if it is not one of ours."""
-    return int(name) if len(name) == STEP_WIDTH and name.isdigit() else None
+    return int(name) if len(name) == STEP_WIDTH and name.isascii() and name.isdigit() else None
 
 
 def commit_key(step: int) -> str:

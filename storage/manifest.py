@@ -165,6 +165,9 @@ class TensorEntry:
         if grid.n_chunks > MAX_CHUNKS_PER_TENSOR:
             raise _fail(what, f"{grid.n_chunks} chunks exceeds the limit {MAX_CHUNKS_PER_TENSOR}")
         base = d.get("base_digest")
+        chunks = ChunkTable.from_dict(d.get("chunks"), what, grid.n_chunks)
+        if encoding is Encoding.UNCHANGED and len(chunks):
+            raise _fail(what, "an unchanged tensor lists stored chunks")
         return cls(
             name=name,
             dtype=dtype,
@@ -173,7 +176,7 @@ class TensorEntry:
             encoding=encoding,
             array=layout.check_segment(d.get("array"), f"{what} array"),
             chunk_shape=chunk_shape,
-            chunks=ChunkTable.from_dict(d.get("chunks"), what, grid.n_chunks),
+            chunks=chunks,
             base_digest=None if base is None else _hexdigest(base, what),
             changed=_int(d.get("changed_elements", 0), what),
         )
