@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DCR := $(VENV)/bin/dcr
 
-.PHONY: install demo test test-slow clean
+.PHONY: install demo test clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,9 +21,6 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -m "not slow"
-
-test-slow: install
-	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) dcr-demo .pytest_cache

@@ -3,7 +3,7 @@
 DCR writes chunk objects itself (it needs their digests, sizes and its own concurrency), so it
 also writes the ``zarr.json`` documents. Arrays hold raw bits as unsigned ints of the element's
 width (Zarr v3 has no bfloat16/float8), fill value 0, the ``bytes`` codec (little-endian) then
-``blosc``. A chunk that is not stored reads as zeros: for an XOR mask, "no change".
+``blosc`` or ``dcr.sparse``. A chunk that is not stored reads as zeros: for an XOR mask, "no change".
 """
 
 from __future__ import annotations
@@ -13,7 +13,23 @@ import json
 from dcr_core.codec import CodecSpec
 from dcr_core.dtypes import DTYPES
 
+SPARSE_CODEC = "dcr.sparse"  # registered with zarr by storage.zarr_codec (entry point zarr.codecs)
 _ZARR_DTYPE = {8: "uint8", 16: "uint16", 32: "uint32", 64: "uint64"}
+
+
+def _compressor(codec: CodecSpec, itemsize: int) -> dict:
+    if codec.name == "dcr-sparse":
+        return {"name": SPARSE_CODEC, "configuration": {"level": codec.clevel}}
+    return {
+        "name": "blosc",
+        "configuration": {
+            "typesize": itemsize,
+            "cname": codec.cname,
+            "clevel": codec.clevel,
+            "shuffle": codec.shuffle,
+            "blocksize": codec.blocksize,
+        },
+    }
 
 
 def group_json(attributes: dict) -> bytes:
@@ -38,19 +54,7 @@ def array_json(
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": list(chunk_shape)}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": 0,
-        "codecs": [
-            {"name": "bytes", "configuration": {"endian": "little"}},
-            {
-                "name": "blosc",
-                "configuration": {
-                    "typesize": dt.itemsize,
-                    "cname": codec.cname,
-                    "clevel": codec.clevel,
-                    "shuffle": codec.shuffle,
-                    "blocksize": codec.blocksize,
-                },
-            },
-        ],
+        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, _compressor(codec, dt.itemsize)],
         "attributes": attributes,
         "storage_transformers": [],
     }

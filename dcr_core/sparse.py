@@ -1,0 +1,113 @@
+"""The sparse XOR-mask codec: gap-coded positions and byte planes, each entropy-coded with zstd.
+
+An XOR mask of an RL update is mostly zero: a few percent of elements change, by a few ulps. Its
+information is where the changes are (positions) and what they are (values). This codec stores
+exactly those, in forms zstd models well:
+- positions as gaps (``p[i] - p[i-1] - 1``), as uint32 split into 4 byte planes: the high planes
+  are nearly all zero and cost almost nothing, the low plane carries the geometric gap law;
+- the non-zero XOR values split into byte planes (low mantissa bytes, then sign/exponent bytes).
+Dense chunks (more than ``DENSE_ABOVE`` of elements non-zero) store all values as byte planes.
+
+Frame: ``b"DCRS"``, version, mode (0 sparse, 1 dense), itemsize, 0, n (u64), k (u64), then one or
+two sections of ``u64 length + zstd frame``. Decoding checks every size against the frame and the
+caller's expected element count before allocating.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+from numcodecs import Zstd
+
+from dcr_core.errors import IntegrityError
+
+MAGIC = b"DCRS"
+VERSION = 1
+SPARSE, DENSE = 0, 1
+DENSE_ABOVE = 0.25
+_HEAD = struct.Struct("<4sBBBBQQ")
+
+
+def _planes(a: np.ndarray) -> bytes:
+    """``a``'s bytes regrouped plane by plane (all first bytes, then all second bytes, ...)."""
+    if a.dtype.itemsize == 1:
+        return a.tobytes()
+    return np.ascontiguousarray(a.view(np.uint8).reshape(-1, a.dtype.itemsize).T).tobytes()
+
+
+def _unplanes(data: bytes, dtype: np.dtype, count: int) -> np.ndarray:
+    u8 = np.frombuffer(data, dtype=np.uint8)
+    if dtype.itemsize == 1:
+        return u8.copy()
+    return np.ascontiguousarray(u8.reshape(dtype.itemsize, count).T).view(dtype).reshape(count)
+
+
+def _section(payload: bytes, level: int) -> bytes:
+    frame = Zstd(level=level).encode(payload) if payload else b""
+    return struct.pack("<Q", len(frame)) + bytes(frame)
+
+
+def encode_sparse(mask: np.ndarray, level: int = 3) -> bytes:
+    """Encode one chunk of raw bits (any unsigned dtype, flat)."""
+    mask = np.ascontiguousarray(mask).reshape(-1)
+    n = mask.size
+    if n >= 1 << 32:
+        raise ValueError("a chunk holds fewer than 2^32 elements")
+    positions = np.flatnonzero(mask)
+    k = positions.size
+    if n and k / n > DENSE_ABOVE:
+        head = _HEAD.pack(MAGIC, VERSION, DENSE, mask.dtype.itemsize, 0, n, k)
+        return head + _section(_planes(mask), level)
+    gaps = np.diff(positions, prepend=-1).astype(np.uint32) - np.uint32(1)
+    head = _HEAD.pack(MAGIC, VERSION, SPARSE, mask.dtype.itemsize, 0, n, k)
+    return head + _section(_planes(gaps), level) + _section(_planes(mask[positions]), level)
+
+
+def _read_section(data: bytes, offset: int, expect: int) -> tuple[bytes, int]:
+    if offset + 8 > len(data):
+        raise IntegrityError("sparse frame is truncated")
+    (length,) = struct.unpack_from("<Q", data, offset)
+    offset += 8
+    if offset + length > len(data):
+        raise IntegrityError("sparse frame is truncated")
+    if expect == 0:
+        if length:
+            raise IntegrityError("sparse frame has data where none is expected")
+        return b"", offset
+    try:
+        out = np.empty(expect, dtype=np.uint8)
+        Zstd().decode(data[offset : offset + length], out=out)
+    except Exception as e:  # not zstd, or a different size than the header says
+        raise IntegrityError(f"sparse frame section does not decode to {expect} bytes ({e})") from None
+    return out.tobytes(), offset + length
+
+
+def decode_sparse(data: bytes, storage: np.dtype, n: int) -> np.ndarray:
+    """Decode one chunk into exactly ``n`` elements of ``storage``, refusing anything else."""
+    data = bytes(data)
+    if len(data) < _HEAD.size:
+        raise IntegrityError("chunk is too short to be a sparse frame")
+    magic, version, mode, itemsize, _, n_frame, k = _HEAD.unpack_from(data)
+    if magic != MAGIC or version != VERSION or mode not in (SPARSE, DENSE):
+        raise IntegrityError("chunk is not a DCR sparse frame (bad magic, version or mode)")
+    storage = np.dtype(storage)
+    if itemsize != storage.itemsize or n_frame != n or k > n:
+        raise IntegrityError(f"sparse frame holds {n_frame} x {itemsize} B (k={k}), expected {n} x {storage.itemsize} B")
+    off = _HEAD.size
+    if mode == DENSE:
+        raw, off = _read_section(data, off, n * itemsize)
+        out = _unplanes(raw, storage, n) if n else np.zeros(0, dtype=storage)
+    else:
+        raw_gaps, off = _read_section(data, off, 4 * k)
+        raw_vals, off = _read_section(data, off, k * itemsize)
+        out = np.zeros(n, dtype=storage)
+        if k:
+            gaps = _unplanes(raw_gaps, np.dtype("<u4"), k).astype(np.int64)
+            positions = np.cumsum(gaps + 1) - 1
+            if positions[-1] >= n:
+                raise IntegrityError("sparse frame has a position outside the chunk")
+            out[positions] = _unplanes(raw_vals, storage, k)
+    if off != len(data):
+        raise IntegrityError("sparse frame has trailing bytes")
+    return out

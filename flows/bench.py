@@ -1,0 +1,859 @@
+"""``dcr bench``: DCR against peer baselines and the entropy bound on the same updates, in one run."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import logging
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dcr_core.bits import bits_of
+from dcr_core.chunking import ChunkGrid, choose_chunk_shape
+from dcr_core.codec import CodecSpec
+from dcr_core.delta import Encoding, apply_chunk, choose_encoding, count_changed, encode_chunks, pad
+from flows.options import PublishOptions
+
+QUICK_SIZES, DEFAULT_SIZES = "2M", "10M,100M"
+QUICK_RATES, DEFAULT_RATES = "0.01,0.03,0.05", "0.005,0.01,0.03,0.05,0.10"
+E2E_RATES = (0.01, 0.03, 0.05)
+E2E_MAX_PARAMS = 100_000_000
+# Peak memory per BF16 model byte: old, new, XOR temporaries, decode targets and baselines; the
+# AdamW source also holds FP32 master weights, gradients, Adam moments and a saved step.
+MEM_FACTOR = {"synthetic": 8, "adamw": 16}
+BUCKET = "dcr-bench"
+SOURCES = ("synthetic", "adamw")
+BACKENDS = ("local", "s3")
+METHODS = {  # key -> label, in table order
+    "dcr": "DCR",
+    "standard": "standard blosc",
+    "xor_zstd1": "XOR+zstd-1",
+    "index_value_zstd1": "idx+val zstd-1",
+    "patch_from_1": "patch-from -1",
+    "patch_from_3": "patch-from -3",
+    "full": "full checkpoint",
+}
+
+
+def say(msg: str) -> None:
+    print(f"[bench] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------- arguments
+
+
+def parse_size(text: str) -> int:
+    """``2M``, ``1.5B``, ``200k`` or a plain number of parameters."""
+    t = text.strip().lower()
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}.get(t[-1:], 1)
+    value = float(t[:-1] if scale != 1 else t) * scale
+    if value < 1024:
+        raise argparse.ArgumentTypeError(f"size {text!r} is below 1024 parameters")
+    return int(value)
+
+
+def _list(text: str, conv, allowed=None) -> list:
+    items = [conv(x) for x in text.split(",") if x.strip()]
+    if allowed is not None:
+        bad = [x for x in items if x not in allowed]
+        if bad:
+            raise argparse.ArgumentTypeError(f"unknown {bad}; choose from {', '.join(allowed)}")
+    if not items:
+        raise argparse.ArgumentTypeError("empty list")
+    return items
+
+
+def _rate(text: str) -> float:
+    r = float(text)
+    if not 0.0 < r <= 1.0:
+        raise argparse.ArgumentTypeError(f"rate {text!r} is not within (0, 1]")
+    return r
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="dcr bench",
+        description="Compare DCR's delta codec with peer baselines (dense XOR+zstd, index+value, zstd "
+        "--patch-from) and the entropy bound on synthetic and AdamW updates, and time end-to-end refits "
+        "against moving the full checkpoint. Writes results.json, results.md and plots.",
+    )
+    p.add_argument("--quick", action="store_true", help=f"small run: sizes {QUICK_SIZES}, rates {QUICK_RATES}, local only")
+    p.add_argument("--out", default="bench-results", help="output directory (default bench-results/)")
+    p.add_argument("--sizes", type=lambda s: _list(s, parse_size), help=f"parameters per model (default {DEFAULT_SIZES})")
+    p.add_argument("--rates", type=lambda s: _list(s, _rate), help=f"change rates (default {DEFAULT_RATES})")
+    p.add_argument("--sources", type=lambda s: _list(s, str.strip, SOURCES), default=list(SOURCES),
+                   help="update generators (default synthetic,adamw)")
+    p.add_argument("--backends", type=lambda s: _list(s, str.strip, BACKENDS),
+                   help="end-to-end backends (default local,s3; --quick: local)")
+    p.add_argument("--bandwidth", type=float, default=50e6, help="bytes/s cap of the S3 link, each direction (default 50e6)")
+    p.add_argument("--e2e-size", type=parse_size, help=f"model size of the end-to-end runs (default the largest size <= {E2E_MAX_PARAMS:.0e})")
+    p.add_argument("--e2e-rates", type=lambda s: _list(s, _rate), help="change rates of the end-to-end runs (default 0.01,0.03,0.05)")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def resolve(a: argparse.Namespace) -> argparse.Namespace:
+    """Fill the defaults that depend on --quick and on the other options."""
+    a.sizes = a.sizes or _list(QUICK_SIZES if a.quick else DEFAULT_SIZES, parse_size)
+    a.rates = a.rates or _list(QUICK_RATES if a.quick else DEFAULT_RATES, _rate)
+    a.backends = a.backends or (["local"] if a.quick else list(BACKENDS))
+    a.patch_levels = [1] if a.quick else [1, 3]
+    if a.e2e_size is None:
+        fitting = [s for s in a.sizes if s <= E2E_MAX_PARAMS]
+        a.e2e_size = max(fitting) if fitting else min(a.sizes)
+    wanted = a.e2e_rates or [r for r in a.rates if any(math.isclose(r, e) for e in E2E_RATES)] or a.rates[:3]
+    a.e2e_rates = wanted
+    return a
+
+
+# ---------------------------------------------------------------- machine
+
+
+def machine_info() -> dict:
+    cpu = "unknown"
+    with contextlib.suppress(OSError):
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    info = {
+        "cpu_model": cpu,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "mem_total_bytes": _meminfo("MemTotal"),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+    }
+    with contextlib.suppress(Exception):
+        import numcodecs
+
+        info["numcodecs"] = numcodecs.__version__
+    zstd = shutil.which("zstd")
+    if zstd:
+        with contextlib.suppress(Exception):
+            info["zstd_cli"] = subprocess.run([zstd, "--version"], capture_output=True, text=True).stdout.strip()
+    return info
+
+
+def _meminfo(key: str) -> int | None:
+    with contextlib.suppress(OSError):
+        for line in open("/proc/meminfo"):
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def fits_in_memory(source: str, n_params: int) -> tuple[bool, int, int | None]:
+    need = MEM_FACTOR[source] * 2 * n_params
+    avail = _meminfo("MemAvailable")
+    return (avail is None or need <= 0.6 * avail), need, avail
+
+
+# ---------------------------------------------------------------- updates
+
+
+@dataclass
+class Pair:
+    """One tensor of an update as flat raw bits."""
+
+    name: str
+    shape: tuple[int, ...]
+    old: np.ndarray
+    new: np.ndarray
+
+
+def as_pairs(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list[Pair]:
+    return [Pair(n, tuple(old[n].shape), bits_of(old[n]), bits_of(new[n])) for n in sorted(old)]
+
+
+def updates(source: str, size: int, rates: list[float], seed: int):
+    """Yield (target rate, old, new, extra info) for every rate of one (source, size)."""
+    from flows import bench_data
+
+    if source == "synthetic":
+        for r in rates:
+            old, new = bench_data.synthetic(size, r, seed)
+            yield r, old, new, {}
+        return
+    log: list = []
+    for r, (old, new) in zip(rates, bench_data.adamw_steps(size, len(rates), seed=seed, target_rate=rates, log=log)):
+        yield r, old, new, {"lr": log[-1]["lr"], "loss": log[-1]["loss"], "model": log[-1]["config"]}
+
+
+# ---------------------------------------------------------------- entropy bound
+
+
+def _h2(p: float) -> float:
+    return 0.0 if p <= 0 or p >= 1 else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+
+
+def change_stats(pairs: list[Pair]) -> dict:
+    """Changed elements and the entropy bound: Bernoulli(p) positions plus the empirical entropy of XOR values."""
+    total = changed = 0
+    hist16 = np.zeros(1 << 16, dtype=np.int64)
+    other: dict[int, Counter] = {}
+    for p in pairs:
+        x = np.bitwise_xor(p.old, p.new)
+        nz = x[x != 0]
+        total += x.size
+        changed += nz.size
+        if x.dtype.itemsize == 2:
+            hist16 += np.bincount(nz.view(np.uint16), minlength=1 << 16)
+        elif nz.size:
+            vals, counts = np.unique(nz, return_counts=True)
+            other.setdefault(x.dtype.itemsize, Counter()).update(dict(zip(vals.tolist(), counts.tolist())))
+    value_bits = _entropy_bits(hist16[hist16 > 0])
+    for c in other.values():
+        value_bits += _entropy_bits(np.array(list(c.values())))
+    rate = changed / total if total else 0.0
+    pos = _h2(rate) / rate if changed else 0.0
+    vals = value_bits / changed if changed else 0.0
+    return {
+        "elements": total, "changed": changed, "change_rate": rate,
+        "bound": {
+            "position_bits_per_change": pos, "value_bits_per_change": vals,
+            "bytes_per_change": (pos + vals) / 8 if changed else None,
+            "bytes": (pos + vals) / 8 * changed,
+        },
+    }
+
+
+def _entropy_bits(counts: np.ndarray) -> float:
+    """Total bits to code ``counts.sum()`` symbols at their empirical entropy."""
+    n = counts.sum()
+    if not n:
+        return 0.0
+    q = counts / n
+    return float(-(counts * np.log2(q)).sum())
+
+
+# ---------------------------------------------------------------- DCR codec
+
+
+def standard_codec() -> CodecSpec:
+    """The standard Zarr Blosc chain DCR used before its own sparse codec."""
+    try:
+        return CodecSpec(name="blosc", clevel=1, shuffle="shuffle", blocksize=1 << 20)
+    except TypeError:  # a CodecSpec without codec names is always Blosc
+        return CodecSpec(clevel=1, shuffle="shuffle", blocksize=1 << 20)
+
+
+def _encode(pairs: list[Pair], codec: CodecSpec, chunk_bytes: int, overwrite_above: float) -> list:
+    """What the publisher stores for an update: per tensor, count changes, XOR per chunk, compress."""
+    out = []
+    for p in pairs:
+        grid = ChunkGrid(p.shape, choose_chunk_shape(p.shape, p.new.dtype.itemsize, chunk_bytes))
+        enc = choose_encoding(count_changed(p.new, p.old), p.new.size, overwrite_above)
+        for c in encode_chunks(p.new, p.old, grid, enc):
+            out.append((p, grid, c.index, enc, codec.encode(pad(c.payload, grid.chunk_numel))))
+    return out
+
+
+def _decode_apply(payloads: list, codec: CodecSpec, targets: dict[str, np.ndarray]) -> None:
+    for p, grid, index, enc, data in payloads:
+        start, stop = grid.chunk_range(index)
+        bits = codec.decode(data, p.new.dtype, grid.chunk_numel)[: stop - start]
+        apply_chunk(targets[p.name], grid, index, bits, enc)
+
+
+def _repeats(nbytes: int) -> int:
+    # Small models run in milliseconds: repeat them (best of) so timer noise does not dominate.
+    return max(1, min(5, (64 << 20) // max(1, nbytes)))
+
+
+def measure_codec(pairs: list[Pair], codec: CodecSpec, opts: PublishOptions) -> dict:
+    """Stored bytes, single-thread encode and decode+apply throughput, and a bit-exact check."""
+    nbytes = sum(p.new.nbytes for p in pairs)
+    enc_s = dec_s = math.inf
+    payloads: list = []
+    exact = True
+    for _ in range(_repeats(nbytes)):
+        t0 = time.perf_counter()
+        payloads = _encode(pairs, codec, opts.chunk_bytes, opts.overwrite_above)
+        enc_s = min(enc_s, time.perf_counter() - t0)
+        targets = {p.name: p.old.copy() for p in pairs}
+        t0 = time.perf_counter()
+        _decode_apply(payloads, codec, targets)
+        dec_s = min(dec_s, time.perf_counter() - t0)
+        exact = exact and all(np.array_equal(targets[p.name], p.new) for p in pairs)
+        del targets
+    stored = sum(len(x[-1]) for x in payloads)
+    return {
+        "codec": codec.to_dict(), "bytes": stored, "chunks": len(payloads), "exact": exact,
+        "encode_s": enc_s, "decode_apply_s": dec_s,
+        "encode_gbps": nbytes / enc_s / 1e9, "decode_apply_gbps": nbytes / dec_s / 1e9,
+    }
+
+
+# ---------------------------------------------------------------- baselines
+
+
+def _zstd1():
+    from numcodecs import Zstd
+
+    return Zstd(level=1)
+
+
+def baseline_xor_zstd(pairs: list[Pair]) -> dict:
+    """Dense XOR of every tensor, zstd level 1 per tensor (the ModelExpress / Fireworks style)."""
+    z = _zstd1()
+    t0 = time.perf_counter()
+    stored = sum(len(z.encode(np.bitwise_xor(p.old, p.new))) for p in pairs)
+    return {"bytes": stored, "encode_s": time.perf_counter() - t0}
+
+
+def baseline_index_value(pairs: list[Pair]) -> dict:
+    """int32 flat index + new value of each changed element, zstd level 1 per tensor (PULSE / SparseRL style)."""
+    z = _zstd1()
+    t0 = time.perf_counter()
+    stored = 0
+    for p in pairs:
+        idx = np.flatnonzero(p.old != p.new)
+        if idx.size:
+            blob = idx.astype(np.int32).tobytes() + p.new[idx].tobytes()
+            stored += len(z.encode(np.frombuffer(blob, dtype=np.uint8)))
+    return {"bytes": stored, "encode_s": time.perf_counter() - t0}
+
+
+def baseline_patch_from(old_file: str, new_file: str, level: int, tmp: str) -> dict:
+    """``zstd --patch-from=old new -LEVEL``: a generic binary delta of the checkpoint files."""
+    zstd = shutil.which("zstd")
+    if not zstd:
+        return {"bytes": None, "unavailable": "zstd CLI not found"}
+    out = os.path.join(tmp, f"patch-{level}.zst")
+    t0 = time.perf_counter()
+    r = subprocess.run(
+        [zstd, "-q", "-f", f"-{level}", f"--patch-from={old_file}", new_file, "-o", out],
+        capture_output=True, text=True,
+    )
+    elapsed = time.perf_counter() - t0
+    if r.returncode != 0:
+        return {"bytes": None, "unavailable": f"zstd failed: {r.stderr.strip()[:200]}"}
+    size = os.path.getsize(out)
+    os.remove(out)
+    return {"bytes": size, "encode_s": elapsed}
+
+
+def _save(tensors: dict[str, torch.Tensor], path: str) -> str:
+    from safetensors.torch import save_file
+
+    save_file(tensors, path)
+    return path
+
+
+# ---------------------------------------------------------------- one scenario
+
+
+def measure_scenario(old, new, a: argparse.Namespace, tmp: str, opts: PublishOptions) -> dict:
+    pairs = as_pairs(old, new)
+    stats = change_stats(pairs)
+    changed = stats["changed"]
+    new_file = _save(new, os.path.join(tmp, "new.safetensors"))
+    full = os.path.getsize(new_file)
+    methods: dict[str, dict] = {"full": {"bytes": full}}
+    methods["dcr"] = measure_codec(pairs, opts.delta_codec, opts)
+    std = standard_codec()
+    if std == opts.delta_codec:
+        methods["standard"] = {**methods["dcr"], "same_as_dcr": True}
+    else:
+        methods["standard"] = measure_codec(pairs, std, opts)
+    methods["xor_zstd1"] = baseline_xor_zstd(pairs)
+    methods["index_value_zstd1"] = baseline_index_value(pairs)
+    old_file = _save(old, os.path.join(tmp, "old.safetensors")) if shutil.which("zstd") else None
+    for level in (1, 3):
+        key = f"patch_from_{level}"
+        if level not in a.patch_levels:
+            methods[key] = {"bytes": None, "unavailable": "skipped (--quick)"}
+        elif old_file is None:
+            methods[key] = {"bytes": None, "unavailable": "zstd CLI not found"}
+        else:
+            methods[key] = baseline_patch_from(old_file, new_file, level, tmp)
+    if old_file:
+        os.remove(old_file)
+    dcr_bytes = methods["dcr"]["bytes"]
+    for m in methods.values():
+        b = m.get("bytes")
+        m["bytes_per_change"] = b / changed if b is not None and changed else None
+        m["ratio_to_dcr"] = b / dcr_bytes if b is not None and dcr_bytes else None
+    bound = stats["bound"]["bytes_per_change"]
+    methods["dcr"]["ratio_to_bound"] = methods["dcr"]["bytes_per_change"] / bound if bound else None
+    methods["standard"]["ratio_to_bound"] = methods["standard"]["bytes_per_change"] / bound if bound else None
+    return {**stats, "full_bytes": full, "model_bytes": sum(p.new.nbytes for p in pairs),
+            "tensors": len(pairs), "methods": methods, "new_file": new_file}
+
+
+# ---------------------------------------------------------------- end to end
+
+
+def _copy_synced(src: str, dst: str) -> None:
+    shutil.copyfile(src, dst)
+    fd = os.open(dst, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _dcr_refit(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: dict) -> dict:
+    """Keyframe of ``old`` and a receiver at it (untimed), then the timed delta publish and receive of ``new``."""
+    from safetensors.torch import load_file
+
+    from flows.demo import mismatch
+    from flows.pipeline import run_publish, run_receive
+
+    popts = PublishOptions(cache_dir=os.path.join(tmp, "cache", uuid.uuid4().hex[:8]))
+    state = os.path.join(tmp, f"receiver-{uuid.uuid4().hex[:8]}.safetensors")
+    run_publish(root, old, 0, keyframe=True, storage_options=setup_opts, options=popts)
+    run_receive(root, "bench", state, 0, storage_options=setup_opts)
+    t0 = time.perf_counter()
+    pub = run_publish(root, new, 1, storage_options=timed_opts, options=popts)
+    t1 = time.perf_counter()
+    rec = run_receive(root, "bench", state, 1, storage_options=timed_opts)
+    t2 = time.perf_counter()
+    problem = mismatch(new, load_file(state))
+    os.remove(state)
+    shutil.rmtree(popts.cache_dir, ignore_errors=True)
+    return {
+        "publish_s": t1 - t0, "receive_s": t2 - t1, "total_s": t2 - t0,
+        "bytes_stored": pub.summary["bytes_stored"], "bytes_pulled": rec.bytes_pulled,
+        "exact": problem is None, "mismatch": problem,
+        "publish_timings": pub.timings, "receive_timings": rec.timings,
+    }
+
+
+def e2e_local(old, new, new_file: str, tmp: str) -> dict:
+    """On a local ROOT: what the pipeline costs without a network; the reference copies the file in and out."""
+    root = os.path.join(tmp, f"root-{uuid.uuid4().hex[:8]}")
+    dcr = _dcr_refit(root, old, new, tmp, {}, {})
+    os.makedirs(root, exist_ok=True)
+    stored, back = os.path.join(root, "full.safetensors"), os.path.join(tmp, "full-back.safetensors")
+    t0 = time.perf_counter()
+    _copy_synced(new_file, stored)
+    t1 = time.perf_counter()
+    _copy_synced(stored, back)
+    t2 = time.perf_counter()
+    os.remove(back)
+    shutil.rmtree(root, ignore_errors=True)
+    full = {"upload_s": t1 - t0, "download_s": t2 - t1, "total_s": t2 - t0, "bytes": os.path.getsize(new_file)}
+    return {"dcr": dcr, "full": full}
+
+
+class S3Service:
+    """A moto S3 server and a bandwidth-capped proxy in front of it, both on 127.0.0.1.
+
+    They run in a child process started here, so the server's request handling does not share
+    the interpreter lock with the publisher and receiver being timed (a remote store would not)."""
+
+    ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+    UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
+
+    def __init__(self, bandwidth: float):
+        self.bandwidth = bandwidth
+
+    def __enter__(self) -> S3Service:
+        import importlib.util
+        import multiprocessing
+
+        for mod in ("moto", "boto3", "s3fs", "flask"):
+            if importlib.util.find_spec(mod) is None:
+                raise ImportError(f"{mod} is not installed")
+        self._saved = {k: os.environ.get(k) for k in (*self.ENV, *self.UNSET)}
+        os.environ.update(self.ENV)
+        for k in self.UNSET:
+            os.environ.pop(k, None)
+        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_serve_s3, args=(child, self.bandwidth), daemon=True)
+        self._proc.start()
+        child.close()
+        try:
+            if not self._conn.poll(120):
+                raise RuntimeError("the S3 server process did not start within 120 s")
+            self.direct, proxy_url = self._conn.recv()
+        except BaseException:
+            self.__exit__()
+            raise
+        self.proxy = _ProxyHandle(self._conn, proxy_url)
+        import boto3
+
+        boto3.client("s3", endpoint_url=self.direct).create_bucket(Bucket=BUCKET)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        with contextlib.suppress(OSError, EOFError):
+            self._conn.send("stop")
+        self._proc.join(30)
+        if self._proc.is_alive():
+            self._proc.terminate()
+            self._proc.join(10)
+        self._conn.close()
+        for k, v in self._saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    def fs(self, endpoint: str):
+        import s3fs
+
+        return s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
+
+
+class _ProxyHandle:
+    """The proxy of the server process, as seen from here: its URL and its byte counters."""
+
+    def __init__(self, conn, url: str):
+        self._conn, self.url = conn, url
+
+    def counts(self) -> dict:
+        self._conn.send("counts")
+        return self._conn.recv()
+
+
+def _serve_s3(conn, bandwidth: float) -> None:
+    """Server process: moto and the capped proxy until the parent says "stop" (or goes away)."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no per-request access log
+    from moto.server import ThreadedMotoServer
+
+    from flows.netproxy import ThrottledProxy
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    direct = f"http://{host}:{port}"
+    proxy = ThrottledProxy(direct, bandwidth)
+    try:
+        conn.send((direct, proxy.url))
+        while conn.recv() == "counts":
+            conn.send(proxy.counts())
+    except (EOFError, OSError):
+        pass
+    finally:
+        proxy.close()
+        server.stop()
+
+
+def e2e_s3(svc: S3Service, old, new, new_file: str, tmp: str) -> dict:
+    """Through the capped link: the timed delta publish and receive vs uploading and downloading the full file."""
+    prefix = f"{BUCKET}/run-{uuid.uuid4().hex[:10]}"
+    direct, via = {"endpoint_url": svc.direct}, {"endpoint_url": svc.proxy.url}
+    before = svc.proxy.counts()
+    dcr = _dcr_refit(f"s3://{prefix}/dcr", old, new, tmp, direct, via)
+    after = svc.proxy.counts()
+    dcr["wire_bytes"] = after["bytes_up"] + after["bytes_down"] - before["bytes_up"] - before["bytes_down"]
+    fs = svc.fs(svc.proxy.url)
+    back = os.path.join(tmp, "full-back.safetensors")
+    t0 = time.perf_counter()
+    # One PUT (as for any object under 5 GB): a multipart upload would add the test server's
+    # slow part reassembly to the reference, which real object stores do not charge for.
+    fs.put_file(new_file, f"{prefix}/full.safetensors", chunksize=max(50 << 20, os.path.getsize(new_file)))
+    t1 = time.perf_counter()
+    fs.get_file(f"{prefix}/full.safetensors", back)
+    t2 = time.perf_counter()
+    done = svc.proxy.counts()
+    # The same transfer straight to the server: what the test server itself costs per object.
+    direct_fs = svc.fs(svc.direct)
+    t3 = time.perf_counter()
+    direct_fs.put_file(new_file, f"{prefix}/full-direct.safetensors", chunksize=max(50 << 20, os.path.getsize(new_file)))
+    direct_fs.get_file(f"{prefix}/full-direct.safetensors", back)
+    t4 = time.perf_counter()
+    os.remove(back)
+    direct_fs.rm(prefix, recursive=True)  # moto keeps objects in memory
+    full = {"upload_s": t1 - t0, "download_s": t2 - t1, "total_s": t2 - t0, "bytes": os.path.getsize(new_file),
+            "wire_bytes": done["bytes_up"] + done["bytes_down"] - after["bytes_up"] - after["bytes_down"],
+            "unthrottled_direct_s": t4 - t3}
+    return {"dcr": dcr, "full": full, "bandwidth": svc.bandwidth}
+
+
+def e2e_summary(r: dict) -> dict:
+    dcr, full = r["dcr"], r["full"]
+    time_ratio = full["total_s"] / dcr["total_s"] if dcr["total_s"] else None
+    byte_ratio = full["bytes"] / dcr["bytes_stored"] if dcr["bytes_stored"] else None
+    r["time_ratio"], r["byte_ratio"] = time_ratio, byte_ratio
+    r["quotient"] = time_ratio / byte_ratio if time_ratio and byte_ratio else None
+    bw = r.get("bandwidth")
+    for side in (dcr, full):
+        # The time the bytes alone need on the link; the rest of a refit's time is local work.
+        side["link_s"] = side["wire_bytes"] / bw if bw and "wire_bytes" in side else None
+    return r
+
+
+# ---------------------------------------------------------------- output
+
+
+def _f(x, fmt: str = ".2f", none: str = "n/a") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _params(n: int) -> str:
+    return f"{n / 1e9:.2f}B" if n >= 1e9 else f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e3:.0f}k"
+
+
+def markdown(results: dict) -> str:
+    sc = results["scenarios"]
+    lines = [f"# dcr bench\n\n`{' '.join(results['command'])}`\n",
+             f"Machine: {results['machine']['cpu_model']}, {results['machine']['cores_usable']} cores; "
+             f"python {results['machine']['python']}, torch {results['machine']['torch']}.\n"]
+    if sc:
+        keys = [k for k in METHODS if k != "full"]
+        lines += [
+            "## Bytes per changed element (lower is better)\n",
+            "Bound: Bernoulli(p) positions at the observed change rate plus the empirical entropy of the XOR values.\n",
+            "| source | params | change % | bound | " + " | ".join(METHODS[k] for k in keys) + " | full | DCR / bound |",
+            "|---|---:|---:|---:|" + "---:|" * len(keys) + "---:|---:|",
+        ]
+        for s in sc:
+            m = s["methods"]
+            lines.append(
+                f"| {s['source']} | {_params(s['parameters'])} | {100 * s['change_rate']:.2f} | "
+                f"{_f(s['bound']['bytes_per_change'], '.3f')} | "
+                + " | ".join(_f(m[k]["bytes_per_change"], ".3f") for k in keys)
+                + f" | {_f(m['full']['bytes_per_change'], '.1f')} | {_f(m['dcr']['ratio_to_bound'], '.3f')} |"
+            )
+        ratio_keys = [k for k in METHODS if k != "dcr"]
+        lines += [
+            "\n## Bytes relative to DCR (method / DCR; above 1 means DCR stores less)\n",
+            "| source | params | change % | DCR bytes | " + " | ".join(METHODS[k] for k in ratio_keys) + " |",
+            "|---|---:|---:|---:|" + "---:|" * len(ratio_keys),
+        ]
+        for s in sc:
+            m = s["methods"]
+            lines.append(
+                f"| {s['source']} | {_params(s['parameters'])} | {100 * s['change_rate']:.2f} | {m['dcr']['bytes']:,} | "
+                + " | ".join(_f(m[k]["ratio_to_dcr"]) for k in ratio_keys) + " |"
+            )
+        lines += [
+            "\n## Speed (one thread; GB/s of canonical checkpoint bytes)\n",
+            "| source | params | change % | DCR encode | DCR decode+apply | standard encode | standard decode+apply "
+            "| XOR+zstd-1 encode | patch-from -1 s | exact |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
+        ]
+        for s in sc:
+            m, gb = s["methods"], s["model_bytes"] / 1e9
+            xz = m["xor_zstd1"]
+            lines.append(
+                f"| {s['source']} | {_params(s['parameters'])} | {100 * s['change_rate']:.2f} | "
+                f"{_f(m['dcr']['encode_gbps'])} | {_f(m['dcr']['decode_apply_gbps'])} | "
+                f"{_f(m['standard']['encode_gbps'])} | {_f(m['standard']['decode_apply_gbps'])} | "
+                f"{_f(gb / xz['encode_s'] if xz.get('encode_s') else None)} | {_f(m['patch_from_1'].get('encode_s'))} | "
+                f"{'yes' if m['dcr']['exact'] and m['standard']['exact'] else 'NO'} |"
+            )
+    if results["end_to_end"]:
+        lines += [
+            "\n## End to end: delta publish + receive vs moving the full checkpoint (up + down)\n",
+            "`DCR on link s`: DCR's bytes on the wire divided by the link rate (the rest is local work). "
+            "`full direct s`: the full up + down straight to the test server, uncapped (its own per-object cost, "
+            "included in `full s`). `time/byte`: time ratio over byte ratio.\n",
+            "| backend | link MB/s | source | params | change % | DCR pub s | DCR recv s | DCR s | DCR on link s | "
+            "full up s | full down s | full s | full direct s | time ratio | byte ratio | time/byte | exact |",
+            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
+        ]
+        for e in results["end_to_end"]:
+            d, f = e["dcr"], e["full"]
+            bw = e.get("bandwidth")
+            lines.append(
+                f"| {e['backend']} | {_f(bw / 1e6 if bw else None, '.0f', 'none')} | {e['source']} | "
+                f"{_params(e['parameters'])} | {100 * e['change_rate']:.2f} | {d['publish_s']:.2f} | {d['receive_s']:.2f} | "
+                f"{d['total_s']:.2f} | {_f(d.get('link_s'))} | {f['upload_s']:.2f} | {f['download_s']:.2f} | {f['total_s']:.2f} | {_f(f.get('unthrottled_direct_s'))} | "
+                f"{_f(e['time_ratio'], '.1f')} | {_f(e['byte_ratio'], '.1f')} | {_f(e['quotient'])} | "
+                f"{'yes' if d['exact'] else 'NO'} |"
+            )
+    for s in results["skipped"]:
+        lines.append(f"\nSkipped: {s}")
+    if results.get("plots_skipped"):
+        lines.append(f"\nPlots skipped: {results['plots_skipped']}")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out: str) -> list[str]:
+    """The PNG plots; raises ImportError without matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    groups: dict[tuple, list] = {}
+    for s in results["scenarios"]:
+        groups.setdefault((s["source"], s["parameters"]), []).append(s)
+    if groups:
+        fig, axes = plt.subplots(1, len(groups), figsize=(5.5 * len(groups), 4.5), squeeze=False)
+        for ax, ((source, n), ss) in zip(axes[0], sorted(groups.items())):
+            ss = sorted(ss, key=lambda s: s["change_rate"])
+            x = [100 * s["change_rate"] for s in ss]
+            for k, label in METHODS.items():
+                y = [s["methods"][k]["bytes_per_change"] for s in ss]
+                if any(v is not None for v in y):
+                    style = "o-" if k == "dcr" else ":" if k == "full" else ".-"
+                    ax.plot(x, [math.nan if v is None else v for v in y], style, label=label,
+                            linewidth=2.5 if k == "dcr" else 1.2)
+            ax.plot(x, [s["bound"]["bytes_per_change"] or math.nan for s in ss], "k--", label="entropy bound")
+            ax.set_yscale("log")
+            ax.set_xlabel("change rate (%)")
+            ax.set_ylabel("bytes per changed element")
+            ax.set_title(f"{source}, {_params(n)} params")
+            ax.grid(True, which="both", alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out, "bytes_per_change.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    e2e: dict[tuple, list] = {}
+    for e in results["end_to_end"]:
+        e2e.setdefault((e["backend"], e["source"], e["parameters"]), []).append(e)
+    if e2e:
+        fig, axes = plt.subplots(1, len(e2e), figsize=(5 * len(e2e), 4.2), squeeze=False)
+        for ax, ((backend, source, n), es) in zip(axes[0], sorted(e2e.items())):
+            es = sorted(es, key=lambda e: e["change_rate"])
+            pos = np.arange(len(es))
+            pub = [e["dcr"]["publish_s"] for e in es]
+            ax.bar(pos - 0.2, pub, 0.4, label="DCR publish")
+            ax.bar(pos - 0.2, [e["dcr"]["receive_s"] for e in es], 0.4, bottom=pub, label="DCR receive")
+            up = [e["full"]["upload_s"] for e in es]
+            ax.bar(pos + 0.2, up, 0.4, label="full upload")
+            ax.bar(pos + 0.2, [e["full"]["download_s"] for e in es], 0.4, bottom=up, label="full download")
+            ax.set_xticks(pos, [f"{100 * e['change_rate']:.1f}%" for e in es])
+            ax.set_xlabel("change rate")
+            ax.set_ylabel("refit time (s)")
+            bw = es[0].get("bandwidth")
+            ax.set_title(f"{backend}{f' @ {bw / 1e6:.0f} MB/s' if bw else ''}: {source}, {_params(n)}")
+            ax.grid(True, axis="y", alpha=0.3)
+        axes[0][0].legend(fontsize=8)
+        fig.tight_layout()
+        path = os.path.join(out, "refit_time.png")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def write_outputs(results: dict, out: str) -> str:
+    os.makedirs(out, exist_ok=True)
+    try:
+        results["plots"] = [os.path.basename(p) for p in plot(results, out)]
+    except ImportError as e:
+        results["plots"], results["plots_skipped"] = [], f"matplotlib is not importable ({e})"
+        say(f"plots skipped: {results['plots_skipped']}")
+    md = markdown(results)
+    with open(os.path.join(out, "results.md"), "w") as f:
+        f.write(md)
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2, default=str)
+    return md
+
+
+# ---------------------------------------------------------------- main
+
+
+def run(a: argparse.Namespace, command: list[str]) -> dict:
+    opts = PublishOptions()
+    results = {"command": command, "machine": machine_info(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+               "config": {"sizes": a.sizes, "rates": a.rates, "sources": a.sources, "backends": a.backends,
+                          "bandwidth": a.bandwidth, "e2e_size": a.e2e_size, "e2e_rates": a.e2e_rates,
+                          "seed": a.seed, "quick": a.quick, "chunk_bytes": opts.chunk_bytes,
+                          "delta_codec": opts.delta_codec.to_dict(), "standard_codec": standard_codec().to_dict()},
+               "scenarios": [], "end_to_end": [], "skipped": []}
+    t_start = time.perf_counter()
+    with contextlib.ExitStack() as stack:
+        s3 = _start_s3(a, stack, results) if "s3" in a.backends else None
+        tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="dcr-bench-"))
+        for source in a.sources:
+            for size in a.sizes:
+                ok, need, avail = fits_in_memory(source, size)
+                if not ok:
+                    msg = (f"{source} {_params(size)}: needs about {need / 2**30:.1f} GiB, more than 60% of "
+                           f"{avail / 2**30:.1f} GiB available")
+                    say(f"skipped {msg}")
+                    results["skipped"].append(msg)
+                    continue
+                say(f"{source} {_params(size)}: generating updates for rates {', '.join(f'{r:g}' for r in a.rates)}")
+                for rate, old, new, extra in updates(source, size, a.rates, a.seed):
+                    _scenario(a, source, size, rate, old, new, extra, tmp, opts, s3, results)
+                    del old, new
+                    gc.collect()
+    results["wall_s"] = time.perf_counter() - t_start
+    return results
+
+
+def _start_s3(a: argparse.Namespace, stack: contextlib.ExitStack, results: dict) -> S3Service | None:
+    try:
+        svc = stack.enter_context(S3Service(a.bandwidth))
+    except (ImportError, RuntimeError) as e:
+        msg = f"s3 backend unavailable: {e} (needs moto[server], boto3, s3fs)"
+        say(f"skipped {msg}")
+        results["skipped"].append(msg)
+        return None
+    say(f"s3: moto at {svc.direct}, capped proxy at {svc.proxy.url} ({a.bandwidth / 1e6:.0f} MB/s each way)")
+    return svc
+
+
+def _scenario(a, source, size, rate, old, new, extra, tmp, opts, s3, results) -> None:
+    t0 = time.perf_counter()
+    n = sum(t.numel() for t in old.values())
+    s = measure_scenario(old, new, a, tmp, opts)
+    new_file = s.pop("new_file")
+    s = {"source": source, "size_target": size, "rate_target": rate, "parameters": n, **extra, **s}
+    results["scenarios"].append(s)
+    m = s["methods"]
+    say(
+        f"{source} {_params(n)} rate {100 * s['change_rate']:.2f}%: bound {_f(s['bound']['bytes_per_change'], '.3f')} "
+        f"DCR {_f(m['dcr']['bytes_per_change'], '.3f')} B/chg (x{_f(m['dcr']['ratio_to_bound'], '.2f')} bound), "
+        f"xor+zstd x{_f(m['xor_zstd1']['ratio_to_dcr'])}, idx+val x{_f(m['index_value_zstd1']['ratio_to_dcr'])}, "
+        f"patch-1 x{_f(m['patch_from_1']['ratio_to_dcr'])}; enc {m['dcr']['encode_gbps']:.2f} GB/s, "
+        f"dec {m['dcr']['decode_apply_gbps']:.2f} GB/s ({time.perf_counter() - t0:.1f}s)"
+    )
+    if size == a.e2e_size and any(math.isclose(rate, r) for r in a.e2e_rates):
+        for backend in a.backends:
+            if backend == "s3" and s3 is None:
+                continue
+            t1 = time.perf_counter()
+            r = e2e_local(old, new, new_file, tmp) if backend == "local" else e2e_s3(s3, old, new, new_file, tmp)
+            e = e2e_summary({"backend": backend, "source": source, "parameters": n, "rate_target": rate,
+                             "change_rate": s["change_rate"], **r})
+            results["end_to_end"].append(e)
+            say(
+                f"  e2e {backend}: DCR {e['dcr']['total_s']:.2f}s (publish {e['dcr']['publish_s']:.2f} + receive "
+                f"{e['dcr']['receive_s']:.2f}) vs full {e['full']['total_s']:.2f}s; time x{_f(e['time_ratio'], '.1f')}, "
+                f"bytes x{_f(e['byte_ratio'], '.1f')}, exact {'yes' if e['dcr']['exact'] else 'NO'} "
+                f"({time.perf_counter() - t1:.1f}s)"
+            )
+    os.remove(new_file)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = resolve(build_parser().parse_args(argv))
+    say(f"sizes {', '.join(_params(s) for s in a.sizes)}; rates {', '.join(f'{r:g}' for r in a.rates)}; "
+        f"sources {', '.join(a.sources)}; backends {', '.join(a.backends)}; out {a.out}")
+    results = run(a, ["dcr", "bench", *argv])
+    md = write_outputs(results, a.out)
+    say(f"done in {results['wall_s']:.1f}s; wrote {os.path.join(a.out, 'results.json')}, results.md"
+        + "".join(f", {p}" for p in results["plots"]))
+    print(md)
+    inexact = [s for s in results["scenarios"] if not s["methods"]["dcr"]["exact"]]
+    inexact += [e for e in results["end_to_end"] if not e["dcr"]["exact"]]
+    if inexact:
+        print("dcr bench: some refits were not bit-exact (see results.json)", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
