@@ -166,18 +166,23 @@ def encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) ->
                 base = bits_of(base_ck.tensor(name))
                 if tensor_digest(base) != plan.base_digests[name]:
                     raise IntegrityError(f"{baseline}: tensor {name!r} changed since it was verified")
-                encoding = choose_encoding(count_changed(new, base), new.size, opts.overwrite_above)
+                if opts.overwrite_above >= 1.0:
+                    encoding = Encoding.XOR  # the default: no extra pass to count changes first
+                else:
+                    encoding = choose_encoding(count_changed(new, base), new.size, opts.overwrite_above)
             array = layout.array_segment(name)
             while array in used_arrays:  # two names escaping alike: keep arrays distinct
                 array += "_"
             used_arrays.add(array)
-            attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": encoding.value, "step": plan.step}}
-            futures = [w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs)]
             changed = 0
             chunk_futs = []
             for c in encode_chunks(new, base, grid, encoding):
                 changed += c.changed
                 chunk_futs.append(w.write_chunk(array, grid, c.index, c.payload))
+            if encoding is Encoding.XOR and not changed:
+                encoding = Encoding.UNCHANGED
+            attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": encoding.value, "step": plan.step}}
+            futures = [w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs)]
             meta = {
                 "name": name, "dtype": info.dtype, "shape": info.shape, "digest": tensor_digest(new),
                 "encoding": encoding, "array": array, "chunk_shape": grid.chunk_shape,
