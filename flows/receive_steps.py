@@ -11,6 +11,7 @@ in-memory refit that ``dcr verify`` replays.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -210,8 +211,9 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
     meta = {STATE_STEP: str(plan.target_step), STATE_POLICY: target.policy_digest, STATE_ROOT: plan.root_url}
     writer = StreamingSafetensorsWriter(state_path, infos, meta)
     pulled = 0
+    stack = contextlib.ExitStack()
     try:
-        stream = stream_chunks(root, jobs(), workers=options.io_workers)
+        stream = stack.enter_context(contextlib.closing(stream_chunks(root, jobs(), workers=options.io_workers)))
         for name in names:
             e_target = target.tensors[name]
             if reader is not None:
@@ -238,6 +240,8 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
     except BaseException:
         writer.abort()
         raise
+    finally:
+        stack.close()  # stops the read-ahead pool on any exit
     return {"tmp_path": writer.tmp, "writer": writer, "bytes_pulled": pulled, "seconds": time.perf_counter() - t0}
 
 

@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from dcr_core.dtypes import DTYPES, dtype_named, dtype_of
 from dcr_core.errors import InvalidCheckpointError
+from storage.commit import fsync_dir
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20
@@ -233,10 +234,15 @@ class StreamingSafetensorsWriter:
     def commit(self) -> None:
         if self._next != len(self._order):
             raise ValueError(f"only {self._next} of {len(self._order)} tensors written")
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
-        os.replace(self.tmp, self.path)
+        try:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+            os.replace(self.tmp, self.path)
+        except BaseException:
+            self.abort()
+            raise
+        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def abort(self) -> None:
         if not self._f.closed:

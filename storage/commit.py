@@ -72,11 +72,12 @@ def _local(path: str, data: bytes) -> bool:
         return False
     finally:
         os.unlink(tmp)
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return True
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make a rename or link durable (best effort: not every file system fsyncs directories)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:
