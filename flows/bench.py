@@ -25,7 +25,13 @@ import torch
 from dcr_core.bits import bits_of
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.codec import CodecSpec
-from dcr_core.delta import Encoding, apply_chunk, choose_encoding, count_changed, encode_chunks, pad
+from dcr_core.delta import (
+    apply_chunk,
+    choose_encoding,
+    count_changed,
+    encode_chunks,
+    pad,
+)
 from flows.options import PublishOptions
 
 QUICK_SIZES, DEFAULT_SIZES = "2M", "10M,100M"
@@ -125,11 +131,8 @@ def resolve(a: argparse.Namespace) -> argparse.Namespace:
 
 def machine_info() -> dict:
     cpu = "unknown"
-    with contextlib.suppress(OSError):
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     info = {
         "cpu_model": cpu,
         "cores": os.cpu_count(),
@@ -147,13 +150,13 @@ def machine_info() -> dict:
     zstd = shutil.which("zstd")
     if zstd:
         with contextlib.suppress(Exception):
-            info["zstd_cli"] = subprocess.run([zstd, "--version"], capture_output=True, text=True).stdout.strip()
+            info["zstd_cli"] = subprocess.run([zstd, "--version"], capture_output=True, text=True, check=False).stdout.strip()
     return info
 
 
 def _meminfo(key: str) -> int | None:
-    with contextlib.suppress(OSError):
-        for line in open("/proc/meminfo"):
+    with contextlib.suppress(OSError), open("/proc/meminfo") as f:
+        for line in f:
             if line.startswith(key + ":"):
                 return int(line.split()[1]) * 1024
     return None
@@ -340,7 +343,7 @@ def baseline_patch_from(old_file: str, new_file: str, level: int, tmp: str) -> d
     t0 = time.perf_counter()
     r = subprocess.run(
         [zstd, "-q", "-f", f"-{level}", f"--patch-from={old_file}", new_file, "-o", out],
-        capture_output=True, text=True,
+        capture_output=True, text=True, check=False,
     )
     elapsed = time.perf_counter() - t0
     if r.returncode != 0:
@@ -608,8 +611,8 @@ def _params(n: int) -> str:
 def markdown(results: dict) -> str:
     sc = results["scenarios"]
     lines = [f"# dcr bench\n\n`{' '.join(results['command'])}`\n",
-             f"Machine: {results['machine']['cpu_model']}, {results['machine']['cores_usable']} cores; "
-             f"python {results['machine']['python']}, torch {results['machine']['torch']}.\n"]
+             (f"Machine: {results['machine']['cpu_model']}, {results['machine']['cores_usable']} cores; "
+             f"python {results['machine']['python']}, torch {results['machine']['torch']}.\n")]
     if sc:
         keys = [k for k in METHODS if k != "full"]
         lines += [
@@ -640,8 +643,8 @@ def markdown(results: dict) -> str:
             )
         lines += [
             "\n## Speed (one thread; GB/s of canonical checkpoint bytes)\n",
-            "| source | params | change % | DCR encode | DCR decode+apply | standard encode | standard decode+apply "
-            "| XOR+zstd-1 encode | patch-from -1 s | exact |",
+            ("| source | params | change % | DCR encode | DCR decode+apply | standard encode | standard decode+apply "
+            "| XOR+zstd-1 encode | patch-from -1 s | exact |"),
             "|---|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
         ]
         for s in sc:
@@ -657,11 +660,11 @@ def markdown(results: dict) -> str:
     if results["end_to_end"]:
         lines += [
             "\n## End to end: delta publish + receive vs moving the full checkpoint (up + down)\n",
-            "`DCR on link s`: DCR's bytes on the wire divided by the link rate (the rest is local work). "
+            ("`DCR on link s`: DCR's bytes on the wire divided by the link rate (the rest is local work). "
             "`full direct s`: the full up + down straight to the test server, uncapped (its own per-object cost, "
-            "included in `full s`). `time/byte`: time ratio over byte ratio.\n",
-            "| backend | link MB/s | source | params | change % | DCR pub s | DCR recv s | DCR s | DCR on link s | "
-            "full up s | full down s | full s | full direct s | time ratio | byte ratio | time/byte | exact |",
+            "included in `full s`). `time/byte`: time ratio over byte ratio.\n"),
+            ("| backend | link MB/s | source | params | change % | DCR pub s | DCR recv s | DCR s | DCR on link s | "
+            "full up s | full down s | full s | full direct s | time ratio | byte ratio | time/byte | exact |"),
             "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
         ]
         for e in results["end_to_end"]:

@@ -88,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common(p)
 
     sub.add_parser("demo", help="train a small model and refit two receivers after every step", add_help=False)
+    sub.add_parser("bench", help="benchmark DCR against peer baselines (JSON, markdown, plots)", add_help=False)
     return parser
 
 
@@ -231,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
         from flows.demo import main as demo_main
 
         return demo_main(argv[1:])
+    if argv and argv[0] == "bench":
+        from flows.bench import main as bench_main
+
+        return bench_main(argv[1:])
     args = build_parser().parse_args(argv)
     t0 = time.perf_counter()
     try:
