@@ -11,7 +11,7 @@ and takes the one that pulls fewer stored bytes (the delta path on a tie).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -77,3 +77,37 @@ def plan_path(steps: Mapping[int, StepInfo], current: int | None, target: int) -
                 + [Move(s, Direction.FORWARD) for s in redo],
             )
     return min(candidates, key=lambda path: sum(steps[m.step].stored_bytes for m in path))
+
+
+def plan_direct(
+    lookup: Callable[[int], StepInfo], current: int | None, target: int, keyframe_cost: int | None
+) -> list[Move] | None:
+    """The delta path when one step lies on the other's chain, reading only the steps between.
+
+    ``lookup`` gives a step's StepInfo (it may do I/O; this function does none itself);
+    ``keyframe_cost`` is the stored bytes of the keyframe path to ``target`` (recorded in its commit
+    marker). Returns the same moves ``plan_path`` would choose, or None when the general planner
+    (which reads both chains back to their keyframes) is needed: unrelated steps, a step that
+    cannot be undone, a keyframe path that is cheaper, or an unknown keyframe cost.
+    """
+    if current is None or keyframe_cost is None:
+        return None
+    if current == target:
+        return []
+    forward = current < target
+    walked: list[int] = []
+    cost = 0
+    s: int | None = target if forward else current
+    stop = current if forward else target
+    while s is not None and s > stop:
+        info = lookup(s)
+        if not forward and not info.invertible:
+            return None
+        walked.append(s)
+        cost += info.stored_bytes
+        s = info.base_step
+    if s != stop or cost > keyframe_cost:
+        return None
+    if forward:
+        return [Move(x, Direction.FORWARD) for x in reversed(walked)]
+    return [Move(x, Direction.BACKWARD) for x in walked]

@@ -250,7 +250,7 @@ def commit_step(plan: PublishPlan, manifest: Manifest, digest: str) -> CommitMar
         base_step=plan.base_step,
         policy_digest=manifest.policy_digest,
         committed_at=utc_now(),
-        summary=manifest.summary(),
+        summary=_chain_summary(cat, plan, manifest.summary()),
     )
     if not root.create_if_absent(layout.commit_key(plan.step), marker.to_json()):
         winner = Catalog(root).marker(plan.step)
@@ -262,6 +262,18 @@ def commit_step(plan: PublishPlan, manifest: Manifest, digest: str) -> CommitMar
             f" (attempt {winner.attempt if winner else '?'}); this attempt was discarded"
         )
     return marker
+
+
+def _chain_summary(cat: Catalog, plan: PublishPlan, summary: dict) -> dict:
+    """Add the keyframe of this step's lineage and the stored bytes of the keyframe path to it, so
+    receivers can price that path without reading every marker back to the keyframe."""
+    if plan.kind == KEYFRAME:
+        return {**summary, "keyframe_step": plan.step, "chain_bytes": summary["bytes_stored"]}
+    base = cat.marker(plan.base_step).summary if cat.marker(plan.base_step) else {}
+    if isinstance(base.get("chain_bytes"), int) and isinstance(base.get("keyframe_step"), int):
+        return {**summary, "keyframe_step": base["keyframe_step"],
+                "chain_bytes": base["chain_bytes"] + summary["bytes_stored"]}
+    return summary
 
 
 def _discard(root: Root, plan: PublishPlan) -> None:

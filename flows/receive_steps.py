@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcr_core.bits import bits_of
-from dcr_core.chain import Direction, Move, plan_path
+from dcr_core.chain import Direction, Move, plan_direct, plan_path
 from dcr_core.delta import Encoding, apply_chunk
 from dcr_core.digest import tensor_digest
 from dcr_core.dtypes import DTYPES
@@ -94,8 +94,11 @@ def plan_receive(
         raise StateMismatchError(
             f"{state_path or 'state'}: claims step {current}, which is not committed in {root.url}"
         )
-    infos = cat.chain_infos(target, current)
-    moves = plan_path(infos, current, target)
+    # Common case first: one step lies on the other's chain; read only the markers in between.
+    moves = plan_direct(cat.step_info, current, target, cat.keyframe_cost(target))
+    if moves is None:
+        moves = plan_path(cat.chain_infos(target, current), current, target)
+    infos = {m.step: cat.step_info(m.step) for m in moves}
     needed = {target} | {m.step for m in moves}
     if current is not None and (not moves or moves[0].direction is not Direction.KEYFRAME):
         needed.add(current)

@@ -97,6 +97,11 @@ class Catalog:
             stored_bytes=int(s.get("bytes_stored", 0)),
         )
 
+    def keyframe_cost(self, step: int) -> int | None:
+        """Stored bytes of the keyframe path to ``step`` (keyframe plus deltas), if its marker says."""
+        v = self.require_marker(step).summary.get("chain_bytes")
+        return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
     def chain_infos(self, *steps: int | None) -> dict[int, StepInfo]:
         """StepInfo of every step on the chains of ``steps`` back to their keyframes."""
         out: dict[int, StepInfo] = {}
