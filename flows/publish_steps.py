@@ -9,6 +9,7 @@ publishers of one step each write their own attempt; exactly one marker creation
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 import uuid
@@ -24,7 +25,7 @@ from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, SchemaMismatchError, StepConflictError, UsageError
 from flows.options import PublishOptions
 from flows.sources import Source
-from storage import commit, layout
+from storage import commit, layout, signing
 from storage.catalog import Catalog, manifest_digest, utc_now
 from storage.checkpoint import SafetensorsCheckpoint, StreamingSafetensorsWriter, TensorInfo
 from storage.manifest import DELTA, KEYFRAME, ChunkTable, CommitMarker, Manifest, TensorEntry
@@ -252,6 +253,9 @@ def commit_step(plan: PublishPlan, manifest: Manifest, digest: str) -> CommitMar
         committed_at=utc_now(),
         summary=_chain_summary(cat, plan, manifest.summary()),
     )
+    key = signing.signing_key()
+    if key is not None:
+        marker = dataclasses.replace(marker, signature=signing.sign(key, marker.body()))
     if not root.create_if_absent(layout.commit_key(plan.step), marker.to_json()):
         winner = Catalog(root).marker(plan.step)
         if winner is not None and winner.attempt == plan.attempt and winner.manifest_digest == digest:

@@ -94,6 +94,7 @@ def plan_receive(
         raise StateMismatchError(
             f"{state_path or 'state'}: claims step {current}, which is not committed in {root.url}"
         )
+
     # Common case first: one step lies on the other's chain; read only the markers in between.
     moves = plan_direct(cat.step_info, current, target, cat.keyframe_cost(target))
     if moves is None:

@@ -15,7 +15,7 @@ import blake3
 
 from dcr_core.chain import StepInfo
 from dcr_core.errors import IntegrityError, StepNotFoundError
-from storage import layout
+from storage import layout, signing
 from storage.manifest import DELTA, CommitMarker, Manifest
 from storage.root import Root
 
@@ -33,6 +33,7 @@ class Catalog:
 
     def __init__(self, root: Root):
         self.root = root
+        self.key = signing.signing_key()  # markers must be signed with it when set
         self._marker = lru_cache(maxsize=None)(self._read_marker)
         self._manifest = lru_cache(maxsize=64)(self._read_manifest)
 
@@ -65,7 +66,14 @@ class Catalog:
             data = self.root.read(key)
         except FileNotFoundError:
             return None
-        return CommitMarker.from_json(data, f"{self.root.url}/{key}", step)
+        where = f"{self.root.url}/{key}"
+        marker = CommitMarker.from_json(data, where, step)
+        if self.key is not None:
+            if marker.signature is None:
+                raise IntegrityError(f"{where}: commit marker is not signed, and a signing key is configured")
+            if not signing.verify(self.key, marker.body(), marker.signature):
+                raise IntegrityError(f"{where}: commit marker signature does not match (tampered, or another key)")
+        return marker
 
     def manifest(self, step: int) -> Manifest:
         return self._manifest(step)

@@ -323,13 +323,21 @@ class CommitMarker:
     policy_digest: str
     committed_at: str
     summary: dict = field(default_factory=dict)
+    signature: str | None = None  # HMAC of body() when the publisher has a signing key
 
     @property
     def manifest_key(self) -> str:
         return layout.manifest_key(self.step, self.attempt)
 
     def to_json(self) -> bytes:
-        d = {
+        d = self.body()
+        if self.signature is not None:
+            d["signature"] = {"algorithm": "hmac-sha256", "value": self.signature}
+        return json.dumps(d, indent=1).encode() + b"\n"
+
+    def body(self) -> dict:
+        """Every field but the signature: what a signature covers."""
+        return {
             "format": "dcr-commit",
             "schema_version": SCHEMA_VERSION,
             "step": self.step,
@@ -342,7 +350,6 @@ class CommitMarker:
             "committed_at": self.committed_at,
             "summary": self.summary,
         }
-        return json.dumps(d, indent=1).encode() + b"\n"
 
     @classmethod
     def from_json(cls, data: bytes, where: str, step: int) -> CommitMarker:
@@ -363,7 +370,13 @@ class CommitMarker:
         if kind not in (KEYFRAME, DELTA):
             raise _fail(where, f"bad kind {kind!r}")
         base = d.get("base_step")
+        sig = d.get("signature")
+        if sig is not None and not (
+            isinstance(sig, dict) and sig.get("algorithm") == "hmac-sha256" and isinstance(sig.get("value"), str)
+        ):
+            raise _fail(where, "malformed signature")
         return cls(
+            signature=None if sig is None else sig["value"],
             step=step,
             attempt=attempt,
             manifest_digest=_hexdigest(d.get("manifest_digest"), where),
