@@ -1,4 +1,4 @@
-"""The ``dcr`` command line: publish, receive, materialize, ls, verify, demo.
+"""The ``dcr`` command line: publish, receive, materialize, ls, verify, gc, demo, bench.
 
 Errors print one line (``dcr: error: ...``) and exit non-zero; set ``DCR_DEBUG=1`` for a traceback.
 Orchestration: ``--orchestrator prefect`` runs the Prefect flows (tracked by the Prefect API),
@@ -55,6 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-bytes", type=int, default=None, help="raw bytes per chunk (default 4 MiB)")
     p.add_argument("--no-cache", action="store_true", help="rebuild the baseline from ROOT instead of the local cache")
     p.add_argument(
+        "--keyframe-every", type=int, default=0, metavar="K",
+        help="keyframe policy: make this step a keyframe once K steps passed since the lineage's keyframe",
+    )
+    p.add_argument(
+        "--keyframe-above", type=float, default=0.0, metavar="F",
+        help="keyframe policy: make this step a keyframe once the stored delta bytes since the lineage's "
+        "keyframe exceed F times the full size (e.g. 0.5)",
+    )
+    p.add_argument(
         "--codec", choices=("sparse", "blosc"), default="sparse",
         help="delta codec: sparse (default, near the entropy bound; stock zarr reads it with this package "
         "installed) or blosc (standard Zarr codec only, about 1.6x the bytes)",
@@ -87,6 +96,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--deep", action="store_true", help="also replay every delta and check tensor digests")
     _add_common(p)
 
+    p = sub.add_parser("gc", help="delete steps and attempts that retention no longer needs")
+    p.add_argument("root")
+    p.add_argument(
+        "--keep-last", type=int, required=True, metavar="K",
+        help="keep the newest K committed steps (and the chains to rebuild them); registered receivers' "
+        "steps and the deltas they need are always kept",
+    )
+    p.add_argument(
+        "--grace-seconds", type=float, default=3600.0,
+        help="leave uncommitted attempts younger than this alone: a publisher may still be writing them (default 3600)",
+    )
+    p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+    _add_common(p)
+
     sub.add_parser("demo", help="train a small model and refit two receivers after every step", add_help=False)
     sub.add_parser("bench", help="benchmark DCR against peer baselines (JSON, markdown, plots)", add_help=False)
     return parser
@@ -111,12 +134,14 @@ def cmd_publish(args, so) -> int:
     from flows.options import PublishOptions
     from flows.pipeline import run_publish
 
+    from dcr_core.retention import KeyframePolicy
     from flows.options import BLOSC_DELTAS, SPARSE_DELTAS
 
     kw = {"io_workers": args.io_workers, "use_cache": not args.no_cache,
           "delta_codec": SPARSE_DELTAS if args.codec == "sparse" else BLOSC_DELTAS}
     if args.chunk_bytes:
         kw["chunk_bytes"] = args.chunk_bytes
+    kw["keyframe_policy"] = KeyframePolicy(every=args.keyframe_every, above=args.keyframe_above)
     options = PublishOptions(**kw)
     if _use_prefect(args):
         from flows.prefect_flows import publish_refit
@@ -126,6 +151,8 @@ def cmd_publish(args, so) -> int:
         res = asdict(run_publish(args.root, args.checkpoint, args.step, args.keyframe, so, options))
     s = res["summary"]
     base = "" if res["base_step"] is None else f" against step {res['base_step']}"
+    if res["kind"] == "keyframe" and s.get("keyframe_reason") not in (None, "requested", "first step"):
+        base = f" by keyframe policy: {s['keyframe_reason']}"
     _print(
         args,
         f"committed step {res['step']} ({res['kind']}{base}): {s['tensors_changed']}/{s['tensors']} tensors changed, "
@@ -197,7 +224,19 @@ def cmd_verify(args, so) -> int:
     return 1 if report.errors else 0
 
 
+def cmd_gc(args, so) -> int:
+    from flows.gc import format_report, run_gc
+    from storage.root import Root
+
+    if args.grace_seconds < 0:
+        raise UsageError(f"--grace-seconds must be >= 0, got {args.grace_seconds}")
+    report = run_gc(Root(args.root, so), args.keep_last, args.grace_seconds, args.dry_run)
+    _print(args, format_report(report), asdict(report))
+    return 0
+
+
 COMMANDS = {
+    "gc": cmd_gc,
     "publish": cmd_publish,
     "receive": cmd_receive,
     "materialize": cmd_materialize,

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from dcr_core.codec import CodecSpec
 from dcr_core.errors import UsageError
+from dcr_core.retention import KeyframePolicy
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 SPARSE_DELTAS = CodecSpec(name="dcr-sparse", clevel=1)
@@ -35,6 +36,8 @@ class PublishOptions:
     io_workers: int = 8
     cache_dir: str = field(default_factory=default_cache_dir)
     use_cache: bool = True
+    # When a step that would be a delta becomes a keyframe instead (default: only when asked).
+    keyframe_policy: KeyframePolicy = field(default_factory=KeyframePolicy)
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_bytes <= 1 << 30:

@@ -93,7 +93,7 @@ def run_publish(
     t("remember_baseline", tasks.remember_baseline, plan, src, marker, baseline)
     return PublishResult(
         marker.step, marker.kind, marker.base_step, marker.attempt, marker.policy_digest,
-        manifest.summary(), t.timings,
+        {**manifest.summary(), **marker.summary}, t.timings,
     )
 
 

@@ -48,6 +48,7 @@ class PublishPlan:
     options: PublishOptions
     source_name: str = ""
     base_digests: dict[str, str] = field(default_factory=dict)  # tensor digests of the base step
+    keyframe_reason: str = ""  # why the step is a keyframe ("" for deltas)
 
 
 def _schema_diff(base: Manifest, infos: dict[str, TensorInfo]) -> str | None:
@@ -88,7 +89,8 @@ def plan_publish(
         raise StepConflictError(
             f"{root.url}: step {step} is not after the latest committed step {latest}; publish step {latest + 1} or later"
         )
-    if latest is None or keyframe:
+    reason = "first step" if latest is None else "requested" if keyframe else _policy_reason(cat, latest, step, options)
+    if reason:
         kind, base_step, base_policy = KEYFRAME, None, None
     else:
         base = cat.manifest(latest)
@@ -101,8 +103,23 @@ def plan_publish(
     return PublishPlan(
         root_url, dict(storage_options), step, kind, base_step, base_policy,
         uuid.uuid4().hex, dict(infos), options, source_name,
-        {} if kind == KEYFRAME else {n: e.digest for n, e in base.tensors.items()},
+        {} if kind == KEYFRAME else {n: e.digest for n, e in base.tensors.items()}, reason,
     )
+
+
+def _policy_reason(cat: Catalog, latest: int, step: int, options: PublishOptions) -> str:
+    """Why the keyframe policy makes ``step`` a keyframe, or "" (from the markers alone)."""
+    policy = options.keyframe_policy
+    if not (policy.every or policy.above):
+        return ""
+    s = cat.require_marker(latest).summary
+    kf, chain = s.get("keyframe_step"), s.get("chain_bytes")
+    kf_bytes = None
+    if isinstance(kf, int) and cat.marker(kf) is not None:
+        kf_bytes = cat.marker(kf).summary.get("bytes_stored")
+    delta_bytes = chain - kf_bytes if isinstance(chain, int) and isinstance(kf_bytes, int) else None
+    full = s.get("bytes_full") if isinstance(s.get("bytes_full"), int) else None
+    return policy.due(step, kf if isinstance(kf, int) else None, delta_bytes, full) or ""
 
 
 def _cache_path(plan: PublishPlan) -> str:
@@ -272,7 +289,8 @@ def _chain_summary(cat: Catalog, plan: PublishPlan, summary: dict) -> dict:
     """Add the keyframe of this step's lineage and the stored bytes of the keyframe path to it, so
     receivers can price that path without reading every marker back to the keyframe."""
     if plan.kind == KEYFRAME:
-        return {**summary, "keyframe_step": plan.step, "chain_bytes": summary["bytes_stored"]}
+        return {**summary, "keyframe_step": plan.step, "chain_bytes": summary["bytes_stored"],
+                "keyframe_reason": plan.keyframe_reason or "requested"}
     base = cat.marker(plan.base_step).summary if cat.marker(plan.base_step) else {}
     if isinstance(base.get("chain_bytes"), int) and isinstance(base.get("keyframe_step"), int):
         return {**summary, "keyframe_step": base["keyframe_step"],

@@ -7,6 +7,7 @@ and counts requests and bytes per ROOT (``io_stats``), so what a refit moved can
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
 import posixpath
@@ -119,6 +120,32 @@ def gcs_upload_kwargs(protocol: str, data: bytes) -> dict:
     return {}
 
 
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str  # relative to ROOT
+    size: int
+    mtime: float | None  # seconds since the epoch; None when the backend does not say
+
+
+def _mtime(info: Mapping[str, object]) -> float | None:
+    """The modification time in an fsspec info dict (each backend names and types it its own way)."""
+    for field_name in ("mtime", "LastModified", "updated", "created"):
+        v = info.get(field_name)
+        if v is None:
+            continue
+        if isinstance(v, (int, float)):
+            return float(v)
+        if isinstance(v, datetime.datetime):
+            return (v if v.tzinfo else v.replace(tzinfo=datetime.timezone.utc)).timestamp()
+        if isinstance(v, str):
+            try:
+                d = datetime.datetime.fromisoformat(v.replace("Z", "+00:00"))
+            except ValueError:
+                continue
+            return (d if d.tzinfo else d.replace(tzinfo=datetime.timezone.utc)).timestamp()
+    return None
+
+
 class Root:
     """One ROOT opened through fsspec."""
 
@@ -218,6 +245,26 @@ class Root:
             return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
 
         return self._call("LIST", key, ls)
+
+    def objects(self, key: str) -> list[ObjectInfo]:
+        """Every object under ``key`` (recursive; [] if none), with size and modification time."""
+        path = self.full(key)
+
+        def find() -> list[ObjectInfo]:
+            self._count(lists=1)
+            self.fs.invalidate_cache(path)
+            try:
+                found = self.fs.find(path, detail=True)
+            except FileNotFoundError:
+                return []
+            prefix = self.path.rstrip("/") + "/"
+            out = []
+            for full, info in found.items():
+                rel = full[len(prefix):] if full.startswith(prefix) else full
+                out.append(ObjectInfo(rel, int(info.get("size") or 0), _mtime(info)))
+            return sorted(out, key=lambda o: o.key)
+
+        return self._call("LIST", key, find)
 
     def remove(self, key: str, recursive: bool = False) -> None:
         path = self.full(key)

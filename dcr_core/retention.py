@@ -1,0 +1,80 @@
+"""Keyframe policy and retention: when a step should be a keyframe, and which steps must be kept.
+
+Pure decisions over step metadata; the publisher and ``dcr gc`` do the I/O around them.
+
+Keyframe policy: a lineage that only grows makes new receivers (and receivers that fell far
+behind) pull the keyframe plus every delta since. The publisher turns a step into a keyframe when
+``every`` steps have passed since the lineage's keyframe, or when the stored bytes of the deltas
+since the keyframe exceed ``above`` times the full (raw) size of the policy.
+
+Retention: a committed step is kept when
+- it is one of the newest ``keep_last`` committed steps, or on the chain of one of them back to its
+  keyframe (without those, the step cannot be rebuilt);
+- a registered receiver holds it, or it lies on that receiver's chain down to the latest common
+  ancestor with the latest step (the deltas it undoes on its way to the latest step);
+everything else may be deleted. The latest committed step is always kept.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from dcr_core.chain import StepInfo, ancestors
+from dcr_core.errors import UsageError
+
+
+@dataclass(frozen=True, slots=True)
+class KeyframePolicy:
+    every: int = 0  # a keyframe once this many steps passed since the lineage's keyframe; 0: never
+    above: float = 0.0  # a keyframe once delta bytes since it exceed this fraction of the full size; 0: never
+
+    def __post_init__(self) -> None:
+        if self.every < 0:
+            raise UsageError(f"keyframe every must be >= 0 steps, got {self.every}")
+        if not 0.0 <= self.above:
+            raise UsageError(f"keyframe above must be a fraction >= 0, got {self.above}")
+
+    def due(self, step: int, keyframe_step: int | None, delta_bytes: int | None, full_bytes: int | None) -> str | None:
+        """Why ``step`` should be a keyframe (a short reason), or None.
+
+        ``keyframe_step`` is the base lineage's keyframe; ``delta_bytes`` the stored bytes of the
+        deltas since it (up to the base); ``full_bytes`` the raw size of the policy. Unknown values
+        (None) never trigger a keyframe on their own.
+        """
+        if self.every and keyframe_step is not None and step - keyframe_step >= self.every:
+            return f"{step - keyframe_step} steps since keyframe {keyframe_step} (policy: every {self.every})"
+        if self.above and delta_bytes is not None and full_bytes and delta_bytes > self.above * full_bytes:
+            return (
+                f"{delta_bytes} delta bytes since keyframe {keyframe_step} exceed {self.above:g} of the full "
+                f"{full_bytes} bytes"
+            )
+        return None
+
+
+def steps_to_keep(
+    steps: Mapping[int, StepInfo], keep_last: int, receivers: Mapping[str, int] | None = None
+) -> set[int]:
+    """The committed steps that retention keeps (see the module docstring)."""
+    if keep_last < 1:
+        raise UsageError(f"keep at least the latest step (keep_last >= 1), got {keep_last}")
+    if not steps:
+        return set()
+    newest = sorted(steps)[-keep_last:]
+    keep: set[int] = set()
+    for s in newest:
+        keep.update(ancestors(steps, s))
+    latest_chain = set(ancestors(steps, newest[-1]))
+    for held in (receivers or {}).values():
+        if held not in steps:
+            continue  # a record of a step that is gone: nothing left to protect
+        for s in ancestors(steps, held):
+            keep.add(s)
+            if s in latest_chain:
+                break
+    return keep
+
+
+def steps_to_delete(steps: Iterable[int], keep: set[int]) -> list[int]:
+    """Committed steps not kept, oldest first."""
+    return sorted(s for s in steps if s not in keep)
