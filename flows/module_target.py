@@ -14,6 +14,10 @@ State machine of one receiver (held on the module as ``_dcr_refit``):
   their new values, from a host-side copy of just those tensors (the *partial mirror*, a state file
   beside the receiver's cache). The time the module is being modified (the pause window) is
   measured separately from fetching.
+- *Failure mid-apply*: the apply is all or nothing. Direct-path masks already XORed are XORed
+  again and overwrite-path tensors already reloaded get their base values back, so the module
+  returns to the exact bits of the step it held (checked by its fingerprint) and stays known to be
+  there; a retry then takes the delta path again.
 - After each refit a fingerprint of every parameter and buffer bit is recorded; the next refit
   first checks it, so a module changed behind DCR's back is reloaded densely instead of patched.
 """
@@ -130,14 +134,20 @@ def _delta(root, so, target, plan, mirror, options) -> dict:
             if tensor_digest(b) != manifest.tensors[n].digest:
                 raise StateMismatchError(f"{mirror}: tensor {n!r} does not reach step {plan.target_step}'s digest")
     t0 = time.perf_counter()
-    pause = placement.xor_into_module(
-        target, table,
-        ((n, tensor_from_bits(masks[n], DTYPES[manifest.tensors[n].dtype], manifest.tensors[n].shape)) for n in direct),
-    )
+    direct_masks = [
+        (n, tensor_from_bits(masks[n], DTYPES[manifest.tensors[n].dtype], manifest.tensors[n].shape)) for n in direct
+    ]
+    pause = placement.xor_into_module(target, table, direct_masks)  # all or nothing
     t1 = time.perf_counter()
-    for n in over:
-        e = manifest.tensors[n]
-        target.load_weights([(n, tensor_from_bits(mirror_bits[n], DTYPES[e.dtype], e.shape))])
+    loaded: list[str] = []
+    try:
+        for n in over:
+            e = manifest.tensors[n]
+            target.load_weights([(n, tensor_from_bits(mirror_bits[n], DTYPES[e.dtype], e.shape))])
+            loaded.append(n)
+    except BaseException:
+        _roll_back(target, table, direct_masks, loaded, masks, mirror_bits, manifest)
+        raise
     pause += time.perf_counter() - t1
     modify_wall = time.perf_counter() - t0
     if table.names(placement.OVERWRITE):
@@ -145,6 +155,16 @@ def _delta(root, so, target, plan, mirror, options) -> dict:
     return {"mode": "delta", "bytes_pulled": fetched.bytes_pulled, "fetch_seconds": fetch_s,
             "pause_seconds": pause, "modify_wall_seconds": modify_wall,
             "tensors_loaded": len(direct) + len(over), "direct": len(direct), "overwrite": len(over)}
+
+
+def _roll_back(target, table, direct_masks, loaded, masks, mirror_bits, manifest) -> None:
+    """Return the module to its base bits after a failed apply: XOR the direct-path masks again
+    and reload the overwrite-path tensors already loaded with their base values (new XOR mask)."""
+    placement.xor_into_module(target, table, direct_masks)
+    for n in loaded:
+        e = manifest.tensors[n]
+        old = np.bitwise_xor(mirror_bits[n], masks[n])
+        target.load_weights([(n, tensor_from_bits(old, DTYPES[e.dtype], e.shape))])
 
 
 def receive_into_module(
@@ -173,7 +193,12 @@ def receive_into_module(
     if current is None or (plan.moves and plan.moves[0].direction is Direction.KEYFRAME):
         info = _dense(root, so, target, plan, mirror, options)
     elif plan.moves:
-        info = _delta(root, so, target, plan, mirror, options)
+        try:
+            info = _delta(root, so, target, plan, mirror, options)
+        except BaseException:
+            if placement.fingerprint(target) == held["fingerprint"]:
+                object.__setattr__(target, _ATTR, held)  # rolled back (or never touched): still at `current`
+            raise
     else:
         info = {"mode": "current", "bytes_pulled": 0, "pause_seconds": 0.0, "tensors_loaded": 0}
     manifest = plan.manifests[plan.target_step]

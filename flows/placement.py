@@ -213,9 +213,30 @@ def xor_into_module(
 
     Masks are placed by the module's own loader into zeroed scratch (bucketed so that scratch stays
     under ``budget_bytes`` unless one tensor alone needs more), then XORed into the live slots.
-    If anything fails while live slots are being modified, the slots already modified are XORed
-    again, which restores their bits exactly (XOR is its own inverse).
+    All or nothing: if anything fails (a slot write, or the loader on a later bucket), every slot
+    already modified is XORed again with the same mask, which restores its bits exactly (XOR is its
+    own inverse), and the error is raised. Only if that undo itself fails is the module left
+    changed, with a ``PlacementError`` saying so (the next refit then reloads it densely).
     """
+    masks = list(masks)
+    applied: list[tuple[str, torch.Tensor]] = []
+    try:
+        return _xor_buckets(module, table, masks, budget_bytes, applied)
+    except BaseException as e:
+        if applied:
+            try:
+                _xor_buckets(module, table, applied, budget_bytes, [])
+            except BaseException as undo:
+                raise PlacementError(
+                    f"applying masks failed ({type(e).__name__}: {e}) and undoing them failed too "
+                    f"({type(undo).__name__}: {undo}); the module must be reloaded"
+                ) from e
+        raise
+
+
+def _xor_buckets(module, table: ProbeTable, masks, budget_bytes: int, applied: list) -> float:
+    """XOR ``masks`` into the module bucket by bucket; each fully applied bucket's masks are
+    appended to ``applied`` (a failing bucket undoes its own slots before raising)."""
     import time
 
     slots = slots_of(module)
@@ -241,6 +262,7 @@ def xor_into_module(
             for i in done:  # roll back: XOR is its own inverse
                 _xor_slot(slots[i], scratch[i])
             raise
+        applied.extend(bucket)
         bucket.clear()
         bucket_slots.clear()
         return time.perf_counter() - t0

@@ -14,7 +14,7 @@ from flows.pipeline import run_publish
 from tests.helpers import assert_bits_equal
 from tests.receivers.hf import HFReceiver, canonical_checkpoint as hf_checkpoint, greedy_tokens
 from tests.receivers.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint, tp_group
-from tests.receivers.quantized import Fp8BlockQuantized, OffsetNorm, RechunkedExperts
+from tests.receivers.quantized import Fp8BlockQuantized, OffsetNorm, RechunkedExperts, is_norm
 
 
 def _bits(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -155,3 +155,58 @@ def test_greedy_generation_after_a_dcr_refit_matches_a_dense_refit(tmp_path):
     assert_bits_equal(_bits(live), _bits(dense))
     prompt = [1, 5, 9, 3]
     assert greedy_tokens(live, prompt, 8) == greedy_tokens(dense, prompt, 8)
+
+
+@pytest.mark.parametrize(
+    "kind,fail_at", [("direct", 1), ("direct", 3), ("direct", 7), ("overwrite", 1), ("overwrite", 2), ("overwrite", 3)]
+)
+def test_a_failure_mid_apply_rolls_the_live_module_back_to_its_base_bits(tmp_path, monkeypatch, kind, fail_at):
+    """A slot write (direct path) or a loader call (overwrite path) fails part-way: the module
+    returns to the exact bits of the step it held, and a retry takes the delta path to the target."""
+    if kind == "direct":
+        cfg = LlamaConfig()
+        factory = lambda: VllmLlama(cfg, 0, 2)  # noqa: E731
+        first = canonical_checkpoint(cfg, seed=4)
+    else:
+        first = canonical_checkpoint(LlamaConfig(), seed=4)
+        factory = lambda: OffsetNorm.from_checkpoint(first)  # noqa: E731 - norms stored as w - 1
+    root = f"memory://mod-{uuid.uuid4().hex}"
+    cks = _publish_chain(root, first, 3, tmp_path)
+    mod = factory()
+    receive_into_module(root, "r", mod, 0, state_path=str(tmp_path / "mirror.safetensors"))
+    base = _bits(mod)
+    calls = {"n": 0}
+    if kind == "direct":
+        real = placement._xor_slot
+
+        def flaky(slot, scratch):
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise RuntimeError("device error while writing a slot")
+            return real(slot, scratch)
+
+        monkeypatch.setattr(placement, "_xor_slot", flaky)
+        real_budget = placement.xor_into_module.__defaults__
+        monkeypatch.setattr(placement.xor_into_module, "__defaults__", (1,))  # one tensor per bucket
+    else:
+        real_load = type(mod).load_weights
+
+        def flaky_load(self, weights):
+            weights = list(weights)
+            if any(is_norm(n) for n, _ in weights):  # the overwrite path: norm weights reloaded
+                calls["n"] += 1
+                if calls["n"] == fail_at:
+                    raise RuntimeError("loader failed")
+            return real_load(self, weights)
+
+        monkeypatch.setattr(type(mod), "load_weights", flaky_load)
+    with pytest.raises(RuntimeError):
+        receive_into_module(root, "r", mod, 2, state_path=str(tmp_path / "mirror.safetensors"))
+    assert calls["n"] >= fail_at
+    assert_bits_equal(_bits(mod), base)  # rolled back to step 0, bit for bit
+    monkeypatch.undo()
+    if kind == "direct":
+        assert placement.xor_into_module.__defaults__ != (1,) and real_budget
+    res = receive_into_module(root, "r", mod, 2, state_path=str(tmp_path / "mirror.safetensors"))
+    assert res["mode"] == "delta"  # still known to hold step 0: no dense reload needed
+    assert_bits_equal(_bits(mod), _dense(factory, cks[2]))
