@@ -19,6 +19,7 @@ from flows import receive_steps as rs
 from flows.options import PublishOptions, ReceiveOptions
 from flows.sources import open_source
 from storage import layout
+from storage.checkpoint import exclusive
 
 
 @dataclass
@@ -116,6 +117,11 @@ def run_receive(
     so = dict(storage_options or {})
     root = os.fspath(root)
     state_path = rs.check_state_path(state_path)
+    with exclusive(state_path):  # one writer per state file; leftovers of a killed one removed
+        return _receive_locked(root, receiver_id, state_path, step, so, options, tasks, record, fresh)
+
+
+def _receive_locked(root, receiver_id, state_path, step, so, options, tasks, record, fresh) -> ReceiveResult:
     t = _Timer()
     current = None if fresh else rs.peek_state_step(state_path)
     plan = t("plan", tasks.plan_receive, root, so, current, step, state_path)

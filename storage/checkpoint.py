@@ -7,6 +7,9 @@ over the destination, so a crash never leaves a half-written checkpoint or recei
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import glob
 import json
 import math
 import os
@@ -249,3 +252,25 @@ class StreamingSafetensorsWriter:
             self._f.close()
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
+
+
+@contextlib.contextmanager
+def exclusive(path: str | os.PathLike):
+    """Hold the lock of the file at ``path`` (``.<name>.lock`` beside it) for one writer at a time,
+    and remove temp files that a writer of ``path`` killed earlier (``kill -9``) left behind.
+
+    The lock is advisory (``flock``) and dies with its process, so a killed writer never blocks the
+    next one; waiting writers queue.
+    """
+    path = os.path.abspath(os.fspath(path))
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f".{name}.lock"), "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            for leftover in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp-*")):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(leftover)
+            yield
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)

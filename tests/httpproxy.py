@@ -2,7 +2,8 @@
 
 Every request a client makes to the object store passes through it, so tests can count requests
 and response bytes at the wire (nothing in the client can bypass it) and inject faults: HTTP 5xx,
-throttling (503 SlowDown), connection resets, and a bandwidth cap.
+throttling (503 SlowDown), connection resets, stalls past the client's timeout, truncated
+bodies, and a bandwidth cap.
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ class Proxy:
         self.requests: Counter = Counter()  # method -> count
         self.bytes_out: Counter = Counter()  # method -> response body bytes sent to clients
         self.log: list[tuple[str, str, int, int]] = []  # (method, path, status, body bytes)
-        self.fault: Callable[[str, str], str | None] | None = None  # -> None | "503" | "500" | "reset"
+        # -> None | "503" | "500" | "reset" | "stall" (answer after stall_seconds) | "truncate" (half a GET body)
+        self.fault: Callable[[str, str], str | None] | None = None
+        self.stall_seconds = 3.0
         self.bandwidth: float | None = None  # bytes/s cap on response bodies
         proxy = self
 
@@ -86,12 +89,22 @@ class Proxy:
                     conn.close()
                 if proxy.bandwidth and data:
                     time.sleep(len(data) / proxy.bandwidth)
+                if fault == "stall":  # answer only after the client's read timeout
+                    time.sleep(proxy.stall_seconds)
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
                     if k.lower() not in HOP and k.lower() != "content-length":
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
+                if fault == "truncate" and method == "GET" and len(data) > 1:
+                    self.wfile.write(data[: len(data) // 2])  # half the promised body, then hang up
+                    self.wfile.flush()
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    self.close_connection = True
+                    with proxy.lock:
+                        proxy.log.append((method, path, -1, len(data) // 2))
+                    return
                 if method != "HEAD":
                     self.wfile.write(data)
                 with proxy.lock:

@@ -109,6 +109,7 @@ def test_a_verify_of_a_corrupted_chunk_names_the_object_and_fails(published):
     assert str(chunk.relative_to(root)) in out.stderr
 
 
+@pytest.mark.faults(component="process", outcome="kill -9: nothing visible, or the step committed whole; a rerun ends bit-exact")
 def test_a_publish_killed_at_random_points_is_invisible_and_a_retry_commits(tmp_path):
     root = tmp_path / "bucket"
     base = _ck(0, rows=4000)
@@ -139,6 +140,86 @@ def test_a_publish_killed_at_random_points_is_invisible_and_a_retry_commits(tmp_
     dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", check=0)
     assert_bits_equal(load_file(tmp_path / "s.safetensors"), new)
     assert out.returncode == 0
+
+
+def _kill_receive_sweep(tmp_path, delays):
+    """``dcr receive`` killed (SIGKILL) after each delay: the state file is always exactly one step."""
+    root = tmp_path / "bucket"
+    cks = [_ck(0, rows=6000)]
+    cks.append(_evolve(cks[0], 1))
+    for s, ck in enumerate(cks):
+        p = tmp_path / f"c{s}.safetensors"
+        write_safetensors(p, ck)
+        dcr("publish", root, p, "--step", s, "--chunk-bytes", 512, check=0)
+    state = tmp_path / "rx" / "s.safetensors"
+    dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, check=0)
+    outcomes = []
+    for delay in delays:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "receive", str(root), "--receiver", "r", "--state", str(state),
+             "--step", "1", "--io-workers", "1"],
+            cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        held = load_file(state)  # never torn: a complete safetensors file of one step
+        at_new = bool(torch.equal(held["step"], cks[1]["step"]))
+        assert_bits_equal(held, cks[1] if at_new else cks[0])
+        outcomes.append(at_new)
+        if at_new:  # back to step 0 for the next kill (an XOR delta undone)
+            dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, check=0)
+    dcr("receive", root, "--receiver", "r", "--state", state, check=0)
+    assert_bits_equal(load_file(state), cks[1])
+    assert not [p for p in os.listdir(state.parent) if ".tmp-" in p], "a killed receiver's temp file was removed"
+    return outcomes
+
+
+@pytest.mark.faults(component="process", outcome="kill -9: the state file holds the old or the new step exactly; a rerun ends bit-exact")
+def test_a_receive_killed_at_several_points_leaves_one_whole_step_and_a_rerun_is_exact(tmp_path):
+    _kill_receive_sweep(tmp_path, [0.5, 1.0, 1.5, 2.0, 3.0])
+
+
+@pytest.mark.slow
+@pytest.mark.faults(component="process", outcome="kill -9: the state file holds the old or the new step exactly; a rerun ends bit-exact")
+def test_a_receive_killed_at_random_points_full_sweep(tmp_path):
+    import random
+
+    rng = random.Random(7)
+    _kill_receive_sweep(tmp_path, sorted(rng.uniform(0.2, 3.5) for _ in range(24)))
+
+
+@pytest.mark.slow
+@pytest.mark.faults(component="process", outcome="kill -9: nothing visible, or the step committed whole; a rerun ends bit-exact")
+def test_a_publish_killed_at_random_points_full_sweep(tmp_path):
+    import random
+
+    rng = random.Random(11)
+    root = tmp_path / "bucket"
+    base = _ck(0, rows=4000)
+    p0 = tmp_path / "c0.safetensors"
+    write_safetensors(p0, base)
+    dcr("publish", root, p0, "--step", 0, check=0)
+    for i, delay in enumerate(sorted(rng.uniform(0.2, 3.0) for _ in range(16)), start=1):
+        new = _evolve(base, i)
+        p = tmp_path / f"c{i}.safetensors"
+        write_safetensors(p, new)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "publish", str(root), str(p), "--step", str(i),
+             "--chunk-bytes", "512", "--io-workers", "1"],
+            cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none"},
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        time.sleep(delay)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        if not (root / "steps" / f"{i:012d}" / "commit.json").exists():
+            dcr("publish", root, p, "--step", i, check=0)  # the restart
+        state = tmp_path / "s.safetensors"
+        dcr("receive", root, "--receiver", "r", "--state", state, check=0)
+        assert_bits_equal(load_file(state), new)
+        base = new
 
 
 def test_publishers_racing_for_one_step_from_separate_processes_commit_exactly_once(tmp_path):

@@ -45,6 +45,8 @@ from tests.helpers import (
 
 CHUNK_BYTES = 256
 
+pytestmark = pytest.mark.faults(component="bad input", outcome="a one-line error naming the object; ROOT and the state file unchanged")
+
 
 def one_line(err: BaseException) -> None:
     assert len(str(err).splitlines()) == 1, str(err)
@@ -584,6 +586,7 @@ def test_a_missing_manifest_is_an_integrity_error(published):
 # crashes and races
 
 
+@pytest.mark.faults(component="publisher", outcome="nothing visible; a retry commits the step bit-exact")
 @pytest.mark.parametrize("kind", ["local", "memory"])
 @pytest.mark.parametrize("crash_at", ["create_if_absent", "write_manifest", "encode_and_write"])
 def test_a_publish_that_crashes_before_commit_is_invisible_and_a_retry_is_exact(tmp_path, monkeypatch, kind, crash_at):

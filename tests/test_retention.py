@@ -160,6 +160,7 @@ def test_gc_collects_losing_and_abandoned_attempts_but_not_young_ones(tmp_path):
     assert_bits_equal(load_file(out), ckpts[2])
 
 
+@pytest.mark.faults(component="gc", outcome="every step whole or invisible; a rerun finishes")
 def test_a_gc_that_crashes_midway_leaves_a_consistent_bucket_and_a_rerun_finishes(tmp_path, monkeypatch):
     root = str(tmp_path / "root")
     ckpts = publish_run(root, tmp_path)

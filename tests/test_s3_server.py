@@ -47,6 +47,7 @@ def _step(ck, frac: float, seed: int, only: str | None = None) -> dict[str, torc
     return out
 
 
+@pytest.mark.faults(component="publisher", outcome="exactly one commit; the others exit 3 with one line")
 def test_sixteen_publisher_processes_racing_for_one_step_commit_exactly_once(s3_server, tmp_path):
     root = f"s3://{S3_BUCKET}/race-{uuid.uuid4().hex[:8]}"
     base = _model(0)
@@ -141,6 +142,7 @@ def test_a_receiver_pulls_only_the_changed_chunks_plus_metadata(proxied_s3, tmp_
     print("pull report:", json.dumps(report))
 
 
+@pytest.mark.faults(component="network", outcome="retried; publish and refit bit-exact")
 def test_transient_5xx_throttling_and_resets_are_retried_to_a_bit_exact_refit(proxied_s3, tmp_path):
     proxy = proxied_s3
     root = f"s3://{S3_BUCKET}/flaky-{uuid.uuid4().hex[:8]}"
