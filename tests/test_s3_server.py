@@ -165,3 +165,66 @@ def test_transient_5xx_throttling_and_resets_are_retried_to_a_bit_exact_refit(pr
     assert_bits_equal(load_file(state), new)
     injected = [entry for entry in proxy.log if entry[2] in (0, 500, 503)]
     assert len(injected) >= 10, "faults were really injected"
+
+
+def test_sixteen_receiver_processes_follow_a_publisher_on_the_s3_server(s3_server, tmp_path):
+    """16 ``dcr receive --follow`` processes pull every step while the publisher keeps publishing:
+    all end bit-exact at the last step, the publisher is never held up (receivers write nothing it
+    reads), and the aggregate pull throughput is reported."""
+    import time
+
+    root = f"s3://{S3_BUCKET}/load-{uuid.uuid4().hex[:8]}"
+    opts = PublishOptions(chunk_bytes=64 << 10, cache_dir=str(tmp_path / "cache"))
+    cks = [_model(5)]
+    last = 6
+    for s in range(1, last + 1):
+        cks.append(_step(cks[-1], 0.03, seed=100 + s))
+    t = time.perf_counter()
+    run_publish(root, cks[0], 0, options=opts)
+    alone = time.perf_counter() - t
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
+    n = 16
+    t0 = time.perf_counter()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "flows.cli", "receive", root, "--receiver", f"rx{i}",
+             "--state", str(tmp_path / f"rx{i}.safetensors"), "--follow", "--interval", "0.2",
+             "--until-step", str(last), "--json", "--io-workers", "4"],
+            env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(n)
+    ]
+    deadline = time.time() + 300
+    while len(Catalog(Root(root)).receivers(0)) < n and time.time() < deadline:
+        time.sleep(0.2)  # every receiver process is up and holds step 0
+    publish_s = []
+    for s in range(1, last + 1):
+        time.sleep(1.0)
+        t = time.perf_counter()
+        run_publish(root, cks[s], s, options=opts)
+        publish_s.append(time.perf_counter() - t)
+    t_last = time.perf_counter()
+    outs = [p.communicate(timeout=600) for p in procs]
+    wall = time.perf_counter() - t0
+    catch_up = time.perf_counter() - t_last
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+    pulled = refits = 0
+    for i, (out, _) in enumerate(outs):
+        assert_bits_equal(load_file(tmp_path / f"rx{i}.safetensors"), cks[last])
+        dec, pos, out = json.JSONDecoder(), 0, out.strip()
+        while pos < len(out):  # one JSON document per refit applied
+            res, pos = dec.raw_decode(out, pos)
+            pos += len(out[pos:]) - len(out[pos:].lstrip())
+            if res["from_step"] is not None:  # a delta refit (the first one loads the keyframe)
+                pulled += res["bytes_pulled"]
+                refits += 1
+    assert sorted(Catalog(Root(root)).receivers(last)) == sorted(f"rx{i}" for i in range(n))
+    report = {
+        "receivers": n, "delta_steps": last, "delta_refits": refits, "delta_bytes_pulled": pulled,
+        "wall_s": round(wall, 2), "last_step_committed_to_all_receivers_exact_s": round(catch_up, 2),
+        "publish_s_with_receivers": [round(x, 3) for x in publish_s], "keyframe_publish_s_alone": round(alone, 3),
+    }
+    (tmp_path / "load-report.json").write_text(json.dumps(report, indent=1))
+    print("load report:", json.dumps(report))
+    assert refits >= n  # every receiver applied deltas (usually one refit per step)
