@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 DCR := $(VENV)/bin/dcr
 
-.PHONY: install demo test clean
+.PHONY: install demo test fault-matrix clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,10 @@ demo: install
 
 test: install
 	$(PY) -m pytest -q -m "not slow"
+
+# Run every fault-injection and bad-input test (the slow kill -9 sweeps too) and regenerate the table.
+fault-matrix: install
+	$(PY) -m pytest -q -m faults -p no:cacheprovider --fault-matrix docs/fault-matrix.md
 
 clean:
 	rm -rf $(VENV) dcr-demo .pytest_cache

@@ -45,7 +45,7 @@ from tests.helpers import (
 
 CHUNK_BYTES = 256
 
-pytestmark = pytest.mark.faults(component="bad input", outcome="a one-line error naming the object; ROOT and the state file unchanged")
+pytestmark = pytest.mark.faults(component="bad input or damaged bucket", outcome="a one-line error naming the object; ROOT and the state file unchanged")
 
 
 def one_line(err: BaseException) -> None:

@@ -344,6 +344,7 @@ def test_network_faults(case, s3_server, tmp_path):
 # -- bits that never change under a fault --------------------------------------------------------------
 
 
+@pytest.mark.faults(component="publisher", outcome="the dead attempt is never read; receivers pull only the committed attempt's chunks")
 def test_what_a_killed_publisher_left_is_never_read(tmp_path, monkeypatch):
     """A killed publisher's half-written attempt is never read: the receiver's bytes pulled equal
     the committed attempt's stored chunks only."""
