@@ -5,8 +5,10 @@ from the step a receiver holds (M) to a target (N) the planner considers
 - the delta path: undo deltas from M back to the latest common ancestor C of M and N (XOR masks
   are self-inverse, so only steps whose every tensor is invertible can be undone), then apply
   deltas forward from C to N;
-- the keyframe path: load N's nearest keyframe ancestor, then apply deltas forward to N;
-and takes the one that pulls fewer stored bytes (the delta path on a tie).
+- the keyframe path: load N's nearest restart point (a keyframe, or a delta that also stores a
+  full snapshot of its step), then apply deltas forward to N;
+and takes the one that pulls fewer stored bytes (the delta path on a tie). Steps before a restart
+point may have been deleted (``dcr gc``): a chain may end at a restart point whose base is gone.
 """
 
 from __future__ import annotations
@@ -32,6 +34,16 @@ class StepInfo:
     base_step: int | None  # None for a keyframe
     invertible: bool  # every tensor's encoding can be undone (xor/unchanged only)
     stored_bytes: int
+    restart_bytes: int | None = None  # bytes to load this step whole (keyframe, or a delta's snapshot)
+
+    @property
+    def restart(self) -> bool:
+        return self.base_step is None or self.restart_bytes is not None
+
+    @property
+    def load_bytes(self) -> int:
+        """Stored bytes of loading this step whole (a restart point)."""
+        return self.stored_bytes if self.base_step is None else int(self.restart_bytes or 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,12 +52,20 @@ class Move:
     direction: Direction
 
 
-def ancestors(steps: Mapping[int, StepInfo], n: int) -> list[int]:
-    """``[n, base(n), base(base(n)), ..., keyframe]``; an error if the chain is broken or cyclic."""
+def ancestors(steps: Mapping[int, StepInfo], n: int, partial: bool = False) -> list[int]:
+    """``[n, base(n), base(base(n)), ..., keyframe]``; an error if the chain is broken or cyclic.
+
+    Where history was deleted, the chain ends at its last restart point before the gap; with
+    ``partial``, at the gap itself (for undo/redo paths, which need no restart point)."""
     out: list[int] = []
     cur: int | None = n
     while cur is not None:
         if cur not in steps:
+            if partial and out:
+                return out
+            cut = max((i for i, x in enumerate(out) if steps[x].restart), default=None)
+            if cut is not None:
+                return out[: cut + 1]  # history before a restart point was deleted
             raise StepNotFoundError(f"step {cur} (in the chain of step {n}) is not committed")
         if out and cur >= out[-1]:
             raise IntegrityError(f"step {out[-1]} names base step {cur}, which is not earlier")
@@ -57,26 +77,34 @@ def ancestors(steps: Mapping[int, StepInfo], n: int) -> list[int]:
 def plan_path(steps: Mapping[int, StepInfo], current: int | None, target: int) -> list[Move]:
     """The cheapest exact sequence of moves from ``current`` (None: nothing held) to ``target``."""
     chain_n = ancestors(steps, target)
-    keyframe_path = [Move(chain_n[-1], Direction.KEYFRAME)] + [
-        Move(s, Direction.FORWARD) for s in reversed(chain_n[:-1])
+    start = next(i for i, s in enumerate(chain_n) if steps[s].restart)
+    keyframe_path = [Move(chain_n[start], Direction.KEYFRAME)] + [
+        Move(s, Direction.FORWARD) for s in reversed(chain_n[:start])
     ]
     if current is None or current not in steps:
         return keyframe_path
     if current == target:
         return []
-    chain_m = ancestors(steps, current)
-    common = next((s for s in chain_m if s in set(chain_n)), None)
+    # undo/redo paths need no restart point: walk both chains as far as history survives
+    chain_m = ancestors(steps, current, partial=True)
+    history_n = ancestors(steps, target, partial=True)
+    common = next((s for s in chain_m if s in set(history_n)), None)
     candidates = [keyframe_path]
     if common is not None:
         undo = chain_m[: chain_m.index(common)]
-        redo = list(reversed(chain_n[: chain_n.index(common)]))
+        redo = list(reversed(history_n[: history_n.index(common)]))
         if all(steps[s].invertible for s in undo):
             candidates.insert(
                 0,
                 [Move(s, Direction.BACKWARD) for s in undo]
                 + [Move(s, Direction.FORWARD) for s in redo],
             )
-    return min(candidates, key=lambda path: sum(steps[m.step].stored_bytes for m in path))
+    return min(candidates, key=lambda path: sum(_cost(steps, m) for m in path))
+
+
+def _cost(steps: Mapping[int, StepInfo], move: Move) -> int:
+    info = steps[move.step]
+    return info.load_bytes if move.direction is Direction.KEYFRAME else info.stored_bytes
 
 
 def plan_direct(

@@ -3,16 +3,18 @@
 Pure decisions over step metadata; the publisher and ``dcr gc`` do the I/O around them.
 
 Keyframe policy: a lineage that only grows makes new receivers (and receivers that fell far
-behind) pull the keyframe plus every delta since. The publisher turns a step into a keyframe when
-``every`` steps have passed since the lineage's keyframe, or when the stored bytes of the deltas
-since the keyframe exceed ``above`` times the full (raw) size of the policy.
+behind) pull the keyframe plus every delta since. The publisher makes a step a new restart point
+(its delta plus a full snapshot) when ``every`` steps have passed since the lineage's last restart
+point, or when the stored bytes of the deltas since it exceed ``above`` times the full (raw) size.
 
 Retention: a committed step is kept when
 - it is one of the newest ``keep_last`` committed steps, or on the chain of one of them back to its
-  keyframe (without those, the step cannot be rebuilt);
-- a registered receiver holds it, or it lies on that receiver's chain down to the latest common
-  ancestor with the latest step (the deltas it undoes on its way to the latest step);
-everything else may be deleted. The latest committed step is always kept.
+  nearest restart point (a keyframe, or a delta that stores a full snapshot): without those, the
+  step cannot be rebuilt;
+- a registered receiver holds it, or it lies on that receiver's way to the latest step by deltas
+  (back to the common ancestor, then forward);
+everything else may be deleted. The latest committed step is always kept. A step whose history was
+deleted remains a valid *held* step: a receiver holding it restarts from a restart point.
 """
 
 from __future__ import annotations
@@ -52,6 +54,13 @@ class KeyframePolicy:
         return None
 
 
+def restart_chain(steps: Mapping[int, StepInfo], s: int) -> list[int]:
+    """``s`` back to its nearest restart point (a keyframe, or a delta with a full snapshot)."""
+    chain = ancestors(steps, s)
+    end = next(i for i, x in enumerate(chain) if steps[x].restart)
+    return chain[: end + 1]
+
+
 def steps_to_keep(
     steps: Mapping[int, StepInfo], keep_last: int, receivers: Mapping[str, int] | None = None
 ) -> set[int]:
@@ -63,15 +72,17 @@ def steps_to_keep(
     newest = sorted(steps)[-keep_last:]
     keep: set[int] = set()
     for s in newest:
-        keep.update(ancestors(steps, s))
-    latest_chain = set(ancestors(steps, newest[-1]))
+        keep.update(restart_chain(steps, s))
+    history = ancestors(steps, newest[-1], partial=True)  # the latest step's surviving history
     for held in (receivers or {}).values():
         if held not in steps:
             continue  # a record of a step that is gone: nothing left to protect
-        for s in ancestors(steps, held):
-            keep.add(s)
-            if s in latest_chain:
-                break
+        keep.add(held)
+        chain = ancestors(steps, held, partial=True)  # its history may be gone already
+        common = next((s for s in chain if s in history), None)
+        if common is not None:  # the deltas back to the common ancestor and forward to the latest
+            keep.update(chain[: chain.index(common) + 1])
+            keep.update(history[: history.index(common) + 1])
     return keep
 
 

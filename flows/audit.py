@@ -85,8 +85,8 @@ class VerifyReport:
 def verify(root: Root, step: int | None = None, deep: bool = False, workers: int = 8) -> VerifyReport:
     """Re-read every stored chunk of the chosen steps and check it against its manifest.
 
-    Keyframes are also rebuilt and checked tensor by tensor. With ``deep``, every delta is replayed
-    from its keyframe and the result checked against the step's tensor digests.
+    Keyframes (and deltas' full snapshots) are also rebuilt and checked tensor by tensor. With
+    ``deep``, every delta is replayed from its restart point and checked against its tensor digests.
     """
     cat = Catalog(root)
     report = VerifyReport()
@@ -98,9 +98,12 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
             chunks = read_chunks(root, m, m.tensors, workers=workers)
             report.chunks += sum(len(v) for v in chunks.values())
             report.bytes += sum(e.stored_bytes for e in m.tensors.values())
-            if m.kind == "keyframe" or deep:
+            if m.snapshot:  # a delta's full copy: re-read and rebuilt below like a keyframe
+                report.chunks += sum(len(e.chunks) for e in m.snapshot.values())
+                report.bytes += sum(e.stored_bytes for e in m.snapshot.values())
+            if m.restart_entries() is not None or deep:
                 plan = rs.plan_receive(root.url, root.storage_options, None, s)
-                if m.kind == "keyframe":
+                if m.restart_entries() is not None:
                     plan.moves = [Move(s, Direction.KEYFRAME)]
                 fetched = rs.fetch_payloads(plan)
                 rs.apply_payloads(plan, None, fetched)

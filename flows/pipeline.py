@@ -48,6 +48,7 @@ LOCAL = SimpleNamespace(
     plan_publish=ps.plan_publish,
     load_baseline=ps.load_baseline,
     encode_and_write=ps.encode_and_write,
+    write_snapshot=ps.write_snapshot,
     write_manifest=ps.write_manifest,
     commit_step=ps.commit_step,
     remember_baseline=ps.remember_baseline,
@@ -89,7 +90,8 @@ def run_publish(
     plan = t("plan", tasks.plan_publish, root, so, src.infos, step, keyframe, options, name)
     baseline = t("baseline", tasks.load_baseline, plan)
     entries = t("encode_write", tasks.encode_and_write, plan, src, baseline)
-    manifest, digest = t("manifest", tasks.write_manifest, plan, entries)
+    snapshot = t("snapshot_write", tasks.write_snapshot, plan, src, entries) if plan.snapshot else None
+    manifest, digest = t("manifest", tasks.write_manifest, plan, entries, snapshot)
     marker = t("commit", tasks.commit_step, plan, manifest, digest)
     t("remember_baseline", tasks.remember_baseline, plan, src, marker, baseline)
     return PublishResult(

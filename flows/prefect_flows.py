@@ -48,6 +48,7 @@ PREFECT_TASKS = SimpleNamespace(
     plan_publish=_task(L.plan_publish, "plan-publish"),
     load_baseline=_task(L.load_baseline, "load-baseline", retries=2),
     encode_and_write=_task(L.encode_and_write, "encode-and-write-chunks", retries=2),
+    write_snapshot=_task(L.write_snapshot, "write-snapshot", retries=2),
     write_manifest=_task(L.write_manifest, "write-manifest", retries=2),
     commit_step=_task(L.commit_step, "commit", retries=2),
     remember_baseline=_task(L.remember_baseline, "remember-baseline"),

@@ -48,7 +48,8 @@ class PublishPlan:
     options: PublishOptions
     source_name: str = ""
     base_digests: dict[str, str] = field(default_factory=dict)  # tensor digests of the base step
-    keyframe_reason: str = ""  # why the step is a keyframe ("" for deltas)
+    keyframe_reason: str = ""  # why the step is a keyframe or carries a snapshot ("" otherwise)
+    snapshot: bool = False  # a delta that also stores a full copy of its step (keyframe policy)
 
 
 def _schema_diff(base: Manifest, infos: dict[str, TensorInfo]) -> str | None:
@@ -89,7 +90,8 @@ def plan_publish(
         raise StepConflictError(
             f"{root.url}: step {step} is not after the latest committed step {latest}; publish step {latest + 1} or later"
         )
-    reason = "first step" if latest is None else "requested" if keyframe else _policy_reason(cat, latest, step, options)
+    reason = "first step" if latest is None else "requested" if keyframe else ""
+    policy = "" if reason else _policy_reason(cat, latest, step, options)
     if reason:
         kind, base_step, base_policy = KEYFRAME, None, None
     else:
@@ -103,7 +105,8 @@ def plan_publish(
     return PublishPlan(
         root_url, dict(storage_options), step, kind, base_step, base_policy,
         uuid.uuid4().hex, dict(infos), options, source_name,
-        {} if kind == KEYFRAME else {n: e.digest for n, e in base.tensors.items()}, reason,
+        {} if kind == KEYFRAME else {n: e.digest for n, e in base.tensors.items()}, reason or policy,
+        snapshot=bool(policy),
     )
 
 
@@ -115,8 +118,9 @@ def _policy_reason(cat: Catalog, latest: int, step: int, options: PublishOptions
     s = cat.require_marker(latest).summary
     kf, chain = s.get("keyframe_step"), s.get("chain_bytes")
     kf_bytes = None
-    if isinstance(kf, int) and cat.marker(kf) is not None:
-        kf_bytes = cat.marker(kf).summary.get("bytes_stored")
+    if isinstance(kf, int) and cat.marker(kf) is not None:  # the lineage's restart point
+        ks = cat.marker(kf).summary
+        kf_bytes = ks.get("snapshot_bytes", ks.get("bytes_stored"))
     delta_bytes = chain - kf_bytes if isinstance(chain, int) and isinstance(kf_bytes, int) else None
     full = s.get("bytes_full") if isinstance(s.get("bytes_full"), int) else None
     return policy.due(step, kf if isinstance(kf, int) else None, delta_bytes, full) or ""
@@ -219,7 +223,45 @@ def encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) ->
     return entries
 
 
-def write_manifest(plan: PublishPlan, entries: dict[str, TensorEntry]) -> tuple[Manifest, str]:
+def write_snapshot(plan: PublishPlan, source: Source, entries: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
+    """Store a full copy of the step beside its delta, in the same attempt (keyframe policy): new
+    and far-behind receivers start from it, up-to-date receivers keep pulling only the delta.
+
+    Arrays are named ``<tensor array>.full`` (kept distinct from every delta array); chunks use the
+    delta codec, whose dense form stores values as byte planes. One tensor at a time."""
+    root = Root(plan.root_url, plan.storage_options)
+    used = {e.array for e in entries.values()}
+    out: dict[str, TensorEntry] = {}
+    with StepWriter(root, plan.step, plan.attempt, plan.options.delta_codec, workers=plan.options.io_workers) as w:
+        pending = []
+        for name in sorted(plan.infos):
+            info, e = plan.infos[name], entries[name]
+            new = bits_of(source.tensor(name))
+            if tensor_digest(new) != e.digest:
+                raise IntegrityError(f"{plan.source_name or 'source'}: tensor {name!r} changed while publishing")
+            array = e.array + ".full"
+            while array in used:
+                array += "_"
+            used.add(array)
+            grid = ChunkGrid(info.shape, e.chunk_shape)
+            attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": Encoding.FULL.value,
+                             "step": plan.step, "snapshot": True}}
+            futs = [w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs)]
+            futs += [w.write_chunk(array, grid, c.index, c.payload) for c in encode_chunks(new, None, grid, Encoding.FULL)]
+            pending.append((e, array, futs))
+        for e, array, futs in pending:
+            stored = sorted((f.result() for f in futs[1:]), key=lambda x: x.index)
+            futs[0].result()
+            table = ChunkTable(tuple(x.index for x in stored), tuple(x.digest for x in stored), tuple(x.nbytes for x in stored))
+            out[e.name] = dataclasses.replace(
+                e, encoding=Encoding.FULL, array=array, chunks=table, base_digest=None, changed=0
+            )
+    return out
+
+
+def write_manifest(
+    plan: PublishPlan, entries: dict[str, TensorEntry], snapshot: dict[str, TensorEntry] | None = None
+) -> tuple[Manifest, str]:
     """Write the attempt's manifest (not yet visible to readers: no marker points at it)."""
     opts = plan.options
     m = Manifest(
@@ -234,6 +276,7 @@ def write_manifest(plan: PublishPlan, entries: dict[str, TensorEntry]) -> tuple[
         tensors=entries,
         created_at=utc_now(),
         producer={"tool": "dcr", "source": plan.source_name},
+        snapshot=dict(snapshot or {}),
     )
     data = m.to_json()
     root = Root(plan.root_url, plan.storage_options)
@@ -291,6 +334,9 @@ def _chain_summary(cat: Catalog, plan: PublishPlan, summary: dict) -> dict:
     if plan.kind == KEYFRAME:
         return {**summary, "keyframe_step": plan.step, "chain_bytes": summary["bytes_stored"],
                 "keyframe_reason": plan.keyframe_reason or "requested"}
+    if plan.snapshot:  # this delta is its lineage's new restart point
+        return {**summary, "keyframe_step": plan.step, "chain_bytes": summary["snapshot_bytes"],
+                "keyframe_reason": plan.keyframe_reason}
     base = cat.marker(plan.base_step).summary if cat.marker(plan.base_step) else {}
     if isinstance(base.get("chain_bytes"), int) and isinstance(base.get("keyframe_step"), int):
         return {**summary, "keyframe_step": base["keyframe_step"],

@@ -24,7 +24,7 @@ from dcr_core.chain import Direction, Move, plan_direct, plan_path
 from dcr_core.delta import Encoding, apply_chunk
 from dcr_core.digest import tensor_digest
 from dcr_core.dtypes import DTYPES
-from dcr_core.errors import InvalidCheckpointError, StateMismatchError, StepNotFoundError, UsageError
+from dcr_core.errors import IntegrityError, InvalidCheckpointError, StateMismatchError, StepNotFoundError, UsageError
 from flows.options import ReceiveOptions
 from storage import layout
 from storage.catalog import Catalog, utc_now
@@ -110,6 +110,17 @@ def plan_receive(
     )
 
 
+def move_entries(m: Manifest, move: Move) -> dict:
+    """What a move reads from step ``m``: its restart entries for a keyframe move (a keyframe's
+    tensors or a delta's snapshot), else its delta entries."""
+    if move.direction is not Direction.KEYFRAME:
+        return m.tensors
+    entries = m.restart_entries()
+    if entries is None:
+        raise IntegrityError(f"step {m.step}: planned as a restart point, but it stores no full copy")
+    return entries
+
+
 @dataclass
 class Fetched:
     """Verified payloads of every move of a plan, and what fetching them cost."""
@@ -129,8 +140,9 @@ def fetch_payloads(plan: ReceivePlan, options: ReceiveOptions | None = None) -> 
     pulled = 0
     for move in plan.moves:
         m = manifests[move.step]
-        chunks[move.step] = read_chunks(root, m, m.tensors, workers=options.io_workers)
-        pulled += sum(m.tensors[n].stored_bytes for n in chunks[move.step])
+        entries = move_entries(m, move)
+        chunks[move.step] = read_chunks(root, m, entries, workers=options.io_workers, entries=entries)
+        pulled += sum(entries[n].stored_bytes for n in chunks[move.step])
     return Fetched(manifests, chunks, pulled, time.perf_counter() - t0)
 
 
@@ -146,8 +158,9 @@ def apply_payloads(plan: ReceivePlan, state: State | None, fetched: Fetched) -> 
                 state.bits[name] = np.zeros(math.prod(e.shape), dtype=DTYPES[e.dtype].storage)
         elif state is None or set(state.bits) != set(m.tensors):
             raise StateMismatchError(f"step {move.step}: the held tensors do not match its manifest")
+        entries = move_entries(m, move)
         for name, items in chunks.items():
-            e = m.tensors[name]
+            e = entries[name]
             encoding = e.encoding
             if move.direction is Direction.BACKWARD and encoding is not Encoding.XOR:
                 raise StateMismatchError(f"step {move.step}: tensor {name!r} ({encoding.value}) cannot be undone")
@@ -203,11 +216,12 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
             raise StateMismatchError(f"step {move.step} cannot be undone (it holds overwrites)")
     names = sorted(target.tensors)
     manifests = [plan.manifests[m.step] for m in plan.moves]
+    move_tables = [move_entries(m, move) for m, move in zip(manifests, plan.moves)]
 
     def jobs():
         for name in names:
-            for m in manifests:
-                e = m.tensors[name]
+            for m, table in zip(manifests, move_tables):
+                e = table[name]
                 for pos in range(len(e.chunks)):
                     yield m, e, pos
 
@@ -228,8 +242,8 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
                     )
             else:
                 bits = np.zeros(math.prod(e_target.shape), dtype=DTYPES[e_target.dtype].storage)
-            for move, m in zip(plan.moves, manifests):
-                e = m.tensors[name]
+            for table in move_tables:
+                e = table[name]
                 for _ in range(len(e.chunks)):
                     _, _, index, payload = next(stream)
                     apply_chunk(bits, e.grid, index, payload, e.encoding)

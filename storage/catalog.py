@@ -103,6 +103,7 @@ class Catalog:
             base_step=marker.base_step if marker.kind == DELTA else None,
             invertible=bool(s.get("invertible", False)),
             stored_bytes=int(s.get("bytes_stored", 0)),
+            restart_bytes=int(s["snapshot_bytes"]) if marker.kind == DELTA and isinstance(s.get("snapshot_bytes"), int) else None,
         )
 
     def keyframe_cost(self, step: int) -> int | None:

@@ -196,6 +196,16 @@ class Manifest:
     created_at: str = ""
     producer: dict = field(default_factory=dict)
     schema_version: int = SCHEMA_VERSION
+    # A delta may also carry a full copy of its step (a restart point for new or far-behind
+    # receivers, written by the keyframe policy); same names, digests and codec, encoding full.
+    snapshot: dict[str, TensorEntry] = field(default_factory=dict)
+
+    def restart_entries(self) -> dict[str, TensorEntry] | None:
+        """The entries a receiver loads to start from this step: a keyframe's tensors, a delta's
+        snapshot, or None (a plain delta is no restart point)."""
+        if self.kind == KEYFRAME:
+            return self.tensors
+        return self.snapshot or None
 
     @property
     def invertible(self) -> bool:
@@ -216,7 +226,7 @@ class Manifest:
             "bytes_stored": sum(t.stored_bytes for t in self.tensors.values()),
             "chunks_stored": sum(len(t.chunks) for t in self.tensors.values()),
             "invertible": self.invertible,
-        }
+        } | ({"snapshot_bytes": sum(t.stored_bytes for t in self.snapshot.values())} if self.snapshot else {})
 
     def computed_policy_digest(self) -> str:
         return policy_digest((t.name, t.dtype, t.shape, t.digest) for t in self.tensors.values())
@@ -239,7 +249,7 @@ class Manifest:
             "chunk_bytes": self.chunk_bytes,
             "summary": self.summary(),
             "tensors": {name: self.tensors[name].to_dict() for name in sorted(self.tensors)},
-        }
+        } | ({"snapshot": {n: self.snapshot[n].to_dict() for n in sorted(self.snapshot)}} if self.snapshot else {})
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False).encode() + b"\n"
@@ -286,7 +296,20 @@ class Manifest:
             if kind == DELTA and entry.encoding is Encoding.FULL:
                 raise _fail(where, f"delta tensor {name!r} has encoding full")
             tensors[name] = entry
-        arrays = [t.array for t in tensors.values()]
+        snapshot = {}
+        snap_d = d.get("snapshot")
+        if snap_d is not None:
+            if kind != DELTA or not isinstance(snap_d, dict) or set(snap_d) != set(tensors):
+                raise _fail(where, "a snapshot belongs to a delta and holds exactly its tensors")
+            for name, td in snap_d.items():
+                entry = TensorEntry.from_dict(name, td, f"{where} snapshot")
+                t = tensors[name]
+                if entry.encoding is not Encoding.FULL or (entry.dtype, entry.shape, entry.digest) != (
+                    t.dtype, t.shape, t.digest
+                ):
+                    raise _fail(where, f"snapshot tensor {name!r} is not a full copy of the step's tensor")
+                snapshot[name] = entry
+        arrays = [t.array for t in tensors.values()] + [t.array for t in snapshot.values()]
         if len(set(arrays)) != len(arrays):
             raise _fail(where, "two tensors share one array")
         try:
@@ -305,6 +328,7 @@ class Manifest:
             tensors=tensors,
             created_at=str(d.get("created_at", "")),
             producer=d.get("producer") if isinstance(d.get("producer"), dict) else {},
+            snapshot=snapshot,
         )
         if m.computed_policy_digest() != m.policy_digest:
             raise _fail(where, "policy digest does not match its tensors")

@@ -108,16 +108,18 @@ def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int) -> 
 
 
 def read_chunks(
-    root: Root, manifest: Manifest, names: Iterable[str], workers: int = 8
+    root: Root, manifest: Manifest, names: Iterable[str], workers: int = 8, entries: dict | None = None
 ) -> dict[str, list[tuple[int, np.ndarray]]]:
-    """All stored chunks of the named tensors, verified, in chunk order."""
-    names = [n for n in names if len(manifest.tensors[n].chunks)]
+    """All stored chunks of the named tensors (of ``entries``, default the manifest's tensors),
+    verified, in chunk order."""
+    entries = manifest.tensors if entries is None else entries
+    names = [n for n in names if len(entries[n].chunks)]
     out: dict[str, list[tuple[int, np.ndarray]]] = {n: [] for n in names}
-    jobs = [(n, p) for n in names for p in range(len(manifest.tensors[n].chunks))]
+    jobs = [(n, p) for n in names for p in range(len(entries[n].chunks))]
     if not jobs:
         return out
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dcr-get") as pool:
-        futures = [(n, pool.submit(read_chunk, root, manifest, manifest.tensors[n], p)) for n, p in jobs]
+        futures = [(n, pool.submit(read_chunk, root, manifest, entries[n], p)) for n, p in jobs]
         try:
             for n, fut in futures:
                 out[n].append(fut.result())

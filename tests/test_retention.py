@@ -7,7 +7,7 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from dcr_core.chain import StepInfo
+from dcr_core.chain import Direction, Move, StepInfo, plan_path
 from dcr_core.errors import StepNotFoundError, UsageError
 from dcr_core.retention import KeyframePolicy, steps_to_keep
 from flows import gc
@@ -26,9 +26,10 @@ def opts(tmp_path, **kw) -> PublishOptions:
     return PublishOptions(chunk_bytes=CHUNK_BYTES, cache_dir=str(tmp_path / "cache"), **kw)
 
 
-def lineage(*pairs) -> dict[int, StepInfo]:
-    """``(step, base)`` pairs -> StepInfos (base None: a keyframe)."""
-    return {s: StepInfo(s, b, b is not None, 10) for s, b in pairs}
+def lineage(*pairs, snapshots=()) -> dict[int, StepInfo]:
+    """``(step, base)`` pairs -> StepInfos (base None: a keyframe; steps in ``snapshots`` are deltas
+    that also store a full copy)."""
+    return {s: StepInfo(s, b, b is not None, 10, 100 if s in snapshots else None) for s, b in pairs}
 
 
 # -- pure decisions ---------------------------------------------------------------------------------
@@ -54,8 +55,8 @@ def test_retention_keeps_the_newest_steps_chains_and_what_receivers_need():
     assert steps_to_keep(steps, 5) == {0, 1, 2, 3, 4, 5, 6, 7}  # step 3 needs its chain back to 0
     # a receiver on the latest lineage needs only its own step (the deltas forward are kept anyway)
     assert steps_to_keep(steps, 1, {"r": 5}) == {4, 5, 6, 7}
-    # a receiver on an older lineage keeps its step and that step's chain
-    assert steps_to_keep(steps, 1, {"r": 2}) == {0, 1, 2, 4, 5, 6, 7}
+    # a receiver on an older lineage restarts from the latest keyframe: only its own step is kept
+    assert steps_to_keep(steps, 1, {"r": 2}) == {2, 4, 5, 6, 7}
     # a receiver on a branch keeps the deltas it undoes down to the common ancestor
     branch = lineage((0, None), (1, 0), (2, 1), (3, 1), (4, 3))
     assert steps_to_keep(branch, 1, {"r": 2}) == {0, 1, 2, 3, 4}
@@ -65,31 +66,61 @@ def test_retention_keeps_the_newest_steps_chains_and_what_receivers_need():
         steps_to_keep(steps, 0)
 
 
+def test_snapshots_are_restart_points_for_planning_and_retention():
+    steps = lineage(*[(0, None)] + [(s, s - 1) for s in range(1, 8)], snapshots=(4,))
+    assert steps_to_keep(steps, 1) == {4, 5, 6, 7}  # nothing before the snapshot is needed
+    assert steps_to_keep(steps, 1, {"r": 2}) == {2, 3, 4, 5, 6, 7}  # its deltas forward
+    assert plan_path(steps, None, 6) == [Move(4, Direction.KEYFRAME), Move(5, Direction.FORWARD), Move(6, Direction.FORWARD)]
+    assert plan_path(steps, 5, 7) == [Move(6, Direction.FORWARD), Move(7, Direction.FORWARD)]
+    # after history before the snapshot is deleted, chains end there; a held step whose history is
+    # gone still moves forward by deltas
+    pruned = {s: i for s, i in steps.items() if s not in (0, 1)}
+    assert plan_path(pruned, None, 7)[0] == Move(4, Direction.KEYFRAME)
+    assert plan_path(pruned, 2, 7) == [Move(s, Direction.FORWARD) for s in (3, 4, 5, 6, 7)]  # 40 < 100+30
+    assert steps_to_keep(pruned, 1, {"r": 2}) == {2, 3, 4, 5, 6, 7}
+    gone = {s: i for s, i in pruned.items() if s != 3}  # now step 2 can only restart
+    assert plan_path(gone, 2, 7) == [Move(4, Direction.KEYFRAME)] + [Move(s, Direction.FORWARD) for s in (5, 6, 7)]
+    assert steps_to_keep(gone, 1, {"r": 2}) == {2, 4, 5, 6, 7}
+
+
 # -- the keyframe policy in the publisher ------------------------------------------------------------
 
 
 @pytest.mark.parametrize("policy", [KeyframePolicy(every=3), KeyframePolicy(above=0.05)], ids=["every", "above"])
-def test_the_publisher_starts_a_new_lineage_when_the_policy_says_and_receivers_stay_exact(tmp_path, policy):
+def test_the_keyframe_policy_adds_restart_points_and_every_receiver_stays_exact(tmp_path, policy):
     root = str(tmp_path / "root")
     ckpts = chain_of_steps(8, seed=3)
-    kinds = []
+    snapshots = []
     for i, ck in enumerate(ckpts):
         res = run_publish(root, ck, i, options=opts(tmp_path, keyframe_policy=policy))
-        kinds.append(res.kind)
-        run_receive(root, "r", str(tmp_path / "r.safetensors"))
+        assert res.kind == ("keyframe" if i == 0 else "delta")
+        follower = run_receive(root, "r", str(tmp_path / "r.safetensors"))
         assert_bits_equal(load_file(tmp_path / "r.safetensors"), ck)
-        if res.kind == "keyframe" and i:
-            assert res.summary["keyframe_reason"] not in ("requested", "first step")
+        if "snapshot_bytes" in res.summary:
+            snapshots.append(i)
+            assert res.summary["keyframe_step"] == i and res.summary["keyframe_reason"]
+            # an up-to-date receiver still pulls only the delta
+            assert follower.moves == [f"forward:{i}"] and follower.bytes_pulled == res.summary["bytes_stored"]
+        fresh = run_receive(root, f"new{i}", str(tmp_path / f"new{i}.safetensors"))
+        assert_bits_equal(load_file(tmp_path / f"new{i}.safetensors"), ck)
+        start = max([0] + [s for s in snapshots if s <= i])
+        assert fresh.moves[0] == f"keyframe:{start}"  # new receivers start from the nearest restart point
     if policy.every:
-        assert kinds == ["keyframe", "delta", "delta", "keyframe", "delta", "delta", "keyframe", "delta"]
+        assert snapshots == [3, 6]
     else:
-        assert kinds[0] == "keyframe" and "keyframe" in kinds[2:] and "delta" in kinds[1:]
+        assert snapshots and 1 not in snapshots
         cat = Catalog(Root(root))
         for s in range(1, 8):  # the policy held: no lineage carried more delta bytes than allowed
             m = cat.marker(s)
-            kf = cat.marker(m.summary["keyframe_step"])
-            before = m.summary["chain_bytes"] - m.summary["bytes_stored"] - kf.summary["bytes_stored"]
-            assert m.kind == "keyframe" or before <= policy.above * m.summary["bytes_full"]
+            if "snapshot_bytes" in m.summary:
+                continue
+            kf = cat.marker(m.summary["keyframe_step"]).summary
+            before = m.summary["chain_bytes"] - m.summary["bytes_stored"] - kf.get("snapshot_bytes", kf["bytes_stored"])
+            assert before <= policy.above * m.summary["bytes_full"]
+    out = tmp_path / "v.json"
+    from flows.cli import main
+
+    assert main(["verify", root, "--json", "-q"]) == 0 and not out.exists()
 
 
 # -- gc ----------------------------------------------------------------------------------------------
@@ -104,34 +135,35 @@ def publish_run(root: str, tmp_path, n: int = 8, every: int = 4) -> list[dict]:
 
 def test_gc_deletes_only_what_retention_and_receivers_do_not_need(tmp_path, backend):
     root = new_root(backend, tmp_path)
-    ckpts = publish_run(root, tmp_path)  # keyframes at 0 and 4
+    ckpts = publish_run(root, tmp_path)  # a keyframe at 0, a delta with a full snapshot at 4
     behind = tmp_path / "behind.safetensors"
     run_receive(root, "behind", str(behind), step=2)
     r = Root(root)
 
     dry = gc.run_gc(r, keep_last=2, dry_run=True)
-    assert dry.plan.delete_steps == [3] and dry.plan.receivers == {"behind": 2}
+    assert dry.plan.delete_steps == [0, 1] and dry.plan.receivers == {"behind": 2}
     assert dry.plan.bytes_freed > 0 and not dry.deleted_steps
     assert Catalog(Root(root)).committed_steps() == list(range(8))  # a dry run deletes nothing
 
     report = gc.run_gc(r, keep_last=2)
-    assert report.deleted_steps == [3]
+    assert report.deleted_steps == [0, 1]
     cat = Catalog(Root(root))
-    assert cat.committed_steps() == [0, 1, 2, 4, 5, 6, 7]
-    assert not Root(root).objects(layout.step_dir(3))
-    # what was kept still serves every reader exactly
-    run_receive(root, "behind", str(behind))
+    assert cat.committed_steps() == [2, 3, 4, 5, 6, 7]
+    assert not Root(root).objects(layout.step_dir(0))
+    # what was kept still serves every reader exactly: the receiver catches up by deltas
+    res = run_receive(root, "behind", str(behind))
+    assert res.moves == [f"forward:{s}" for s in range(3, 8)]
     assert_bits_equal(load_file(behind), ckpts[7])
-    for s in (2, 6, 7):
+    for s in (4, 6, 7):
         out = tmp_path / f"m{s}.safetensors"
         run_materialize(root, s, str(out))
         assert_bits_equal(load_file(out), ckpts[s])
     with pytest.raises(StepNotFoundError):
-        run_materialize(root, 3, str(tmp_path / "m3.safetensors"))
+        run_materialize(root, 0, str(tmp_path / "m0.safetensors"))
 
-    # the receiver moved on: its old lineage is no longer needed
+    # the receiver moved on: nothing before the snapshot at step 4 is needed any more
     report = gc.run_gc(Root(root), keep_last=1)
-    assert report.deleted_steps == [0, 1, 2]
+    assert report.deleted_steps == [2, 3]
     assert Catalog(Root(root)).committed_steps() == [4, 5, 6, 7]
     fresh = tmp_path / "fresh.safetensors"
     run_receive(root, "fresh", str(fresh))
