@@ -26,6 +26,7 @@ class StepRow:
     change_rate: float | None = None
     receivers: list[str] = field(default_factory=list)
     attempts: int = 0
+    snapshot_bytes: int | None = None  # a delta that also stores a full copy (a restart point)
 
 
 def list_steps(root: Root) -> list[StepRow]:
@@ -43,7 +44,7 @@ def list_steps(root: Root) -> list[StepRow]:
                 step, True, marker.kind, marker.base_step,
                 s.get("tensors_changed"), s.get("tensors"), s.get("bytes_stored"), s.get("bytes_full"),
                 s.get("change_rate") if marker.kind == "delta" else None,
-                cat.receivers(step), attempts,
+                cat.receivers(step), attempts, s.get("snapshot_bytes"),
             )
         )
     return rows
@@ -70,6 +71,7 @@ def format_rows(rows: list[StepRow]) -> str:
             f"{r.step:>8}  {r.kind:<8}  {'-' if r.base_step is None else r.base_step:>6}  {committed:<9}  "
             f"{changed:>9}  {_human(r.bytes_stored):>10}  {_human(r.bytes_full):>10}  {rate:>8}  "
             f"{','.join(r.receivers) or '-'}"
+            + (f"  (+ full snapshot {_human(r.snapshot_bytes)})" if r.snapshot_bytes is not None else "")
         )
     return "\n".join(lines)
 

@@ -90,8 +90,11 @@ def run_publish(
     plan = t("plan", tasks.plan_publish, root, so, src.infos, step, keyframe, options, name)
     baseline = t("baseline", tasks.load_baseline, plan)
     entries = t("encode_write", tasks.encode_and_write, plan, src, baseline)
-    snapshot = t("snapshot_write", tasks.write_snapshot, plan, src, entries) if plan.snapshot else None
-    manifest, digest = t("manifest", tasks.write_manifest, plan, entries, snapshot)
+    if plan.snapshot:  # a restart point (keyframe policy): the delta plus a full copy
+        snapshot = t("snapshot_write", tasks.write_snapshot, plan, src, entries)
+        manifest, digest = t("manifest", tasks.write_manifest, plan, entries, snapshot)
+    else:
+        manifest, digest = t("manifest", tasks.write_manifest, plan, entries)
     marker = t("commit", tasks.commit_step, plan, manifest, digest)
     t("remember_baseline", tasks.remember_baseline, plan, src, marker, baseline)
     return PublishResult(
