@@ -29,11 +29,11 @@ DENSE_ABOVE = 0.25
 _HEAD = struct.Struct("<4sBBBBQQ")
 
 
-def _planes(a: np.ndarray) -> bytes:
+def _planes(a: np.ndarray) -> np.ndarray:
     """``a``'s bytes regrouped plane by plane (all first bytes, then all second bytes, ...)."""
     if a.dtype.itemsize == 1:
-        return a.tobytes()
-    return np.ascontiguousarray(a.view(np.uint8).reshape(-1, a.dtype.itemsize).T).tobytes()
+        return a.view(np.uint8)
+    return np.ascontiguousarray(a.view(np.uint8).reshape(-1, a.dtype.itemsize).T)
 
 
 def _unplanes(data: bytes, dtype: np.dtype, count: int) -> np.ndarray:
@@ -43,9 +43,34 @@ def _unplanes(data: bytes, dtype: np.dtype, count: int) -> np.ndarray:
     return np.ascontiguousarray(u8.reshape(dtype.itemsize, count).T).view(dtype).reshape(count)
 
 
-def _section(payload: bytes, level: int) -> bytes:
-    frame = Zstd(level=level).encode(payload) if payload else b""
+def _section(payload: np.ndarray, level: int) -> bytes:
+    frame = Zstd(level=level).encode(payload) if payload.size else b""
     return struct.pack("<Q", len(frame)) + bytes(frame)
+
+
+def _changes(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (ascending) and values of the non-zero elements of a flat contiguous ``mask``.
+
+    ``np.flatnonzero`` on a wide integer array tests element by element. Here the mask is first
+    read as 64-bit words: only the non-zero words are gathered, and only their elements are tested
+    (as booleans, which numpy scans fast). Elements after the last whole word are tested apart.
+    """
+    shift = (8 // mask.dtype.itemsize).bit_length() - 1  # log2 of the elements per word
+    whole = mask.size >> shift << shift
+    words = mask[:whole].view(np.uint64)
+    hit_words = np.flatnonzero(words != 0)
+    inside = words[hit_words].view(mask.dtype)
+    hit = np.flatnonzero(inside != 0)
+    if shift:
+        positions = (hit_words[hit >> shift] << shift) | (hit & ((1 << shift) - 1))
+    else:
+        positions = hit_words
+    values = inside[hit]
+    if whole < mask.size:
+        tail = np.flatnonzero(mask[whole:])
+        positions = np.concatenate([positions, tail + whole])
+        values = np.concatenate([values, mask[whole:][tail]])
+    return positions, values
 
 
 def encode_sparse(mask: np.ndarray, level: int = 3) -> bytes:
@@ -54,14 +79,19 @@ def encode_sparse(mask: np.ndarray, level: int = 3) -> bytes:
     n = mask.size
     if n >= 1 << 32:
         raise ValueError("a chunk holds fewer than 2^32 elements")
-    positions = np.flatnonzero(mask)
-    k = positions.size
+    k = int(np.count_nonzero(mask))
     if n and k / n > DENSE_ABOVE:
         head = _HEAD.pack(MAGIC, VERSION, DENSE, mask.dtype.itemsize, 0, n, k)
         return head + _section(_planes(mask), level)
-    gaps = np.diff(positions, prepend=-1).astype(np.uint32) - np.uint32(1)
+    gaps = np.empty(k, dtype=np.uint32)
+    values = mask[:0]
+    if k:
+        positions, values = _changes(mask)
+        gaps[0] = positions[0]
+        np.subtract(positions[1:], positions[:-1], out=gaps[1:], casting="unsafe")
+        gaps[1:] -= np.uint32(1)
     head = _HEAD.pack(MAGIC, VERSION, SPARSE, mask.dtype.itemsize, 0, n, k)
-    return head + _section(_planes(gaps), level) + _section(_planes(mask[positions]), level)
+    return head + _section(_planes(gaps), level) + _section(_planes(values), level)
 
 
 def _read_section(data: bytes, offset: int, expect: int) -> tuple[bytes, int]:

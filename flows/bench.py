@@ -26,6 +26,7 @@ from dcr_core.bits import bits_of
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.codec import CodecSpec
 from dcr_core.delta import (
+    Encoding,
     apply_chunk,
     choose_encoding,
     count_changed,
@@ -258,11 +259,15 @@ def standard_codec() -> CodecSpec:
 
 
 def _encode(pairs: list[Pair], codec: CodecSpec, chunk_bytes: int, overwrite_above: float) -> list:
-    """What the publisher stores for an update: per tensor, count changes, XOR per chunk, compress."""
+    """What the publisher stores for an update: per tensor, XOR per chunk, compress (and, as the
+    publisher does, count a tensor's changes first only when overwrites are enabled)."""
     out = []
     for p in pairs:
         grid = ChunkGrid(p.shape, choose_chunk_shape(p.shape, p.new.dtype.itemsize, chunk_bytes))
-        enc = choose_encoding(count_changed(p.new, p.old), p.new.size, overwrite_above)
+        if overwrite_above >= 1.0:
+            enc = Encoding.XOR
+        else:
+            enc = choose_encoding(count_changed(p.new, p.old), p.new.size, overwrite_above)
         for c in encode_chunks(p.new, p.old, grid, enc):
             out.append((p, grid, c.index, enc, codec.encode(pad(c.payload, grid.chunk_numel))))
     return out
