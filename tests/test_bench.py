@@ -43,6 +43,8 @@ def test_quick_bench_writes_results(tmp_path):
         assert "patch_from_1" in m and "patch_from_3" in m
     assert {e["backend"] for e in results["end_to_end"]} == {"local"}
     assert all(e["dcr"]["exact"] and e["dcr"]["bytes_stored"] > 0 for e in results["end_to_end"])
+    assert all(e["cli"]["exact"] and e["cli"]["total_s"] > 0 for e in results["end_to_end"])  # as dcr commands
+    assert results["startup_s"]["local"] > 0
     md = (tmp_path / "results.md").read_text()
     assert "Bytes per changed element" in md and "End to end" in md
     if importlib.util.find_spec("matplotlib") is not None:
