@@ -554,10 +554,16 @@ def plot(results: dict, out: str) -> list[str]:
         written.append(path)
     e2e: dict[tuple, list] = {}
     for e in results["end_to_end"]:
-        e2e.setdefault((e["backend"], -(e.get("bandwidth") or 0), e["source"], e["parameters"]), []).append(e)
+        e2e.setdefault((e["source"], e["parameters"], e["backend"], -(e.get("bandwidth") or 0)), []).append(e)
     if e2e:
-        fig, axes = plt.subplots(1, len(e2e), figsize=(5 * len(e2e), 4.2), squeeze=False)
-        for ax, ((backend, neg_bw, source, n), es) in zip(axes[0], sorted(e2e.items())):
+        rows = sorted({k[:2] for k in e2e})
+        cols = sorted({k[2:] for k in e2e})
+        fig, axes = plt.subplots(len(rows), len(cols), figsize=(5 * len(cols), 4.2 * len(rows)), squeeze=False)
+        for ax in axes.flat:
+            ax.set_visible(False)
+        for (source, n, backend, neg_bw), es in sorted(e2e.items()):
+            ax = axes[rows.index((source, n))][cols.index((backend, neg_bw))]
+            ax.set_visible(True)
             es = sorted(es, key=lambda e: e["change_rate"])
             pos = np.arange(len(es))
             link = [e["dcr"]["link_s"] or 0.0 for e in es]
@@ -572,7 +578,7 @@ def plot(results: dict, out: str) -> list[str]:
             ax.set_ylabel("refit time (s)")
             ax.set_title(f"{backend}{f' @ {-neg_bw / 1e6:g} MB/s' if neg_bw else ''}: {source}, {_params(n)}")
             ax.grid(True, axis="y", alpha=0.3)
-        axes[0][0].legend(fontsize=8)
+        next(ax for ax in axes.flat if ax.get_visible()).legend(fontsize=8)
         fig.tight_layout()
         path = os.path.join(out, "refit_time.png")
         fig.savefig(path, dpi=110)
