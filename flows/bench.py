@@ -487,10 +487,12 @@ def _e2e_markdown(results: dict) -> list[str]:
          "rest. `commands`: the same refit as a `dcr publish` (of the checkpoint file) and a `dcr receive` process; "
          f"one process start-up (interpreter and imports) alone takes {', '.join(f'{v:.2f} s ({k})' for k, v in startup.items())}. "
          "`target s`: the DCR time that would give time/byte = 0.8. `full`: the full checkpoint up + down through "
-         "the same link (`full direct`: the same uncapped, the test server's own cost, included in `full`).\n"),
+         "the same link (`full direct`: the same uncapped, the test server's own cost, included in `full`). "
+         "`server CPU s`: CPU time the S3 test server and the proxy used during the in-process refit, on the same "
+         "cores as DCR (a remote store would not take it).\n"),
         ("| backend | link MB/s | source | params | change % | byte ratio | full s | full direct s | target s | "
-         "in-process s | on link s | local s | time/byte | commands s | commands time/byte | exact |"),
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
+         "in-process s | on link s | local s | server CPU s | time/byte | commands s | commands time/byte | exact |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
     ]
     for e in results["end_to_end"]:
         d, c, f = e["dcr"], e["cli"], e["full"]
@@ -499,7 +501,7 @@ def _e2e_markdown(results: dict) -> list[str]:
             f"| {e['backend']} | {_f(bw / 1e6 if bw else None, 'g', 'none')} | {e['source']} | {_params(e['parameters'])} | "
             f"{100 * e['change_rate']:.2f} | {_f(e['byte_ratio'], '.1f')} | {f['total_s']:.2f} | "
             f"{_f(f.get('unthrottled_direct_s'))} | {_f(e['target_dcr_s'], '.3f')} | {d['total_s']:.2f} | "
-            f"{_f(d['link_s'])} | {d['local_s']:.2f} | {_f(e['quotient'])} | {c['total_s']:.2f} | "
+            f"{_f(d['link_s'])} | {d['local_s']:.2f} | {_f(d.get('server_cpu_s'))} | {_f(e['quotient'])} | {c['total_s']:.2f} | "
             f"{_f(e['cli_quotient'])} | {'yes' if d['exact'] and c['exact'] else 'NO'} |"
         )
     pub_keys = [k for k in PUBLISH_STEPS if any(k in e["dcr"]["publish_timings"] for e in results["end_to_end"])]
@@ -579,8 +581,9 @@ def plot(results: dict, out: str) -> list[str]:
             ax.set_ylabel("refit time (s)")
             ax.set_title(f"{backend}{f' @ {-neg_bw / 1e6:g} MB/s' if neg_bw else ''}: {source}, {_params(n)}")
             ax.grid(True, axis="y", alpha=0.3)
-        next(ax for ax in axes.flat if ax.get_visible()).legend(fontsize=8)
-        fig.tight_layout()
+        handles, labels = next(ax for ax in axes.flat if ax.get_visible()).get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
         path = os.path.join(out, "refit_time.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)

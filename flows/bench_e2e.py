@@ -232,7 +232,8 @@ def _serve_s3(conn, bandwidth: float) -> None:
         while True:
             msg = conn.recv()
             if msg == "counts":
-                conn.send(proxy.counts())
+                # with the CPU seconds this process (server and proxy) has used, on the same cores
+                conn.send({**proxy.counts(), "cpu_s": time.process_time()})
             elif isinstance(msg, tuple) and msg[0] == "bandwidth":
                 proxy.bandwidth = msg[1]
                 conn.send(True)
@@ -248,6 +249,10 @@ def _serve_s3(conn, bandwidth: float) -> None:
 def _wire(svc: S3Service, before: dict) -> int:
     after = svc.proxy.counts()
     return after["bytes_up"] + after["bytes_down"] - before["bytes_up"] - before["bytes_down"]
+
+
+def _server_cpu(svc: S3Service, before: dict) -> float:
+    return svc.proxy.counts()["cpu_s"] - before["cpu_s"]
 
 
 def _full_s3(svc: S3Service, new_file: str, tmp: str) -> dict:
@@ -291,6 +296,8 @@ def e2e_s3(svc: S3Service, bandwidth: float, old, new, new_file: str, tmp: str, 
         else:
             sides[name] = {**dcr_cli(f"s3://{prefix}", old, new, new_file, tmp, direct, via), "startup_s": startup}
         sides[name]["wire_bytes"] = _wire(svc, before)
+        # The test server and the proxy run on this machine's cores: CPU a remote store would not take.
+        sides[name]["server_cpu_s"] = _server_cpu(svc, before)
         svc.fs(svc.direct).rm(prefix, recursive=True)  # moto keeps objects in memory
     key = (bandwidth, os.path.getsize(new_file))
     if key not in svc.full_cache:
