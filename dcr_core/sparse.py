@@ -71,12 +71,12 @@ def _changes(mask: np.ndarray, word_hits: np.ndarray, shift: int, whole: int) ->
     """
     hit_words = np.flatnonzero(word_hits)
     inside = mask[:whole].view(np.uint64)[hit_words].view(mask.dtype)
-    hit = np.flatnonzero(inside != 0)
     if shift:
+        hit = np.flatnonzero(inside != 0)
         positions = (hit_words[hit >> shift] << shift) | (hit & ((1 << shift) - 1))
-    else:
-        positions = hit_words
-    values = inside[hit]
+        values = inside[hit]
+    else:  # one element per word: the non-zero words are the changes
+        positions, values = hit_words, inside
     if whole < mask.size:
         tail = np.flatnonzero(mask[whole:])
         positions = np.concatenate([positions, tail + whole])
