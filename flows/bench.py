@@ -6,7 +6,6 @@ import argparse
 import contextlib
 import gc
 import json
-import logging
 import math
 import os
 import platform
@@ -15,7 +14,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
 from dataclasses import dataclass
 
@@ -26,22 +24,26 @@ from dcr_core.bits import bits_of
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.codec import CodecSpec
 from dcr_core.delta import (
+    Encoding,
     apply_chunk,
     choose_encoding,
     count_changed,
     encode_chunks,
     pad,
 )
+from flows.bench_e2e import S3Service, e2e_local, e2e_s3, e2e_summary, startup_s
 from flows.options import PublishOptions
 
 QUICK_SIZES, DEFAULT_SIZES = "2M", "10M,100M"
 QUICK_RATES, DEFAULT_RATES = "0.01,0.03,0.05", "0.005,0.01,0.03,0.05,0.10"
 E2E_RATES = (0.01, 0.03, 0.05)
 E2E_MAX_PARAMS = 100_000_000
+DEFAULT_BANDWIDTHS = (50e6, 10e6)
+PUBLISH_STEPS = ("snapshot", "plan", "baseline", "encode_write", "manifest", "commit", "remember_baseline")
+RECEIVE_STEPS = ("plan", "refit", "replace_state", "verify_state", "record_commit")
 # Peak memory per BF16 model byte: old, new, XOR temporaries, decode targets and baselines; the
 # AdamW source also holds FP32 master weights, gradients, Adam moments and a saved step.
 MEM_FACTOR = {"synthetic": 8, "adamw": 16}
-BUCKET = "dcr-bench"
 SOURCES = ("synthetic", "adamw")
 BACKENDS = ("local", "s3")
 METHODS = {  # key -> label, in table order
@@ -105,7 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="update generators (default synthetic,adamw)")
     p.add_argument("--backends", type=lambda s: _list(s, str.strip, BACKENDS),
                    help="end-to-end backends (default local,s3; --quick: local)")
-    p.add_argument("--bandwidth", type=float, default=50e6, help="bytes/s cap of the S3 link, each direction (default 50e6)")
+    p.add_argument("--bandwidth", type=lambda s: _list(s, float), default=list(DEFAULT_BANDWIDTHS),
+                   help="bytes/s caps of the S3 link, each direction, one end-to-end run per cap (default 50e6,10e6)")
     p.add_argument("--e2e-size", type=parse_size, help=f"model size of the end-to-end runs (default the largest size <= {E2E_MAX_PARAMS:.0e})")
     p.add_argument("--e2e-rates", type=lambda s: _list(s, _rate), help="change rates of the end-to-end runs (default 0.01,0.03,0.05)")
     p.add_argument("--seed", type=int, default=0)
@@ -258,11 +261,15 @@ def standard_codec() -> CodecSpec:
 
 
 def _encode(pairs: list[Pair], codec: CodecSpec, chunk_bytes: int, overwrite_above: float) -> list:
-    """What the publisher stores for an update: per tensor, count changes, XOR per chunk, compress."""
+    """What the publisher stores for an update: per tensor, XOR per chunk, compress (and, as the
+    publisher does, count a tensor's changes first only when overwrites are enabled)."""
     out = []
     for p in pairs:
         grid = ChunkGrid(p.shape, choose_chunk_shape(p.shape, p.new.dtype.itemsize, chunk_bytes))
-        enc = choose_encoding(count_changed(p.new, p.old), p.new.size, overwrite_above)
+        if overwrite_above >= 1.0:
+            enc = Encoding.XOR
+        else:
+            enc = choose_encoding(count_changed(p.new, p.old), p.new.size, overwrite_above)
         for c in encode_chunks(p.new, p.old, grid, enc):
             out.append((p, grid, c.index, enc, codec.encode(pad(c.payload, grid.chunk_numel))))
     return out
@@ -276,8 +283,9 @@ def _decode_apply(payloads: list, codec: CodecSpec, targets: dict[str, np.ndarra
 
 
 def _repeats(nbytes: int) -> int:
-    # Small models run in milliseconds: repeat them (best of) so timer noise does not dominate.
-    return max(1, min(5, (64 << 20) // max(1, nbytes)))
+    # Best of at least 3 (the machine may be shared); small models run in milliseconds, so they get
+    # up to 5 so that timer noise does not dominate.
+    return max(3, min(5, (64 << 20) // max(1, nbytes)))
 
 
 def measure_codec(pairs: list[Pair], codec: CodecSpec, opts: PublishOptions) -> dict:
@@ -401,202 +409,6 @@ def measure_scenario(old, new, a: argparse.Namespace, tmp: str, opts: PublishOpt
             "tensors": len(pairs), "methods": methods, "new_file": new_file}
 
 
-# ---------------------------------------------------------------- end to end
-
-
-def _copy_synced(src: str, dst: str) -> None:
-    shutil.copyfile(src, dst)
-    fd = os.open(dst, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _dcr_refit(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: dict) -> dict:
-    """Keyframe of ``old`` and a receiver at it (untimed), then the timed delta publish and receive of ``new``."""
-    from safetensors.torch import load_file
-
-    from flows.demo import mismatch
-    from flows.pipeline import run_publish, run_receive
-
-    popts = PublishOptions(cache_dir=os.path.join(tmp, "cache", uuid.uuid4().hex[:8]))
-    state = os.path.join(tmp, f"receiver-{uuid.uuid4().hex[:8]}.safetensors")
-    run_publish(root, old, 0, keyframe=True, storage_options=setup_opts, options=popts)
-    run_receive(root, "bench", state, 0, storage_options=setup_opts)
-    t0 = time.perf_counter()
-    pub = run_publish(root, new, 1, storage_options=timed_opts, options=popts)
-    t1 = time.perf_counter()
-    rec = run_receive(root, "bench", state, 1, storage_options=timed_opts)
-    t2 = time.perf_counter()
-    problem = mismatch(new, load_file(state))
-    os.remove(state)
-    shutil.rmtree(popts.cache_dir, ignore_errors=True)
-    return {
-        "publish_s": t1 - t0, "receive_s": t2 - t1, "total_s": t2 - t0,
-        "bytes_stored": pub.summary["bytes_stored"], "bytes_pulled": rec.bytes_pulled,
-        "exact": problem is None, "mismatch": problem,
-        "publish_timings": pub.timings, "receive_timings": rec.timings,
-    }
-
-
-def e2e_local(old, new, new_file: str, tmp: str) -> dict:
-    """On a local ROOT: what the pipeline costs without a network; the reference copies the file in and out."""
-    root = os.path.join(tmp, f"root-{uuid.uuid4().hex[:8]}")
-    dcr = _dcr_refit(root, old, new, tmp, {}, {})
-    os.makedirs(root, exist_ok=True)
-    stored, back = os.path.join(root, "full.safetensors"), os.path.join(tmp, "full-back.safetensors")
-    t0 = time.perf_counter()
-    _copy_synced(new_file, stored)
-    t1 = time.perf_counter()
-    _copy_synced(stored, back)
-    t2 = time.perf_counter()
-    os.remove(back)
-    shutil.rmtree(root, ignore_errors=True)
-    full = {"upload_s": t1 - t0, "download_s": t2 - t1, "total_s": t2 - t0, "bytes": os.path.getsize(new_file)}
-    return {"dcr": dcr, "full": full}
-
-
-class S3Service:
-    """A moto S3 server and a bandwidth-capped proxy in front of it, both on 127.0.0.1.
-
-    They run in a child process started here, so the server's request handling does not share
-    the interpreter lock with the publisher and receiver being timed (a remote store would not)."""
-
-    ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
-    UNSET = ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3")
-
-    def __init__(self, bandwidth: float):
-        self.bandwidth = bandwidth
-
-    def __enter__(self) -> S3Service:
-        import importlib.util
-        import multiprocessing
-
-        for mod in ("moto", "boto3", "s3fs", "flask"):
-            if importlib.util.find_spec(mod) is None:
-                raise ImportError(f"{mod} is not installed")
-        self._saved = {k: os.environ.get(k) for k in (*self.ENV, *self.UNSET)}
-        os.environ.update(self.ENV)
-        for k in self.UNSET:
-            os.environ.pop(k, None)
-        ctx = multiprocessing.get_context("spawn")  # a fresh interpreter: no forked threads or locks
-        self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_serve_s3, args=(child, self.bandwidth), daemon=True)
-        self._proc.start()
-        child.close()
-        try:
-            if not self._conn.poll(120):
-                raise RuntimeError("the S3 server process did not start within 120 s")
-            self.direct, proxy_url = self._conn.recv()
-        except BaseException:
-            self.__exit__()
-            raise
-        self.proxy = _ProxyHandle(self._conn, proxy_url)
-        import boto3
-
-        boto3.client("s3", endpoint_url=self.direct).create_bucket(Bucket=BUCKET)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        with contextlib.suppress(OSError, EOFError):
-            self._conn.send("stop")
-        self._proc.join(30)
-        if self._proc.is_alive():
-            self._proc.terminate()
-            self._proc.join(10)
-        self._conn.close()
-        for k, v in self._saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-    def fs(self, endpoint: str):
-        import s3fs
-
-        return s3fs.S3FileSystem(endpoint_url=endpoint, skip_instance_cache=True)
-
-
-class _ProxyHandle:
-    """The proxy of the server process, as seen from here: its URL and its byte counters."""
-
-    def __init__(self, conn, url: str):
-        self._conn, self.url = conn, url
-
-    def counts(self) -> dict:
-        self._conn.send("counts")
-        return self._conn.recv()
-
-
-def _serve_s3(conn, bandwidth: float) -> None:
-    """Server process: moto and the capped proxy until the parent says "stop" (or goes away)."""
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # no per-request access log
-    from moto.server import ThreadedMotoServer
-
-    from flows.netproxy import ThrottledProxy
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    direct = f"http://{host}:{port}"
-    proxy = ThrottledProxy(direct, bandwidth)
-    try:
-        conn.send((direct, proxy.url))
-        while conn.recv() == "counts":
-            conn.send(proxy.counts())
-    except (EOFError, OSError):
-        pass
-    finally:
-        proxy.close()
-        server.stop()
-
-
-def e2e_s3(svc: S3Service, old, new, new_file: str, tmp: str) -> dict:
-    """Through the capped link: the timed delta publish and receive vs uploading and downloading the full file."""
-    prefix = f"{BUCKET}/run-{uuid.uuid4().hex[:10]}"
-    direct, via = {"endpoint_url": svc.direct}, {"endpoint_url": svc.proxy.url}
-    before = svc.proxy.counts()
-    dcr = _dcr_refit(f"s3://{prefix}/dcr", old, new, tmp, direct, via)
-    after = svc.proxy.counts()
-    dcr["wire_bytes"] = after["bytes_up"] + after["bytes_down"] - before["bytes_up"] - before["bytes_down"]
-    fs = svc.fs(svc.proxy.url)
-    back = os.path.join(tmp, "full-back.safetensors")
-    t0 = time.perf_counter()
-    # One PUT (as for any object under 5 GB): a multipart upload would add the test server's
-    # slow part reassembly to the reference, which real object stores do not charge for.
-    fs.put_file(new_file, f"{prefix}/full.safetensors", chunksize=max(50 << 20, os.path.getsize(new_file)))
-    t1 = time.perf_counter()
-    fs.get_file(f"{prefix}/full.safetensors", back)
-    t2 = time.perf_counter()
-    done = svc.proxy.counts()
-    # The same transfer straight to the server: what the test server itself costs per object.
-    direct_fs = svc.fs(svc.direct)
-    t3 = time.perf_counter()
-    direct_fs.put_file(new_file, f"{prefix}/full-direct.safetensors", chunksize=max(50 << 20, os.path.getsize(new_file)))
-    direct_fs.get_file(f"{prefix}/full-direct.safetensors", back)
-    t4 = time.perf_counter()
-    os.remove(back)
-    direct_fs.rm(prefix, recursive=True)  # moto keeps objects in memory
-    full = {"upload_s": t1 - t0, "download_s": t2 - t1, "total_s": t2 - t0, "bytes": os.path.getsize(new_file),
-            "wire_bytes": done["bytes_up"] + done["bytes_down"] - after["bytes_up"] - after["bytes_down"],
-            "unthrottled_direct_s": t4 - t3}
-    return {"dcr": dcr, "full": full, "bandwidth": svc.bandwidth}
-
-
-def e2e_summary(r: dict) -> dict:
-    dcr, full = r["dcr"], r["full"]
-    time_ratio = full["total_s"] / dcr["total_s"] if dcr["total_s"] else None
-    byte_ratio = full["bytes"] / dcr["bytes_stored"] if dcr["bytes_stored"] else None
-    r["time_ratio"], r["byte_ratio"] = time_ratio, byte_ratio
-    r["quotient"] = time_ratio / byte_ratio if time_ratio and byte_ratio else None
-    bw = r.get("bandwidth")
-    for side in (dcr, full):
-        # The time the bytes alone need on the link; the rest of a refit's time is local work.
-        side["link_s"] = side["wire_bytes"] / bw if bw and "wire_bytes" in side else None
-    return r
-
-
 # ---------------------------------------------------------------- output
 
 
@@ -658,30 +470,55 @@ def markdown(results: dict) -> str:
                 f"{'yes' if m['dcr']['exact'] and m['standard']['exact'] else 'NO'} |"
             )
     if results["end_to_end"]:
-        lines += [
-            "\n## End to end: delta publish + receive vs moving the full checkpoint (up + down)\n",
-            ("`DCR on link s`: DCR's bytes on the wire divided by the link rate (the rest is local work). "
-            "`full direct s`: the full up + down straight to the test server, uncapped (its own per-object cost, "
-            "included in `full s`). `time/byte`: time ratio over byte ratio.\n"),
-            ("| backend | link MB/s | source | params | change % | DCR pub s | DCR recv s | DCR s | DCR on link s | "
-            "full up s | full down s | full s | full direct s | time ratio | byte ratio | time/byte | exact |"),
-            "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
-        ]
-        for e in results["end_to_end"]:
-            d, f = e["dcr"], e["full"]
-            bw = e.get("bandwidth")
-            lines.append(
-                f"| {e['backend']} | {_f(bw / 1e6 if bw else None, '.0f', 'none')} | {e['source']} | "
-                f"{_params(e['parameters'])} | {100 * e['change_rate']:.2f} | {d['publish_s']:.2f} | {d['receive_s']:.2f} | "
-                f"{d['total_s']:.2f} | {_f(d.get('link_s'))} | {f['upload_s']:.2f} | {f['download_s']:.2f} | {f['total_s']:.2f} | {_f(f.get('unthrottled_direct_s'))} | "
-                f"{_f(e['time_ratio'], '.1f')} | {_f(e['byte_ratio'], '.1f')} | {_f(e['quotient'])} | "
-                f"{'yes' if d['exact'] else 'NO'} |"
-            )
+        lines += _e2e_markdown(results)
     for s in results["skipped"]:
         lines.append(f"\nSkipped: {s}")
     if results.get("plots_skipped"):
         lines.append(f"\nPlots skipped: {results['plots_skipped']}")
     return "\n".join(lines) + "\n"
+
+
+def _e2e_markdown(results: dict) -> list[str]:
+    startup = results.get("startup_s", {})
+    lines = [
+        "\n## End to end: delta publish + receive vs moving the full checkpoint (up + down)\n",
+        ("`in-process`: `run_publish` from the in-memory tensors, then `run_receive` (what a trainer and a "
+         "receiver calling the library pay); `on link`: its bytes on the wire over the link rate; `local`: the "
+         "rest. `commands`: the same refit as a `dcr publish` (of the checkpoint file) and a `dcr receive` process; "
+         f"one process start-up (interpreter and imports) alone takes {', '.join(f'{v:.2f} s ({k})' for k, v in startup.items())}. "
+         "`target s`: the DCR time that would give time/byte = 0.8. `full`: the full checkpoint up + down through "
+         "the same link (`full direct`: the same uncapped, the test server's own cost, included in `full`). "
+         "`server CPU s`: CPU time the S3 test server and the proxy used during the in-process refit, on the same "
+         "cores as DCR (a remote store would not take it).\n"),
+        ("| backend | link MB/s | source | params | change % | byte ratio | full s | full direct s | target s | "
+         "in-process s | on link s | local s | server CPU s | time/byte | commands s | commands time/byte | exact |"),
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
+    ]
+    for e in results["end_to_end"]:
+        d, c, f = e["dcr"], e["cli"], e["full"]
+        bw = e.get("bandwidth")
+        lines.append(
+            f"| {e['backend']} | {_f(bw / 1e6 if bw else None, 'g', 'none')} | {e['source']} | {_params(e['parameters'])} | "
+            f"{100 * e['change_rate']:.2f} | {_f(e['byte_ratio'], '.1f')} | {f['total_s']:.2f} | "
+            f"{_f(f.get('unthrottled_direct_s'))} | {_f(e['target_dcr_s'], '.3f')} | {d['total_s']:.2f} | "
+            f"{_f(d['link_s'])} | {d['local_s']:.2f} | {_f(d.get('server_cpu_s'))} | {_f(e['quotient'])} | {c['total_s']:.2f} | "
+            f"{_f(e['cli_quotient'])} | {'yes' if d['exact'] and c['exact'] else 'NO'} |"
+        )
+    pub_keys = [k for k in PUBLISH_STEPS if any(k in e["dcr"]["publish_timings"] for e in results["end_to_end"])]
+    rec_keys = [k for k in RECEIVE_STEPS if any(k in e["dcr"]["receive_timings"] for e in results["end_to_end"])]
+    lines += [
+        "\n### Where the in-process time goes (s per pipeline step)\n",
+        "| backend | link MB/s | source | change % | " + " | ".join(f"publish: {k}" for k in pub_keys) + " | "
+        + " | ".join(f"receive: {k}" for k in rec_keys) + " |",
+        "|---|---:|---|---:|" + "---:|" * (len(pub_keys) + len(rec_keys)),
+    ]
+    for e in results["end_to_end"]:
+        pt, rt, bw = e["dcr"]["publish_timings"], e["dcr"]["receive_timings"], e.get("bandwidth")
+        lines.append(
+            f"| {e['backend']} | {_f(bw / 1e6 if bw else None, 'g', 'none')} | {e['source']} | {100 * e['change_rate']:.2f} | "
+            + " | ".join(_f(pt.get(k)) for k in pub_keys) + " | " + " | ".join(_f(rt.get(k)) for k in rec_keys) + " |"
+        )
+    return lines
 
 
 def plot(results: dict, out: str) -> list[str]:
@@ -720,26 +557,33 @@ def plot(results: dict, out: str) -> list[str]:
         written.append(path)
     e2e: dict[tuple, list] = {}
     for e in results["end_to_end"]:
-        e2e.setdefault((e["backend"], e["source"], e["parameters"]), []).append(e)
+        e2e.setdefault((e["source"], e["parameters"], e["backend"], -(e.get("bandwidth") or 0)), []).append(e)
     if e2e:
-        fig, axes = plt.subplots(1, len(e2e), figsize=(5 * len(e2e), 4.2), squeeze=False)
-        for ax, ((backend, source, n), es) in zip(axes[0], sorted(e2e.items())):
+        rows = sorted({k[:2] for k in e2e})
+        cols = sorted({k[2:] for k in e2e})
+        fig, axes = plt.subplots(len(rows), len(cols), figsize=(5 * len(cols), 4.2 * len(rows)), squeeze=False)
+        for ax in axes.flat:
+            ax.set_visible(False)
+        for (source, n, backend, neg_bw), es in sorted(e2e.items()):
+            ax = axes[rows.index((source, n))][cols.index((backend, neg_bw))]
+            ax.set_visible(True)
             es = sorted(es, key=lambda e: e["change_rate"])
             pos = np.arange(len(es))
-            pub = [e["dcr"]["publish_s"] for e in es]
-            ax.bar(pos - 0.2, pub, 0.4, label="DCR publish")
-            ax.bar(pos - 0.2, [e["dcr"]["receive_s"] for e in es], 0.4, bottom=pub, label="DCR receive")
+            link = [e["dcr"]["link_s"] or 0.0 for e in es]
+            ax.bar(pos - 0.27, link, 0.27, label="DCR in-process: on link")
+            ax.bar(pos - 0.27, [e["dcr"]["local_s"] for e in es], 0.27, bottom=link, label="DCR in-process: local")
+            ax.bar(pos, [e["cli"]["total_s"] for e in es], 0.27, label="DCR as dcr commands")
             up = [e["full"]["upload_s"] for e in es]
-            ax.bar(pos + 0.2, up, 0.4, label="full upload")
-            ax.bar(pos + 0.2, [e["full"]["download_s"] for e in es], 0.4, bottom=up, label="full download")
+            ax.bar(pos + 0.27, up, 0.27, label="full upload")
+            ax.bar(pos + 0.27, [e["full"]["download_s"] for e in es], 0.27, bottom=up, label="full download")
             ax.set_xticks(pos, [f"{100 * e['change_rate']:.1f}%" for e in es])
             ax.set_xlabel("change rate")
             ax.set_ylabel("refit time (s)")
-            bw = es[0].get("bandwidth")
-            ax.set_title(f"{backend}{f' @ {bw / 1e6:.0f} MB/s' if bw else ''}: {source}, {_params(n)}")
+            ax.set_title(f"{backend}{f' @ {-neg_bw / 1e6:g} MB/s' if neg_bw else ''}: {source}, {_params(n)}")
             ax.grid(True, axis="y", alpha=0.3)
-        axes[0][0].legend(fontsize=8)
-        fig.tight_layout()
+        handles, labels = next(ax for ax in axes.flat if ax.get_visible()).get_legend_handles_labels()
+        fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9)
+        fig.tight_layout(rect=(0, 0.05, 1, 1))
         path = os.path.join(out, "refit_time.png")
         fig.savefig(path, dpi=110)
         plt.close(fig)
@@ -797,13 +641,14 @@ def run(a: argparse.Namespace, command: list[str]) -> dict:
 
 def _start_s3(a: argparse.Namespace, stack: contextlib.ExitStack, results: dict) -> S3Service | None:
     try:
-        svc = stack.enter_context(S3Service(a.bandwidth))
+        svc = stack.enter_context(S3Service(a.bandwidth[0]))
     except (ImportError, RuntimeError) as e:
         msg = f"s3 backend unavailable: {e} (needs moto[server], boto3, s3fs)"
         say(f"skipped {msg}")
         results["skipped"].append(msg)
         return None
-    say(f"s3: moto at {svc.direct}, capped proxy at {svc.proxy.url} ({a.bandwidth / 1e6:.0f} MB/s each way)")
+    caps = ", ".join(f"{b / 1e6:g}" for b in a.bandwidth)
+    say(f"s3: moto at {svc.direct}, capped proxy at {svc.proxy.url} ({caps} MB/s each way)")
     return svc
 
 
@@ -826,18 +671,37 @@ def _scenario(a, source, size, rate, old, new, extra, tmp, opts, s3, results) ->
         for backend in a.backends:
             if backend == "s3" and s3 is None:
                 continue
-            t1 = time.perf_counter()
-            r = e2e_local(old, new, new_file, tmp) if backend == "local" else e2e_s3(s3, old, new, new_file, tmp)
-            e = e2e_summary({"backend": backend, "source": source, "parameters": n, "rate_target": rate,
-                             "change_rate": s["change_rate"], **r})
-            results["end_to_end"].append(e)
-            say(
-                f"  e2e {backend}: DCR {e['dcr']['total_s']:.2f}s (publish {e['dcr']['publish_s']:.2f} + receive "
-                f"{e['dcr']['receive_s']:.2f}) vs full {e['full']['total_s']:.2f}s; time x{_f(e['time_ratio'], '.1f')}, "
-                f"bytes x{_f(e['byte_ratio'], '.1f')}, exact {'yes' if e['dcr']['exact'] else 'NO'} "
-                f"({time.perf_counter() - t1:.1f}s)"
-            )
+            for bw in a.bandwidth if backend == "s3" else [None]:
+                _e2e(a, backend, bw, source, n, rate, s, old, new, new_file, tmp, s3, results)
     os.remove(new_file)
+
+
+def _startup(backend: str, results: dict) -> float:
+    """Process start-up of one ``dcr`` command (interpreter and imports), measured once per backend."""
+    cache = results.setdefault("startup_s", {})
+    if backend not in cache:
+        cache[backend] = startup_s(", s3fs" if backend == "s3" else "")
+    return cache[backend]
+
+
+def _e2e(a, backend, bw, source, n, rate, s, old, new, new_file, tmp, s3, results) -> None:
+    t1 = time.perf_counter()
+    startup = _startup(backend, results)
+    if backend == "local":
+        r = e2e_local(old, new, new_file, tmp, startup)
+    else:
+        r = e2e_s3(s3, bw, old, new, new_file, tmp, startup)
+    e = e2e_summary({"backend": backend, "source": source, "parameters": n, "rate_target": rate,
+                     "change_rate": s["change_rate"], **r})
+    results["end_to_end"].append(e)
+    d, c = e["dcr"], e["cli"]
+    link = "" if bw is None else f" @ {bw / 1e6:g} MB/s"
+    say(
+        f"  e2e {backend}{link}: DCR in-process {d['total_s']:.2f}s (publish {d['publish_s']:.2f} + receive "
+        f"{d['receive_s']:.2f}; on link {_f(d['link_s'])}s), as commands {c['total_s']:.2f}s; full {e['full']['total_s']:.2f}s; "
+        f"bytes x{_f(e['byte_ratio'], '.1f')}, time x{_f(e['time_ratio'], '.1f')} (commands x{_f(e['cli_time_ratio'], '.1f')}), "
+        f"exact {'yes' if d['exact'] and c['exact'] else 'NO'} ({time.perf_counter() - t1:.1f}s)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -851,7 +715,7 @@ def main(argv: list[str] | None = None) -> int:
         + "".join(f", {p}" for p in results["plots"]))
     print(md)
     inexact = [s for s in results["scenarios"] if not s["methods"]["dcr"]["exact"]]
-    inexact += [e for e in results["end_to_end"] if not e["dcr"]["exact"]]
+    inexact += [e for e in results["end_to_end"] if not (e["dcr"]["exact"] and e["cli"]["exact"])]
     if inexact:
         print("dcr bench: some refits were not bit-exact (see results.json)", file=sys.stderr)
         return 1

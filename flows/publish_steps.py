@@ -365,7 +365,7 @@ def remember_baseline(plan: PublishPlan, source: Source, marker: CommitMarker, b
     names = sorted(plan.infos)
     meta = {STATE_STEP: str(marker.step), STATE_POLICY: marker.policy_digest, STATE_ROOT: plan.root_url}
     try:
-        writer = StreamingSafetensorsWriter(_cache_path(plan), [plan.infos[n] for n in names], meta)
+        writer = StreamingSafetensorsWriter(_cache_path(plan), [plan.infos[n] for n in names], meta, durable=False)
     except Exception:  # noqa: BLE001
         return  # the next publish rebuilds the baseline from ROOT
     try:

@@ -201,10 +201,17 @@ class StreamingSafetensorsWriter:
     The header (names, dtypes, shapes, offsets, metadata) is known up front, so tensors are
     appended as they are produced. The file is written under a temp name in the destination's
     directory; ``commit`` fsyncs and renames it over the destination, ``abort`` removes it.
+    ``durable=False`` skips both fsyncs (file and directory): the rename still never exposes a
+    half-written file to a running reader, but a power loss may; only for files that are checked
+    before use, such as the publisher's baseline cache. Receiver state files stay durable.
     """
 
-    def __init__(self, path: str | os.PathLike, infos: list[TensorInfo], metadata: Mapping[str, str] | None = None):
+    def __init__(
+        self, path: str | os.PathLike, infos: list[TensorInfo], metadata: Mapping[str, str] | None = None,
+        durable: bool = True,
+    ):
         self.path = os.fspath(path)
+        self.durable = durable
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
         self.tmp = os.path.join(directory, f".{os.path.basename(self.path)}.tmp-{uuid.uuid4().hex}")
@@ -239,13 +246,15 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"only {self._next} of {len(self._order)} tensors written")
         try:
             self._f.flush()
-            os.fsync(self._f.fileno())
+            if self.durable:
+                os.fsync(self._f.fileno())
             self._f.close()
             os.replace(self.tmp, self.path)
         except BaseException:
             self.abort()
             raise
-        fsync_dir(os.path.dirname(os.path.abspath(self.path)))
+        if self.durable:
+            fsync_dir(os.path.dirname(os.path.abspath(self.path)))
 
     def abort(self) -> None:
         if not self._f.closed:

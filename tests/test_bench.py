@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import pytest
 import torch
 
 from flows.bench import main
@@ -43,9 +44,30 @@ def test_quick_bench_writes_results(tmp_path):
         assert "patch_from_1" in m and "patch_from_3" in m
     assert {e["backend"] for e in results["end_to_end"]} == {"local"}
     assert all(e["dcr"]["exact"] and e["dcr"]["bytes_stored"] > 0 for e in results["end_to_end"])
+    assert all(e["cli"]["exact"] and e["cli"]["total_s"] > 0 for e in results["end_to_end"])  # as dcr commands
+    assert results["startup_s"]["local"] > 0
     md = (tmp_path / "results.md").read_text()
     assert "Bytes per changed element" in md and "End to end" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bytes_per_change.png").stat().st_size > 0
     else:
         assert results["plots_skipped"]
+
+
+def test_bench_end_to_end_through_s3_at_two_link_caps(tmp_path):
+    for mod in ("moto", "boto3", "s3fs", "flask"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} is not installed")
+    rc = main(["--out", str(tmp_path), "--sizes", "200000", "--rates", "0.05", "--sources", "synthetic",
+               "--backends", "s3", "--bandwidth", "50e6,20e6"])
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    e2e = results["end_to_end"]
+    assert [e["bandwidth"] for e in e2e] == [50e6, 20e6]
+    for e in e2e:
+        assert e["dcr"]["exact"] and e["cli"]["exact"]
+        # both directions of the delta crossed the capped link: at least the stored bytes, up and down
+        assert e["dcr"]["wire_bytes"] >= 2 * e["dcr"]["bytes_stored"] > 0
+        assert e["full"]["wire_bytes"] >= 2 * e["full"]["bytes"]
+        assert e["dcr"]["link_s"] > 0 and e["dcr"]["server_cpu_s"] >= 0 and e["byte_ratio"] > 1
+    assert "server CPU s" in (tmp_path / "results.md").read_text()
