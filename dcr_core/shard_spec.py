@@ -75,20 +75,8 @@ class Piece:
         if self.numel == 0:
             empty = np.zeros(0, dtype=np.int64)
             return empty, empty, 0
-        n = len(self.shape)
+        k, run = self._merged()
         cs = c_strides(self.shape)
-        k, run = n, 1
-        # Merge dims from the back while the run stays contiguous on both sides.
-        while k > 0:
-            j = k - 1
-            if self.strides[j] != run and self.extent[j] != 1:
-                break
-            if cs[j] != run and self.extent[j] != 1:
-                break
-            run *= self.extent[j]
-            k = j
-            if self.extent[j] != self.shape[j]:
-                break  # a partial dim ends the canonical-contiguous run
         c0 = sum(s * c for s, c in zip(self.start, cs))
         if k == 0:
             return np.array([c0], dtype=np.int64), np.array([self.offset], dtype=np.int64), run
@@ -96,6 +84,21 @@ class Piece:
         cstarts = c0 + (np.asarray(cs[:k], dtype=np.int64)[:, None] * grids).sum(axis=0)
         lstarts = self.offset + (np.asarray(self.strides[:k], dtype=np.int64)[:, None] * grids).sum(axis=0)
         return cstarts, lstarts, run
+
+    def _merged(self) -> tuple[int, int]:
+        """``(k, run)``: dims ``k..`` merge into one contiguous run of ``run`` elements on both sides."""
+        cs = c_strides(self.shape)
+        k, run = len(self.shape), 1
+        while k > 0:
+            j = k - 1
+            if self.extent[j] != 1 and (self.strides[j] != run or cs[j] != run):
+                break
+            run *= self.extent[j]
+            k = j
+        return k, run
+
+    def n_runs(self) -> int:
+        return 0 if self.numel == 0 else math.prod(self.extent[: self._merged()[0]])
 
     def subbox(self, start: Sequence[int], extent: Sequence[int]) -> Piece:
         """The part of this piece at box coordinates ``[start, start+extent)`` (same local storage)."""

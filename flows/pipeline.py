@@ -78,7 +78,18 @@ def run_publish(
     storage_options: dict | None = None,
     options: PublishOptions | None = None,
     tasks=LOCAL,
+    attempt: str | None = None,
 ) -> PublishResult:
+    """Publish ``source`` as ``step``. ``source``: a checkpoint path, a name -> tensor mapping, a
+    ``ShardedSource`` (this rank's training shards; every rank calls this, rank 0 commits) or a list
+    of ``ShardedSource`` of all ranks (published from this one process)."""
+    from flows import shard_publish
+    from flows.shard_source import ShardedSource
+
+    if isinstance(source, ShardedSource):
+        return shard_publish.run_rank(root, source, step, keyframe, storage_options, options, attempt)
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, ShardedSource) for s in source):
+        return shard_publish.run_ranks_in_process(root, list(source), step, keyframe, storage_options, options)
     options = options or PublishOptions()
     so = dict(storage_options or {})
     root = os.fspath(root)

@@ -67,9 +67,14 @@ def publish_refit(
     keyframe: bool = False,
     storage_options: dict | None = None,
     options: Any = None,
+    attempt: str | None = None,
 ) -> dict:
-    """Publish ``source`` (checkpoint path or name->tensor mapping) as ``step`` of ``root``."""
-    result = pipeline.run_publish(root, source, step, keyframe, storage_options, options, tasks=PREFECT_TASKS)
+    """Publish ``source`` as ``step`` of ``root``: a checkpoint path, a name->tensor mapping, or
+    training shards (a ``ShardedSource`` per rank, or a list of all ranks'; see ``flows.shard_publish``:
+    sharded publishes run their steps in-process inside this flow, not as separate tasks)."""
+    result = pipeline.run_publish(
+        root, source, step, keyframe, storage_options, options, tasks=PREFECT_TASKS, attempt=attempt
+    )
     return asdict(result)
 
 

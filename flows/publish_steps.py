@@ -48,6 +48,7 @@ class PublishPlan:
     options: PublishOptions
     source_name: str = ""
     base_digests: dict[str, str] = field(default_factory=dict)  # tensor digests of the base step
+    base_entries: dict[str, TensorEntry] = field(default_factory=dict)  # the base step's entries
 
 
 def _schema_diff(base: Manifest, infos: dict[str, TensorInfo]) -> str | None:
@@ -102,6 +103,7 @@ def plan_publish(
         root_url, dict(storage_options), step, kind, base_step, base_policy,
         uuid.uuid4().hex, dict(infos), options, source_name,
         {} if kind == KEYFRAME else {n: e.digest for n, e in base.tensors.items()},
+        {} if kind == KEYFRAME else dict(base.tensors),
     )
 
 
@@ -121,7 +123,7 @@ def _cache_valid(path: str, plan: PublishPlan) -> bool:
         if set(ck.infos) != set(plan.base_digests):
             return False
         # Checked here (not only on use) so a damaged cache is rebuilt instead of failing the publish.
-        return all(tensor_digest(bits_of(ck.tensor(n))) == d for n, d in plan.base_digests.items())
+        return all(plan.base_entries[n].matches(bits_of(ck.tensor(n))) for n in plan.base_digests)
     except Exception:  # a broken cache is only a cache: it gets rebuilt
         return False
 
@@ -165,7 +167,7 @@ def encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) ->
                 encoding = Encoding.FULL
             else:
                 base = bits_of(base_ck.tensor(name))
-                if tensor_digest(base) != plan.base_digests[name]:
+                if not plan.base_entries[name].matches(base):
                     raise IntegrityError(f"{baseline}: tensor {name!r} changed since it was verified")
                 if opts.overwrite_above >= 1.0:
                     encoding = Encoding.XOR  # the default: no extra pass to count changes first
