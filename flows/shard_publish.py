@@ -447,10 +447,9 @@ def commit_merged(plan: RankPlan, timeout: float) -> tuple[Manifest, CommitMarke
 
 def await_commit(plan: RankPlan, timeout: float) -> CommitMarker:
     root = Root(plan.root_url, plan.storage_options)
-    cat = Catalog(root)
 
     def check():
-        marker = cat.marker(plan.step)
+        marker = Catalog(root).marker(plan.step)  # a fresh catalog: markers are cached per instance
         if marker is not None:
             if marker.attempt != plan.attempt:
                 raise StepConflictError(f"{root.url}: step {plan.step} was committed by another publisher (attempt {marker.attempt})")
@@ -492,10 +491,8 @@ def run_rank(
             marker = t("await_commit", await_commit, plan, timeout)
             summary = dict(marker.summary)
     except BaseException as e:
-        if plan is not None and not isinstance(e, StepConflictError):
-            fail_attempt(plan, str(e))
-        elif plan is None:
-            fail_attempt(RankPlan(root, so, step, "", None, None, attempt, snap.rank, snap.world, options), str(e))
+        # Tell the other ranks at once (they would otherwise wait for their timeout).
+        fail_attempt(plan or RankPlan(root, so, step, "", None, None, attempt, snap.rank, snap.world, options), str(e))
         raise
     t("remember_baseline", lambda: keep_shard_baseline(stage_shard_baseline(plan, snap)))
     return PublishResult(marker.step, marker.kind, marker.base_step, marker.attempt, marker.policy_digest, summary, t.timings)

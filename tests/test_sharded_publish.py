@@ -1,0 +1,276 @@
+"""Publishing from training shards: receivers get exactly the canonical checkpoint, every step.
+
+The canonical checkpoints here are "nasty" (NaN payloads, signed zeros, infinities, subnormals,
+0-d and empty tensors); the test cuts them into shards with plain numpy slicing (tests/shard_helpers),
+publishes from the shards only, and compares what receivers hold with the canonical tensors, raw
+bytes.
+"""
+
+from __future__ import annotations
+
+import glob
+import math
+import threading
+
+import numpy as np
+import pytest
+import torch
+import zarr
+
+from dcr_core.bits import bits_of
+from dcr_core.errors import DCRError, IntegrityError, StateMismatchError, StepConflictError
+from dcr_core.shard_spec import BufferParam, flat_buffer, flat_buffer_size, fused_qkv, gated_fc1, replicate, split
+from flows import audit
+from flows.module_target import receive_into_module
+from flows.options import PublishOptions
+from flows.pipeline import run_materialize, run_publish, run_receive
+from flows.shard_source import Shard, ShardedSource
+from storage.catalog import Catalog
+from storage.checkpoint import SafetensorsCheckpoint
+from storage.root import Root
+from tests.fused_module import TinyFused
+from tests.helpers import assert_bits_equal, from_bits, nasty_tensor, next_step
+from tests.shard_helpers import cut
+
+TP, DP = 2, 2
+NH, NG, HD, H, FFN = 4, 2, 3, 5, 6
+
+
+def canonical(seed: int = 0) -> dict[str, torch.Tensor]:
+    t = {
+        "m.q_proj.weight": nasty_tensor("BF16", (NH * HD, H), seed, "q"),
+        "m.k_proj.weight": nasty_tensor("BF16", (NG * HD, H), seed, "k"),
+        "m.v_proj.weight": nasty_tensor("BF16", (NG * HD, H), seed, "v"),
+        "m.gate_proj.weight": nasty_tensor("BF16", (FFN, H), seed, "g"),
+        "m.up_proj.weight": nasty_tensor("BF16", (FFN, H), seed, "u"),
+        "m.o_proj.weight": nasty_tensor("BF16", (H, NH * HD), seed, "o"),
+        "m.embed.weight": nasty_tensor("BF16", (7, H), seed, "e"),
+        "m.norm.weight": nasty_tensor("F32", (H,), seed, "n"),
+        "m.scale": nasty_tensor("I8", (), seed, "s"),
+        "m.empty": nasty_tensor("F16", (0, 3), seed, "z"),
+        "m.fsdp.weight": nasty_tensor("F32", (5, 3), seed, "f"),
+    }
+    return t
+
+
+def rank_pieces(tp: int, dp: int) -> list[tuple[str, object, list]]:
+    """(shard name, dtype, pieces) of rank (tp, dp): a BF16 distributed-optimizer flat buffer over
+    the TP shards of fused QKV (GQA), gated fc1, row-parallel o_proj and an uneven vocab split, plus
+    replicated and FSDP-style (``Shard(0)`` over all 4 ranks) tensors."""
+    params = [
+        BufferParam("qkv", ((NH // NG + 2) * HD * NG // TP, H), tuple(fused_qkv(
+            "m.q_proj.weight", "m.k_proj.weight", "m.v_proj.weight", NH, NG, HD, (H,), tp, TP))),
+        BufferParam("fc1", (2 * FFN // TP, H), tuple(gated_fc1("m.gate_proj.weight", "m.up_proj.weight", FFN, (H,), tp, TP))),
+    ]
+    o = split("m.o_proj.weight", (H, NH * HD), {1: (tp, TP)})
+    params.append(BufferParam("o", o[0].extent, tuple(o)))
+    e = split("m.embed.weight", (7, H), {0: (tp, TP)})
+    params.append(BufferParam("embed", e[0].extent, tuple(e)))
+    rank = tp * DP + dp
+    out = [("buffer", "BF16", flat_buffer(params, dp, DP, align=8), flat_buffer_size(params, DP, align=8) // DP)]
+    out.append(("norm", "F32", replicate("m.norm.weight", (H,), rank), H if rank == 0 else 0))
+    out.append(("scale", "I8", replicate("m.scale", (), rank), 1 if rank == 0 else 0))
+    out.append(("empty", "F16", split("m.empty", (0, 3), {0: (rank, TP * DP)}), 0))
+    f = split("m.fsdp.weight", (5, 3), {0: (rank, TP * DP)})
+    out.append(("fsdp", "F32", f, f[0].numel))
+    return out
+
+
+def sources(ckpt: dict[str, torch.Tensor]) -> list[ShardedSource]:
+    bits = {n: bits_of(t) for n, t in ckpt.items()}
+    out = []
+    for tp in range(TP):
+        for dp in range(DP):
+            rank = tp * DP + dp
+            shards = []
+            for name, dtype, pieces, numel in rank_pieces(tp, dp):
+                storage = bits[pieces[0].name].dtype if pieces else np.dtype(np.uint8)
+                local = cut(bits, pieces, numel, storage) if pieces else np.zeros(0, dtype=np.uint8)
+                if not pieces:
+                    continue
+                shards.append(Shard(name, from_bits(local, dtype, (numel,)), pieces))
+            out.append(ShardedSource(shards, rank=rank, world=TP * DP))
+    return out
+
+
+def held(path) -> dict[str, torch.Tensor]:
+    ck = SafetensorsCheckpoint(path)
+    return {n: ck.tensor(n) for n in ck.infos}
+
+
+@pytest.fixture
+def opts(tmp_path):
+    return PublishOptions(chunk_bytes=32, cache_dir=str(tmp_path / "cache"))
+
+
+def test_sharded_steps_reach_receivers_bit_exact(tmp_path, opts):
+    root = str(tmp_path / "bucket")
+    steps = [canonical(1)]
+    for i in range(1, 4):
+        steps.append(next_step(steps[-1], 100 + i, fraction=0.1, unchanged=0.1))
+    state = str(tmp_path / "r0.safetensors")
+    for n, ck in enumerate(steps):
+        res = run_publish(root, sources(ck), n, options=opts)
+        assert res.kind == ("keyframe" if n == 0 else "delta")
+        run_receive(root, "r0", state)
+        assert_bits_equal(held(state), ck)
+    m = Catalog(Root(root)).manifest(3)
+    assert any(e.parts is not None for e in m.tensors.values())  # shared chunks were stored as parts
+    assert all(e.pieces is not None for e in m.tensors.values())
+    # a receiver that starts late, then steps backward (XOR masks are self-inverse)
+    late = str(tmp_path / "late.safetensors")
+    run_receive(root, "late", late, step=3)
+    assert_bits_equal(held(late), steps[3])
+    run_receive(root, "late", late, step=1)
+    assert_bits_equal(held(late), steps[1])
+    run_materialize(root, 2, str(tmp_path / "full2.safetensors"))
+    assert_bits_equal(held(tmp_path / "full2.safetensors"), steps[2])
+    report = audit.verify(Root(root), deep=True)
+    assert not report.errors, report.errors
+
+
+def test_stock_zarr_reads_main_and_parts(tmp_path, opts):
+    root = str(tmp_path / "bucket")
+    a = canonical(2)
+    b = next_step(a, 7, fraction=0.5, unchanged=0.0)
+    run_publish(root, sources(a), 0, options=opts)
+    run_publish(root, sources(b), 1, options=opts)
+    m = Catalog(Root(root)).manifest(1)
+    store = glob.glob(f"{root}/steps/000000000001/attempts/{m.attempt}/data.zarr")[0]
+    g = zarr.open_group(store, mode="r")
+    checked = 0
+    for name, e in m.tensors.items():
+        if e.parts is None:
+            continue
+        mask = g[e.array][...] ^ np.bitwise_xor.reduce(g[e.parts.array][...], axis=0)
+        want = (bits_of(b[name]) ^ bits_of(a[name])).reshape(e.shape)
+        assert mask.tobytes() == want.tobytes(), name
+        checked += 1
+    assert checked
+
+
+def test_fused_qkv_gqa_and_gated_mlp_round_trip_into_a_live_module(tmp_path, opts):
+    """Megatron fused QKV (GQA) and gated fc1 shards -> canonical q/k/v, gate/up -> a vLLM-style
+    module whose load_weights fuses them again: bits equal a dense load of the canonical checkpoint."""
+    root = str(tmp_path / "bucket")
+    hidden, kv, inter, tp = 8, 4, 12, 2
+    nh, ng, hd = 4, 2, 2  # q: 8 rows, k/v: 4 rows
+
+    def srcs(ck):
+        bits = {n: bits_of(t) for n, t in ck.items()}
+        out = []
+        for t in range(tp):
+            qkv = fused_qkv("layer.q_proj.weight", "layer.k_proj.weight", "layer.v_proj.weight", nh, ng, hd, (hidden,), t, tp)
+            fc1 = gated_fc1("layer.gate_proj.weight", "layer.up_proj.weight", inter, (hidden,), t, tp)
+            shards = [
+                Shard("qkv", from_bits(cut(bits, qkv, sum(p.numel for p in qkv), np.uint16), "BF16", (sum(p.numel for p in qkv) // hidden, hidden)), qkv),
+                Shard("fc1", from_bits(cut(bits, fc1, sum(p.numel for p in fc1), np.uint16), "BF16", (inter, hidden)), fc1),
+            ]
+            for name in ("layer.norm.weight", "rotary.inv_freq"):
+                pcs = replicate(name, tuple(ck[name].shape), t)
+                if pcs:
+                    shards.append(Shard(name, ck[name].clone(), pcs))
+            out.append(ShardedSource(shards, rank=t, world=tp))
+        return out
+
+    ckpts = [TinyFused.checkpoint(0, hidden, kv, inter)]
+    ckpts.append(next_step(ckpts[0], 5, fraction=0.2, unchanged=0.0))
+    target = TinyFused(hidden, kv, inter)
+    for n, ck in enumerate(ckpts):
+        run_publish(root, srcs(ck), n, options=opts)
+        receive_into_module(root, "mod", target, state_path=str(tmp_path / "mirror.safetensors"))
+        dense = TinyFused(hidden, kv, inter)
+        dense.load_weights(ck.items())
+        assert_bits_equal(dict(target.named_parameters()) | dict(target.named_buffers()),
+                          dict(dense.named_parameters()) | dict(dense.named_buffers()))
+
+
+def test_missing_shard_baseline_fails_with_nothing_committed(tmp_path, opts):
+    root = str(tmp_path / "bucket")
+    a = canonical(3)
+    run_publish(root, sources(a), 0, options=opts)
+    other = PublishOptions(chunk_bytes=32, cache_dir=str(tmp_path / "elsewhere"))
+    with pytest.raises(StateMismatchError, match="rank 0: no shard baseline.*keyframe"):
+        run_publish(root, sources(next_step(a, 1)), 1, options=other)
+    assert Catalog(Root(root)).latest_committed() == 0
+    run_publish(root, sources(next_step(a, 1)), 1, keyframe=True, options=other)  # the way out
+    assert Catalog(Root(root)).latest_committed() == 1
+
+
+def test_tampered_shard_baseline_is_refused(tmp_path, opts):
+    root = str(tmp_path / "bucket")
+    a = canonical(4)
+    run_publish(root, sources(a), 0, options=opts)
+    # the baseline a rank holds is verified against the base step's piece digests
+    bad = canonical(4)
+    bad["m.fsdp.weight"] = bad["m.fsdp.weight"].clone()
+    bad["m.fsdp.weight"].view(torch.int32)[0, 0] ^= 1
+    srcs = sources(bad)
+    run = [s for s in srcs if s.rank == 0][0]
+    from flows import shard_publish as sp
+
+    snap = run.snapshot()
+    plan = sp.plan_rank(root, {}, snap, 1, False, opts, "ab" * 16)
+    plan.step = 0  # overwrite rank 0's cached step-0 baseline with wrong bits
+    sp.keep_shard_baseline(sp.stage_shard_baseline(plan, snap))
+    with pytest.raises(StateMismatchError, match="'m.fsdp.weight' does not match step 0"):
+        run_publish(root, sources(next_step(a, 1)), 1, options=opts)
+    assert Catalog(Root(root)).latest_committed() == 0
+
+
+def test_a_gap_in_the_layout_commits_nothing(tmp_path, opts):
+    root = str(tmp_path / "bucket")
+    srcs = sources(canonical(5))
+    srcs[2] = ShardedSource([s for s in srcs[2].shards if s.name != "fsdp"], rank=2, world=4)
+    with pytest.raises(IntegrityError, match="m.fsdp.weight.*do not partition"):
+        run_publish(root, srcs, 0, options=opts)
+    assert Catalog(Root(root)).latest_committed() is None
+
+
+def test_ranks_in_threads_agree_through_storage(tmp_path, opts):
+    """Each rank calls run_publish with its own source and a shared attempt id; rank 0 commits."""
+    root = str(tmp_path / "bucket")
+    steps = [canonical(6), None]
+    steps[1] = next_step(steps[0], 9)
+    for n, ck in enumerate(steps):
+        srcs = sources(ck)
+        results, errors = {}, {}
+        attempt = f"{n:02d}" * 16
+
+        def run(src):
+            try:
+                results[src.rank] = run_publish(root, src, n, options=opts, attempt=attempt)
+            except DCRError as e:
+                errors[src.rank] = e
+
+        threads = [threading.Thread(target=run, args=(s,)) for s in srcs]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert {r.attempt for r in results.values()} == {attempt}
+        state = str(tmp_path / "s.safetensors")
+        run_receive(root, "r", state)
+        assert_bits_equal(held(state), ck)
+
+
+def test_a_failing_rank_stops_the_commit(tmp_path, opts):
+    root = str(tmp_path / "bucket")
+    srcs = sources(canonical(7))
+    errors = {}
+    bad_opts = PublishOptions(chunk_bytes=64, cache_dir=opts.cache_dir)  # rank 1 disagrees on chunking
+
+    def run(src):
+        try:
+            run_publish(root, src, 0, options=bad_opts if src.rank == 1 else opts, attempt="cd" * 16)
+        except DCRError as e:
+            errors[src.rank] = e
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in srcs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert 0 in errors and Catalog(Root(root)).latest_committed() is None
+    assert "chunk_shape" in str(errors[0]) or "failed" in str(errors[0])
