@@ -125,23 +125,67 @@ def project(
             hi = int(np.searchsorted(r.cstart, ce, side="left"))
             buf = np.zeros(ce - cs, dtype=dtypes[name])
             covered = 0
-            for k in range(lo, hi):
-                a, b = max(cs, int(r.cstart[k])), min(ce, int(ends[k]))
-                if a >= b:
+            k = lo
+            while k < hi:
+                j = _regular_block(r, k, hi, cs, ce)
+                if j > k + 1:  # runs k..j-1: equal length, evenly spaced on both sides, one shard
+                    covered += _copy_block(buf, shards[int(r.shard[k])], r, k, j, cs, keyframe, name)
+                    k = j
                     continue
-                sh = shards[int(r.shard[k])]
-                la = int(r.lstart[k]) + a - int(r.cstart[k])
-                src = sh.new[la : la + b - a]
-                if src.dtype != buf.dtype:
-                    raise UsageError(f"tensor {name!r}: shard bits are {src.dtype}, the canonical dtype stores {buf.dtype}")
-                if keyframe:
-                    buf[a - cs : b - cs] = src
-                else:
-                    np.bitwise_xor(src, sh.base[la : la + b - a], out=buf[a - cs : b - cs])
-                covered += b - a
+                a, b = max(cs, int(r.cstart[k])), min(ce, int(ends[k]))
+                if a < b:
+                    sh = shards[int(r.shard[k])]
+                    la = int(r.lstart[k]) + a - int(r.cstart[k])
+                    src = sh.new[la : la + b - a]
+                    _check_dtype(src, buf, name)
+                    if keyframe:
+                        buf[a - cs : b - cs] = src
+                    else:
+                        np.bitwise_xor(src, sh.base[la : la + b - a], out=buf[a - cs : b - cs])
+                    covered += b - a
+                k += 1
             changed = int(np.count_nonzero(buf))
             if changed:
                 yield Contribution(name, ci, buf, covered == ce - cs, changed)
+
+
+def _check_dtype(src: np.ndarray, buf: np.ndarray, name: str) -> None:
+    if src.dtype != buf.dtype:
+        raise UsageError(f"tensor {name!r}: shard bits are {src.dtype}, the canonical dtype stores {buf.dtype}")
+
+
+def _regular_block(r: _Runs, k: int, hi: int, cs: int, ce: int) -> int:
+    """End of the longest block of runs from ``k`` that lie inside ``[cs, ce)``, come from one shard,
+    have one length and are evenly spaced in both canonical and local positions (e.g. the rows of a
+    column split). Returns ``k`` or ``k + 1`` when there is no such block of two or more."""
+    if k + 1 >= hi or r.cstart[k] < cs:
+        return k
+    # Checked on a bounded window so a long irregular stretch costs no more than the plain loop.
+    end = min(hi, k + 4096)
+    c, l, n, s = r.cstart[k:end], r.lstart[k:end], r.length[k:end], r.shard[k:end]
+    dc, dl = c[1] - c[0], l[1] - l[0]
+    ok = (n == n[0]) & (s == s[0]) & (c - c[0] == dc * np.arange(c.size)) & (l - l[0] == dl * np.arange(c.size))
+    ok &= c + n <= ce
+    bad = np.nonzero(~ok)[0]
+    return k + (int(bad[0]) if bad.size else c.size)
+
+
+def _copy_block(buf, sh: ShardBits, r: _Runs, k: int, j: int, cs: int, keyframe: bool, name: str) -> int:
+    """Copy or XOR runs ``k..j-1`` (a regular block) with strided 2-d views: no index arrays."""
+    from numpy.lib.stride_tricks import as_strided
+
+    n, rows = int(r.length[k]), j - k
+    dc, dl = int(r.cstart[k + 1] - r.cstart[k]), int(r.lstart[k + 1] - r.lstart[k])
+    c0, l0 = int(r.cstart[k]) - cs, int(r.lstart[k])
+    _check_dtype(sh.new, buf, name)
+    it = buf.itemsize
+    out = as_strided(buf[c0:], shape=(rows, n), strides=(dc * it, it))
+    src = as_strided(sh.new[l0:], shape=(rows, n), strides=(dl * it, it))
+    if keyframe:
+        out[...] = src
+    else:
+        np.bitwise_xor(src, as_strided(sh.base[l0:], shape=(rows, n), strides=(dl * it, it)), out=out)
+    return rows * n
 
 
 def _merge(first: np.ndarray, last: np.ndarray) -> list[tuple[int, int]]:

@@ -66,7 +66,7 @@ def layouts(draw):
 
 
 @given(layouts(), st.sampled_from(DTYPES), st.integers(1, 64), st.booleans(), st.integers(0, 2**32 - 1))
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=120, deadline=None)
 def test_projected_xors_combine_to_canonical_xor(layout, dtype, chunk_bytes, keyframe, seed):
     shapes, ranks = layout
     rng = np.random.default_rng(seed)
