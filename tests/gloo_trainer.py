@@ -20,18 +20,21 @@ H, F, V = 6, 10, 7
 UP, DOWN, HEAD, NORM = "model.mlp.up_proj.weight", "model.mlp.down_proj.weight", "lm_head.weight", "model.norm.weight"
 
 
-def worker(rank: int, world: int, port: int, root: str, cache: str, out: str, steps: int) -> None:
+def worker(rank: int, world: int, port: int, root: str, cache: str, out: str, steps: int, dcp_steps=()) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        _train(rank, world, root, cache, out, steps)
+        _train(rank, world, root, cache, out, steps, tuple(dcp_steps))
     finally:
         dist.destroy_process_group()
 
 
-def _train(rank, world, root, cache, out, steps):
+def _train(rank, world, root, cache, out, steps, dcp_steps):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)
     from torch.distributed.nn.functional import all_reduce
 
     from dcr_core.conversion import cast, offset
@@ -48,7 +51,8 @@ def _train(rank, world, root, cache, out, steps):
     down = torch.nn.Parameter(down_full[:, rank * f:(rank + 1) * f].clone())  # row parallel
     norm = torch.nn.Parameter(torch.zeros(H))  # stored as w - 1
     head = torch.nn.Linear(H, V, bias=False)
-    fully_shard(head, mesh=init_device_mesh("cpu", (world,)))
+    mesh = init_device_mesh("cpu", (world,))
+    fully_shard(head, mesh=mesh)
     opt = torch.optim.AdamW([up, down, norm, *head.parameters()], lr=3e-3)
     opts = PublishOptions(chunk_bytes=16, cache_dir=cache, io_workers=2)
 
@@ -81,6 +85,9 @@ def _train(rank, world, root, cache, out, steps):
             z = all_reduce(h @ down.t())  # row-parallel output, summed over TP ranks
             loss = head(z).logsumexp(-1).mean()
             loss.backward()
+            # the norm feeds the column-parallel layer: its gradient is the sum over TP ranks
+            # (Megatron's copy-to-TP-region backward), which keeps the replicas identical
+            dist.all_reduce(norm.grad)
             opt.step()
             opt.zero_grad()
         res = run_publish(root, source(), step, options=opts)
@@ -97,7 +104,38 @@ def _train(rank, world, root, cache, out, steps):
             )
             report.append({"step": step, "kind": res.kind, "names": sorted(ck.infos), "differ": diff,
                            "changed": res.summary.get("elements_changed")})
+        if step in dcp_steps:
+            _save_dcp(os.path.join(os.path.dirname(out), f"dcp-{step}"), mesh, up, down, norm, head, rank, world)
         dist.barrier()
     if rank == 0:
         with open(out, "w") as fh:
             json.dump(report, fh)
+
+
+def _save_dcp(path, mesh, up, down, norm, head, rank, world) -> None:
+    """A DCP checkpoint of the FP32 training state (TP shards as DTensors, FSDP2 head, replicated
+    norm), and (rank 0) the canonical FP32 tensors gathered independently, for comparison."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.tensor import DTensor, Shard
+
+    from storage.checkpoint import write_safetensors
+
+    state = {"model": {
+        UP: DTensor.from_local(up.data, mesh, [Shard(0)], run_check=False),
+        DOWN: DTensor.from_local(down.data, mesh, [Shard(1)], run_check=False),
+        NORM: norm.data,
+        HEAD: head.weight.data,
+    }, "extra": 7}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=path)
+    ups = [torch.empty_like(up.data) for _ in range(world)]
+    downs = [torch.empty_like(down.data) for _ in range(world)]
+    dist.all_gather(ups, up.data.contiguous())
+    dist.all_gather(downs, down.data.contiguous())
+    want = {UP: torch.cat(ups, 0), DOWN: torch.cat(downs, 1), NORM: norm.data.clone(),
+            HEAD: head.weight.full_tensor().detach().clone()}
+    if rank == 0:
+        write_safetensors(path + ".safetensors", want)
