@@ -124,9 +124,12 @@ def cmd_publish(args, so) -> int:
         kw["chunk_bytes"] = args.chunk_bytes
     options = PublishOptions(**kw)
     from flows.dcp_source import dcp_sources, is_dcp_dir
+    from flows.layout_source import is_layout_file, layout_sources
 
     if is_dcp_dir(args.checkpoint):  # a DCP directory: published from its shards, file by file
         source = dcp_sources(args.checkpoint, args.dcp_prefix)
+    elif is_layout_file(args.checkpoint):  # per-rank safetensors files + a layout file
+        source = layout_sources(args.checkpoint)
     elif args.dcp_prefix is not None:
         raise UsageError(f"{args.checkpoint}: --dcp-prefix needs a torch.distributed.checkpoint directory (with .metadata)")
     else:
