@@ -56,6 +56,8 @@ PREFECT_TASKS = SimpleNamespace(
     replace_state=_task(L.replace_state, "replace-state"),
     verify_state=_task(L.verify_state, "verify-held-state"),
     record_commit=_task(L.record_commit, "record-receiver-commit", retries=2),
+    publish_rank_part=_task(L.publish_rank_part, "publish-rank-shards"),
+    commit_ranks=_task(L.commit_ranks, "merge-and-commit", retries=2),
 )
 
 
@@ -70,8 +72,9 @@ def publish_refit(
     attempt: str | None = None,
 ) -> dict:
     """Publish ``source`` as ``step`` of ``root``: a checkpoint path, a name->tensor mapping, or
-    training shards (a ``ShardedSource`` per rank, or a list of all ranks'; see ``flows.shard_publish``:
-    sharded publishes run their steps in-process inside this flow, not as separate tasks)."""
+    training shards: a list of all ranks' ``ShardedSource`` (one task per rank, then a merge-and-commit
+    task), or this rank's ``ShardedSource`` when every rank runs the flow (the rank's steps run inside
+    the flow; rank 0 commits; see ``flows.shard_publish``)."""
     result = pipeline.run_publish(
         root, source, step, keyframe, storage_options, options, tasks=PREFECT_TASKS, attempt=attempt
     )

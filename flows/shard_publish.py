@@ -29,6 +29,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import blake3
 import numpy as np
@@ -498,13 +499,29 @@ def run_rank(
     return PublishResult(marker.step, marker.kind, marker.base_step, marker.attempt, marker.policy_digest, summary, t.timings)
 
 
+def rank_part(
+    root: str, storage_options: dict, source: ShardedSource, step: int, keyframe: bool, options: PublishOptions,
+    attempt: str,
+) -> tuple[RankPlan, StreamingSafetensorsWriter | None]:
+    """One rank's share of an in-process publish: snapshot, plan, baseline, encode and upload, partial
+    manifest, and its next baseline staged (kept only once the step is committed)."""
+    snap = source.snapshot()
+    plan = plan_rank(root, storage_options, snap, step, keyframe, options, attempt)
+    baseline = load_shard_baseline(plan, snap)
+    write_partial(plan, encode_rank(plan, snap, baseline))
+    return plan, stage_shard_baseline(plan, snap)
+
+
 def run_ranks_in_process(
     root: str, sources: list[ShardedSource], step: int, keyframe: bool = False, storage_options: dict | None = None,
-    options: PublishOptions | None = None,
+    options: PublishOptions | None = None, tasks=None,
 ):
-    """Publish the shards of all ranks from one process (rank by rank; e.g. a DCP directory)."""
+    """Publish the shards of all ranks from one process, one rank at a time (memory: one rank's
+    shards), e.g. a DCP directory. ``tasks``: ``rank_part``/``commit_merged`` as plain functions
+    (default) or as Prefect tasks (one task per rank, then the commit)."""
     from flows.pipeline import PublishResult, _Timer
 
+    tasks = tasks or SimpleNamespace(publish_rank_part=rank_part, commit_ranks=commit_merged)
     options = options or PublishOptions()
     so = dict(storage_options or {})
     root = os.fspath(root)
@@ -516,16 +533,11 @@ def run_ranks_in_process(
     attempt = uuid.uuid4().hex
     plans, staged = [], []
     try:
-        # One rank at a time: memory is one rank's shards (and its baseline) plus the chunk window.
         for src in sorted(sources, key=lambda s: s.rank):
-            snap = t("snapshot", src.snapshot)
-            plan = t("plan", plan_rank, root, so, snap, step, keyframe, options, attempt)
+            plan, writer = t("rank_part", tasks.publish_rank_part, root, so, src, step, keyframe, options, attempt)
             plans.append(plan)
-            baseline = t("baseline", load_shard_baseline, plan, snap)
-            t("partial_manifest", write_partial, plan, t("encode_write", encode_rank, plan, snap, baseline))
-            staged.append(t("remember_baseline", stage_shard_baseline, plan, snap))
-            del snap, baseline
-        manifest, marker = t("commit", commit_merged, plans[0], 0.0)
+            staged.append(writer)
+        manifest, marker = t("commit", tasks.commit_ranks, plans[0], 0.0)
     except BaseException as e:
         for w in staged:
             drop_shard_baseline(w)
