@@ -36,7 +36,7 @@ MAX_DIM = 1 << 48
 MAX_TENSOR_ELEMENTS = 1 << 40
 MAX_CHUNK_BYTES = 1 << 30  # a padded chunk, decompressed
 MAX_PIECES_PER_TENSOR = 1_000_000
-MAX_PIECE_RUNS_PER_TENSOR = 1 << 24  # contiguous runs the pieces' boxes decompose into
+MAX_PIECE_RUNS_PER_TENSOR = 1 << 23  # contiguous runs the pieces' boxes decompose into
 MAX_PART_SLOTS = 1 << 16
 PARTS_SUFFIX = "%parts"  # array_segment never yields "%p", so no tensor's array can end like this
 

@@ -184,3 +184,33 @@ def test_replicate_only_owner_contributes():
 def test_piece_outside_tensor_is_refused():
     with pytest.raises(UsageError, match="outside"):
         Piece("w", (4,), (3,), (2,), 0, (1,))
+
+
+def test_readme_megatron_layout_partitions_one_pipeline_stage():
+    """The README's Megatron example (small sizes): TP x DP flat buffers of fused QKV, gated fc1 and
+    row-parallel projections, renamed to global layers, cover the stage's canonical tensors."""
+    from dcr_core.shard_spec import rename, shift_index
+
+    tp, dp, nh, ng, hd, H, F, L, stage = 2, 2, 4, 2, 2, 6, 8, 2, 1
+    to_global = lambda n: shift_index(n, "layers", stage * L)  # noqa: E731
+    pieces = []
+    for t in range(tp):
+        params = []
+        for i in range(L):
+            p = f"model.layers.{i}"
+            qkv = fused_qkv(f"{p}.q", f"{p}.k", f"{p}.v", nh, ng, hd, (H,), t, tp)
+            fc1 = gated_fc1(f"{p}.gate", f"{p}.up", F, (H,), t, tp)
+            o = split(f"{p}.o", (H, nh * hd), {1: (t, tp)})
+            down = split(f"{p}.down", (H, F), {1: (t, tp)})
+            params += [BufferParam(f"{i}.qkv", ((nh // ng + 2) * hd * ng // tp, H), tuple(rename(qkv, to_global))),
+                       BufferParam(f"{i}.proj", (H, nh * hd // tp), tuple(rename(o, to_global))),
+                       BufferParam(f"{i}.fc1", (2 * F // tp, H), tuple(rename(fc1, to_global))),
+                       BufferParam(f"{i}.fc2", (H, F // tp), tuple(rename(down, to_global)))]
+        for d in range(dp):
+            pieces += flat_buffer(params, d, dp)
+    shapes = {}
+    for i in range(stage * L, (stage + 1) * L):
+        p = f"model.layers.{i}"
+        shapes |= {f"{p}.q": (nh * hd, H), f"{p}.k": (ng * hd, H), f"{p}.v": (ng * hd, H), f"{p}.gate": (F, H),
+                   f"{p}.up": (F, H), f"{p}.o": (H, nh * hd), f"{p}.down": (H, F)}
+    check_partition(pieces, shapes)
