@@ -53,16 +53,31 @@ def layouts(draw):
             shapes = {"g": (ffn, *rest), "u": (ffn, *rest)}
             ranks = [gated_fc1("g", "u", ffn, rest, t, tp) for t in range(tp)]
         return shapes, [(r, sum(p.numel for p in r)) for r in ranks]
-    dp = draw(st.integers(1, 4))
+    # distributed-optimizer flat buffers over TP shards (splits along any dim, fused QKV), DP ranks
+    dp, tp = draw(st.integers(1, 4)), draw(st.integers(1, 2))
     align = draw(st.sampled_from([1, 8, 64]))
-    shapes, params = {}, []
-    for i in range(draw(st.integers(1, 4))):
+    nparams = draw(st.integers(1, 4))
+    shapes = {}
+    specs = []
+    for i in range(nparams):
         shape = tuple(draw(st.lists(st.integers(1, 12), min_size=1, max_size=3)))
+        specs.append((shape, draw(st.integers(0, len(shape) - 1))))
         shapes[f"p{i}"] = shape
-        pcs = split(f"p{i}", shape, {})
-        params.append(BufferParam(f"p{i}", shape, tuple(pcs)))
-    per = flat_buffer_size(params, dp, align) // dp
-    return shapes, [(flat_buffer(params, r, dp, align), per) for r in range(dp)]
+    with_qkv = draw(st.booleans())
+    if with_qkv:
+        shapes |= {"q": (4 * 2, 3), "k": (2 * 2, 3), "v": (2 * 2, 3)}
+    ranks = []
+    for t in range(tp):
+        params = []
+        for i, (shape, dim) in enumerate(specs):
+            pcs = split(f"p{i}", shape, {dim: (t, tp)})
+            params.append(BufferParam(f"p{i}", pcs[0].extent, tuple(pcs)))
+        if with_qkv:
+            qkv = fused_qkv("q", "k", "v", 4, 2, 2, (3,), t, tp)
+            params.append(BufferParam("qkv", (sum(p.numel for p in qkv) // 3, 3), tuple(qkv)))
+        per = flat_buffer_size(params, dp, align) // dp
+        ranks += [(flat_buffer(params, r, dp, align), per) for r in range(dp)]
+    return shapes, ranks
 
 
 @given(layouts(), st.sampled_from(DTYPES), st.integers(1, 64), st.booleans(), st.integers(0, 2**32 - 1))

@@ -214,3 +214,20 @@ def test_readme_megatron_layout_partitions_one_pipeline_stage():
         shapes |= {f"{p}.q": (nh * hd, H), f"{p}.k": (ng * hd, H), f"{p}.v": (ng * hd, H), f"{p}.gate": (F, H),
                    f"{p}.up": (F, H), f"{p}.o": (H, nh * hd), f"{p}.down": (H, F)}
     check_partition(pieces, shapes)
+
+
+def test_expert_parallel_and_pipeline_renames_partition_the_experts():
+    """EP rank e holds local experts 0..E-1 = global e*E..; each expert's w1 is also TP-split."""
+    from dcr_core.shard_spec import rename, shift_index
+
+    ep, local, tp = 2, 3, 2
+    pieces = []
+    for e in range(ep):
+        for t in range(tp):
+            for j in range(local):
+                pcs = split(f"model.layers.0.mlp.experts.{j}.w1", (8, 4), {0: (t, tp)})
+                pieces += rename(pcs, lambda n, e=e: shift_index(n, "experts", e * local))
+    shapes = {f"model.layers.0.mlp.experts.{x}.w1": (8, 4) for x in range(ep * local)}
+    check_partition(pieces, shapes)
+    with pytest.raises(UsageError, match="covered twice|no piece"):
+        check_partition(pieces + split("model.layers.0.mlp.experts.5.w1", (8, 4), {0: (0, 2)}), shapes)

@@ -9,6 +9,7 @@ bytes.
 from __future__ import annotations
 
 import glob
+import json
 import math
 import threading
 
@@ -274,3 +275,61 @@ def test_a_failing_rank_stops_the_commit(tmp_path, opts):
         t.join(60)
     assert 0 in errors and Catalog(Root(root)).latest_committed() is None
     assert "chunk_shape" in str(errors[0]) or "failed" in str(errors[0])
+
+
+def test_snapshot_is_a_bit_copy(tmp_path):
+    w = torch.zeros(4, 3, dtype=torch.bfloat16)
+    src = ShardedSource([Shard("w", w, split("w", (4, 3), {}))])
+    snap = src.snapshot()
+    w.view(torch.int16)[0, 0] = 0x7FC1  # training goes on after the snapshot
+    assert not snap.bits[0].any()
+
+
+def test_manifest_parts_and_pieces_are_validated(tmp_path, opts):
+    from storage.manifest import TensorEntry
+
+    root = str(tmp_path / "bucket")
+    a = canonical(8)
+    run_publish(root, sources(a), 0, options=opts)
+    run_publish(root, sources(next_step(a, 3, fraction=0.5, unchanged=0.0)), 1, options=opts)
+    m = Catalog(Root(root)).manifest(1)
+    name, e = next((n, e) for n, e in m.tensors.items() if e.parts is not None and e.pieces is not None)
+    good = e.to_dict()
+    TensorEntry.from_dict(name, good, "m")  # round trip
+
+    def bad(mutate, match):
+        d = json.loads(json.dumps(good))
+        mutate(d)
+        with pytest.raises(IntegrityError, match=match):
+            TensorEntry.from_dict(name, d, "m")
+
+    bad(lambda d: d["pieces"]["starts"].pop() and d["pieces"]["extents"].pop() and d["pieces"]["digests"].pop(),
+        "do not partition")
+    bad(lambda d: d["pieces"]["digests"].__setitem__(0, "0" * 64), "digest does not match its pieces")
+    bad(lambda d: d["pieces"]["extents"].__setitem__(0, [10**6] * len(e.shape)), "outside|partition")
+    bad(lambda d: d["parts"]["slot"].__setitem__(0, 99), "expected an integer")
+    bad(lambda d: d["parts"].__setitem__("array", "../x"), "safe path segment")
+    if len(e.parts) > 1:
+        bad(lambda d: (d["parts"]["indices"].reverse(), d["parts"]["slot"].reverse()), "strictly increasing")
+    if len(e.chunks):
+        bad(lambda d: d["parts"]["indices"].__setitem__(0, d["chunks"]["indices"][0]), "both whole and in parts|increasing")
+
+
+def test_a_corrupt_part_fails_the_refit_and_leaves_the_state(tmp_path, opts):
+    root, state = str(tmp_path / "bucket"), str(tmp_path / "s.safetensors")
+    a = canonical(9)
+    run_publish(root, sources(a), 0, options=opts)
+    run_receive(root, "r", state)
+    before = open(state, "rb").read()
+    run_publish(root, sources(next_step(a, 4, fraction=0.5, unchanged=0.0)), 1, options=opts)
+    m = Catalog(Root(root)).manifest(1)
+    e = next(e for e in m.tensors.values() if e.parts is not None)
+    rel = e.stored_at(len(e.chunks))[0]
+    path = f"{root}/steps/000000000001/attempts/{m.attempt}/data.zarr/{rel}"
+    data = bytearray(open(path, "rb").read())
+    data[-1] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(DCRError):
+        run_receive(root, "r", state)
+    assert open(state, "rb").read() == before
+    assert audit.verify(Root(root), step=1).errors
