@@ -64,7 +64,7 @@ def _runs_by_name(shards: Sequence[ShardBits]) -> dict[str, _Runs]:
             if not n:
                 continue
             lo, hi = p.local_span()
-            if hi >= sh.new.size:
+            if hi >= sh.new.size:  # (sh.new may be an _Extent: only .size is used)
                 raise UsageError(f"a piece of {p.name!r} reaches local element {hi}; the shard has {sh.new.size}")
             acc.setdefault(p.name, []).append((c, l, np.full(c.size, n, np.int64), np.full(c.size, si, np.int64)))
     out = {}
@@ -197,3 +197,44 @@ def _merge(first: np.ndarray, last: np.ndarray) -> list[tuple[int, int]]:
         else:
             out.append([a, b])
     return [(a, b) for a, b in out]
+
+
+def shard_runs(pieces_of_shards: Sequence[Sequence[Piece]], sizes: Sequence[int]) -> dict[str, _Runs]:
+    """The sorted run tables of a rank's shards, by canonical name (for ``chunks_touched`` and
+    ``scatter_chunk``); ``sizes``: each shard's element count."""
+    return _runs_by_name([_Extent(tuple(p), n) for p, n in zip(pieces_of_shards, sizes)])
+
+
+@dataclass(frozen=True)
+class _Extent:
+    pieces: tuple
+    size: int
+
+    @property
+    def new(self):  # what _runs_by_name reads: only the size
+        return self
+
+
+def chunks_touched(runs: "_Runs", grid: ChunkGrid) -> list[int]:
+    """Indices of the chunks of ``grid`` that the runs touch, ascending."""
+    if not runs.cstart.size:
+        return []
+    starts = chunk_starts(grid)
+    ends = runs.cstart + runs.length
+    first = np.searchsorted(starts, runs.cstart, side="right") - 1
+    last = np.searchsorted(starts, ends - 1, side="right") - 1
+    return [int(i) for a, b in _merge(first, last) for i in range(a, b + 1)]
+
+
+def scatter_chunk(buf: np.ndarray, cs: int, runs: "_Runs", locals_: Sequence[np.ndarray]) -> None:
+    """The inverse of projection: copy the rank's elements of canonical chunk ``buf`` (which starts
+    at flat element ``cs``) into the rank's local shard arrays ``locals_``."""
+    ce = cs + buf.size
+    ends = runs.cstart + runs.length
+    lo = int(np.searchsorted(ends, cs, side="right"))
+    hi = int(np.searchsorted(runs.cstart, ce, side="left"))
+    for k in range(lo, hi):
+        a, b = max(cs, int(runs.cstart[k])), min(ce, int(ends[k]))
+        if a < b:
+            la = int(runs.lstart[k]) + a - int(runs.cstart[k])
+            locals_[int(runs.shard[k])][la : la + b - a] = buf[a - cs : b - cs]

@@ -4,7 +4,8 @@ Per rank (no data collective, no tensor assembled):
 1. *plan*: the same checks as an unsharded publish (step free, after the latest, kind and base).
 2. *snapshot*: copy (and convert) the rank's shards (``ShardedSource.snapshot``).
 3. *baseline*: the rank's own shard bits of the base step, from its local cache, verified piece by
-   piece against the base manifest's piece digests (or its plain digest for whole tensors).
+   piece against the base manifest's piece digests (or its plain digest for whole tensors); without
+   a valid cache, rebuilt from ROOT one canonical chunk at a time (``rebuild_shard_baseline``).
 4. *encode*: ``dcr_core.projection.project`` walks the canonical chunks the rank touches, one chunk
    buffer at a time. A chunk the rank covers entirely goes to the tensor's array as usual; a chunk
    it shares goes to slot ``rank`` of the sibling parts array (``<array>%parts``). Each piece's
@@ -160,36 +161,105 @@ def _baseline_verified(entry: TensorEntry, records: list) -> bool:
 
 
 def load_shard_baseline(plan: RankPlan, snap: ShardSnapshot) -> list[np.ndarray] | None:
-    """The rank's shard bits of the base step (deltas), from its local cache, verified."""
+    """The rank's shard bits of the base step (deltas): its local cache if that verifies against
+    the base step's piece digests, else rebuilt from ROOT chunk by chunk (``rebuild_shard_baseline``)."""
     if plan.kind == KEYFRAME:
         return None
-    path = _cache_path(plan)
-    hint = "publish a keyframe (keyframe=True / --keyframe) to start a new lineage"
-    try:
-        ck = SafetensorsCheckpoint(path)
-    except (DCRError, OSError):
-        raise StateMismatchError(f"rank {plan.rank}: no shard baseline at {path}; {hint}") from None
+    if plan.options.use_cache:
+        bits = _cached_baseline(plan, snap)
+        if bits is not None:
+            return bits
+    return rebuild_shard_baseline(plan, snap)
+
+
+def _cached_baseline(plan: RankPlan, snap: ShardSnapshot) -> list[np.ndarray] | None:
+    from dcr_core.bits import bits_of
     from flows.receive_steps import STATE_STEP
 
-    # The step number only selects the file; the piece digests below verify every bit.
-    if ck.metadata.get(STATE_STEP) != str(plan.base_step):
-        raise StateMismatchError(
-            f"rank {plan.rank}: shard baseline {path} is step {ck.metadata.get(STATE_STEP)}, not the base step {plan.base_step}; {hint}"
-        )
-    bits = []
-    for spec, dt in zip(snap.specs, snap.dtypes):
-        info = ck.infos.get(spec.local_name)
-        if info is None or (info.dtype, info.shape) != (dt, spec.local_shape):
-            raise StateMismatchError(f"rank {plan.rank}: shard {spec.local_name!r} differs from its baseline in {path}; {hint}")
-        from dcr_core.bits import bits_of
-
-        bits.append(bits_of(ck.tensor(spec.local_name)))
+    try:
+        ck = SafetensorsCheckpoint(_cache_path(plan))
+        # The step number only selects the file; the piece digests below verify every bit.
+        if ck.metadata.get(STATE_STEP) != str(plan.base_step):
+            return None
+        bits = []
+        for spec, dt in zip(snap.specs, snap.dtypes):
+            info = ck.infos.get(spec.local_name)
+            if info is None or (info.dtype, info.shape) != (dt, spec.local_shape):
+                return None
+            bits.append(bits_of(ck.tensor(spec.local_name)))
+    except (DCRError, OSError):
+        return None  # a missing or broken cache is only a cache
     for name, recs in _piece_records(snap, bits).items():
         if not _baseline_verified(plan.base_entries[name], recs):
-            raise StateMismatchError(
-                f"rank {plan.rank}: baseline of tensor {name!r} does not match step {plan.base_step}'s digests; {hint}"
-            )
+            return None
     return bits
+
+
+def rebuild_shard_baseline(plan: RankPlan, snap: ShardSnapshot) -> list[np.ndarray]:
+    """The rank's shard of the base step, rebuilt from ROOT without assembling any tensor.
+
+    For every canonical chunk the rank's pieces touch: the chunk's bits at the base step are built
+    in one chunk buffer by applying the stored objects of that chunk index (main chunk and parts)
+    along the chain from the keyframe, each verified against its manifest digest; then the rank's
+    elements are copied out. Memory: the shard, one chunk buffer and the read-ahead window. Needs
+    the same chunk shape for the tensor along the chain (else: publish a keyframe). Where the base
+    step's piece digests cover the rank's pieces (same layout), the result is also checked
+    against them; otherwise the per-chunk digests (bound by the signed manifests) are the check."""
+    from dcr_core.chain import Direction
+    from dcr_core.delta import apply_chunk
+    from dcr_core.projection import chunks_touched, scatter_chunk, shard_runs
+    from flows import receive_steps as rs
+    from storage.step_io import stream_chunks
+
+    hint = "publish a keyframe (keyframe=True / --keyframe) to start a new lineage"
+    root = Root(plan.root_url, plan.storage_options)
+    rplan = rs.plan_receive(plan.root_url, plan.storage_options, None, plan.base_step)
+    if not rplan.moves or rplan.moves[0].direction is not Direction.KEYFRAME or any(
+        m.direction is not Direction.FORWARD for m in rplan.moves[1:]
+    ):
+        raise StateMismatchError(f"rank {plan.rank}: cannot plan a keyframe-forward chain to step {plan.base_step}; {hint}")
+    chain = [rplan.manifests[m.step] for m in rplan.moves]
+    out = [np.zeros(b.size, dtype=b.dtype) for b in snap.bits]
+    runs = shard_runs([s.pieces for s in snap.specs], [b.size for b in snap.bits])
+    for name in sorted(runs):
+        entries = [m.tensors.get(name) for m in chain]
+        target = plan.base_entries[name]
+        if any(e is None or (e.dtype, e.shape, e.chunk_shape) != (target.dtype, target.shape, target.chunk_shape) for e in entries):
+            raise StateMismatchError(
+                f"rank {plan.rank}: tensor {name!r} changes dtype, shape or chunking along the chain to step {plan.base_step}; {hint}"
+            )
+        grid = target.grid
+        by_index = [_positions_by_index(e) for e in entries]
+        touched = chunks_touched(runs[name], grid)
+        jobs = ((m, e, pos) for ci in touched for m, e, idx in zip(chain, entries, by_index) for pos in idx.get(ci, ()))
+        stream = stream_chunks(root, jobs, workers=plan.options.io_workers)
+        try:
+            for ci in touched:
+                cs, ce = grid.chunk_range(ci)
+                buf = np.zeros(ce - cs, dtype=DTYPES[target.dtype].storage)
+                for e, idx in zip(entries, by_index):
+                    for pos in idx.get(ci, ()):
+                        _, _, index, payload = next(stream)
+                        # chunk-relative apply: a one-chunk grid view of this chunk
+                        apply_chunk(buf, ChunkGrid((ce - cs,), (ce - cs,)), 0, payload, e.encoding_at(pos))
+                scatter_chunk(buf, cs, runs[name], out)
+        finally:
+            stream.close()
+    for name, recs in _piece_records(snap, out).items():
+        e = plan.base_entries[name]
+        known = e.pieces is not None and all(
+            (tuple(a), tuple(x)) in {(tuple(p), tuple(q)) for p, q, _ in e.pieces.records()} for a, x, _ in recs
+        )
+        if (known or e.pieces is None and len(recs) == 1 and tuple(recs[0][1]) == tuple(e.shape)) and not _baseline_verified(e, recs):
+            raise IntegrityError(f"rank {plan.rank}: rebuilt baseline of {name!r} does not match step {plan.base_step}'s digests")
+    return out
+
+
+def _positions_by_index(e: TensorEntry) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = {}
+    for pos in range(e.n_stored):
+        out.setdefault(e.stored_at(pos)[1], []).append(pos)
+    return out
 
 
 def stage_shard_baseline(plan: RankPlan, snap: ShardSnapshot) -> StreamingSafetensorsWriter | None:
