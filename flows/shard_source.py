@@ -78,6 +78,8 @@ class ShardedSource:
         """Copy (and convert) every shard's bits now; the trainer may modify its tensors afterwards."""
         specs, bits, dtypes, infos = [], [], [], {}
         for s in self.shards:
+            if not s.pieces:
+                continue  # e.g. a replica that does not own its tensor: nothing to copy or publish
             t = s.tensor.detach()
             if hasattr(t, "to_local"):  # a DTensor: its local shard
                 t = t.to_local()
