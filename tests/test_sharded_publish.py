@@ -349,3 +349,16 @@ def test_a_corrupt_part_fails_the_refit_and_leaves_the_state(tmp_path, opts):
         run_receive(root, "r", state)
     assert open(state, "rb").read() == before
     assert audit.verify(Root(root), step=1).errors
+
+
+def test_a_sharded_delta_on_top_of_an_unsharded_keyframe(tmp_path, opts):
+    """Switching from canonical publishes to shards needs no new keyframe: the ranks rebuild their
+    base shards from the canonical chunks."""
+    root, state = str(tmp_path / "bucket"), str(tmp_path / "s.safetensors")
+    a = canonical(12)
+    b = next_step(a, 13, fraction=0.2, unchanged=0.0)
+    run_publish(root, a, 0, options=opts)  # a name -> tensor mapping: plain digests
+    assert run_publish(root, sources(b), 1, options=opts).kind == "delta"
+    run_receive(root, "r", state, step=0)
+    run_receive(root, "r", state)
+    assert_bits_equal(held(state), b)
