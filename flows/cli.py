@@ -52,6 +52,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("checkpoint")
     p.add_argument("--step", type=_step, required=True)
     p.add_argument("--keyframe", action="store_true", help="store a full snapshot and start a new lineage")
+    p.add_argument(
+        "--dcp-prefix", default=None, metavar="PREFIX",
+        help="CHECKPOINT is a torch.distributed.checkpoint directory: publish only tensors named PREFIX..., "
+        "without the prefix (e.g. model.)",
+    )
     p.add_argument("--chunk-bytes", type=int, default=None, help="raw bytes per chunk (default 4 MiB)")
     p.add_argument("--no-cache", action="store_true", help="rebuild the baseline from ROOT instead of the local cache")
     p.add_argument(
@@ -143,12 +148,23 @@ def cmd_publish(args, so) -> int:
         kw["chunk_bytes"] = args.chunk_bytes
     kw["keyframe_policy"] = KeyframePolicy(every=args.keyframe_every, above=args.keyframe_above)
     options = PublishOptions(**kw)
+    from flows.dcp_source import dcp_sources, is_dcp_dir
+    from flows.layout_source import is_layout_file, layout_sources
+
+    if is_dcp_dir(args.checkpoint):  # a DCP directory: published from its shards, file by file
+        source = dcp_sources(args.checkpoint, args.dcp_prefix)
+    elif is_layout_file(args.checkpoint):  # per-rank safetensors files + a layout file
+        source = layout_sources(args.checkpoint)
+    elif args.dcp_prefix is not None:
+        raise UsageError(f"{args.checkpoint}: --dcp-prefix needs a torch.distributed.checkpoint directory (with .metadata)")
+    else:
+        source = args.checkpoint
     if _use_prefect(args):
         from flows.prefect_flows import publish_refit
 
-        res = publish_refit(args.root, args.checkpoint, args.step, args.keyframe, so, options)
+        res = publish_refit(args.root, source, args.step, args.keyframe, so, options)
     else:
-        res = asdict(run_publish(args.root, args.checkpoint, args.step, args.keyframe, so, options))
+        res = asdict(run_publish(args.root, source, args.step, args.keyframe, so, options))
     s = res["summary"]
     base = "" if res["base_step"] is None else f" against step {res['base_step']}"
     if res["kind"] == "keyframe" and s.get("keyframe_reason") not in (None, "requested", "first step"):

@@ -34,7 +34,6 @@ import numpy as np
 from dcr_core.bits import bits_of, tensor_from_bits
 from dcr_core.chain import Direction
 from dcr_core.delta import Encoding, apply_chunk
-from dcr_core.digest import tensor_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import StateMismatchError, UsageError
 from flows import placement
@@ -131,7 +130,7 @@ def _delta(root, so, target, plan, mirror, options) -> dict:
         for n in over:
             np.bitwise_xor(mirror_bits[n], masks[n], out=mirror_bits[n])
         for n, b in mirror_bits.items():
-            if tensor_digest(b) != manifest.tensors[n].digest:
+            if not manifest.tensors[n].matches(b):
                 raise StateMismatchError(f"{mirror}: tensor {n!r} does not reach step {plan.target_step}'s digest")
     t0 = time.perf_counter()
     direct_masks = [

@@ -57,6 +57,8 @@ LOCAL = SimpleNamespace(
     replace_state=rs.replace_state,
     verify_state=rs.verify_state_file,
     record_commit=rs.record_commit,
+    publish_rank_part=None,  # set below (flows.shard_publish imports this module's result types)
+    commit_ranks=None,
 )
 
 
@@ -80,7 +82,18 @@ def run_publish(
     storage_options: dict | None = None,
     options: PublishOptions | None = None,
     tasks=LOCAL,
+    attempt: str | None = None,
 ) -> PublishResult:
+    """Publish ``source`` as ``step``. ``source``: a checkpoint path, a name -> tensor mapping, a
+    ``ShardedSource`` (this rank's training shards; every rank calls this, rank 0 commits) or a list
+    of ``ShardedSource`` of all ranks (published from this one process)."""
+    from flows import shard_publish
+    from flows.shard_source import ShardedSource
+
+    if isinstance(source, ShardedSource):
+        return shard_publish.run_rank(root, source, step, keyframe, storage_options, options, attempt)
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, ShardedSource) for s in source):
+        return shard_publish.run_ranks_in_process(root, list(source), step, keyframe, storage_options, options, tasks)
     options = options or PublishOptions()
     so = dict(storage_options or {})
     root = os.fspath(root)
@@ -159,3 +172,13 @@ def run_materialize(
 ) -> ReceiveResult:
     """Write the full checkpoint of a committed step to ``out`` (no receiver record)."""
     return run_receive(root, "materialize", out, step, storage_options, options, record=False, fresh=True)
+
+
+def _shard_tasks() -> None:
+    from flows import shard_publish
+
+    LOCAL.publish_rank_part = shard_publish.rank_part
+    LOCAL.commit_ranks = shard_publish.commit_merged
+
+
+_shard_tasks()

@@ -57,6 +57,8 @@ PREFECT_TASKS = SimpleNamespace(
     replace_state=_task(L.replace_state, "replace-state"),
     verify_state=_task(L.verify_state, "verify-held-state"),
     record_commit=_task(L.record_commit, "record-receiver-commit", retries=2),
+    publish_rank_part=_task(L.publish_rank_part, "publish-rank-shards"),
+    commit_ranks=_task(L.commit_ranks, "merge-and-commit", retries=2),
 )
 
 
@@ -68,9 +70,15 @@ def publish_refit(
     keyframe: bool = False,
     storage_options: dict | None = None,
     options: Any = None,
+    attempt: str | None = None,
 ) -> dict:
-    """Publish ``source`` (checkpoint path or name->tensor mapping) as ``step`` of ``root``."""
-    result = pipeline.run_publish(root, source, step, keyframe, storage_options, options, tasks=PREFECT_TASKS)
+    """Publish ``source`` as ``step`` of ``root``: a checkpoint path, a name->tensor mapping, or
+    training shards: a list of all ranks' ``ShardedSource`` (one task per rank, then a merge-and-commit
+    task), or this rank's ``ShardedSource`` when every rank runs the flow (the rank's steps run inside
+    the flow; rank 0 commits; see ``flows.shard_publish``)."""
+    result = pipeline.run_publish(
+        root, source, step, keyframe, storage_options, options, tasks=PREFECT_TASKS, attempt=attempt
+    )
     return asdict(result)
 
 

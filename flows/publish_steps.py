@@ -48,6 +48,7 @@ class PublishPlan:
     options: PublishOptions
     source_name: str = ""
     base_digests: dict[str, str] = field(default_factory=dict)  # tensor digests of the base step
+    base_entries: dict[str, TensorEntry] = field(default_factory=dict)  # the base step's entries
     keyframe_reason: str = ""  # why the step is a keyframe or carries a snapshot ("" otherwise)
     snapshot: bool = False  # a delta that also stores a full copy of its step (keyframe policy)
 
@@ -105,7 +106,8 @@ def plan_publish(
     return PublishPlan(
         root_url, dict(storage_options), step, kind, base_step, base_policy,
         uuid.uuid4().hex, dict(infos), options, source_name,
-        {} if kind == KEYFRAME else {n: e.digest for n, e in base.tensors.items()}, reason or policy,
+        {} if kind == KEYFRAME else {n: e.digest for n, e in base.tensors.items()},
+        {} if kind == KEYFRAME else dict(base.tensors), reason or policy,
         snapshot=bool(policy),
     )
 
@@ -142,7 +144,7 @@ def _cache_valid(path: str, plan: PublishPlan) -> bool:
         if set(ck.infos) != set(plan.base_digests):
             return False
         # Checked here (not only on use) so a damaged cache is rebuilt instead of failing the publish.
-        return all(tensor_digest(bits_of(ck.tensor(n))) == d for n, d in plan.base_digests.items())
+        return all(plan.base_entries[n].matches(bits_of(ck.tensor(n))) for n in plan.base_digests)
     except Exception:  # a broken cache is only a cache: it gets rebuilt
         return False
 
@@ -186,7 +188,7 @@ def encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) ->
                 encoding = Encoding.FULL
             else:
                 base = bits_of(base_ck.tensor(name))
-                if tensor_digest(base) != plan.base_digests[name]:
+                if not plan.base_entries[name].matches(base):
                     raise IntegrityError(f"{baseline}: tensor {name!r} changed since it was verified")
                 if opts.overwrite_above >= 1.0:
                     encoding = Encoding.XOR  # the default: no extra pass to count changes first
@@ -237,7 +239,7 @@ def write_snapshot(plan: PublishPlan, source: Source, entries: dict[str, TensorE
         for name in sorted(plan.infos):
             info, e = plan.infos[name], entries[name]
             new = bits_of(source.tensor(name))
-            if tensor_digest(new) != e.digest:
+            if not e.matches(new):
                 raise IntegrityError(f"{plan.source_name or 'source'}: tensor {name!r} changed while publishing")
             array = e.array + ".full"
             while array in used:
@@ -254,7 +256,7 @@ def write_snapshot(plan: PublishPlan, source: Source, entries: dict[str, TensorE
             futs[0].result()
             table = ChunkTable(tuple(x.index for x in stored), tuple(x.digest for x in stored), tuple(x.nbytes for x in stored))
             out[e.name] = dataclasses.replace(
-                e, encoding=Encoding.FULL, array=array, chunks=table, base_digest=None, changed=0
+                e, encoding=Encoding.FULL, array=array, chunks=table, base_digest=None, changed=0, parts=None
             )
     return out
 

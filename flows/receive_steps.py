@@ -22,7 +22,6 @@ import numpy as np
 from dcr_core.bits import bits_of
 from dcr_core.chain import Direction, Move, plan_direct, plan_path
 from dcr_core.delta import Encoding, apply_chunk
-from dcr_core.digest import tensor_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, InvalidCheckpointError, StateMismatchError, StepNotFoundError, UsageError
 from flows.options import ReceiveOptions
@@ -166,8 +165,8 @@ def apply_payloads(plan: ReceivePlan, state: State | None, fetched: Fetched) -> 
                 raise StateMismatchError(f"step {move.step}: tensor {name!r} ({encoding.value}) cannot be undone")
             grid = e.grid
             target = state.bits[name]
-            for index, payload in items:
-                apply_chunk(target, grid, index, payload, encoding)
+            for pos, (index, payload) in enumerate(items):
+                apply_chunk(target, grid, index, payload, e.encoding_at(pos))
         state.step = m.base_step if move.direction is Direction.BACKWARD else m.step
     if state is None:
         raise UsageError("nothing to apply and no state held")
@@ -175,7 +174,7 @@ def apply_payloads(plan: ReceivePlan, state: State | None, fetched: Fetched) -> 
     if state.step != plan.target_step:
         raise StateMismatchError(f"refit ended at step {state.step}, not {plan.target_step}")
     for name, e in target.tensors.items():
-        if tensor_digest(state.bits[name]) != e.digest:
+        if not e.matches(state.bits[name]):
             raise StateMismatchError(
                 f"step {plan.target_step}: tensor {name!r} does not match its digest after apply; nothing written"
             )
@@ -222,7 +221,7 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
         for name in names:
             for m, table in zip(manifests, move_tables):
                 e = table[name]
-                for pos in range(len(e.chunks)):
+                for pos in range(e.n_stored):
                     yield m, e, pos
 
     infos = [TensorInfo(n, target.tensors[n].dtype, target.tensors[n].shape) for n in names]
@@ -236,7 +235,7 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
             e_target = target.tensors[name]
             if reader is not None:
                 bits = bits_of(reader.tensor(name))
-                if tensor_digest(bits) != held.tensors[name].digest:
+                if not held.tensors[name].matches(bits):
                     raise StateMismatchError(
                         f"{state_path}: tensor {name!r} is not the bits of step {held.step} (digest mismatch)"
                     )
@@ -244,11 +243,11 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
                 bits = np.zeros(math.prod(e_target.shape), dtype=DTYPES[e_target.dtype].storage)
             for table in move_tables:
                 e = table[name]
-                for _ in range(len(e.chunks)):
+                for pos in range(e.n_stored):
                     _, _, index, payload = next(stream)
-                    apply_chunk(bits, e.grid, index, payload, e.encoding)
+                    apply_chunk(bits, e.grid, index, payload, e.encoding_at(pos))
                 pulled += e.stored_bytes
-            if tensor_digest(bits) != e_target.digest:
+            if not e_target.matches(bits):
                 raise StateMismatchError(
                     f"step {plan.target_step}: tensor {name!r} does not match its digest after apply; nothing written"
                 )
@@ -274,7 +273,7 @@ def verify_state_file(plan: ReceivePlan, state_path: str) -> None:
     reader = SafetensorsCheckpoint(state_path)
     _check_schema(held, reader.infos, state_path)
     for name, e in held.tensors.items():
-        if tensor_digest(bits_of(reader.tensor(name))) != e.digest:
+        if not e.matches(bits_of(reader.tensor(name))):
             raise StateMismatchError(
                 f"{state_path}: tensor {name!r} is not the bits of step {held.step} (digest mismatch)"
             )

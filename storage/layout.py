@@ -4,6 +4,8 @@
     ROOT/steps/<step:012d>/attempts/<attempt>/manifest.json JSON manifest of one publish attempt
     ROOT/steps/<step:012d>/attempts/<attempt>/data.zarr/    Zarr v3 group, one array per tensor
     ROOT/steps/<step:012d>/receivers/<receiver-id>.json     receiver commit records
+    ROOT/steps/<step:012d>/attempts/<attempt>/ranks/<r>.json partial manifest of rank r (sharded publish)
+    ROOT/steps/<step:012d>/attempts/<attempt>/failed.json   a rank of a sharded publish gave up
 
 Every publish writes into a fresh attempt prefix, so a crashed or losing publisher never
 overwrites what another attempt wrote; only the attempt named by ``commit.json`` is real.
@@ -77,6 +79,20 @@ def attempt_dir(step: int, attempt: str) -> str:
 
 def manifest_key(step: int, attempt: str) -> str:
     return f"{attempt_dir(step, attempt)}/{MANIFEST}"
+
+
+def ranks_dir(step: int, attempt: str) -> str:
+    return f"{attempt_dir(step, attempt)}/ranks"
+
+
+def rank_partial_key(step: int, attempt: str, rank: int) -> str:
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < 1 << 16:
+        raise UsageError(f"rank must be an integer in 0..65535, got {rank!r}")
+    return f"{ranks_dir(step, attempt)}/{rank}.json"
+
+
+def attempt_failed_key(step: int, attempt: str) -> str:
+    return f"{attempt_dir(step, attempt)}/failed.json"
 
 
 def store_dir(step: int, attempt: str) -> str:

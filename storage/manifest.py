@@ -18,7 +18,7 @@ from typing import Any
 from dcr_core.chunking import ChunkGrid
 from dcr_core.codec import CodecSpec
 from dcr_core.delta import Encoding
-from dcr_core.digest import DIGEST_ALGORITHM, policy_digest
+from dcr_core.digest import DIGEST_ALGORITHM, PIECES_SCHEME, box_digest, pieces_digest, policy_digest, tensor_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, UnsafeKeyError
 from storage import layout
@@ -35,6 +35,10 @@ MAX_CHUNKS_PER_TENSOR = 50_000_000
 MAX_DIM = 1 << 48
 MAX_TENSOR_ELEMENTS = 1 << 40
 MAX_CHUNK_BYTES = 1 << 30  # a padded chunk, decompressed
+MAX_PIECES_PER_TENSOR = 1_000_000
+MAX_PIECE_RUNS_PER_TENSOR = 1 << 23  # contiguous runs the pieces' boxes decompose into
+MAX_PART_SLOTS = 1 << 16
+PARTS_SUFFIX = "%parts"  # array_segment never yields "%p", so no tensor's array can end like this
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
 
@@ -98,6 +102,110 @@ class ChunkTable:
 
 
 @dataclass(frozen=True, slots=True)
+class PieceTable:
+    """The piecewise digest of a tensor published from shards (``dcr_core.digest.pieces_digest``):
+    one box per piece (``starts``/``extents`` in the tensor's coordinates) and its digest. The boxes
+    partition the tensor; the entry's digest is the combination of the records."""
+
+    starts: tuple[tuple[int, ...], ...]
+    extents: tuple[tuple[int, ...], ...]
+    digests: tuple[str, ...]
+
+    def records(self):
+        return zip(self.starts, self.extents, self.digests)
+
+    def to_dict(self) -> dict:
+        return {
+            "scheme": PIECES_SCHEME,
+            "starts": [list(x) for x in self.starts],
+            "extents": [list(x) for x in self.extents],
+            "digests": list(self.digests),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str, shape: tuple[int, ...], digest: str) -> PieceTable:
+        from dcr_core.shard_spec import Piece, c_strides, check_cover
+        from dcr_core.errors import UsageError
+
+        if not isinstance(d, dict) or d.get("scheme") != PIECES_SCHEME:
+            raise _fail(what, f"pieces must be an object with scheme {PIECES_SCHEME!r}")
+        st, ex, dg = d.get("starts"), d.get("extents"), d.get("digests")
+        if not all(isinstance(x, list) for x in (st, ex, dg)) or not len(st) == len(ex) == len(dg):
+            raise _fail(what, "pieces.starts/extents/digests must be lists of equal length")
+        if len(st) > MAX_PIECES_PER_TENSOR:
+            raise _fail(what, f"{len(st)} pieces exceeds the limit {MAX_PIECES_PER_TENSOR}")
+        starts = tuple(_shape(x, what) for x in st)
+        extents = tuple(_shape(x, what) for x in ex)
+        digests = tuple(_hexdigest(x, what) for x in dg)
+        cs = c_strides(shape)
+        runs, total_runs = [], 0
+        for a, e in zip(starts, extents):
+            if len(a) != len(shape) or len(e) != len(shape):
+                raise _fail(what, f"piece box {list(a)}+{list(e)} does not have {len(shape)} dims")
+            try:
+                p = Piece("", shape, a, e, 0, cs)
+            except UsageError as err:
+                raise _fail(what, str(err)) from None
+            total_runs += p.n_runs()
+            if total_runs > MAX_PIECE_RUNS_PER_TENSOR:
+                raise _fail(what, f"pieces decompose into more than {MAX_PIECE_RUNS_PER_TENSOR} runs")
+            c, _, n = p.runs()
+            if n:
+                runs.append((c, n))
+        try:
+            check_cover("", math.prod(shape), runs)
+        except UsageError as err:
+            raise _fail(what, f"pieces do not partition the tensor ({err})") from None
+        table = cls(starts, extents, digests)
+        if pieces_digest(table.records()) != digest:
+            raise _fail(what, "digest does not match its pieces")
+        return table
+
+
+@dataclass(frozen=True, slots=True)
+class PartTable:
+    """Chunks shared by several ranks: each contributor's zero-padded XOR part, stored in the sibling
+    array ``array`` of shape ``(slots, *shape)`` at ``[slot, chunk]``. A chunk's value is the XOR of
+    the main array's chunk (absent: zeros) and all its parts; stock zarr reads the parts array."""
+
+    array: str
+    slots: int
+    slot: tuple[int, ...] = ()
+    indices: tuple[int, ...] = ()
+    digests: tuple[str, ...] = ()
+    nbytes: tuple[int, ...] = ()
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def to_dict(self) -> dict:
+        return {
+            "array": self.array, "slots": self.slots, "slot": list(self.slot), "indices": list(self.indices),
+            "digests": list(self.digests), "nbytes": list(self.nbytes),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, what: str, n_chunks: int) -> PartTable:
+        if not isinstance(d, dict):
+            raise _fail(what, "parts must be an object")
+        sl, idx, dig, nb = d.get("slot"), d.get("indices"), d.get("digests"), d.get("nbytes")
+        if not all(isinstance(x, list) for x in (sl, idx, dig, nb)) or not len(sl) == len(idx) == len(dig) == len(nb):
+            raise _fail(what, "parts.slot/indices/digests/nbytes must be lists of equal length")
+        slots = _int(d.get("slots"), what, 1, MAX_PART_SLOTS)
+        if len(idx) > n_chunks * slots:
+            raise _fail(what, f"{len(idx)} parts but the grid has {n_chunks} chunks of {slots} slots")
+        slot = tuple(_int(x, what, 0, slots - 1) for x in sl)
+        indices = tuple(_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
+        keys = list(zip(indices, slot))
+        if any(a >= b for a, b in zip(keys, keys[1:])):
+            raise _fail(what, "parts must be strictly increasing by (chunk, slot)")
+        return cls(
+            layout.check_segment(d.get("array"), f"{what} parts array"), slots, slot, indices,
+            tuple(_hexdigest(x, what) for x in dig), tuple(_int(x, what) for x in nb),
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     name: str
     dtype: str
@@ -109,6 +217,8 @@ class TensorEntry:
     chunks: ChunkTable = field(default_factory=ChunkTable)
     base_digest: str | None = None  # digest at the base step (deltas)
     changed: int = 0  # elements whose bits differ from the base (keyframes: non-zero elements)
+    pieces: PieceTable | None = None  # piecewise digest (published from shards); None: plain digest
+    parts: PartTable | None = None  # chunks shared by several ranks (published from shards)
 
     @property
     def grid(self) -> ChunkGrid:
@@ -124,7 +234,37 @@ class TensorEntry:
 
     @property
     def stored_bytes(self) -> int:
-        return sum(self.chunks.nbytes)
+        return sum(self.chunks.nbytes) + (sum(self.parts.nbytes) if self.parts else 0)
+
+    @property
+    def n_stored(self) -> int:
+        """Stored chunk objects: main chunks first, then parts (positions ``0..n_stored-1``)."""
+        return len(self.chunks) + (len(self.parts) if self.parts else 0)
+
+    def stored_at(self, pos: int) -> tuple[str, int, str, int]:
+        """``(object key inside the store, chunk index, payload digest, stored bytes)`` of position ``pos``."""
+        n = len(self.chunks)
+        if pos < n:
+            index = self.chunks.indices[pos]
+            return f"{self.array}/{self.grid.chunk_key(index)}", index, self.chunks.digests[pos], self.chunks.nbytes[pos]
+        p, q = self.parts, pos - n
+        index = p.indices[q]
+        key = "/".join(["c", str(p.slot[q]), *map(str, self.grid.grid_index(index))])
+        return f"{p.array}/{key}", index, p.digests[q], p.nbytes[q]
+
+    def encoding_at(self, pos: int) -> Encoding:
+        """How position ``pos`` applies: the entry's encoding for main chunks, XOR for parts
+        (zero-padded disjoint parts combine by XOR, also into the zeros a keyframe starts from)."""
+        return self.encoding if pos < len(self.chunks) else Encoding.XOR
+
+    def matches(self, bits) -> bool:
+        """Whether ``bits`` (the whole tensor, flat raw bits) are this entry's bits at its step."""
+        if self.pieces is None:
+            return tensor_digest(bits) == self.digest
+        for start, extent, digest in self.pieces.records():
+            if box_digest(bits, self.shape, start, extent) != digest:
+                return False
+        return pieces_digest(self.pieces.records()) == self.digest
 
     def to_dict(self) -> dict:
         d = {
@@ -138,6 +278,10 @@ class TensorEntry:
             "chunk_shape": list(self.chunk_shape),
             "chunks": self.chunks.to_dict(),
         }
+        if self.pieces is not None:
+            d["pieces"] = self.pieces.to_dict()
+        if self.parts is not None:
+            d["parts"] = self.parts.to_dict()
         return d
 
     @classmethod
@@ -166,19 +310,29 @@ class TensorEntry:
             raise _fail(what, f"{grid.n_chunks} chunks exceeds the limit {MAX_CHUNKS_PER_TENSOR}")
         base = d.get("base_digest")
         chunks = ChunkTable.from_dict(d.get("chunks"), what, grid.n_chunks)
-        if encoding is Encoding.UNCHANGED and len(chunks):
+        digest = _hexdigest(d.get("digest"), what)
+        pieces = None if d.get("pieces") is None else PieceTable.from_dict(d["pieces"], what, shape, digest)
+        parts = None if d.get("parts") is None else PartTable.from_dict(d["parts"], what, grid.n_chunks)
+        if encoding is Encoding.UNCHANGED and (len(chunks) or (parts and len(parts))):
             raise _fail(what, "an unchanged tensor lists stored chunks")
+        if parts is not None:
+            if encoding is Encoding.OVERWRITE:
+                raise _fail(what, "overwrites cannot have parts")
+            if set(parts.indices) & set(chunks.indices):
+                raise _fail(what, "a chunk is stored both whole and in parts")
         return cls(
             name=name,
             dtype=dtype,
             shape=shape,
-            digest=_hexdigest(d.get("digest"), what),
+            digest=digest,
             encoding=encoding,
             array=layout.check_segment(d.get("array"), f"{what} array"),
             chunk_shape=chunk_shape,
             chunks=chunks,
             base_digest=None if base is None else _hexdigest(base, what),
             changed=_int(d.get("changed_elements", 0), what),
+            pieces=pieces,
+            parts=parts,
         )
 
 
@@ -224,7 +378,7 @@ class Manifest:
             "change_rate": (changed / total) if total else 0.0,
             "bytes_full": sum(t.nbytes for t in self.tensors.values()),
             "bytes_stored": sum(t.stored_bytes for t in self.tensors.values()),
-            "chunks_stored": sum(len(t.chunks) for t in self.tensors.values()),
+            "chunks_stored": sum(t.n_stored for t in self.tensors.values()),
             "invertible": self.invertible,
         } | ({"snapshot_bytes": sum(t.stored_bytes for t in self.snapshot.values())} if self.snapshot else {})
 
@@ -309,7 +463,8 @@ class Manifest:
                 ):
                     raise _fail(where, f"snapshot tensor {name!r} is not a full copy of the step's tensor")
                 snapshot[name] = entry
-        arrays = [t.array for t in tensors.values()] + [t.array for t in snapshot.values()]
+        arrays = [t.array for t in tensors.values()] + [t.parts.array for t in tensors.values() if t.parts]
+        arrays += [t.array for t in snapshot.values()]
         if len(set(arrays)) != len(arrays):
             raise _fail(where, "two tensors share one array")
         try:

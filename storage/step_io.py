@@ -72,6 +72,20 @@ class StepWriter:
 
         return self._submit(work)
 
+    def write_part(self, array: str, grid: ChunkGrid, slot: int, index: int, payload: np.ndarray) -> Future:
+        """Compress, digest and upload one contributor's part of a shared chunk, at ``[slot, chunk]``
+        of the parts array (shape ``(slots, *shape)``, chunks ``(1, *chunk_shape)``)."""
+        key = f"{self.prefix}/{array}/" + "/".join(["c", str(slot), *map(str, grid.grid_index(index))])
+
+        def work() -> StoredChunk:
+            data = self.codec.encode(pad(payload, grid.chunk_numel))
+            self.root.write(key, data)
+            with self._lock:
+                self.bytes_written += len(data)
+            return StoredChunk(index, chunk_digest(payload), len(data))
+
+        return self._submit(work)
+
     def _submit(self, fn, *args) -> Future:
         self._slots.acquire()
         fut = self._pool.submit(fn, *args)
@@ -84,25 +98,23 @@ def chunk_object_key(manifest: Manifest, entry: TensorEntry, index: int) -> str:
 
 
 def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int) -> tuple[int, np.ndarray]:
-    """Fetch, decompress and verify the ``pos``-th stored chunk of ``entry``."""
-    index = entry.chunks.indices[pos]
-    key = chunk_object_key(manifest, entry, index)
+    """Fetch, decompress and verify the ``pos``-th stored chunk of ``entry`` (main chunks, then parts)."""
+    rel, index, digest, nbytes = entry.stored_at(pos)
+    key = f"{layout.store_dir(manifest.step, manifest.attempt)}/{rel}"
     grid = entry.grid
     try:
         data = root.read(key)
     except FileNotFoundError:
         raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
-    if len(data) != entry.chunks.nbytes[pos]:
-        raise IntegrityError(
-            f"{root.url}/{key}: chunk is {len(data)} bytes, the manifest says {entry.chunks.nbytes[pos]}"
-        )
+    if len(data) != nbytes:
+        raise IntegrityError(f"{root.url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
     try:
         padded = manifest.codec.decode(data, DTYPES[entry.dtype].storage, grid.chunk_numel)
     except IntegrityError as e:
         raise IntegrityError(f"{root.url}/{key}: {e}") from None
     start, stop = grid.chunk_range(index)
     payload = padded[: stop - start]
-    if chunk_digest(payload) != entry.chunks.digests[pos]:
+    if chunk_digest(payload) != digest:
         raise IntegrityError(f"{root.url}/{key}: chunk digest does not match the manifest")
     return index, payload
 
@@ -111,11 +123,12 @@ def read_chunks(
     root: Root, manifest: Manifest, names: Iterable[str], workers: int = 8, entries: dict | None = None
 ) -> dict[str, list[tuple[int, np.ndarray]]]:
     """All stored chunks of the named tensors (of ``entries``, default the manifest's tensors),
-    verified, in chunk order."""
+    verified, in stored-position order (main chunks in chunk order, then parts; apply position
+    ``pos`` with ``entry.encoding_at(pos)``)."""
     entries = manifest.tensors if entries is None else entries
-    names = [n for n in names if len(entries[n].chunks)]
+    names = [n for n in names if entries[n].n_stored]
     out: dict[str, list[tuple[int, np.ndarray]]] = {n: [] for n in names}
-    jobs = [(n, p) for n in names for p in range(len(entries[n].chunks))]
+    jobs = [(n, p) for n in names for p in range(entries[n].n_stored)]
     if not jobs:
         return out
     with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="dcr-get") as pool:
