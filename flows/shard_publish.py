@@ -44,7 +44,7 @@ from dcr_core.projection import ShardBits, project
 from flows import publish_steps as ps
 from flows.options import PublishOptions
 from flows.shard_source import ShardedSource, ShardSnapshot
-from storage import commit, layout, zarr_meta
+from storage import commit, layout
 from storage.catalog import Catalog
 from storage.checkpoint import SafetensorsCheckpoint, StreamingSafetensorsWriter, TensorInfo
 from storage.manifest import DELTA, KEYFRAME, PARTS_SUFFIX, CommitMarker, Manifest, TensorEntry

@@ -18,6 +18,15 @@ from tests.helpers import assert_bits_equal
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def spawn_dcr(*args) -> subprocess.Popen:
+    """A ``dcr`` process in the background (output discarded), for kill -9 tests."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", *map(str, args)],
+        cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none"},
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+
+
 def dcr(*args, env=None, check=None):
     e = {**os.environ, "DCR_ORCHESTRATOR": "none", **(env or {})}
     out = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], capture_output=True, text=True, cwd=REPO, env=e)
@@ -120,12 +129,7 @@ def test_a_publish_killed_at_random_points_is_invisible_and_a_retry_commits(tmp_
     p1 = tmp_path / "c1.safetensors"
     write_safetensors(p1, new)
     for delay in (0.3, 0.6, 0.9, 1.2):
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "publish", str(root), str(p1), "--step", "1",
-             "--chunk-bytes", "512", "--io-workers", "1"],
-            cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none"},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        proc = spawn_dcr("publish", root, p1, "--step", 1, "--chunk-bytes", 512, "--io-workers", 1)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -155,12 +159,7 @@ def _kill_receive_sweep(tmp_path, delays):
     dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, check=0)
     outcomes = []
     for delay in delays:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "receive", str(root), "--receiver", "r", "--state", str(state),
-             "--step", "1", "--io-workers", "1"],
-            cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none"},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        proc = spawn_dcr("receive", root, "--receiver", "r", "--state", state, "--step", 1, "--io-workers", 1)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
@@ -205,12 +204,7 @@ def test_a_publish_killed_at_random_points_full_sweep(tmp_path):
         new = _evolve(base, i)
         p = tmp_path / f"c{i}.safetensors"
         write_safetensors(p, new)
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "flows.cli", "publish", str(root), str(p), "--step", str(i),
-             "--chunk-bytes", "512", "--io-workers", "1"],
-            cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none"},
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-        )
+        proc = spawn_dcr("publish", root, p, "--step", i, "--chunk-bytes", 512, "--io-workers", 1)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()

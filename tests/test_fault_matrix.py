@@ -159,6 +159,18 @@ def test_publisher_fault_points(case, tmp_path, monkeypatch):
 
 # -- receiver (state file) ---------------------------------------------------------------------------
 
+
+def _receiver_at_step_0(tmp_path, seed: int):
+    """Steps 0 and 1 published (of a 3-step chain), and a receiver's state file at step 0."""
+    root = str(tmp_path / "root")
+    cks = chain_of_steps(3, seed=seed)
+    for s in (0, 1):
+        run_publish(root, cks[s], s, options=opts(tmp_path))
+    state = tmp_path / "r.safetensors"
+    run_receive(root, "r", str(state), step=0)
+    return root, cks, state
+
+
 RECEIVER = [
     FaultCase("receiver", "killed while fetching (after the first chunk)", "state file byte-identical to before; a restart ends bit-exact"),
     FaultCase("receiver", "killed while fetching (after the 10th chunk)", "state file byte-identical to before; a restart ends bit-exact"),
@@ -171,12 +183,7 @@ RECEIVER = [
 
 @pytest.mark.parametrize("case", RECEIVER, ids=str)
 def test_receiver_fault_points(case, tmp_path, monkeypatch):
-    root = str(tmp_path / "root")
-    cks = chain_of_steps(3, seed=22)
-    for s in (0, 1):
-        run_publish(root, cks[s], s, options=opts(tmp_path))
-    state = tmp_path / "r.safetensors"
-    run_receive(root, "r", str(state), step=0)
+    root, cks, state = _receiver_at_step_0(tmp_path, seed=22)
     before = file_bytes(state)
     which = RECEIVER.index(case)
     if which <= 1:
@@ -242,12 +249,7 @@ STORAGE = [
 
 @pytest.mark.parametrize("case", STORAGE, ids=str)
 def test_storage_faults(case, tmp_path, monkeypatch):
-    root = str(tmp_path / "root")
-    cks = chain_of_steps(3, seed=23)
-    for s in (0, 1):
-        run_publish(root, cks[s], s, options=opts(tmp_path))
-    state = tmp_path / "r.safetensors"
-    run_receive(root, "r", str(state), step=0)
+    root, cks, state = _receiver_at_step_0(tmp_path, seed=23)
     before = file_bytes(state)
     which = STORAGE.index(case)
     r = Root(root)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import glob
 import json
-import math
 import threading
 
 import numpy as np
@@ -19,7 +18,7 @@ import torch
 import zarr
 
 from dcr_core.bits import bits_of
-from dcr_core.errors import DCRError, IntegrityError, StateMismatchError, StepConflictError
+from dcr_core.errors import DCRError, IntegrityError, StateMismatchError
 from dcr_core.shard_spec import BufferParam, flat_buffer, flat_buffer_size, fused_qkv, gated_fc1, replicate, split
 from flows import audit
 from flows.module_target import receive_into_module
