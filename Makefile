@@ -24,7 +24,7 @@ test: install
 
 # Run every fault-injection and bad-input test (the slow kill -9 sweeps too) and regenerate the table.
 fault-matrix: install
-	$(PY) -m pytest -q -m faults -p no:cacheprovider --fault-matrix docs/fault-matrix.md
+	$(PY) -m pytest -q -m faults -p no:cacheprovider --fault-matrix=docs/fault-matrix.md
 
 clean:
 	rm -rf $(VENV) dcr-demo .pytest_cache
