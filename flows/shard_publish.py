@@ -179,7 +179,6 @@ def load_shard_baseline(plan: RankPlan, snap: ShardSnapshot) -> list[np.ndarray]
 
 
 def _cached_baseline(plan: RankPlan, snap: ShardSnapshot) -> list[np.ndarray] | None:
-    from dcr_core.bits import bits_of
     from flows.receive_steps import STATE_STEP
 
     try:
@@ -192,7 +191,7 @@ def _cached_baseline(plan: RankPlan, snap: ShardSnapshot) -> list[np.ndarray] | 
             info = ck.infos.get(spec.local_name)
             if info is None or (info.dtype, info.shape) != (dt, spec.local_shape):
                 return None
-            bits.append(bits_of(ck.tensor(spec.local_name)))
+            bits.append(ck.mapped_bits(spec.local_name))  # mapped: the baseline costs no extra memory
     except (DCRError, OSError):
         return None  # a missing or broken cache is only a cache
     for name, recs in _piece_records(snap, bits).items():

@@ -160,6 +160,18 @@ class SafetensorsCheckpoint:
             raise InvalidCheckpointError(f"{f}: tensor {name!r} is truncated")
         return buf.view(dt.torch).reshape(info.shape)
 
+    def mapped_bits(self, name: str):
+        """One tensor's raw bits as a read-only memory map (flat, unsigned ints): file-backed pages
+        the OS can drop, not memory DCR holds. For bits read in place (a publisher's baseline)."""
+        import numpy as np
+
+        info = self.infos[name]
+        dt = DTYPES[info.dtype]
+        count = info.nbytes // dt.itemsize
+        if not count:
+            return np.empty(0, dtype=dt.storage)
+        return np.memmap(self._where[name], dtype=dt.storage, mode="r", offset=self._offset[name], shape=(count,))
+
     def close(self) -> None:
         for fh in self._fh.values():
             fh.close()

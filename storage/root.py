@@ -7,11 +7,13 @@ and counts requests and bytes per ROOT (``io_stats``), so what a refit moved can
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import posixpath
 import threading
+import uuid
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
@@ -120,6 +122,22 @@ def gcs_upload_kwargs(protocol: str, data: bytes) -> dict:
     return {}
 
 
+def _write_local_atomically(path: str, data: bytes) -> None:
+    """Write a temp file beside ``path`` and rename it over ``path``: a concurrent reader sees the
+    old object or the new one, never a prefix (the PUT semantics of object stores)."""
+    directory, name = os.path.split(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{name}.put-{uuid.uuid4().hex}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
 @dataclass(frozen=True, slots=True)
 class ObjectInfo:
     key: str  # relative to ROOT
@@ -204,9 +222,10 @@ class Root:
         path = self.full(key)
 
         def put() -> None:
-            if self.protocol in ("file", "local"):
-                self.fs.makedirs(posixpath.dirname(path), exist_ok=True)
             self._count(puts=1, bytes_written=len(data))
+            if self.protocol in ("file", "local"):
+                _write_local_atomically(path, data)  # like an object store PUT: never seen half-written
+                return
             self.fs.pipe_file(path, data, **gcs_upload_kwargs(self.protocol, data))
 
         self._call("PUT", key, put)
