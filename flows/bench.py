@@ -482,8 +482,9 @@ def _e2e_markdown(results: dict) -> list[str]:
     startup = results.get("startup_s", {})
     lines = [
         "\n## End to end: delta publish + receive vs moving the full checkpoint (up + down)\n",
-        ("`in-process`: `run_publish` from the in-memory tensors, then `run_receive` (what a trainer and a "
-         "receiver calling the library pay); `on link`: its bytes on the wire over the link rate; `local`: the "
+        ("`in-process`: a long-running `Publisher` publishing the in-memory tensors (it keeps the committed "
+         "policy in memory as its next baseline: no baseline file is read or written), then `run_receive` (what "
+         "a trainer and a receiver calling the library pay); `on link`: its bytes on the wire over the link rate; `local`: the "
          "rest. `commands`: the same refit as a `dcr publish` (of the checkpoint file) and a `dcr receive` process; "
          f"one process start-up (interpreter and imports) alone takes {', '.join(f'{v:.2f} s ({k})' for k, v in startup.items())}. "
          "`target s`: the DCR time that would give time/byte = 0.8. `full`: the full checkpoint up + down through "

@@ -1,12 +1,13 @@
 """End-to-end part of ``dcr bench``: a delta publish + receive against moving the full checkpoint.
 
-Each refit is timed twice: in-process (``run_publish``/``run_receive`` with the object-store
-client already open: what a long-running trainer and receiver pay per refit) and as two ``dcr``
-command processes (the same plus an interpreter start, imports, a new client, and reading the new
-policy from its file). Its time splits into
+Each refit is timed twice: in-process (a ``Publisher``, which holds the committed policy in memory
+as its next baseline, and ``run_receive``, with the object-store client already open: what a
+long-running trainer and receiver pay per refit) and as two ``dcr`` command processes (the same
+plus an interpreter start, imports, a new client, reading the new policy from its file, and the
+publisher's baseline file instead of the held baseline). Its time splits into
 *link time* (its bytes on the wire over the link rate) and *local time* (the rest: encoding,
-digests, the baseline cache, the receiver's state file, per-request latency). The full-checkpoint
-reference uploads and downloads the safetensors file through the same link; its bytes do not
+digests, the commands' baseline file, the receiver's state file, per-request latency). The
+full-checkpoint reference uploads and downloads the safetensors file through the same link; its bytes do not
 depend on the change rate, so it is measured once per checkpoint size and link rate.
 """
 
@@ -20,8 +21,12 @@ import subprocess
 import sys
 import time
 import uuid
+from typing import TYPE_CHECKING
 
 from flows.options import PublishOptions
+
+if TYPE_CHECKING:
+    from flows.publisher import Publisher
 
 BUCKET = "dcr-bench"
 STARTUP_IMPORTS = "import flows.cli, flows.pipeline"
@@ -36,15 +41,23 @@ def _copy_synced(src: str, dst: str) -> None:
         os.close(fd)
 
 
-def _setup(root: str, old, tmp: str, setup_opts: dict) -> tuple[PublishOptions, str]:
-    """Untimed: a keyframe of ``old`` (which leaves the publisher's baseline cache) and a receiver at it."""
+def _setup(
+    root: str, old, tmp: str, setup_opts: dict, publisher: bool = False
+) -> tuple[PublishOptions, str, Publisher | None]:
+    """Untimed: a keyframe of ``old`` and a receiver at it. The keyframe leaves the publisher's
+    baseline file, or with ``publisher``, its baseline held in memory by the returned ``Publisher``."""
     from flows.pipeline import run_publish, run_receive
+    from flows.publisher import Publisher
 
     popts = PublishOptions(cache_dir=os.path.join(tmp, "cache", uuid.uuid4().hex[:8]))
     state = os.path.join(tmp, f"receiver-{uuid.uuid4().hex[:8]}.safetensors")
-    run_publish(root, old, 0, keyframe=True, storage_options=setup_opts, options=popts)
+    pub = Publisher(root, setup_opts, popts) if publisher else None
+    if pub is not None:
+        pub.publish(old, 0, keyframe=True)
+    else:
+        run_publish(root, old, 0, keyframe=True, storage_options=setup_opts, options=popts)
     run_receive(root, "bench", state, 0, storage_options=setup_opts)
-    return popts, state
+    return popts, state, pub
 
 
 def _check_and_clean(new, state: str, popts: PublishOptions) -> str | None:
@@ -59,16 +72,18 @@ def _check_and_clean(new, state: str, popts: PublishOptions) -> str | None:
 
 
 def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: dict) -> dict:
-    """The timed delta publish (from the in-memory tensors) and receive of ``new``, in this process."""
-    from flows.pipeline import run_publish, run_receive
+    """The timed delta publish (from the in-memory tensors, by the ``Publisher`` that published the
+    keyframe and holds it as baseline) and receive of ``new``, in this process."""
+    from flows.pipeline import run_receive
 
-    popts, state = _setup(root, old, tmp, setup_opts)
+    popts, state, publisher = _setup(root, old, tmp, setup_opts, publisher=True)
+    publisher.storage_options = timed_opts  # the same ROOT, now through the timed link
     if timed_opts:  # a long-running trainer or receiver has its object-store client open already
         from storage.root import Root
 
         Root(root, timed_opts).exists("zarr.json")
     t0 = time.perf_counter()
-    pub = run_publish(root, new, 1, storage_options=timed_opts, options=popts)
+    pub = publisher.publish(new, 1)
     t1 = time.perf_counter()
     rec = run_receive(root, "bench", state, 1, storage_options=timed_opts)
     t2 = time.perf_counter()
@@ -92,7 +107,7 @@ def _dcr(args: list[str], env: dict) -> float:
 
 def dcr_cli(root: str, old, new, new_file: str, tmp: str, setup_opts: dict, timed_opts: dict) -> dict:
     """The timed ``dcr publish`` (of the new checkpoint file) and ``dcr receive``, each its own process."""
-    popts, state = _setup(root, old, tmp, setup_opts)
+    popts, state, _ = _setup(root, old, tmp, setup_opts)
     env = {**os.environ, "DCR_CACHE_DIR": popts.cache_dir}
     common = ["--orchestrator", "none", "-q"]
     for k, v in timed_opts.items():

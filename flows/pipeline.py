@@ -14,10 +14,11 @@ import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
+from dcr_core.errors import UsageError
 from flows import publish_steps as ps
 from flows import receive_steps as rs
 from flows.options import PublishOptions, ReceiveOptions
-from flows.sources import open_source
+from flows.sources import MemorySource, open_source
 from storage import layout
 from storage.checkpoint import exclusive
 
@@ -83,16 +84,26 @@ def run_publish(
     options: PublishOptions | None = None,
     tasks=LOCAL,
     attempt: str | None = None,
+    held: ps.BaselineSlot | None = None,
 ) -> PublishResult:
     """Publish ``source`` as ``step``. ``source``: a checkpoint path, a name -> tensor mapping, a
     ``ShardedSource`` (this rank's training shards; every rank calls this, rank 0 commits) or a list
-    of ``ShardedSource`` of all ranks (published from this one process)."""
+    of ``ShardedSource`` of all ranks (published from this one process).
+
+    ``held``: a long-running publisher's in-memory baseline (``flows.publisher.Publisher``): used
+    when it is exactly the plan's base, and after the commit replaced by this publish's snapshot
+    (no baseline file written) when the snapshot is a private copy this call made (a mapping
+    source); otherwise emptied, and the baseline file is written as without it. Not for sharded
+    sources."""
     from flows import shard_publish
     from flows.shard_source import ShardedSource
 
+    all_ranks = isinstance(source, (list, tuple)) and bool(source) and all(isinstance(s, ShardedSource) for s in source)
+    if held is not None and (all_ranks or isinstance(source, ShardedSource)):
+        raise UsageError("held= (an in-memory baseline) is not supported for sharded sources; publish them without it")
     if isinstance(source, ShardedSource):
         return shard_publish.run_rank(root, source, step, keyframe, storage_options, options, attempt)
-    if isinstance(source, (list, tuple)) and source and all(isinstance(s, ShardedSource) for s in source):
+    if all_ranks:
         return shard_publish.run_ranks_in_process(root, list(source), step, keyframe, storage_options, options, tasks)
     options = options or PublishOptions()
     so = dict(storage_options or {})
@@ -101,7 +112,10 @@ def run_publish(
     src = t("snapshot", tasks.snapshot, source)
     name = getattr(src, "path", "<source>")
     plan = t("plan", tasks.plan_publish, root, so, src.infos, step, keyframe, options, name)
-    baseline = t("baseline", tasks.load_baseline, plan)
+    if held is None:
+        baseline = t("baseline", tasks.load_baseline, plan)
+    else:
+        baseline = t("baseline", tasks.load_baseline, plan, held.baseline)
     entries = t("encode_write", tasks.encode_and_write, plan, src, baseline)
     if plan.snapshot:  # a restart point (keyframe policy): the delta plus a full copy
         snapshot = t("snapshot_write", tasks.write_snapshot, plan, src, entries)
@@ -109,7 +123,11 @@ def run_publish(
     else:
         manifest, digest = t("manifest", tasks.write_manifest, plan, entries)
     marker = t("commit", tasks.commit_step, plan, manifest, digest)
-    t("remember_baseline", tasks.remember_baseline, plan, src, marker, baseline)
+    if held is None:
+        t("remember_baseline", tasks.remember_baseline, plan, src, marker, baseline)
+    else:  # hold only a copy made here: a source object passed in may still change under its owner
+        hold = isinstance(src, MemorySource) and src is not source
+        held.baseline = t("remember_baseline", tasks.remember_baseline, plan, src, marker, baseline, hold)
     return PublishResult(
         marker.step, marker.kind, marker.base_step, marker.attempt, marker.policy_digest,
         {**manifest.summary(), **marker.summary}, t.timings,

@@ -53,6 +53,36 @@ class PublishPlan:
     snapshot: bool = False  # a delta that also stores a full copy of its step (keyframe policy)
 
 
+@dataclass(frozen=True)
+class HeldBaseline:
+    """A committed step's bits kept in memory by the process that committed them: the snapshot it
+    encoded and digested itself, so it serves as the next delta's baseline without being read back
+    or re-verified (it is a private copy nothing writes to)."""
+
+    root_url: str
+    step: int
+    policy_digest: str
+    source: Source
+
+    def is_base_of(self, plan: PublishPlan) -> bool:
+        """Exactly the plan's base: same ROOT, step and policy digest (else the baseline is loaded)."""
+        return (
+            self.root_url == plan.root_url
+            and self.step == plan.base_step
+            and self.policy_digest == plan.base_policy_digest
+            and set(self.source.infos) == set(plan.base_entries)
+        )
+
+
+@dataclass
+class BaselineSlot:
+    """Where a long-running publisher keeps its in-memory baseline between publishes
+    (``run_publish(held=...)``). ``baseline`` is replaced only once a step is committed, so a
+    publish that fails anywhere leaves the previous one."""
+
+    baseline: HeldBaseline | None = None
+
+
 def _schema_diff(base: Manifest, infos: dict[str, TensorInfo]) -> str | None:
     missing = sorted(set(base.tensors) - set(infos))
     extra = sorted(set(infos) - set(base.tensors))
@@ -149,11 +179,14 @@ def _cache_valid(path: str, plan: PublishPlan) -> bool:
         return False
 
 
-def load_baseline(plan: PublishPlan) -> str | None:
-    """A local file holding the base step's bits: the baseline cache if it verifies, else rebuilt
-    from ROOT into the cache (streamed: a keyframe plus deltas, one tensor at a time)."""
+def load_baseline(plan: PublishPlan, held: HeldBaseline | None = None) -> str | Source | None:
+    """The base step's bits: ``held`` (in memory) if it is exactly the plan's base; else a local
+    file: the baseline cache if it verifies, else rebuilt from ROOT into the cache (streamed: a
+    keyframe plus deltas, one tensor at a time)."""
     if plan.kind == KEYFRAME:
         return None
+    if held is not None and held.is_base_of(plan):
+        return held.source
     from flows import receive_steps as rs
 
     cache = _cache_path(plan)
@@ -166,16 +199,20 @@ def load_baseline(plan: PublishPlan) -> str | None:
     return cache
 
 
-def encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) -> dict[str, TensorEntry]:
+def encode_and_write(plan: PublishPlan, source: Source, baseline: str | Source | None) -> dict[str, TensorEntry]:
     """Encode every tensor chunk by chunk and upload the stored chunks (streamed, bounded).
 
-    Memory: one tensor of the source and of the baseline at a time, plus the upload window."""
+    ``baseline``: a file (re-checked tensor by tensor against the base step's digests as it is
+    read: a file can change after it was verified) or a held in-memory snapshot (not re-checked:
+    its digests are the ones this process computed when committing it, see ``HeldBaseline``).
+    Memory: one tensor of the source and of a file baseline at a time, plus the upload window."""
     opts = plan.options
     codec = opts.keyframe_codec if plan.kind == KEYFRAME else opts.delta_codec
     root = Root(plan.root_url, plan.storage_options)
     pending: list[tuple[dict, list]] = []
     used_arrays: set[str] = set()
-    base_ck = SafetensorsCheckpoint(baseline) if baseline is not None else None
+    from_file = isinstance(baseline, (str, os.PathLike))
+    base_src = SafetensorsCheckpoint(baseline) if from_file else baseline
     with StepWriter(root, plan.step, plan.attempt, codec, workers=opts.io_workers) as w:
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
         for name in sorted(plan.infos):
@@ -187,8 +224,8 @@ def encode_and_write(plan: PublishPlan, source: Source, baseline: str | None) ->
             if plan.kind == KEYFRAME:
                 encoding = Encoding.FULL
             else:
-                base = bits_of(base_ck.tensor(name))
-                if not plan.base_entries[name].matches(base):
+                base = bits_of(base_src.tensor(name))
+                if from_file and not plan.base_entries[name].matches(base):
                     raise IntegrityError(f"{baseline}: tensor {name!r} changed since it was verified")
                 if opts.overwrite_above >= 1.0:
                     encoding = Encoding.XOR  # the default: no extra pass to count changes first
@@ -354,14 +391,20 @@ def _discard(root: Root, plan: PublishPlan) -> None:
         pass
 
 
-def remember_baseline(plan: PublishPlan, source: Source, marker: CommitMarker, baseline: str | None = None) -> None:
-    """Keep the committed policy as the local baseline of the next delta (verified on use).
+def remember_baseline(
+    plan: PublishPlan, source: Source, marker: CommitMarker, baseline: str | Source | None = None, hold: bool = False
+) -> HeldBaseline | None:
+    """Keep the committed policy as the baseline of the next delta: with ``hold`` (``source`` is a
+    snapshot this publish made), in memory, returned and no file written; else as the local
+    baseline file (verified on use).
 
     Runs after the commit: a failure here only costs the cache (the next publish rebuilds it)."""
-    if not plan.options.use_cache:
-        if baseline is not None and os.path.exists(baseline):
+    if not plan.options.use_cache or hold:
+        if not plan.options.use_cache and isinstance(baseline, str) and os.path.exists(baseline):
             os.unlink(baseline)  # the private temp baseline of a --no-cache publish
-        return
+        if hold:
+            return HeldBaseline(plan.root_url, marker.step, marker.policy_digest, source)
+        return None
     from flows.receive_steps import STATE_POLICY, STATE_ROOT, STATE_STEP
 
     names = sorted(plan.infos)
@@ -369,11 +412,12 @@ def remember_baseline(plan: PublishPlan, source: Source, marker: CommitMarker, b
     try:
         writer = StreamingSafetensorsWriter(_cache_path(plan), [plan.infos[n] for n in names], meta, durable=False)
     except Exception:  # noqa: BLE001
-        return  # the next publish rebuilds the baseline from ROOT
+        return None  # the next publish rebuilds the baseline from ROOT
     try:
         for n in names:  # one tensor at a time
             writer.write(n, bits_of(source.tensor(n)))
         writer.commit()
     except Exception:  # noqa: BLE001 - the step is committed; only the cache is lost
         writer.abort()
+    return None
 
