@@ -87,6 +87,35 @@ def test_receive_refit_into_a_module_equals_a_dense_load_after_every_step(prefec
         ck = _next(ck, step + 1)
 
 
+def test_the_prefect_publish_tasks_use_and_keep_a_held_baseline(prefect_settings, tmp_path):
+    """``run_publish(held=...)`` with the Prefect tasks, inside a flow: the baseline stays in memory
+    (no baseline file is written or rebuilt) and every step is received bit-exact."""
+    from prefect import flow
+    from safetensors.torch import load_file
+
+    from flows.options import PublishOptions
+    from flows.pipeline import run_publish, run_receive
+    from flows.prefect_flows import PREFECT_TASKS
+    from flows.publish_steps import BaselineSlot
+
+    root, slot = str(tmp_path / "bucket"), BaselineSlot()
+    opts = PublishOptions(cache_dir=str(tmp_path / "cache"))
+
+    @flow(name="dcr-publish-held", validate_parameters=False)
+    def publish_held(ck, step):
+        return run_publish(root, ck, step, options=opts, tasks=PREFECT_TASKS, held=slot)
+
+    ck = TinyFused.checkpoint(3)
+    state = str(tmp_path / "state.safetensors")
+    for step in range(3):
+        res = publish_held(ck, step)
+        assert res.kind == ("keyframe" if step == 0 else "delta") and slot.baseline.step == step
+        run_receive(root, "rx", state)
+        assert_bits_equal(load_file(state), ck)
+        ck = _next(ck, step + 1)
+    assert not os.path.exists(tmp_path / "cache")
+
+
 def test_deployments_build_with_an_interval_schedule_and_the_yaml_entrypoints_import(prefect_settings):
     from prefect.utilities.importtools import import_object
 
