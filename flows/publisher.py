@@ -8,7 +8,8 @@ bit copy whose digests it computed itself) and uses it as the next baseline when
 plan's base: same ROOT, step and policy digest. Otherwise (another publisher committed in between,
 a keyframe started a new lineage, the process restarted) the baseline comes from the file cache or
 is rebuilt from ROOT, as ``run_publish`` does. The pipeline's steps run in-process
-(``pipeline.LOCAL``), not as Prefect tasks: a Prefect flow run is a separate, one-shot call.
+(``pipeline.LOCAL``), not as Prefect tasks; inside a Prefect flow, ``run_publish(held=...)`` with
+the Prefect tasks keeps a baseline the same way (``tests/test_prefect_flows.py``).
 """
 
 from __future__ import annotations
