@@ -21,7 +21,7 @@ import sys
 import time
 import uuid
 
-from flows.options import PublishOptions
+from flows.options import PublishOptions, ReceiveOptions
 
 BUCKET = "dcr-bench"
 STARTUP_IMPORTS = "import flows.cli, flows.pipeline"
@@ -47,14 +47,15 @@ def _setup(root: str, old, tmp: str, setup_opts: dict) -> tuple[PublishOptions, 
     return popts, state
 
 
-def _check_and_clean(new, state: str, popts: PublishOptions) -> str | None:
+def _check_and_clean(new, state: str, popts: PublishOptions | None) -> str | None:
     from safetensors.torch import load_file
 
     from flows.demo import mismatch
 
     problem = mismatch(new, load_file(state))
     os.remove(state)
-    shutil.rmtree(popts.cache_dir, ignore_errors=True)
+    if popts is not None:
+        shutil.rmtree(popts.cache_dir, ignore_errors=True)
     return problem
 
 
@@ -70,11 +71,19 @@ def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: 
     t0 = time.perf_counter()
     pub = run_publish(root, new, 1, storage_options=timed_opts, options=popts)
     t1 = time.perf_counter()
-    rec = run_receive(root, "bench", state, 1, storage_options=timed_opts)
+    rec = run_receive(root, "bench", state, 1, storage_options=timed_opts, options=ReceiveOptions(in_place=True))
     t2 = time.perf_counter()
     problem = _check_and_clean(new, state, popts)
+    # The same receive with the default rewrite of the state file, for comparison (not in total_s).
+    other = os.path.join(tmp, f"receiver-{uuid.uuid4().hex[:8]}.safetensors")
+    run_receive(root, "bench-rewrite", other, 0, storage_options=setup_opts)
+    t3 = time.perf_counter()
+    rewrite = run_receive(root, "bench-rewrite", other, 1, storage_options=timed_opts)
+    rewrite_s = time.perf_counter() - t3
+    problem = problem or _check_and_clean(new, other, None)
     return {
         "publish_s": t1 - t0, "receive_s": t2 - t1, "total_s": t2 - t0,
+        "receive_rewrite_s": rewrite_s, "receive_rewrite_timings": rewrite.timings,
         "bytes_stored": pub.summary["bytes_stored"], "bytes_pulled": rec.bytes_pulled,
         "exact": problem is None, "mismatch": problem,
         "publish_timings": pub.timings, "receive_timings": rec.timings,
@@ -98,7 +107,7 @@ def dcr_cli(root: str, old, new, new_file: str, tmp: str, setup_opts: dict, time
     for k, v in timed_opts.items():
         common += ["--storage-option", f"{k}={v}"]
     pub_s = _dcr(["publish", root, new_file, "--step", "1", *common], env)
-    rec_s = _dcr(["receive", root, "--receiver", "bench", "--state", state, "--step", "1", *common], env)
+    rec_s = _dcr(["receive", root, "--receiver", "bench", "--state", state, "--step", "1", "--in-place", *common], env)
     problem = _check_and_clean(new, state, popts)
     return {"publish_s": pub_s, "receive_s": rec_s, "total_s": pub_s + rec_s,
             "exact": problem is None, "mismatch": problem}
