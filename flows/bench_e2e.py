@@ -59,8 +59,11 @@ def _check_and_clean(new, state: str, popts: PublishOptions | None) -> str | Non
     return problem
 
 
-def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: dict) -> dict:
-    """The timed delta publish (from the in-memory tensors) and receive of ``new``, in this process."""
+def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: dict, probe=None) -> dict:
+    """The timed delta publish (from the in-memory tensors) and receive of ``new``, in this process.
+
+    ``probe()``, called right after the timed refit, snapshots the link's counters (before the
+    comparison receive that follows)."""
     from flows.pipeline import run_publish, run_receive
 
     popts, state = _setup(root, old, tmp, setup_opts)
@@ -73,6 +76,7 @@ def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: 
     t1 = time.perf_counter()
     rec = run_receive(root, "bench", state, 1, storage_options=timed_opts, options=ReceiveOptions(in_place=True))
     t2 = time.perf_counter()
+    counts = probe() if probe is not None else None
     problem = _check_and_clean(new, state, popts)
     # The same receive with the default rewrite of the state file, for comparison (not in total_s).
     other = os.path.join(tmp, f"receiver-{uuid.uuid4().hex[:8]}.safetensors")
@@ -83,7 +87,7 @@ def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: 
     problem = problem or _check_and_clean(new, other, None)
     return {
         "publish_s": t1 - t0, "receive_s": t2 - t1, "total_s": t2 - t0,
-        "receive_rewrite_s": rewrite_s, "receive_rewrite_timings": rewrite.timings,
+        "receive_rewrite_s": rewrite_s, "receive_rewrite_timings": rewrite.timings, "counts": counts,
         "bytes_stored": pub.summary["bytes_stored"], "bytes_pulled": rec.bytes_pulled,
         "exact": problem is None, "mismatch": problem,
         "publish_timings": pub.timings, "receive_timings": rec.timings,
@@ -127,6 +131,7 @@ def e2e_local(old, new, new_file: str, tmp: str, startup: float) -> dict:
     """On a local ROOT: what the pipeline costs without a network; the reference copies the file in and out."""
     root = os.path.join(tmp, f"root-{uuid.uuid4().hex[:8]}")
     dcr = dcr_in_process(root, old, new, tmp, {}, {})
+    dcr.pop("counts", None)
     shutil.rmtree(root, ignore_errors=True)
     cli = {**dcr_cli(root, old, new, new_file, tmp, {}, {}), "startup_s": startup}
     shutil.rmtree(root, ignore_errors=True)
@@ -255,13 +260,13 @@ def _serve_s3(conn, bandwidth: float) -> None:
         server.stop()
 
 
-def _wire(svc: S3Service, before: dict) -> int:
-    after = svc.proxy.counts()
+def _wire(svc: S3Service, before: dict, after: dict | None = None) -> int:
+    after = after or svc.proxy.counts()
     return after["bytes_up"] + after["bytes_down"] - before["bytes_up"] - before["bytes_down"]
 
 
-def _server_cpu(svc: S3Service, before: dict) -> float:
-    return svc.proxy.counts()["cpu_s"] - before["cpu_s"]
+def _server_cpu(svc: S3Service, before: dict, after: dict | None = None) -> float:
+    return (after or svc.proxy.counts())["cpu_s"] - before["cpu_s"]
 
 
 def _full_s3(svc: S3Service, new_file: str, tmp: str) -> dict:
@@ -301,12 +306,13 @@ def e2e_s3(svc: S3Service, bandwidth: float, old, new, new_file: str, tmp: str, 
         prefix = f"{BUCKET}/run-{uuid.uuid4().hex[:10]}"
         before = svc.proxy.counts()
         if name == "dcr":
-            sides[name] = dcr_in_process(f"s3://{prefix}", old, new, tmp, direct, via)
+            sides[name] = dcr_in_process(f"s3://{prefix}", old, new, tmp, direct, via, svc.proxy.counts)
         else:
             sides[name] = {**dcr_cli(f"s3://{prefix}", old, new, new_file, tmp, direct, via), "startup_s": startup}
-        sides[name]["wire_bytes"] = _wire(svc, before)
+        after = sides[name].pop("counts", None)
+        sides[name]["wire_bytes"] = _wire(svc, before, after)
         # The test server and the proxy run on this machine's cores: CPU a remote store would not take.
-        sides[name]["server_cpu_s"] = _server_cpu(svc, before)
+        sides[name]["server_cpu_s"] = _server_cpu(svc, before, after)
         svc.fs(svc.direct).rm(prefix, recursive=True)  # moto keeps objects in memory
     key = (bandwidth, os.path.getsize(new_file))
     if key not in svc.full_cache:

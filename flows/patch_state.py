@@ -5,12 +5,15 @@ over the old one: a reader that has the file open keeps a consistent old copy, b
 costs a full read, a full write and an fsync of the model. In place, only the changed elements
 are written:
 
-1. *Compute* (the file is not touched): tensor by tensor, copy the held bits into a scratch
-   buffer, apply every move's chunks (fetched and verified as they arrive), check the result
-   against the target step's digest, and keep the elements that differ from the held bits
-   (positions, old and new values). A tensor no move touches is checked in place against its
-   digest. Every tensor is hashed once: for XOR deltas the result matches its digest exactly
-   when the held bits were the base's, so this also checks the held state.
+1. *Compute* (the file is not touched), tensor by tensor, with chunks fetched and verified as they
+   arrive. One XOR delta (the common case): the changed positions are the masks' non-zero
+   elements, old values are read from the memory-mapped file, and the new tensor (held bits
+   between stored chunks, held XOR mask within them) is hashed as it streams by: no copy of the
+   tensor. Otherwise (several moves, overwrites, shared parts, piecewise digests): the held bits
+   are copied into a scratch buffer, every chunk applied, and the elements that differ kept. Either
+   way the result is checked against the target step's digest, and a tensor no move touches is
+   checked in place. Every tensor is hashed once: for XOR deltas the result matches its digest
+   exactly when the held bits were the base's, so this also checks the held state.
 2. *Commit*: write the undo journal (``storage.state_journal``) durably, write the new values
    and the new header (same length, padded) into the file, fsync it, delete the journal.
 
@@ -26,13 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import struct
 
 import numpy as np
 
 from dcr_core.chain import Direction
-from dcr_core.delta import apply_chunk
+from dcr_core import digest, sparse
+from dcr_core.delta import Encoding, apply_chunk
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import StateMismatchError
 from flows.options import ReceiveOptions
@@ -94,6 +99,66 @@ def _merged(ranges: set[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
+def _held_mismatch(state_path: str, name: str, step: int):
+    raise StateMismatchError(f"{state_path}: tensor {name!r} is not the bits of step {step} (digest mismatch)")
+
+
+def _streamable(entries, e_target) -> bool:
+    """One XOR move with main chunks only and a plain digest: patched chunk by chunk, no copy."""
+    stored = [e for e in entries if e.n_stored]
+    return (
+        len(entries) == 1 and len(stored) == 1 and stored[0].parts is None and e_target.pieces is None
+        and all(stored[0].encoding_at(p) is Encoding.XOR for p in range(stored[0].n_stored))
+    )
+
+
+def _xor_streamed(held_bits: np.ndarray, e, e_target, stream):
+    """The changes one XOR delta makes to a tensor, from its masks alone (chunks in index order):
+    positions are the masks' non-zero elements; the new tensor is hashed as it streams by (held
+    bits between stored chunks, held XOR mask within them). False if the result misses its digest."""
+    h = digest.TensorHasher()
+    grid = e.grid
+    buf = np.empty(min(math.prod(grid.chunk_shape), held_bits.size), held_bits.dtype)  # reused per chunk
+    at = 0
+    positions, old, new = [], [], []
+    for _ in range(e.n_stored):
+        _, _, index, payload = next(stream)
+        start, stop = grid.chunk_range(index)
+        if start < at or payload.shape != (stop - start,):
+            raise StateMismatchError(f"tensor {e.name!r}: chunk {index} out of order or of the wrong size")
+        h.update(held_bits[at:start])
+        held_chunk = np.asarray(held_bits[start:stop])
+        chunk = np.bitwise_xor(held_chunk, payload, out=buf[: stop - start])
+        h.update(chunk)
+        nz, _ = sparse.nonzero(payload)
+        positions.append(nz + start)
+        old.append(held_chunk[nz])
+        new.append(chunk[nz])
+        at = stop
+    h.update(held_bits[at:])
+    if h.hexdigest() != e_target.digest:
+        return False
+    return np.concatenate(positions), np.concatenate(old), np.concatenate(new)
+
+
+def _applied_on_copy(held_bits: np.ndarray, entries, e_target, stream, scratch: np.ndarray):
+    """The general case (several moves, overwrites, shared parts, piecewise digests): apply every
+    chunk to a copy of the tensor and compare it with the held bits where chunks landed."""
+    work = scratch[: held_bits.nbytes].view(held_bits.dtype)
+    np.copyto(work, held_bits)
+    touched: set[tuple[int, int]] = set()
+    for e in entries:
+        grid = e.grid
+        for pos in range(e.n_stored):
+            _, _, index, payload = next(stream)
+            apply_chunk(work, grid, index, payload, e.encoding_at(pos))
+            touched.add(grid.chunk_range(index))
+    if not e_target.matches(work):
+        return False
+    positions = np.concatenate([np.flatnonzero(work[a:b] != held_bits[a:b]) + a for a, b in _merged(touched)] or [np.empty(0, np.int64)])
+    return positions, np.asarray(held_bits[positions]), work[positions].copy()
+
+
 def eligible(plan, state_path: str) -> bool:
     """Whether patching in place is possible and cheaper than rewriting (see the module doc)."""
     if plan.current_step is None or not plan.moves or plan.moves[0].direction is Direction.KEYFRAME:
@@ -145,45 +210,31 @@ def refit_in_place(plan, state_path: str, options: ReceiveOptions | None = None,
 
         records: list[state_journal.Record] = []
         pulled = 0
-        scratch: np.ndarray | None = None  # one buffer for every tensor: no fresh pages per tensor
+        scratch: np.ndarray | None = None  # one buffer for every copied tensor: no fresh pages per tensor
         with contextlib.closing(stream_chunks(root, jobs(), workers=options.io_workers)) as stream:
             for name in names:
                 e_target = target.tensors[name]
                 held_bits = reader.mapped_bits(name)
-                if not any(t[name].n_stored for t in tables):
-                    if not e_target.matches(held_bits):
-                        raise StateMismatchError(
-                            f"{state_path}: tensor {name!r} is not the bits of step {held.step} (digest mismatch)"
-                        )
-                    continue
-                if scratch is None or scratch.nbytes < held_bits.nbytes:
-                    scratch = np.empty(max(held_bits.nbytes, max(e.nbytes for e in target.tensors.values())), np.uint8)
-                work = scratch[: held_bits.nbytes].view(held_bits.dtype)
-                np.copyto(work, held_bits)
-                touched: set[tuple[int, int]] = set()
-                for table in tables:
-                    e = table[name]
-                    grid = e.grid
-                    for pos in range(e.n_stored):
-                        _, _, index, payload = next(stream)
-                        apply_chunk(work, grid, index, payload, e.encoding_at(pos))
-                        touched.add(grid.chunk_range(index))
-                    pulled += e.stored_bytes
-                if not e_target.matches(work):
+                entries = [t[name] for t in tables]
+                if not any(e.n_stored for e in entries):
+                    changes = None if e_target.matches(held_bits) else _held_mismatch(state_path, name, held.step)
+                elif _streamable(entries, e_target):
+                    changes = _xor_streamed(held_bits, entries[0], e_target, stream)
+                else:
+                    if scratch is None:
+                        scratch = np.empty(max(e.nbytes for e in target.tensors.values()), np.uint8)
+                    changes = _applied_on_copy(held_bits, entries, e_target, stream, scratch)
+                pulled += sum(e.stored_bytes for e in entries)
+                if changes is False:  # the result does not match step N's digest
                     if not held.tensors[name].matches(held_bits):
-                        raise StateMismatchError(
-                            f"{state_path}: tensor {name!r} is not the bits of step {held.step} (digest mismatch)"
-                        )
+                        _held_mismatch(state_path, name, held.step)
                     raise StateMismatchError(
                         f"step {plan.target_step}: tensor {name!r} does not match its digest after apply; nothing written"
                     )
-                parts = [np.flatnonzero(work[a:b] != held_bits[a:b]) + a for a, b in _merged(touched)]
-                pos_dtype = np.dtype("<u4") if held_bits.size < 1 << 32 else np.dtype("<i8")
-                positions = np.concatenate(parts).astype(pos_dtype) if parts else np.empty(0, pos_dtype)
-                if positions.size:
+                if changes is not None and changes[0].size:
+                    pos_dtype = np.dtype("<u4") if held_bits.size < 1 << 32 else np.dtype("<i8")
                     records.append(state_journal.Record(
-                        reader.data_offset(name), held_bits.dtype.itemsize, positions,
-                        np.asarray(held_bits[positions]), work[positions].copy(),
+                        reader.data_offset(name), held_bits.dtype.itemsize, changes[0].astype(pos_dtype), *changes[1:],
                     ))
             if next(stream, None) is not None:
                 raise StateMismatchError("more chunks fetched than applied")  # pragma: no cover - invariant

@@ -198,3 +198,24 @@ def test_the_journal_holds_only_the_changed_elements(published, tmp_path):
     assert sum(r.positions.size for r in journal.records) == changed
     outcome["writer"].abort()
     assert peek_state_step(state) == 2
+
+
+def test_overwrite_encoded_tensors_are_patched_through_the_copy_path(tmp_path):
+    root = str(tmp_path / "root")
+    s0 = chain_of_steps(1, seed=8, big=40)[0]
+    s1 = next_step(s0, 4, fraction=0.02)
+    opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"), overwrite_above=0.01)
+    run_publish(root, s0, 0, options=opts)
+    res = run_publish(root, s1, 1, options=opts)
+    from storage.catalog import Catalog
+    from storage.root import Root
+
+    encodings = {e.encoding.value for e in Catalog(Root(root)).manifest(1).tensors.values()}
+    assert "overwrite" in encodings, encodings
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    inode = os.stat(state).st_ino
+    _receive(root, state, 1)
+    assert os.stat(state).st_ino == inode
+    assert_bits_equal(load_file(state), s1)
+    assert res.step == 1
