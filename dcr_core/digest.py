@@ -25,6 +25,20 @@ def tensor_digest(bits: np.ndarray) -> str:
     return _hex(memoryview(np.ascontiguousarray(bits)).cast("B"))
 
 
+class TensorHasher:
+    """``tensor_digest`` of bits fed in order, piece by piece (equal to hashing them at once)."""
+
+    def __init__(self) -> None:
+        self._h = blake3.blake3()
+
+    def update(self, bits: np.ndarray) -> None:
+        if bits.size:
+            self._h.update(memoryview(np.ascontiguousarray(bits)).cast("B"))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def chunk_digest(payload: np.ndarray) -> str:
     """Digest of one chunk payload's raw bits (unpadded)."""
     return tensor_digest(payload)

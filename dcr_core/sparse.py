@@ -84,6 +84,13 @@ def _changes(mask: np.ndarray, word_hits: np.ndarray, shift: int, whole: int) ->
     return positions, values
 
 
+def nonzero(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Positions (ascending) and values of the non-zero elements of a flat mask, found through its
+    64-bit words (several times faster than ``np.flatnonzero`` on sparse masks)."""
+    mask = np.ascontiguousarray(mask).reshape(-1)
+    return _changes(mask, *_word_hits(mask))
+
+
 def encode_sparse(mask: np.ndarray, level: int = 3) -> bytes:
     """Encode one chunk of raw bits (any unsigned dtype, flat)."""
     mask = np.ascontiguousarray(mask).reshape(-1)

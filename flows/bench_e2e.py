@@ -1,8 +1,9 @@
 """End-to-end part of ``dcr bench``: a delta publish + receive against moving the full checkpoint.
 
 Each refit is timed twice: in-process (a ``Publisher``, which holds the committed policy in memory
-as its next baseline, and ``run_receive``, with the object-store client already open: what a
-long-running trainer and receiver pay per refit) and as two ``dcr`` command processes (the same
+as its next baseline, and ``run_receive`` patching the state file in place, with the object-store
+client already open: what a long-running trainer and receiver pay per refit; the default rewrite
+receive is timed beside it) and as two ``dcr`` command processes (the same
 plus an interpreter start, imports, a new client, reading the new policy from its file, and the
 publisher's baseline file instead of the held baseline). Its time splits into
 *link time* (its bytes on the wire over the link rate) and *local time* (the rest: encoding,
@@ -23,7 +24,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING
 
-from flows.options import PublishOptions
+from flows.options import PublishOptions, ReceiveOptions
 
 if TYPE_CHECKING:
     from flows.publisher import Publisher
@@ -60,20 +61,24 @@ def _setup(
     return popts, state, pub
 
 
-def _check_and_clean(new, state: str, popts: PublishOptions) -> str | None:
+def _check_and_clean(new, state: str, popts: PublishOptions | None) -> str | None:
     from safetensors.torch import load_file
 
     from flows.demo import mismatch
 
     problem = mismatch(new, load_file(state))
     os.remove(state)
-    shutil.rmtree(popts.cache_dir, ignore_errors=True)
+    if popts is not None:
+        shutil.rmtree(popts.cache_dir, ignore_errors=True)
     return problem
 
 
-def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: dict) -> dict:
+def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: dict, probe=None) -> dict:
     """The timed delta publish (from the in-memory tensors, by the ``Publisher`` that published the
-    keyframe and holds it as baseline) and receive of ``new``, in this process."""
+    keyframe and holds it as baseline) and in-place receive of ``new``, in this process.
+
+    ``probe()``, called right after the timed refit, snapshots the link's counters (before the
+    comparison receive that follows)."""
     from flows.pipeline import run_receive
 
     popts, state, publisher = _setup(root, old, tmp, setup_opts, publisher=True)
@@ -85,11 +90,20 @@ def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: 
     t0 = time.perf_counter()
     pub = publisher.publish(new, 1)
     t1 = time.perf_counter()
-    rec = run_receive(root, "bench", state, 1, storage_options=timed_opts)
+    rec = run_receive(root, "bench", state, 1, storage_options=timed_opts, options=ReceiveOptions(in_place=True))
     t2 = time.perf_counter()
+    counts = probe() if probe is not None else None
     problem = _check_and_clean(new, state, popts)
+    # The same receive with the default rewrite of the state file, for comparison (not in total_s).
+    other = os.path.join(tmp, f"receiver-{uuid.uuid4().hex[:8]}.safetensors")
+    run_receive(root, "bench-rewrite", other, 0, storage_options=setup_opts)
+    t3 = time.perf_counter()
+    rewrite = run_receive(root, "bench-rewrite", other, 1, storage_options=timed_opts)
+    rewrite_s = time.perf_counter() - t3
+    problem = problem or _check_and_clean(new, other, None)
     return {
         "publish_s": t1 - t0, "receive_s": t2 - t1, "total_s": t2 - t0,
+        "receive_rewrite_s": rewrite_s, "receive_rewrite_timings": rewrite.timings, "counts": counts,
         "bytes_stored": pub.summary["bytes_stored"], "bytes_pulled": rec.bytes_pulled,
         "exact": problem is None, "mismatch": problem,
         "publish_timings": pub.timings, "receive_timings": rec.timings,
@@ -113,7 +127,7 @@ def dcr_cli(root: str, old, new, new_file: str, tmp: str, setup_opts: dict, time
     for k, v in timed_opts.items():
         common += ["--storage-option", f"{k}={v}"]
     pub_s = _dcr(["publish", root, new_file, "--step", "1", *common], env)
-    rec_s = _dcr(["receive", root, "--receiver", "bench", "--state", state, "--step", "1", *common], env)
+    rec_s = _dcr(["receive", root, "--receiver", "bench", "--state", state, "--step", "1", "--in-place", *common], env)
     problem = _check_and_clean(new, state, popts)
     return {"publish_s": pub_s, "receive_s": rec_s, "total_s": pub_s + rec_s,
             "exact": problem is None, "mismatch": problem}
@@ -133,6 +147,7 @@ def e2e_local(old, new, new_file: str, tmp: str, startup: float) -> dict:
     """On a local ROOT: what the pipeline costs without a network; the reference copies the file in and out."""
     root = os.path.join(tmp, f"root-{uuid.uuid4().hex[:8]}")
     dcr = dcr_in_process(root, old, new, tmp, {}, {})
+    dcr.pop("counts", None)
     shutil.rmtree(root, ignore_errors=True)
     cli = {**dcr_cli(root, old, new, new_file, tmp, {}, {}), "startup_s": startup}
     shutil.rmtree(root, ignore_errors=True)
@@ -261,13 +276,13 @@ def _serve_s3(conn, bandwidth: float) -> None:
         server.stop()
 
 
-def _wire(svc: S3Service, before: dict) -> int:
-    after = svc.proxy.counts()
+def _wire(svc: S3Service, before: dict, after: dict | None = None) -> int:
+    after = after or svc.proxy.counts()
     return after["bytes_up"] + after["bytes_down"] - before["bytes_up"] - before["bytes_down"]
 
 
-def _server_cpu(svc: S3Service, before: dict) -> float:
-    return svc.proxy.counts()["cpu_s"] - before["cpu_s"]
+def _server_cpu(svc: S3Service, before: dict, after: dict | None = None) -> float:
+    return (after or svc.proxy.counts())["cpu_s"] - before["cpu_s"]
 
 
 def _full_s3(svc: S3Service, new_file: str, tmp: str) -> dict:
@@ -307,12 +322,13 @@ def e2e_s3(svc: S3Service, bandwidth: float, old, new, new_file: str, tmp: str, 
         prefix = f"{BUCKET}/run-{uuid.uuid4().hex[:10]}"
         before = svc.proxy.counts()
         if name == "dcr":
-            sides[name] = dcr_in_process(f"s3://{prefix}", old, new, tmp, direct, via)
+            sides[name] = dcr_in_process(f"s3://{prefix}", old, new, tmp, direct, via, svc.proxy.counts)
         else:
             sides[name] = {**dcr_cli(f"s3://{prefix}", old, new, new_file, tmp, direct, via), "startup_s": startup}
-        sides[name]["wire_bytes"] = _wire(svc, before)
+        after = sides[name].pop("counts", None)
+        sides[name]["wire_bytes"] = _wire(svc, before, after)
         # The test server and the proxy run on this machine's cores: CPU a remote store would not take.
-        sides[name]["server_cpu_s"] = _server_cpu(svc, before)
+        sides[name]["server_cpu_s"] = _server_cpu(svc, before, after)
         svc.fs(svc.direct).rm(prefix, recursive=True)  # moto keeps objects in memory
     key = (bandwidth, os.path.getsize(new_file))
     if key not in svc.full_cache:

@@ -83,6 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--follow", action="store_true", help="keep polling ROOT and apply every newly committed step")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
     p.add_argument("--until-step", type=_step, default=None, help="with --follow: exit once at this step or later")
+    p.add_argument(
+        "--in-place", action="store_true",
+        help="patch the state file in place (undo journal; writes only the changed elements) instead of "
+        "rewriting it; readers must not read the file while a receive runs",
+    )
     _add_common(p)
 
     p = sub.add_parser("materialize", help="write the full checkpoint of step N")
@@ -182,7 +187,7 @@ def cmd_receive(args, so) -> int:
     from flows.options import ReceiveOptions
     from flows.pipeline import run_receive
 
-    options = ReceiveOptions(io_workers=args.io_workers)
+    options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place)
     if args.follow:
         from flows.follow import follow
 

@@ -51,6 +51,9 @@ class PublishOptions:
 @dataclass(frozen=True)
 class ReceiveOptions:
     io_workers: int = 8
+    # Patch the state file in place (undo journal, only the changed elements written) instead of
+    # rewriting it and renaming it into place; see flows.patch_state for the trade-off.
+    in_place: bool = False
 
     def __post_init__(self) -> None:
         if self.io_workers < 1:

@@ -9,6 +9,7 @@ loop; with ``PREFECT_API_URL`` set, the CLI runs the Prefect flows (see the READ
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from dataclasses import dataclass, field
@@ -19,8 +20,10 @@ from flows import publish_steps as ps
 from flows import receive_steps as rs
 from flows.options import PublishOptions, ReceiveOptions
 from flows.sources import MemorySource, open_source
-from storage import layout
+from storage import layout, state_journal
 from storage.checkpoint import exclusive
+
+log = logging.getLogger("dcr.receive")
 
 
 @dataclass
@@ -159,6 +162,10 @@ def run_receive(
 
 def _receive_locked(root, receiver_id, state_path, step, so, options, tasks, record, fresh) -> ReceiveResult:
     t = _Timer()
+    if fresh:  # the state is rewritten whole: a journal of a cut-off in-place patch is moot
+        state_journal.remove(state_path)
+    elif state_journal.roll_back(state_path) is not None:  # an in-place patch was cut off: undo it first
+        log.warning("%s: rolled back an interrupted in-place refit", state_path)
     current = None if fresh else rs.peek_state_step(state_path)
     plan = t("plan", tasks.plan_receive, root, so, current, step, state_path)
     pulled = 0

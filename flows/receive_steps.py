@@ -35,6 +35,7 @@ from storage.step_io import read_chunks, stream_chunks
 STATE_STEP = "dcr.step"
 STATE_POLICY = "dcr.policy_digest"
 STATE_ROOT = "dcr.root"
+STATE_HEADER_ROOM = 64  # header bytes kept free so an in-place patch can rewrite the metadata
 
 
 @dataclass
@@ -74,6 +75,11 @@ def peek_state_step(path: str) -> int | None:
     """The step a receiver's state file claims (header only), or None if the file does not exist."""
     if not os.path.exists(path):
         return None
+    from storage import state_journal
+
+    journal = state_journal.read(path)
+    if journal is not None:  # a cut-off in-place patch: the next receive rolls it back to this step
+        return journal.from_step
     raw = SafetensorsCheckpoint(path).metadata.get(STATE_STEP)
     if raw is None or not (raw.isascii() and raw.isdigit()):
         raise StateMismatchError(f"{path}: not a DCR receiver state (no {STATE_STEP} metadata); move it away")
@@ -189,6 +195,15 @@ def _check_schema(manifest: Manifest, infos: dict, where: str) -> None:
             raise StateMismatchError(f"{where}: tensor {name!r} dtype/shape differ from step {manifest.step}")
 
 
+def _check_moves(plan: ReceivePlan) -> None:
+    target = plan.manifests[plan.target_step]
+    for move in plan.moves:
+        if set(plan.manifests[move.step].tensors) != set(target.tensors):
+            raise StateMismatchError(f"step {move.step}: its tensors differ from step {plan.target_step}")
+        if move.direction is Direction.BACKWARD and not plan.manifests[move.step].invertible:
+            raise StateMismatchError(f"step {move.step} cannot be undone (it holds overwrites)")
+
+
 def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | None = None) -> dict:
     """Stream the refit into a temp file beside ``state_path``; return its path and what it cost.
 
@@ -199,6 +214,13 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
     """
     options = options or ReceiveOptions()
     t0 = time.perf_counter()
+    if options.in_place:
+        from flows import patch_state
+
+        if patch_state.eligible(plan, state_path):
+            outcome = patch_state.refit_in_place(plan, state_path, options, _check_moves)
+            if outcome is not None:
+                return {**outcome, "seconds": time.perf_counter() - t0}
     root = Root(plan.root_url, plan.storage_options)
     target = plan.manifests[plan.target_step]
     from_keyframe = bool(plan.moves) and plan.moves[0].direction is Direction.KEYFRAME
@@ -208,11 +230,7 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
         reader = SafetensorsCheckpoint(state_path)
         held = plan.manifests[plan.current_step]
         _check_schema(held, reader.infos, state_path)
-    for move in plan.moves:
-        if set(plan.manifests[move.step].tensors) != set(target.tensors):
-            raise StateMismatchError(f"step {move.step}: its tensors differ from step {plan.target_step}")
-        if move.direction is Direction.BACKWARD and not plan.manifests[move.step].invertible:
-            raise StateMismatchError(f"step {move.step} cannot be undone (it holds overwrites)")
+    _check_moves(plan)
     names = sorted(target.tensors)
     manifests = [plan.manifests[m.step] for m in plan.moves]
     move_tables = [move_entries(m, move) for m, move in zip(manifests, plan.moves)]
@@ -226,7 +244,7 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
 
     infos = [TensorInfo(n, target.tensors[n].dtype, target.tensors[n].shape) for n in names]
     meta = {STATE_STEP: str(plan.target_step), STATE_POLICY: target.policy_digest, STATE_ROOT: plan.root_url}
-    writer = StreamingSafetensorsWriter(state_path, infos, meta)
+    writer = StreamingSafetensorsWriter(state_path, infos, meta, header_room=STATE_HEADER_ROOM)
     pulled = 0
     stack = contextlib.ExitStack()
     try:

@@ -160,6 +160,10 @@ class SafetensorsCheckpoint:
             raise InvalidCheckpointError(f"{f}: tensor {name!r} is truncated")
         return buf.view(dt.torch).reshape(info.shape)
 
+    def data_offset(self, name: str) -> int:
+        """Byte offset of one tensor's data in its file."""
+        return self._offset[name]
+
     def mapped_bits(self, name: str):
         """One tensor's raw bits as a read-only memory map (flat, unsigned ints): file-backed pages
         the OS can drop, not memory DCR holds. For bits read in place (a publisher's baseline)."""
@@ -216,11 +220,13 @@ class StreamingSafetensorsWriter:
     ``durable=False`` skips both fsyncs (file and directory): the rename still never exposes a
     half-written file to a running reader, but a power loss may; only for files that are checked
     before use, such as the publisher's baseline cache. Receiver state files stay durable.
+    ``header_room`` pads the header with that many spaces, so metadata can grow when the header is
+    rewritten in place (receiver states patched in place, ``flows.patch_state``).
     """
 
     def __init__(
         self, path: str | os.PathLike, infos: list[TensorInfo], metadata: Mapping[str, str] | None = None,
-        durable: bool = True,
+        durable: bool = True, header_room: int = 0,
     ):
         self.path = os.fspath(path)
         self.durable = durable
@@ -239,6 +245,7 @@ class StreamingSafetensorsWriter:
             }
             offset += info.nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * header_room  # spare room: the header can later be rewritten in place
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
         self._f = open(self.tmp, "wb")
         self._f.write(struct.pack("<Q", len(raw)) + raw)

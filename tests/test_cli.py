@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from storage import state_journal
 from storage.checkpoint import write_safetensors
 from tests.helpers import assert_bits_equal
 
@@ -146,8 +147,10 @@ def test_a_publish_killed_at_random_points_is_invisible_and_a_retry_commits(tmp_
     assert out.returncode == 0
 
 
-def _kill_receive_sweep(tmp_path, delays):
-    """``dcr receive`` killed (SIGKILL) after each delay: the state file is always exactly one step."""
+def _kill_receive_sweep(tmp_path, delays, in_place=False):
+    """``dcr receive`` killed (SIGKILL) after each delay: the state file is always exactly one step
+    (in place: once the next receive's first act, rolling back a cut-off patch, has run)."""
+    extra = ["--in-place"] if in_place else []
     root = tmp_path / "bucket"
     cks = [_ck(0, rows=6000)]
     cks.append(_evolve(cks[0], 1))
@@ -159,17 +162,19 @@ def _kill_receive_sweep(tmp_path, delays):
     dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, check=0)
     outcomes = []
     for delay in delays:
-        proc = spawn_dcr("receive", root, "--receiver", "r", "--state", state, "--step", 1, "--io-workers", 1)
+        proc = spawn_dcr("receive", root, "--receiver", "r", "--state", state, "--step", 1, "--io-workers", 1, *extra)
         time.sleep(delay)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
+        if in_place:
+            state_journal.roll_back(str(state))  # what the next receive does first
         held = load_file(state)  # never torn: a complete safetensors file of one step
         at_new = bool(torch.equal(held["step"], cks[1]["step"]))
         assert_bits_equal(held, cks[1] if at_new else cks[0])
         outcomes.append(at_new)
         if at_new:  # back to step 0 for the next kill (an XOR delta undone)
-            dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, check=0)
-    dcr("receive", root, "--receiver", "r", "--state", state, check=0)
+            dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, *extra, check=0)
+    dcr("receive", root, "--receiver", "r", "--state", state, *extra, check=0)
     assert_bits_equal(load_file(state), cks[1])
     assert not [p for p in os.listdir(state.parent) if ".tmp-" in p], "a killed receiver's temp file was removed"
     return outcomes
@@ -178,6 +183,11 @@ def _kill_receive_sweep(tmp_path, delays):
 @pytest.mark.faults(component="process", outcome="kill -9: the state file holds the old or the new step exactly; a rerun ends bit-exact")
 def test_a_receive_killed_at_several_points_leaves_one_whole_step_and_a_rerun_is_exact(tmp_path):
     _kill_receive_sweep(tmp_path, [0.5, 1.0, 1.5, 2.0, 3.0])
+
+
+@pytest.mark.faults(component="process", outcome="kill -9 of an in-place receive: after its roll back the state file holds one step exactly; a rerun ends bit-exact")
+def test_an_in_place_receive_killed_at_several_points_rolls_back_to_one_whole_step(tmp_path):
+    _kill_receive_sweep(tmp_path, [0.5, 1.0, 1.5, 2.0, 3.0], in_place=True)
 
 
 @pytest.mark.slow

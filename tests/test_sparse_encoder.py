@@ -17,7 +17,7 @@ from numcodecs import Zstd
 
 from dcr_core.bits import bits_of
 from dcr_core.dtypes import DTYPES
-from dcr_core.sparse import _HEAD, DENSE, DENSE_ABOVE, MAGIC, SPARSE, decode_sparse, encode_sparse
+from dcr_core.sparse import _HEAD, DENSE, DENSE_ABOVE, MAGIC, SPARSE, decode_sparse, encode_sparse, nonzero
 
 WIDTHS = [np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8")]
 
@@ -66,6 +66,26 @@ def test_frames_equal_the_plain_encoder(dtype, n, offset, density, seed, level):
     hit = rng.random(n) < density
     buf[offset:][hit] = rng.integers(1, np.iinfo(dtype).max, size=int(hit.sum()), dtype=dtype, endpoint=True)
     _check(buf[offset:], level)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    dtype=st.sampled_from(WIDTHS),
+    n=st.integers(0, 3000),
+    offset=st.integers(0, 7),
+    density=st.sampled_from([0.0, 0.001, 0.01, 0.3, 1.0]),
+    seed=st.integers(0, 2**31),
+)
+def test_nonzero_equals_flatnonzero(dtype, n, offset, density, seed):
+    """What in-place receivers journal: exactly the non-zero elements, in order, with their values."""
+    rng = np.random.default_rng(seed)
+    buf = np.zeros(n + offset, dtype=dtype)
+    hit = rng.random(n) < density
+    buf[offset:][hit] = rng.integers(1, np.iinfo(dtype).max, size=int(hit.sum()), dtype=dtype, endpoint=True)
+    mask = buf[offset:]
+    positions, values = nonzero(mask)
+    assert positions.tolist() == np.flatnonzero(mask).tolist()
+    assert values.dtype == mask.dtype and values.tobytes() == mask[mask != 0].tobytes()
 
 
 @pytest.mark.parametrize("dtype", WIDTHS)

@@ -1,0 +1,221 @@
+"""Receivers that patch their state file in place (``ReceiveOptions(in_place=True)``).
+
+Reference: the same refits through the default rewrite, and the published checkpoints
+themselves, compared on raw bits. Crashes are real: a forked child dies with ``os._exit`` at each
+point of the patch (no cleanup runs), and the parent checks what the next receive finds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from dcr_core.errors import StateMismatchError
+from flows import patch_state
+from flows.options import PublishOptions, ReceiveOptions
+from flows.pipeline import run_publish, run_receive
+from flows.receive_steps import peek_state_step
+from storage import state_journal
+from tests.helpers import assert_bits_equal, chain_of_steps, file_bytes, next_step
+
+IN_PLACE = ReceiveOptions(in_place=True, io_workers=2)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A keyframe and 6 XOR deltas of a nasty checkpoint with a large frozen embedding."""
+    base = tmp_path_factory.mktemp("inplace")
+    root = str(base / "root")
+    steps = chain_of_steps(7, seed=3, big=40)
+    opts = PublishOptions(chunk_bytes=256, cache_dir=str(base / "cache"))
+    for i, s in enumerate(steps):
+        run_publish(root, s, i, keyframe=(i == 0), options=opts)
+    return root, steps
+
+
+def _receive(root, state, step, in_place=True, **kw):
+    return run_receive(root, "rx", str(state), step, options=IN_PLACE if in_place else None, **kw)
+
+
+def test_in_place_refits_equal_the_rewrite_and_the_checkpoints_on_every_path(published, tmp_path):
+    root, steps = published
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _receive(root, a, 0)
+    _receive(root, b, 0, in_place=False)
+    inode = os.stat(a).st_ino
+    for target in (1, 4, 2, 6, 0, 5):  # one step, several combined, backward, back to the keyframe
+        res = _receive(root, a, target)
+        _receive(root, b, target, in_place=False)
+        assert res.step == target
+        assert_bits_equal(load_file(a), steps[target])
+        assert_bits_equal(load_file(a), load_file(b))
+        assert peek_state_step(str(a)) == target
+        assert os.stat(a).st_ino == inode, "patched in place, never replaced"
+        assert not os.path.exists(state_journal.journal_path(str(a)))
+
+
+def test_a_large_delta_falls_back_to_the_rewrite(tmp_path):
+    root = str(tmp_path / "root")
+    s0 = chain_of_steps(1, seed=5)[0]
+    s1 = next_step(s0, 9, fraction=0.6, unchanged=0.0)
+    opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"))
+    run_publish(root, s0, 0, options=opts)
+    run_publish(root, s1, 1, options=opts)
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    inode = os.stat(state).st_ino
+    _receive(root, state, 1)
+    assert os.stat(state).st_ino != inode, "a journal over half the state: rewritten instead"
+    assert_bits_equal(load_file(state), s1)
+
+
+def test_a_header_without_room_falls_back_to_the_rewrite(published, tmp_path):
+    root, steps = published
+    old = b"\x05\0\0\0\0\0\0\0" + b'{"a":1}'[:5]
+    assert patch_state._new_header(old, {"a": 1}, {"dcr.step": "10"}) is None
+    fits = patch_state._new_header(b"\x30" + b"\0" * 7 + b" " * 48, {"a": 1}, {"dcr.step": "10"})
+    assert len(fits) == 56 and fits.endswith(b" ")
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    inode = os.stat(state).st_ino
+    real = patch_state._new_header
+    patch_state._new_header = lambda *a: None
+    try:
+        _receive(root, state, 3)
+    finally:
+        patch_state._new_header = real
+    assert os.stat(state).st_ino != inode
+    assert_bits_equal(load_file(state), steps[3])
+
+
+@pytest.mark.faults(component="receiver", outcome="refused with a one-line error; the state file byte-identical, no journal")
+@pytest.mark.parametrize("which", ["embed.frozen", "BF16.mat"])
+def test_a_damaged_state_is_refused_and_left_untouched(published, tmp_path, which):
+    root, steps = published
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    from storage.checkpoint import SafetensorsCheckpoint
+
+    offset = SafetensorsCheckpoint(str(state)).data_offset(which)
+    with open(state, "r+b") as f:  # one bit of the held state flipped behind DCR's back
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    before = file_bytes(state)
+    with pytest.raises(StateMismatchError, match=f"tensor '{which}' is not the bits of step 0"):
+        _receive(root, state, 2)
+    assert file_bytes(state) == before
+    assert not os.path.exists(state_journal.journal_path(str(state)))
+
+
+def _crash_child(root, state, step, point):
+    """Run an in-place receive that dies (``os._exit``, no cleanup) at ``point`` of the commit."""
+    real_put = state_journal.put
+    if point == "journal written":
+        state_journal.put = lambda *a, **k: os._exit(9)
+    elif point.startswith("record "):
+        at = int(point.split()[1])
+
+        def put(path, journal, which, after_record=None):
+            def hook(i):
+                if i == (at if at >= 0 else len(journal.records) + at):
+                    os._exit(9)
+            return real_put(path, journal, which, hook)
+        state_journal.put = put
+    elif point == "header written":
+        state_journal.remove = lambda *a, **k: os._exit(9)
+    run_receive(root, "rx", state, step, options=IN_PLACE)
+    os._exit(0)
+
+
+@pytest.mark.faults(component="receiver", outcome="crash mid-patch: the next receive rolls back to the old step, then ends bit-exact")
+@pytest.mark.parametrize("point", ["journal written", "record 0", "record 3", "record -1", "header written"])
+def test_a_patch_cut_off_anywhere_is_rolled_back_and_the_retry_is_exact(published, tmp_path, point):
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 1)
+    before = file_bytes(state)
+    child = multiprocessing.get_context("fork").Process(target=_crash_child, args=(root, state, 4, point))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 9, f"the child should have died at {point!r}"
+    journal = state_journal.read(state)
+    assert journal is not None and (journal.from_step, journal.to_step) == (1, 4)
+    assert peek_state_step(state) == 1, "a cut-off patch reads as its old step"
+    if point == "header written":
+        assert load_file(state) is not None and file_bytes(state) != before
+    assert state_journal.roll_back(state) == 1
+    assert file_bytes(state) == before, "rolled back byte for byte"
+    assert state_journal.roll_back(state) is None
+    # The crash once more, then a plain retry: the receive rolls back first, then refits.
+    child = multiprocessing.get_context("fork").Process(target=_crash_child, args=(root, state, 4, point))
+    child.start()
+    child.join(120)
+    res = _receive(root, state, 4)
+    assert (res.from_step, res.step) == (1, 4)
+    assert_bits_equal(load_file(state), steps[4])
+    assert not os.path.exists(state_journal.journal_path(state))
+
+
+@pytest.mark.faults(component="receiver", outcome="refused with a one-line error naming the journal; nothing changed")
+def test_a_damaged_journal_is_refused(published, tmp_path):
+    root, _ = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 1)
+    child = multiprocessing.get_context("fork").Process(target=_crash_child, args=(root, state, 4, "record 3"))
+    child.start()
+    child.join(120)
+    path = state_journal.journal_path(state)
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    before = file_bytes(state)
+    with pytest.raises(StateMismatchError, match="damaged undo journal") as e:
+        _receive(root, state, 4)
+    assert "\n" not in str(e.value)
+    assert file_bytes(state) == before
+
+
+def test_the_journal_holds_only_the_changed_elements(published, tmp_path):
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 2)
+    from flows import receive_steps as rs
+
+    plan = rs.plan_receive(root, {}, 2, 3, state)
+    outcome = rs.refit_file(plan, state, IN_PLACE)
+    journal = outcome["writer"].journal
+    changed = sum(
+        int(np.count_nonzero(
+            rs.bits_of(steps[2][n]).reshape(-1) != rs.bits_of(steps[3][n]).reshape(-1)
+        )) for n in steps[2]
+    )
+    assert sum(r.positions.size for r in journal.records) == changed
+    outcome["writer"].abort()
+    assert peek_state_step(state) == 2
+
+
+def test_overwrite_encoded_tensors_are_patched_through_the_copy_path(tmp_path):
+    root = str(tmp_path / "root")
+    s0 = chain_of_steps(1, seed=8, big=40)[0]
+    s1 = next_step(s0, 4, fraction=0.02)
+    opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"), overwrite_above=0.01)
+    run_publish(root, s0, 0, options=opts)
+    res = run_publish(root, s1, 1, options=opts)
+    from storage.catalog import Catalog
+    from storage.root import Root
+
+    encodings = {e.encoding.value for e in Catalog(Root(root)).manifest(1).tensors.values()}
+    assert "overwrite" in encodings, encodings
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    inode = os.stat(state).st_ino
+    _receive(root, state, 1)
+    assert os.stat(state).st_ino == inode
+    assert_bits_equal(load_file(state), s1)
+    assert res.step == 1
