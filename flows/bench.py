@@ -494,12 +494,13 @@ def _e2e_markdown(results: dict) -> list[str]:
          f"one process start-up (interpreter and imports) alone takes {', '.join(f'{v:.2f} s ({k})' for k, v in startup.items())}. "
          "`target s`: the DCR time that would give time/byte = 0.8. `full`: the full checkpoint up + down through "
          "the same link (`full direct`: the same uncapped, the test server's own cost, included in `full`). "
+         "`requests`: HTTP requests of the in-process refit through the proxy (publish and receive). "
          "`server CPU s`: CPU time the S3 test server and the proxy used during the in-process refit, on the same "
          "cores as DCR (a remote store would not take it).\n"),
         ("| backend | link MB/s | source | params | change % | byte ratio | full s | full direct s | target s | "
-         "in-process s | on link s | local s | server CPU s | time/byte | rewrite receive s | commands s | "
+         "in-process s | on link s | local s | requests | server CPU s | time/byte | rewrite receive s | commands s | "
          "commands time/byte | exact |"),
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
     ]
     for e in results["end_to_end"]:
         d, c, f = e["dcr"], e["cli"], e["full"]
@@ -508,7 +509,8 @@ def _e2e_markdown(results: dict) -> list[str]:
             f"| {e['backend']} | {_f(bw / 1e6 if bw else None, 'g', 'none')} | {e['source']} | {_params(e['parameters'])} | "
             f"{100 * e['change_rate']:.2f} | {_f(e['byte_ratio'], '.1f')} | {f['total_s']:.2f} | "
             f"{_f(f.get('unthrottled_direct_s'))} | {_f(e['target_dcr_s'], '.3f')} | {d['total_s']:.2f} | "
-            f"{_f(d['link_s'])} | {d['local_s']:.2f} | {_f(d.get('server_cpu_s'))} | {_f(e['quotient'])} | "
+            f"{_f(d['link_s'])} | {d['local_s']:.2f} | {_f(d.get('requests'), 'd')} | {_f(d.get('server_cpu_s'))} | "
+            f"{_f(e['quotient'])} | "
             f"{_f(d.get('receive_rewrite_s'))} | {c['total_s']:.2f} | "
             f"{_f(e['cli_quotient'])} | {'yes' if d['exact'] and c['exact'] else 'NO'} |"
         )

@@ -329,6 +329,7 @@ def e2e_s3(svc: S3Service, bandwidth: float, old, new, new_file: str, tmp: str, 
         sides[name]["wire_bytes"] = _wire(svc, before, after)
         # The test server and the proxy run on this machine's cores: CPU a remote store would not take.
         sides[name]["server_cpu_s"] = _server_cpu(svc, before, after)
+        sides[name]["requests"] = (after or svc.proxy.counts())["requests"] - before["requests"]
         svc.fs(svc.direct).rm(prefix, recursive=True)  # moto keeps objects in memory
     key = (bandwidth, os.path.getsize(new_file))
     if key not in svc.full_cache:
