@@ -9,13 +9,14 @@ loop; with ``PREFECT_API_URL`` set, the CLI runs the Prefect flows (see the READ
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
-from dcr_core.errors import UsageError
+from dcr_core.errors import StateMismatchError, UsageError
 from flows import publish_steps as ps
 from flows import receive_steps as rs
 from flows.options import PublishOptions, ReceiveOptions
@@ -162,7 +163,9 @@ def run_receive(
 
 def _receive_locked(root, receiver_id, state_path, step, so, options, tasks, record, fresh) -> ReceiveResult:
     t = _Timer()
-    if fresh:  # the state is rewritten whole: a journal of a cut-off in-place patch is moot
+    if fresh:  # rewritten whole; still undo a cut-off patch first, so a failed rewrite leaves a whole step
+        with contextlib.suppress(StateMismatchError):  # a damaged or foreign journal: moot here
+            state_journal.roll_back(state_path)
         state_journal.remove(state_path)
     elif state_journal.roll_back(state_path) is not None:  # an in-place patch was cut off: undo it first
         log.warning("%s: rolled back an interrupted in-place refit", state_path)

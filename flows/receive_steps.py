@@ -77,9 +77,9 @@ def peek_state_step(path: str) -> int | None:
         return None
     from storage import state_journal
 
-    journal = state_journal.read(path)
-    if journal is not None:  # a cut-off in-place patch: the next receive rolls it back to this step
-        return journal.from_step
+    from_step = state_journal.read_from_step(path)
+    if from_step is not None:  # a cut-off in-place patch: the next receive rolls it back to this step
+        return from_step
     raw = SafetensorsCheckpoint(path).metadata.get(STATE_STEP)
     if raw is None or not (raw.isascii() and raw.isdigit()):
         raise StateMismatchError(f"{path}: not a DCR receiver state (no {STATE_STEP} metadata); move it away")

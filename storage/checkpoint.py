@@ -290,7 +290,7 @@ def exclusive(path: str | os.PathLike):
     The lock is advisory (``flock``) and dies with its process, so a killed writer never blocks the
     next one; waiting writers queue.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = os.path.realpath(os.fspath(path))  # one lock per file, whatever path names it
     directory, name = os.path.split(path)
     os.makedirs(directory, exist_ok=True)
     with open(os.path.join(directory, f".{name}.lock"), "a+b") as lock:

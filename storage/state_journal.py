@@ -12,8 +12,10 @@ roll back is repaired by rolling back again) and then deletes the journal: the f
 step again, byte for byte, and the next receive redoes the refit.
 
 File layout: ``DCRUNDO1``, u64 length of a JSON head, the head, then per record the positions
-(uint32, or int64 for tensors past 2^32 elements), the old values and the new values. The head carries a BLAKE3 digest of everything after
-it, so a damaged journal is refused instead of applied.
+(uint32, or int64 for tensors past 2^32 elements), the old values and the new values, then a
+32-byte BLAKE3 of everything before it: a damaged journal (head or records) is refused instead of
+applied. A roll back also checks that the file's header is one of the journal's two headers, so a
+journal left beside another file of the same name is refused too.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ _POS = {"<u4": np.dtype("<u4"), "<i8": np.dtype("<i8")}
 
 
 def journal_path(state_path: str) -> str:
-    directory, name = os.path.split(os.path.abspath(state_path))
+    directory, name = os.path.split(os.path.realpath(state_path))  # one journal per file, whatever the path
     return os.path.join(directory, f".{name}.undo")
 
 
@@ -68,11 +70,9 @@ def write(state_path: str, journal: Journal) -> str:
     """Make the journal durable beside ``state_path`` (atomic: it exists whole or not at all)."""
     if len(journal.old_header) != len(journal.new_header):
         raise ValueError("old and new headers differ in length")  # pragma: no cover - caller invariant
+    if any(r.positions.dtype.str not in _POS or r.itemsize not in _UINT for r in journal.records):
+        raise ValueError("journal records need uint32/int64 positions and 1/2/4/8-byte values")
     path = journal_path(state_path)
-    h = blake3.blake3()
-    for r in journal.records:
-        for a in (r.positions, r.old, r.new):
-            h.update(memoryview(np.ascontiguousarray(a)).cast("B"))
     head = json.dumps({
         "state": os.path.basename(state_path),
         "from_step": journal.from_step,
@@ -80,17 +80,23 @@ def write(state_path: str, journal: Journal) -> str:
         "old_header": journal.old_header.hex(),
         "new_header": journal.new_header.hex(),
         "records": [[r.offset, r.itemsize, int(r.positions.size), r.positions.dtype.str] for r in journal.records],
-        "digest": h.hexdigest(),
     }).encode()
-    directory, name = os.path.split(os.path.abspath(state_path))
-    tmp = os.path.join(directory, f".{name}.tmp-undo-{uuid.uuid4().hex}")  # a killed write's leftover
-    # matches the temp files the state's lock removes (storage.checkpoint.exclusive)
+    directory, name = os.path.split(path)
+    state_name = os.path.basename(os.path.realpath(state_path))
+    # A killed write's leftover matches the temp files the state's lock removes (checkpoint.exclusive).
+    tmp = os.path.join(directory, f".{state_name}.tmp-undo-{uuid.uuid4().hex}")
+    h = blake3.blake3()
     try:
         with open(tmp, "wb") as f:
-            f.write(MAGIC + struct.pack("<Q", len(head)) + head)
+            for part in (MAGIC + struct.pack("<Q", len(head)) + head,):
+                f.write(part)
+                h.update(part)
             for r in journal.records:
                 for a in (r.positions, r.old, r.new):
-                    f.write(memoryview(np.ascontiguousarray(a)).cast("B"))
+                    view = memoryview(np.ascontiguousarray(a)).cast("B")
+                    f.write(view)
+                    h.update(view)
+            f.write(h.digest())  # trailer: BLAKE3 of everything before it, head included
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -98,38 +104,72 @@ def write(state_path: str, journal: Journal) -> str:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    fsync_dir(os.path.dirname(path))
+    fsync_dir(directory)
     return path
 
 
+def _damaged(path: str, state_path: str) -> StateMismatchError:
+    return StateMismatchError(
+        f"{path}: damaged undo journal; {state_path} may be half patched: remove both and receive again"
+    )
+
+
+def _head(data: bytes, path: str, state_path: str) -> tuple[dict, int]:
+    if data[:8] != MAGIC or len(data) < 16:
+        raise _damaged(path, state_path)
+    (n,) = struct.unpack("<Q", data[8:16])
+    try:
+        head = json.loads(data[16:16 + n])
+        if not isinstance(head, dict):
+            raise ValueError
+    except ValueError:
+        raise _damaged(path, state_path) from None
+    return head, 16 + n
+
+
+def read_from_step(state_path: str) -> int | None:
+    """The step a cut-off patch of ``state_path`` rolls back to (head only, unverified), or None."""
+    path = journal_path(state_path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(16)
+            if len(data) == 16 and data[:8] == MAGIC:
+                data += f.read(min(struct.unpack("<Q", data[8:16])[0], 64 << 20))
+    except FileNotFoundError:
+        return None
+    head, _ = _head(data, path, state_path)
+    step = head.get("from_step")
+    if not isinstance(step, int) or step < 0:
+        raise _damaged(path, state_path)
+    return step
+
+
 def read(state_path: str) -> Journal | None:
-    """The journal of ``state_path``, or None if there is none; refuses a damaged one."""
+    """The journal of ``state_path``, or None if there is none; refuses a damaged one (its trailer
+    digest covers the head and every record)."""
     path = journal_path(state_path)
     try:
         with open(path, "rb") as f:
             data = f.read()
     except FileNotFoundError:
         return None
-    bad = StateMismatchError(
-        f"{path}: damaged undo journal; {state_path} may be half patched: remove both and receive again"
-    )
-    if data[:8] != MAGIC or len(data) < 16:
+    bad = _damaged(path, state_path)
+    if len(data) < 16 + 32 or blake3.blake3(memoryview(data)[:-32]).digest() != data[-32:]:
         raise bad
-    (n,) = struct.unpack("<Q", data[8:16])
+    head, start = _head(data[:-32], path, state_path)
     try:
-        head = json.loads(data[16:16 + n])
         records_meta = [(int(o), int(s), int(c), _POS[p]) for o, s, c, p in head["records"]]
         old_header, new_header = bytes.fromhex(head["old_header"]), bytes.fromhex(head["new_header"])
         from_step, to_step = int(head["from_step"]), int(head["to_step"])
     except (ValueError, KeyError, TypeError):
         raise bad from None
-    except Exception:  # noqa: BLE001 - any malformed head is the same damage
-        raise bad from None
-    body = memoryview(data)[16 + n:]
-    if blake3.blake3(body).hexdigest() != head.get("digest") or any(s not in _UINT for _, s, _, _ in records_meta):
+    if len(old_header) != len(new_header) or len(old_header) < 8:
         raise bad
+    body = memoryview(data)[start:-32]
     records, at = [], 0
     for offset, size, count, pos_dtype in records_meta:
+        if size not in _UINT or offset < 0 or count < 0:
+            raise bad
         p = pos_dtype.itemsize
         need = count * (p + 2 * size)
         if at + need > len(body):
@@ -139,6 +179,8 @@ def read(state_path: str) -> Journal | None:
         new = np.frombuffer(body, _UINT[size], count, at + (p + size) * count)
         records.append(Record(offset, size, pos, old, new))
         at += need
+    if at != len(body):
+        raise bad
     return Journal(from_step, to_step, old_header, new_header, records)
 
 
@@ -152,7 +194,7 @@ def put(state_path: str, journal: Journal, which: str, after_record=None) -> Non
             if r.positions.size:
                 count = int(r.positions[-1]) + 1
                 if r.offset + count * r.itemsize > size:
-                    raise StateMismatchError(f"{state_path}: shorter than its undo journal says; receive with --fresh")
+                    raise StateMismatchError(f"{state_path}: shorter than its undo journal says; remove both and receive again")
                 view = np.memmap(f, dtype=_UINT[r.itemsize], mode="r+", offset=r.offset, shape=(count,))
                 view[r.positions] = r.old if which == "old" else r.new  # fsync below writes it back
                 del view
@@ -177,6 +219,13 @@ def roll_back(state_path: str) -> int | None:
     if journal is None:
         return None
     if os.path.exists(state_path):
+        with open(state_path, "rb") as f:
+            head = f.read(len(journal.old_header))
+        if head not in (journal.old_header, journal.new_header):  # every crash leaves one of the two
+            raise StateMismatchError(
+                f"{journal_path(state_path)}: undo journal of another file (the header of {state_path} is neither "
+                "side of its patch); remove the journal if the file is intact"
+            )
         put(state_path, journal, "old")
     remove(state_path)
     return journal.from_step

@@ -149,7 +149,9 @@ def test_a_publish_killed_at_random_points_is_invisible_and_a_retry_commits(tmp_
 
 def _kill_receive_sweep(tmp_path, delays, in_place=False):
     """``dcr receive`` killed (SIGKILL) after each delay: the state file is always exactly one step
-    (in place: once the next receive's first act, rolling back a cut-off patch, has run)."""
+    (in place: once the next receive's first act, rolling back a cut-off patch, has run). The delays
+    span process start-up, planning, fetching and writing; the in-place commit window itself lasts
+    milliseconds and is crashed at each of its points deterministically in tests/test_in_place.py."""
     extra = ["--in-place"] if in_place else []
     root = tmp_path / "bucket"
     cks = [_ck(0, rows=6000)]

@@ -7,8 +7,10 @@ point of the patch (no cleanup runs), and the parent checks what the next receiv
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -20,6 +22,7 @@ from flows.options import PublishOptions, ReceiveOptions
 from flows.pipeline import run_publish, run_receive
 from flows.receive_steps import peek_state_step
 from storage import state_journal
+from storage.checkpoint import SafetensorsCheckpoint
 from tests.helpers import assert_bits_equal, chain_of_steps, file_bytes, next_step
 
 IN_PLACE = ReceiveOptions(in_place=True, io_workers=2)
@@ -47,7 +50,8 @@ def test_in_place_refits_equal_the_rewrite_and_the_checkpoints_on_every_path(pub
     _receive(root, a, 0)
     _receive(root, b, 0, in_place=False)
     inode = os.stat(a).st_ino
-    for target in (1, 4, 2, 6, 0, 5):  # one step, several combined, backward, back to the keyframe
+    # one step, several combined, backward (several, then one), back to the keyframe by deltas
+    for target in (1, 4, 2, 6, 0, 5, 4):
         res = _receive(root, a, target)
         _receive(root, b, target, in_place=False)
         assert res.step == target
@@ -78,7 +82,8 @@ def test_a_header_without_room_falls_back_to_the_rewrite(published, tmp_path):
     old = b"\x05\0\0\0\0\0\0\0" + b'{"a":1}'[:5]
     assert patch_state._new_header(old, {"a": 1}, {"dcr.step": "10"}) is None
     fits = patch_state._new_header(b"\x30" + b"\0" * 7 + b" " * 48, {"a": 1}, {"dcr.step": "10"})
-    assert len(fits) == 56 and fits.endswith(b" ")
+    assert len(fits) == 56 and fits[:8] == (48).to_bytes(8, "little")
+    assert json.loads(fits[8:]) == {"a": 1, "__metadata__": {"dcr.step": "10"}}
     state = tmp_path / "s.safetensors"
     _receive(root, state, 0)
     inode = os.stat(state).st_ino
@@ -94,8 +99,11 @@ def test_a_header_without_room_falls_back_to_the_rewrite(published, tmp_path):
 
 @pytest.mark.faults(component="receiver", outcome="refused with a one-line error; the state file byte-identical, no journal")
 @pytest.mark.parametrize("which", ["embed.frozen", "BF16.mat"])
-def test_a_damaged_state_is_refused_and_left_untouched(published, tmp_path, which):
+def test_a_damaged_state_is_refused_and_left_untouched(published, tmp_path, which, monkeypatch):
     root, steps = published
+    calls = []
+    real = patch_state.refit_in_place
+    monkeypatch.setattr(patch_state, "refit_in_place", lambda *a, **k: calls.append(1) or real(*a, **k))
     state = tmp_path / "s.safetensors"
     _receive(root, state, 0)
     from storage.checkpoint import SafetensorsCheckpoint
@@ -109,6 +117,7 @@ def test_a_damaged_state_is_refused_and_left_untouched(published, tmp_path, whic
     before = file_bytes(state)
     with pytest.raises(StateMismatchError, match=f"tensor '{which}' is not the bits of step 0"):
         _receive(root, state, 2)
+    assert calls, "refused by the in-place path"
     assert file_bytes(state) == before
     assert not os.path.exists(state_journal.journal_path(str(state)))
 
@@ -135,44 +144,84 @@ def _crash_child(root, state, step, point):
 
 @pytest.mark.faults(component="receiver", outcome="crash mid-patch: the next receive rolls back to the old step, then ends bit-exact")
 @pytest.mark.parametrize("point", ["journal written", "record 0", "record 3", "record -1", "header written"])
-def test_a_patch_cut_off_anywhere_is_rolled_back_and_the_retry_is_exact(published, tmp_path, point):
+@pytest.mark.parametrize("held,target", [(1, 4), (1, 2), (3, 2)], ids=["3-steps-copied", "1-step-streamed", "back-1-streamed"])
+def test_a_patch_cut_off_anywhere_is_rolled_back_and_the_retry_is_exact(published, tmp_path, point, held, target):
     root, steps = published
     state = str(tmp_path / "s.safetensors")
-    _receive(root, state, 1)
+    _receive(root, state, held)
     before = file_bytes(state)
-    child = multiprocessing.get_context("fork").Process(target=_crash_child, args=(root, state, 4, point))
-    child.start()
-    child.join(120)
-    assert child.exitcode == 9, f"the child should have died at {point!r}"
+    _crash(root, state, target, point)
     journal = state_journal.read(state)
-    assert journal is not None and (journal.from_step, journal.to_step) == (1, 4)
-    assert peek_state_step(state) == 1, "a cut-off patch reads as its old step"
-    if point == "header written":
-        assert load_file(state) is not None and file_bytes(state) != before
-    assert state_journal.roll_back(state) == 1
+    assert journal is not None and (journal.from_step, journal.to_step) == (held, target)
+    assert peek_state_step(state) == held, "a cut-off patch reads as its old step"
+    if point == "header written":  # everything written, only the journal left
+        assert SafetensorsCheckpoint(state).metadata["dcr.step"] == str(target) and file_bytes(state) != before
+    assert state_journal.roll_back(state) == held
     assert file_bytes(state) == before, "rolled back byte for byte"
     assert state_journal.roll_back(state) is None
     # The crash once more, then a plain retry: the receive rolls back first, then refits.
-    child = multiprocessing.get_context("fork").Process(target=_crash_child, args=(root, state, 4, point))
-    child.start()
-    child.join(120)
-    res = _receive(root, state, 4)
-    assert (res.from_step, res.step) == (1, 4)
-    assert_bits_equal(load_file(state), steps[4])
+    _crash(root, state, target, point)
+    res = _receive(root, state, target)
+    assert (res.from_step, res.step) == (held, target)
+    assert_bits_equal(load_file(state), steps[target])
     assert not os.path.exists(state_journal.journal_path(state))
 
 
+def _crash(root, state, target, point):
+    child = multiprocessing.get_context("fork").Process(target=_crash_child, args=(root, state, target, point))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 9, f"the child should have died at {point!r}"
+
+
+@pytest.mark.faults(component="receiver", outcome="crash mid-patch: readers under consistent_state, a fresh rewrite and a roll back interrupted midway all see one whole step")
+def test_after_a_cut_off_patch_readers_fresh_rewrites_and_interrupted_roll_backs_see_one_step(published, tmp_path):
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 1)
+    _crash(root, state, 2, "record -1")
+    with patch_state.consistent_state(state):  # what a reader outside DCR does
+        assert_bits_equal(load_file(state), steps[1])
+    _crash(root, state, 2, "header written")
+    journal = state_journal.read(state)
+    with pytest.raises(RuntimeError):  # a roll back cut off after its first record...
+        state_journal.put(state, journal, "old", after_record=lambda i: (_ for _ in ()).throw(RuntimeError("cut")))
+    assert state_journal.roll_back(state) == 1  # ...is repaired by the next one
+    assert_bits_equal(load_file(state), steps[1])
+    _crash(root, state, 2, "record 3")
+    from flows.pipeline import run_materialize
+
+    run_materialize(root, 5, state)  # fresh: undoes the cut-off patch first, then rewrites whole
+    assert_bits_equal(load_file(state), steps[5])
+    assert not os.path.exists(state_journal.journal_path(state))
+
+
+@pytest.mark.faults(component="receiver", outcome="a journal beside another file is refused with a one-line error; the file untouched")
+def test_a_journal_left_beside_another_file_is_refused(published, tmp_path):
+    root, steps = published
+    state, other = str(tmp_path / "s.safetensors"), str(tmp_path / "o.safetensors")
+    _receive(root, state, 1)
+    _crash(root, state, 4, "record 3")
+    run_receive(root, "other", other, 6)
+    shutil.copyfile(other, state)  # the user restores another file under the crashed one's name
+    before = file_bytes(state)
+    with pytest.raises(StateMismatchError, match="undo journal of another file") as e:
+        _receive(root, state, 4)
+    assert "\n" not in str(e.value)
+    assert file_bytes(state) == before
+
+
 @pytest.mark.faults(component="receiver", outcome="refused with a one-line error naming the journal; nothing changed")
-def test_a_damaged_journal_is_refused(published, tmp_path):
+@pytest.mark.parametrize("where", ["head", "record", "trailer"])
+def test_a_damaged_journal_is_refused(published, tmp_path, where):
     root, _ = published
     state = str(tmp_path / "s.safetensors")
     _receive(root, state, 1)
-    child = multiprocessing.get_context("fork").Process(target=_crash_child, args=(root, state, 4, "record 3"))
-    child.start()
-    child.join(120)
+    _crash(root, state, 4, "record 3")
     path = state_journal.journal_path(state)
     data = bytearray(open(path, "rb").read())
-    data[-3] ^= 0xFF
+    at = {"head": bytes(data).index(b'"records": [[') + 13, "record": -40, "trailer": -3}[where]
+    data[at] ^= 0x01  # head: one digit of the first record's file offset
     open(path, "wb").write(bytes(data))
     before = file_bytes(state)
     with pytest.raises(StateMismatchError, match="damaged undo journal") as e:
