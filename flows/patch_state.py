@@ -219,20 +219,13 @@ def refit_in_place(plan, state_path: str, options: ReceiveOptions | None = None,
         if new_header is None:
             return None
         names = sorted(target.tensors)
-        manifests = [plan.manifests[m.step] for m in plan.moves]
-        tables = [rs.move_entries(m, move) for m, move in zip(manifests, plan.moves)]
-
-        def jobs():
-            for name in names:
-                for m, table in zip(manifests, tables):
-                    e = table[name]
-                    for pos in range(e.n_stored):
-                        yield m, e, pos
+        manifests, tables = rs.move_tables_of(plan)
+        jobs = rs.chunk_jobs(names, manifests, tables)
 
         records: list[state_journal.Record] = []
         pulled = 0
         scratch: np.ndarray | None = None  # one buffer for every copied tensor: no fresh pages per tensor
-        with contextlib.closing(stream_chunks(root, jobs(), workers=options.io_workers)) as stream:
+        with contextlib.closing(stream_chunks(root, jobs, workers=options.io_workers)) as stream:
             for name in names:
                 e_target = target.tensors[name]
                 held_bits = reader.mapped_bits(name)

@@ -195,6 +195,22 @@ def _check_schema(manifest: Manifest, infos: dict, where: str) -> None:
             raise StateMismatchError(f"{where}: tensor {name!r} dtype/shape differ from step {manifest.step}")
 
 
+def move_tables_of(plan: ReceivePlan) -> tuple[list[Manifest], list[dict]]:
+    """The manifest of every move and the entries each move reads (see ``move_entries``)."""
+    manifests = [plan.manifests[m.step] for m in plan.moves]
+    return manifests, [move_entries(m, move) for m, move in zip(manifests, plan.moves)]
+
+
+def chunk_jobs(names, manifests, tables):
+    """Every stored chunk of every move, tensor by tensor in ``names`` order and move by move within
+    a tensor: the order a streaming refit applies them in."""
+    for name in names:
+        for m, table in zip(manifests, tables):
+            e = table[name]
+            for pos in range(e.n_stored):
+                yield m, e, pos
+
+
 def _check_moves(plan: ReceivePlan) -> None:
     target = plan.manifests[plan.target_step]
     for move in plan.moves:
@@ -232,15 +248,7 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
         _check_schema(held, reader.infos, state_path)
     _check_moves(plan)
     names = sorted(target.tensors)
-    manifests = [plan.manifests[m.step] for m in plan.moves]
-    move_tables = [move_entries(m, move) for m, move in zip(manifests, plan.moves)]
-
-    def jobs():
-        for name in names:
-            for m, table in zip(manifests, move_tables):
-                e = table[name]
-                for pos in range(e.n_stored):
-                    yield m, e, pos
+    manifests, move_tables = move_tables_of(plan)
 
     infos = [TensorInfo(n, target.tensors[n].dtype, target.tensors[n].shape) for n in names]
     meta = {STATE_STEP: str(plan.target_step), STATE_POLICY: target.policy_digest, STATE_ROOT: plan.root_url}
@@ -248,7 +256,8 @@ def refit_file(plan: ReceivePlan, state_path: str, options: ReceiveOptions | Non
     pulled = 0
     stack = contextlib.ExitStack()
     try:
-        stream = stack.enter_context(contextlib.closing(stream_chunks(root, jobs(), workers=options.io_workers)))
+        jobs = chunk_jobs(names, manifests, move_tables)
+        stream = stack.enter_context(contextlib.closing(stream_chunks(root, jobs, workers=options.io_workers)))
         for name in names:
             e_target = target.tensors[name]
             if reader is not None:
