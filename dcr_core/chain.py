@@ -20,6 +20,9 @@ from enum import Enum
 from dcr_core.errors import IntegrityError, StepNotFoundError
 
 
+KEYFRAME, DELTA = "keyframe", "delta"  # the two kinds of committed step
+
+
 class Direction(str, Enum):
     KEYFRAME = "keyframe"
     FORWARD = "forward"

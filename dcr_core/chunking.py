@@ -105,7 +105,3 @@ class ChunkGrid:
             min(c, d - gi * c) for gi, c, d in zip(g, self.chunk_shape, self.shape)
         )
         return start, start + size
-
-    def chunk_key(self, flat_chunk: int) -> str:
-        """Zarr v3 default chunk key ("c/i/j", or "c" for 0-d arrays)."""
-        return "/".join(["c", *map(str, self.grid_index(flat_chunk))])

@@ -8,23 +8,28 @@
   (about 1.6x the bytes of ``dcr-sparse`` on real AdamW deltas).
 
 Blosc run with several internal threads emits blocks in a thread-dependent order, so the same
-input can give different bytes; DCR needs deterministic payloads, so Blosc runs single-threaded
-and parallelism comes from compressing many chunks at once.
+input can give different bytes; DCR needs deterministic payloads (a retry, or another worker,
+must store the same bytes), so Blosc runs single-threaded and parallelism comes from compressing
+many chunks at once. No process-wide setting is changed for that: numcodecs compresses
+single-threaded off the main thread unless told otherwise (``numcodecs.blosc.use_threads`` None,
+its default), DCR compresses on its I/O threads, and a call from the main thread (tests, the
+benchmark) is handed to one helper thread. A host that forces ``use_threads = True`` gets an error
+instead of non-deterministic payloads.
 """
 
 from __future__ import annotations
 
 import struct
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
+from functools import cache
 
 import numpy as np
 from numcodecs import Blosc, blosc
 
-from dcr_core.errors import IntegrityError
+from dcr_core.errors import IntegrityError, UsageError
 from dcr_core.sparse import decode_sparse, encode_sparse
-
-blosc.set_nthreads(1)
-blosc.use_threads = False
 
 NAMES = ("blosc", "dcr-sparse")
 _SHUFFLES = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
@@ -68,10 +73,10 @@ class CodecSpec:
         return Blosc(cname=self.cname, clevel=self.clevel, shuffle=_SHUFFLES[self.shuffle], blocksize=self.blocksize)
 
     def encode(self, padded: np.ndarray) -> bytes:
-        """Compress one full (padded) chunk of raw bits."""
+        """Compress one full (padded) chunk of raw bits (deterministic: same bits, same bytes)."""
         if self.name == "dcr-sparse":
             return encode_sparse(padded, self.clevel)
-        return bytes(self._blosc().encode(np.ascontiguousarray(padded)))
+        return _blosc_single_threaded(self._blosc(), np.ascontiguousarray(padded))
 
     def decode(self, data: bytes, storage: np.dtype, n_padded: int) -> np.ndarray:
         """Decompress one chunk into exactly ``n_padded`` elements, refusing any other size."""
@@ -91,3 +96,20 @@ class CodecSpec:
         except Exception as e:
             raise IntegrityError(f"chunk fails to decompress ({e})") from None
         return out
+
+
+@cache
+def _main_thread_helper() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="dcr-blosc")
+
+
+def _blosc_single_threaded(codec: Blosc, data: np.ndarray) -> bytes:
+    """``codec.encode(data)`` with Blosc's single-threaded (deterministic) path; see the module doc."""
+    if blosc.use_threads is True:
+        raise UsageError(
+            "numcodecs.blosc.use_threads is True in this process: Blosc would compress with several "
+            "threads and store non-deterministic bytes; leave it None (the default) or set it False"
+        )
+    if blosc.use_threads is None and threading.current_thread() is threading.main_thread():
+        return bytes(_main_thread_helper().submit(codec.encode, data).result())
+    return bytes(codec.encode(data))

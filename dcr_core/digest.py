@@ -12,6 +12,9 @@ from collections.abc import Iterable
 
 import blake3
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from dcr_core.shard_spec import Piece, c_strides
 
 DIGEST_ALGORITHM = "blake3"
 
@@ -78,8 +81,6 @@ def runs_digest(bits: np.ndarray, starts: np.ndarray, length: int) -> str:
     step = int(starts[1] - starts[0]) if starts.size > 1 else 0
     regular = starts.size > 1 and step >= length and bool(np.all(np.diff(starts) == step))
     if regular and length * flat.itemsize < _BATCH_BYTES:
-        from numpy.lib.stride_tricks import as_strided
-
         per = max(1, _BATCH_BYTES // (length * flat.itemsize))
         it = flat.itemsize
         for i in range(0, starts.size, per):
@@ -94,8 +95,6 @@ def runs_digest(bits: np.ndarray, starts: np.ndarray, length: int) -> str:
 
 def box_digest(bits: np.ndarray, shape: tuple[int, ...], start: tuple[int, ...], extent: tuple[int, ...]) -> str:
     """Digest of box ``[start, start+extent)`` of a full C-order tensor given as flat bits."""
-    from dcr_core.shard_spec import Piece, c_strides
-
     cs = c_strides(shape)
     p = Piece("", tuple(shape), tuple(start), tuple(extent), sum(a * s for a, s in zip(start, cs)), cs)
     _, local, n = p.runs()

@@ -1,11 +1,16 @@
-"""The dtype table: safetensors names, torch dtypes, bit widths and the unsigned storage type."""
+"""The dtype table: safetensors names, bit widths, the unsigned storage type, and tensor schemas.
+
+Torch dtypes are named here (``torch_name``) but torch is not imported: ``dcr_core.bits`` resolves
+them, so code that only moves bits (receivers of state files, ``dcr ls``/``verify``/``gc``) never
+imports torch.
+"""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from dcr_core.errors import InvalidCheckpointError
 
@@ -17,7 +22,7 @@ class DType:
     """One supported element type. ``storage`` is the unsigned type that carries its raw bits."""
 
     name: str  # safetensors name, e.g. "BF16"
-    torch: torch.dtype
+    torch_name: str  # the attribute of the ``torch`` module, e.g. "bfloat16"
     bits: int
 
     @property
@@ -29,49 +34,49 @@ class DType:
         return _UINT_BY_BITS[self.bits]
 
 
-def _table() -> dict[str, DType]:
-    rows = [
-        ("BOOL", torch.bool, 8),
-        ("U8", torch.uint8, 8),
-        ("I8", torch.int8, 8),
-        ("F8_E4M3", torch.float8_e4m3fn, 8),
-        ("F8_E5M2", torch.float8_e5m2, 8),
-        ("F8_E4M3FNUZ", torch.float8_e4m3fnuz, 8),
-        ("F8_E5M2FNUZ", torch.float8_e5m2fnuz, 8),
-        ("I16", torch.int16, 16),
-        ("U16", torch.uint16, 16),
-        ("F16", torch.float16, 16),
-        ("BF16", torch.bfloat16, 16),
-        ("I32", torch.int32, 32),
-        ("U32", torch.uint32, 32),
-        ("F32", torch.float32, 32),
-        ("I64", torch.int64, 64),
-        ("U64", torch.uint64, 64),
-        ("F64", torch.float64, 64),
-        ("C64", torch.complex64, 64),
-    ]
-    return {name: DType(name, td, bits) for name, td, bits in rows}
-
-
-DTYPES: dict[str, DType] = _table()
-_BY_TORCH: dict[torch.dtype, DType] = {d.torch: d for d in DTYPES.values()}
+_ROWS = (
+    ("BOOL", "bool", 8),
+    ("U8", "uint8", 8),
+    ("I8", "int8", 8),
+    ("F8_E4M3", "float8_e4m3fn", 8),
+    ("F8_E5M2", "float8_e5m2", 8),
+    ("F8_E4M3FNUZ", "float8_e4m3fnuz", 8),
+    ("F8_E5M2FNUZ", "float8_e5m2fnuz", 8),
+    ("I16", "int16", 16),
+    ("U16", "uint16", 16),
+    ("F16", "float16", 16),
+    ("BF16", "bfloat16", 16),
+    ("I32", "int32", 32),
+    ("U32", "uint32", 32),
+    ("F32", "float32", 32),
+    ("I64", "int64", 64),
+    ("U64", "uint64", 64),
+    ("F64", "float64", 64),
+    ("C64", "complex64", 64),
+)
+DTYPES: dict[str, DType] = {name: DType(name, torch_name, bits) for name, torch_name, bits in _ROWS}
 
 
 def dtype_named(name: str) -> DType:
     """The DType for a safetensors dtype name; a clear error for anything else."""
     try:
         return DTYPES[name]
-    except KeyError:
-        raise InvalidCheckpointError(
-            f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}"
-        ) from None
+    except (KeyError, TypeError):
+        raise InvalidCheckpointError(f"unsupported dtype {name!r}; supported: {', '.join(DTYPES)}") from None
 
 
-def dtype_of(t: torch.Tensor) -> DType:
-    """The DType of a torch tensor; a clear error for dtypes safetensors cannot hold."""
-    try:
-        return _BY_TORCH[t.dtype]
-    except KeyError:
-        raise InvalidCheckpointError(
-            f"unsupported torch dtype {t.dtype}; supported: {', '.join(DTYPES)}"
-        ) from None
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """A canonical tensor's schema: name, safetensors dtype name and shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * DTYPES[self.dtype].itemsize

@@ -18,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from numpy.lib.stride_tricks import as_strided
 
 from dcr_core.chunking import ChunkGrid
 from dcr_core.errors import UsageError
@@ -172,8 +173,6 @@ def _regular_block(r: _Runs, k: int, hi: int, cs: int, ce: int) -> int:
 
 def _copy_block(buf, sh: ShardBits, r: _Runs, k: int, j: int, cs: int, keyframe: bool, name: str) -> int:
     """Copy or XOR runs ``k..j-1`` (a regular block) with strided 2-d views: no index arrays."""
-    from numpy.lib.stride_tricks import as_strided
-
     n, rows = int(r.length[k]), j - k
     dc, dl = int(r.cstart[k + 1] - r.cstart[k]), int(r.lstart[k + 1] - r.lstart[k])
     c0, l0 = int(r.cstart[k]) - cs, int(r.lstart[k])

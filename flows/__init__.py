@@ -1,13 +1,43 @@
-"""Prefect flows of DCR: ``publish_refit`` and ``receive_refit`` (imported lazily: Prefect is slow to import)."""
+"""DCR's orchestration: the refit pipelines, their Prefect flows, and the ``dcr`` command.
+
+The public API, importable from here (loaded on first use: Prefect and torch are slow to import)::
+
+    from flows import publish_refit, receive_refit, gc_refit        # Prefect flows
+    from flows import run_publish, run_receive, run_materialize     # the same pipelines, in-process
+    from flows import receive_into_module, Publisher                # a live module; a trainer's publisher
+    from flows import PublishOptions, ReceiveOptions, GcOptions     # typed options
+    from flows import Shard, ShardedSource, dtensor_pieces          # training shards
+    from flows import consistent_state                              # read a state file safely
+"""
 
 from __future__ import annotations
 
-__all__ = ["publish_refit", "receive_refit"]
+import importlib
+
+_PUBLIC = {
+    "publish_refit": "flows.prefect_flows",
+    "receive_refit": "flows.prefect_flows",
+    "gc_refit": "flows.prefect_flows",
+    "PrefectRunner": "flows.prefect_flows",
+    "run_publish": "flows.publish.pipeline",
+    "Publisher": "flows.publish.publisher",
+    "run_receive": "flows.receive.pipeline",
+    "run_materialize": "flows.receive.pipeline",
+    "receive_into_module": "flows.receive.module_pipeline",
+    "PublishOptions": "flows.options",
+    "ReceiveOptions": "flows.options",
+    "GcOptions": "flows.options",
+    "Shard": "flows.publish.shards",
+    "ShardedSource": "flows.publish.shards",
+    "dtensor_pieces": "flows.publish.shards",
+    "consistent_state": "storage.local.state",
+}
+
+__all__ = sorted(_PUBLIC)
 
 
 def __getattr__(name: str):
-    if name in __all__:
-        from flows import prefect_flows
-
-        return getattr(prefect_flows, name)
-    raise AttributeError(name)
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'flows' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

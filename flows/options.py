@@ -1,19 +1,31 @@
-"""Typed options of the publisher and the receiver, validated on construction."""
+"""Typed options of the publisher, the receiver and gc: pydantic models, validated on construction.
+
+The same models are the parameters of the Prefect flows, so a deployment (or the Prefect UI,
+which renders their JSON schema) passes them as plain mappings, e.g.
+``{"io_workers": 4, "chunk_bytes": 1048576}``, and gets them checked field by field. Built in
+Python with a bad value they raise ``UsageError`` (one line naming the field).
+"""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dcr_core.codec import CodecSpec
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
 
 DEFAULT_CHUNK_BYTES = 4 << 20
+# Measured on real AdamW deltas (lr 1e-6, 1.7% changed): dcr-sparse level 1 stores 1.36 B per
+# changed element (entropy bound 1.26); the standard Blosc chain below stores 2.35.
 SPARSE_DELTAS = CodecSpec(name="dcr-sparse", clevel=1)
 # Standard-only chain for deltas that any zarr reads without this package (audits): byte shuffle
 # beats bit shuffle on XOR masks, and 1 MiB blocks give zstd more context than Blosc's default.
 BLOSC_DELTAS = CodecSpec(name="blosc", clevel=1, shuffle="shuffle", blocksize=1 << 20)
+KEYFRAMES = CodecSpec(clevel=3, shuffle="shuffle")
+DELTA_CODECS = {"sparse": SPARSE_DELTAS, "blosc": BLOSC_DELTAS}
 
 
 def default_cache_dir() -> str:
@@ -22,39 +34,49 @@ def default_cache_dir() -> str:
     )
 
 
-@dataclass(frozen=True)
-class PublishOptions:
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES
-    keyframe_codec: CodecSpec = field(default_factory=lambda: CodecSpec(clevel=3, shuffle="shuffle"))
-    # Measured on real AdamW deltas (lr 1e-6, 1.7% changed): dcr-sparse level 1 stores 1.36 B per
-    # changed element (entropy bound 1.26); the standard Blosc chain below stores 2.35.
-    delta_codec: CodecSpec = field(default_factory=lambda: SPARSE_DELTAS)
-    # Store new values instead of an XOR mask when more than this fraction of a tensor changed.
+class _Options(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    def __init__(self, **data) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as e:
+            err = e.errors()[0]
+            where = ".".join(str(x) for x in err["loc"]) or type(self).__name__
+            raise UsageError(f"{type(self).__name__}: {where}: {err['msg']}") from None
+
+
+class PublishOptions(_Options):
+    chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=1, le=1 << 30, description="raw bytes per chunk")
+    keyframe_codec: CodecSpec = Field(default_factory=lambda: KEYFRAMES, description="codec of keyframes")
+    delta_codec: CodecSpec = Field(default_factory=lambda: SPARSE_DELTAS, description="codec of deltas")
     # Default 1.0: never. XOR masks are self-inverse (receivers can step back) and cost about the
     # same as new values even when everything changed; overwrites are for callers that need them.
-    overwrite_above: float = 1.0
-    io_workers: int = 8
-    cache_dir: str = field(default_factory=default_cache_dir)
-    use_cache: bool = True
-    # When a step that would be a delta becomes a keyframe instead (default: only when asked).
-    keyframe_policy: KeyframePolicy = field(default_factory=KeyframePolicy)
-
-    def __post_init__(self) -> None:
-        if not 1 <= self.chunk_bytes <= 1 << 30:
-            raise UsageError(f"chunk_bytes must be 1..2^30, got {self.chunk_bytes}")
-        if not 0.0 <= self.overwrite_above <= 1.0:
-            raise UsageError(f"overwrite_above must be within 0..1, got {self.overwrite_above}")
-        if self.io_workers < 1:
-            raise UsageError(f"io_workers must be >= 1, got {self.io_workers}")
+    overwrite_above: float = Field(
+        1.0, ge=0.0, le=1.0,
+        description="store new values instead of an XOR mask when more than this fraction of a tensor changed",
+    )
+    io_workers: int = Field(8, ge=1, le=1024, description="parallel object writes and reads")
+    cache_dir: str = Field(default_factory=default_cache_dir, description="the publisher's baseline cache")
+    use_cache: bool = Field(True, description="keep the committed step as the next baseline on local disk")
+    keyframe_policy: KeyframePolicy = Field(
+        default_factory=KeyframePolicy, description="when a delta step also stores a full snapshot (a restart point)",
+    )
 
 
-@dataclass(frozen=True)
-class ReceiveOptions:
-    io_workers: int = 8
+class ReceiveOptions(_Options):
+    io_workers: int = Field(8, ge=1, le=1024, description="parallel object reads")
     # Patch the state file in place (undo journal, only the changed elements written) instead of
-    # rewriting it and renaming it into place; see flows.patch_state for the trade-off.
-    in_place: bool = False
+    # rewriting it and renaming it into place; see flows.receive.in_place for the trade-off.
+    in_place: bool = Field(False, description="patch the state file in place behind an undo journal")
 
-    def __post_init__(self) -> None:
-        if self.io_workers < 1:
-            raise UsageError(f"io_workers must be >= 1, got {self.io_workers}")
+
+class GcOptions(_Options):
+    keep_last: int = Field(ge=1, description="keep the newest K committed steps and the chains to rebuild them")
+    grace_seconds: float = Field(
+        3600.0, ge=0.0, description="leave uncommitted attempts younger than this alone (a publisher may be writing them)",
+    )
+    dry_run: bool = Field(False, description="report what would be deleted; delete nothing")
+
+
+Orchestrator = Literal["auto", "prefect", "none"]

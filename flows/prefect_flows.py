@@ -1,103 +1,164 @@
-"""The Prefect flows ``publish_refit`` and ``receive_refit``: each refit step is one coarse task.
+"""The Prefect flows: ``publish_refit``, ``receive_refit`` and ``gc_refit``.
 
-Tasks take and return references, plans and in-process objects (the refit task hands an open,
-verified temp file to the task that moves it into place); nothing is serialized. No task hashes its inputs (``NO_CACHE``): tensors would cost seconds to hash and
-their hashes are not content-stable. I/O tasks retry transient failures
-(``storage.retry.is_transient``); DCR's own errors (bad input, conflicts, integrity) are final.
+Each flow runs the same pipeline as the in-process form (``flows.publish.pipeline`` and friends)
+with ``PrefectRunner``: every step of the step table becomes a Prefect task, so the Prefect API
+shows each step's state, duration and (with result persistence on: Prefect's
+``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``) its JSON result. Tasks take and return references
+(``flows.steps``), never tensors or open files; the flows' options are the typed models of
+``flows.options`` (deployments pass them as mappings, validated by Prefect). Runs are named
+(``publish-step-12``, ``receive-rollout-0-to-latest``, ``gc-keep-5``), tagged (``dcr``, the kind of
+run, ``root:<ROOT>``, ``step:<N>``, ``receiver:<id>``) and leave a table artifact of what they did.
+
+Retries: none here. Transient request errors are retried by the storage layer's one owner per
+backend (``storage.retry``); everything else is DCR's verdict on the data, which a retry cannot
+change. A flow run that failed can simply be run again.
 """
 
 from __future__ import annotations
 
-import os
+import functools
+import re
 from dataclasses import asdict
-from types import SimpleNamespace
+from pathlib import Path
 from typing import Any
 
-from prefect import flow, task
-from prefect.cache_policies import NO_CACHE
+from prefect import flow, get_run_logger, tags, task
+from prefect.artifacts import create_table_artifact
+from prefect.client.orchestration import get_client
+from prefect.context import get_run_context
+from prefect.runtime import flow_run
 
-from flows import pipeline
-from flows.module_target import receive_into_module
-from storage.retry import is_transient
-
-
-def _transient(task_, task_run, state) -> bool:
-    """Retry only failures that are not DCR's own verdicts."""
-    try:
-        state.result()
-    except Exception as e:  # noqa: BLE001
-        return is_transient(e)
-    return False
+from flows.maintenance.gc import GcReport, run_gc
+from flows.options import GcOptions, PublishOptions, ReceiveOptions
+from flows.publish.pipeline import run_publish
+from flows.receive.module_pipeline import receive_into_module
+from flows.receive.pipeline import run_receive
+from flows.results import PublishResult, ReceiveResult, as_dict
+from flows.steps import Step, timed
 
 
-def _task(fn, name: str, retries: int = 0):
-    return task(
-        fn,
-        name=name,
-        cache_policy=NO_CACHE,
-        persist_result=False,
-        retries=retries,
-        retry_delay_seconds=1,
-        retry_condition_fn=_transient if retries else None,
-    )
+@functools.cache
+def _task(step: Step):
+    # The default cache policy only keys the (optional) persisted result: ``refresh_cache`` runs
+    # every task every time. NO_CACHE would silently turn persistence off.
+    return task(step.fn, name=step.name, refresh_cache=True, result_serializer="json", retries=0)
 
 
-L = pipeline.LOCAL
-PREFECT_TASKS = SimpleNamespace(
-    snapshot=_task(L.snapshot, "snapshot"),
-    plan_publish=_task(L.plan_publish, "plan-publish"),
-    load_baseline=_task(L.load_baseline, "load-baseline", retries=2),
-    encode_and_write=_task(L.encode_and_write, "encode-and-write-chunks", retries=2),
-    write_snapshot=_task(L.write_snapshot, "write-snapshot", retries=2),
-    write_manifest=_task(L.write_manifest, "write-manifest", retries=2),
-    commit_step=_task(L.commit_step, "commit", retries=2),
-    remember_baseline=_task(L.remember_baseline, "remember-baseline"),
-    plan_receive=_task(L.plan_receive, "resolve-chain", retries=2),
-    refit_file=_task(L.refit_file, "fetch-apply-verify", retries=2),
-    replace_state=_task(L.replace_state, "replace-state"),
-    verify_state=_task(L.verify_state, "verify-held-state"),
-    record_commit=_task(L.record_commit, "record-receiver-commit", retries=2),
-    publish_rank_part=_task(L.publish_rank_part, "publish-rank-shards"),
-    commit_ranks=_task(L.commit_ranks, "merge-and-commit", retries=2),
-)
+class PrefectRunner:
+    """Runs each step as a Prefect task (call the pipeline inside a flow run)."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    def wrap(self, step: Step):
+        return timed(self.timings, step.name, _task(step))
 
 
-@flow(name="dcr-publish-refit", validate_parameters=False, log_prints=True)
+def _slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9-]+", "-", str(text).lower()).strip("-")[:60] or "x"
+
+
+def _tag_run(*run_tags: str) -> None:
+    """Add tags to the current flow run (the decorator takes none; task runs get them from ``tags``)."""
+    ctx = get_run_context()
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(ctx.flow_run.id, tags=sorted(set(ctx.flow_run.tags) | set(run_tags)))
+
+
+def _publish_name() -> str:
+    return f"publish-step-{flow_run.parameters['step']}"
+
+
+def _receive_name() -> str:
+    p = flow_run.parameters
+    return f"receive-{p['receiver_id']}-to-{'latest' if p.get('step') is None else p['step']}"
+
+
+def _gc_name() -> str:
+    options = flow_run.parameters["options"]
+    keep = options.keep_last if isinstance(options, GcOptions) else options.get("keep_last")
+    return f"gc-keep-{keep}"
+
+
+@flow(name="dcr-publish", flow_run_name=_publish_name, log_prints=True)
 def publish_refit(
-    root: str,
-    source: Any,
-    step: int,
-    keyframe: bool = False,
-    storage_options: dict | None = None,
-    options: Any = None,
-    attempt: str | None = None,
+    root: str | Path, source: Any, step: int, keyframe: bool = False, storage_options: dict | None = None,
+    options: PublishOptions | None = None, attempt: str | None = None,
 ) -> dict:
-    """Publish ``source`` as ``step`` of ``root``: a checkpoint path, a name->tensor mapping, or
-    training shards: a list of all ranks' ``ShardedSource`` (one task per rank, then a merge-and-commit
-    task), or this rank's ``ShardedSource`` when every rank runs the flow (the rank's steps run inside
-    the flow; rank 0 commits; see ``flows.shard_publish``)."""
-    result = pipeline.run_publish(
-        root, source, step, keyframe, storage_options, options, tasks=PREFECT_TASKS, attempt=attempt
-    )
+    """Publish ``source`` as ``step`` of ``root``: a checkpoint path (what deployments pass), a
+    name -> tensor mapping, this rank's ``ShardedSource`` (every rank runs the flow; rank 0
+    commits), or a list of every rank's ``ShardedSource`` (one process publishes them all)."""
+    run_tags = ("dcr", "dcr-publish", f"root:{root}", f"step:{step}")
+    _tag_run(*run_tags)
+    with tags(*run_tags):
+        result = run_publish(str(root), source, step, keyframe, storage_options, options, PrefectRunner(), attempt)
+    _report_publish(result)
     return asdict(result)
 
 
-@flow(name="dcr-receive-refit", validate_parameters=False, log_prints=True)
+@flow(name="dcr-receive", flow_run_name=_receive_name, log_prints=True)
 def receive_refit(
-    root: str,
-    receiver_id: str,
-    target: Any,
-    step: int | None = None,
-    storage_options: dict | None = None,
-    options: Any = None,
-    state_path: str | None = None,
+    root: str | Path, receiver_id: str, target: Any, step: int | None = None, storage_options: dict | None = None,
+    options: ReceiveOptions | None = None, state_path: str | None = None,
 ) -> dict:
-    """Bring ``target`` (a state file path, or a module with ``load_weights``) to ``step``."""
-    if isinstance(target, (str, os.PathLike)):
-        result = pipeline.run_receive(
-            root, receiver_id, os.fspath(target), step, storage_options, options, tasks=PREFECT_TASKS
-        )
-        return asdict(result)
-    return receive_into_module(
-        root, receiver_id, target, step, storage_options, options, state_path, tasks=PREFECT_TASKS
+    """Bring ``target`` to ``step`` (default: the latest): a state file path (what deployments
+    pass), or a live module with ``load_weights`` (``state_path``: its partial mirror)."""
+    run_tags = ("dcr", "dcr-receive", f"root:{root}", f"receiver:{receiver_id}")
+    _tag_run(*run_tags)
+    with tags(*run_tags):
+        if isinstance(target, (str, Path)):
+            result = run_receive(str(root), receiver_id, target, step, storage_options, options, PrefectRunner())
+        else:
+            result = receive_into_module(str(root), receiver_id, target, step, storage_options, options, state_path,
+                                         PrefectRunner())
+    _report_receive(receiver_id, result)
+    return as_dict(result)
+
+
+@flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True)
+def gc_refit(root: str | Path, options: GcOptions, storage_options: dict | None = None) -> dict:
+    """Delete the steps retention no longer keeps and attempts that can never commit (``dcr gc``)."""
+    run_tags = ("dcr", "dcr-gc", f"root:{root}")
+    _tag_run(*run_tags)
+    with tags(*run_tags):
+        report = run_gc(str(root), options, storage_options, PrefectRunner())
+    _report_gc(report)
+    return asdict(report)
+
+
+def _report_publish(r: PublishResult) -> None:
+    s = r.summary
+    get_run_logger().info(
+        "committed step %d (%s%s): %s/%s tensors changed, %.3f%% of elements, %d of %d bytes stored",
+        r.step, r.kind, "" if r.base_step is None else f" against step {r.base_step}", s.get("tensors_changed"),
+        s.get("tensors"), 100 * s.get("change_rate", 0.0), s.get("bytes_stored", 0), s.get("bytes_full", 0),
+    )
+    create_table_artifact(
+        [{"step": r.step, "kind": r.kind, "base": r.base_step, "attempt": r.attempt,
+          "tensors changed": f"{s.get('tensors_changed')}/{s.get('tensors')}",
+          "change rate %": round(100 * s.get("change_rate", 0.0), 4), "bytes stored": s.get("bytes_stored"),
+          "bytes full": s.get("bytes_full"), "seconds": round(sum(r.timings.values()), 3)}],
+        key="dcr-publish", description=f"step {r.step} committed (policy {r.policy_digest[:16]})",
+    )
+
+
+def _report_receive(receiver_id: str, r: ReceiveResult) -> None:
+    moves = ", ".join(r.moves) or "already there"
+    get_run_logger().info("receiver %s at step %d (%s; pulled %d bytes)", receiver_id, r.step, moves, r.bytes_pulled)
+    create_table_artifact(
+        [{"receiver": receiver_id, "from": r.from_step, "to": r.step, "moves": moves, "bytes pulled": r.bytes_pulled,
+          "seconds": round(sum(r.timings.values()), 3)}],
+        key=f"dcr-receive-{_slug(receiver_id)}", description=f"receiver {receiver_id} at step {r.step}",
+    )
+
+
+def _report_gc(report: GcReport) -> None:
+    p = report.plan
+    get_run_logger().info("gc: deleted %d steps and %d attempts (%d bytes); kept %d steps",
+                          len(report.deleted_steps), len(report.deleted_attempts), p.bytes_freed, len(p.keep))
+    create_table_artifact(
+        [{"deleted steps": ", ".join(map(str, report.deleted_steps)) or "-",
+          "deleted attempts": len(report.deleted_attempts), "bytes freed": p.bytes_freed,
+          "kept steps": ", ".join(map(str, p.keep)) or "-", "dry run": report.dry_run}],
+        key="dcr-gc", description="what gc deleted",
     )

@@ -1,23 +1,33 @@
 """What ROOT holds: committed steps, their commit markers and manifests, receiver records.
 
 A step is committed exactly when ``steps/<step>/commit.json`` exists. Everything read here is
-checked: markers against their location, manifests against the marker's digest and the marker's
-own fields, before any caller sees them.
+checked: markers against their location (and their signature when a key is set), manifests
+against the marker's digest and the marker's own fields, before any caller sees them.
+
+Caching: a ``Catalog`` remembers the markers it found (a marker never changes while it exists;
+``dcr gc`` deletes it, and a reader that raced gc then fails on a missing object, as it would
+without a cache), never that a marker is absent: a step may be committed at any moment, so a
+poller asks again. Manifests are cached for the whole process by (ROOT, step, manifest digest):
+content-addressed, so a cached manifest is exactly the bytes the marker binds.
 """
 
 from __future__ import annotations
 
 import json
+import threading
 import time
-from functools import lru_cache
+from collections import OrderedDict
 
 import blake3
 
-from dcr_core.chain import StepInfo
+from dcr_core.chain import DELTA, StepInfo
 from dcr_core.errors import IntegrityError, StepNotFoundError
 from storage import layout, signing
-from storage.manifest import DELTA, CommitMarker, Manifest
+from storage.manifest import Manifest
+from storage.marker import CommitMarker
 from storage.root import Root
+
+MANIFEST_CACHE_SIZE = 64
 
 
 def utc_now() -> str:
@@ -28,14 +38,32 @@ def manifest_digest(data: bytes) -> str:
     return blake3.blake3(data).hexdigest()
 
 
+_MANIFESTS: OrderedDict[tuple[str, int, str], Manifest] = OrderedDict()
+_MANIFESTS_LOCK = threading.Lock()
+
+
+def _cached_manifest(key: tuple[str, int, str]) -> Manifest | None:
+    with _MANIFESTS_LOCK:
+        m = _MANIFESTS.get(key)
+        if m is not None:
+            _MANIFESTS.move_to_end(key)
+        return m
+
+
+def _cache_manifest(key: tuple[str, int, str], m: Manifest) -> None:
+    with _MANIFESTS_LOCK:
+        _MANIFESTS[key] = m
+        while len(_MANIFESTS) > MANIFEST_CACHE_SIZE:
+            _MANIFESTS.popitem(last=False)
+
+
 class Catalog:
-    """Read access to the steps of one ROOT, with markers and manifests cached per instance."""
+    """Read access to the steps of one ROOT (see the module docstring for what is cached)."""
 
     def __init__(self, root: Root):
         self.root = root
         self.key = signing.signing_key()  # markers must be signed with it when set
-        self._marker = lru_cache(maxsize=None)(self._read_marker)
-        self._manifest = lru_cache(maxsize=64)(self._read_manifest)
+        self._markers: dict[int, CommitMarker] = {}
 
     def listed_steps(self) -> list[int]:
         """Every step with a prefix under ``steps/`` (committed or not), ascending."""
@@ -52,7 +80,12 @@ class Catalog:
         return None
 
     def marker(self, step: int) -> CommitMarker | None:
-        return self._marker(step)
+        m = self._markers.get(step)
+        if m is None:
+            m = self._read_marker(step)
+            if m is not None:
+                self._markers[step] = m
+        return m
 
     def require_marker(self, step: int) -> CommitMarker:
         m = self.marker(step)
@@ -76,19 +109,40 @@ class Catalog:
         return marker
 
     def manifest(self, step: int) -> Manifest:
-        return self._manifest(step)
-
-    def _read_manifest(self, step: int) -> Manifest:
+        """The verified manifest of committed ``step``."""
         marker = self.require_marker(step)
-        key = marker.manifest_key
+        cache_key = (self.root.url, step, marker.manifest_digest)
+        m = _cached_manifest(cache_key)
+        if m is None:
+            m = self._read_manifest(marker)
+            _cache_manifest(cache_key, m)
+        return m
+
+    def manifest_at(self, step: int, attempt: str, digest: str) -> Manifest:
+        """The manifest of ``step``'s ``attempt`` whose digest is ``digest`` (a ``StepRef`` a plan
+        pinned), from the process cache or read and checked against that digest."""
+        m = _cached_manifest((self.root.url, step, digest))
+        if m is None:
+            m = self._read_verified(layout.manifest_key(step, attempt), digest)
+            if (m.step, m.attempt) != (step, attempt):
+                raise IntegrityError(f"{self.root.url}/{layout.manifest_key(step, attempt)}: manifest of another step")
+            _cache_manifest((self.root.url, step, digest), m)
+        return m
+
+    def _read_verified(self, key: str, digest: str) -> Manifest:
         where = f"{self.root.url}/{key}"
         try:
             data = self.root.read(key)
         except FileNotFoundError:
             raise IntegrityError(f"{where}: manifest named by the commit marker is missing") from None
-        if manifest_digest(data) != marker.manifest_digest:
+        if manifest_digest(data) != digest:
             raise IntegrityError(f"{where}: manifest digest does not match the commit marker")
-        m = Manifest.from_json(data, where)
+        return Manifest.from_json(data, where)
+
+    def _read_manifest(self, marker: CommitMarker) -> Manifest:
+        key = marker.manifest_key
+        where = f"{self.root.url}/{key}"
+        m = self._read_verified(key, marker.manifest_digest)
         if (m.step, m.attempt, m.kind, m.base_step, m.policy_digest) != (
             marker.step, marker.attempt, marker.kind, marker.base_step, marker.policy_digest
         ):

@@ -1,105 +1,70 @@
-"""Create-if-absent: the one write that makes a step (or anything else) real.
+"""The commit protocol: a step is visible exactly when its commit marker exists.
 
-Atomicity per backend (the publisher relies on it to let exactly one racing publisher win):
-- local files: write a private temp file, then ``os.link`` it to the final name. ``link`` fails if
-  the name exists and the linked file is complete, so readers never see a partial marker. Atomic.
-- ``memory://``: check and write under a process-wide lock. Atomic within the process, which is
-  the whole extent of that filesystem.
-- S3 (s3fs): ``PutObject`` with ``If-None-Match: *``; the server refuses (412) if the key exists.
-  Atomic on AWS S3 and on servers that honour the header (moto 5 does).
-- GCS (gcsfs): upload with ``ifGenerationMatch=0`` (``mode="create"``). Atomic on real GCS; the
-  GCS emulator ignores the precondition, so there it degrades to check-then-write: two publishers
-  racing within the same few milliseconds could both "win" (documented in the README).
-- anything else: refused, rather than silently racy.
+A marker is only ever created (create-if-absent, ``storage.backends``, after everything it names
+is written) or deleted (by ``dcr gc``, before anything it names). Every reader starts from
+markers, so no reader sees an object of an attempt that is not committed.
+
+``commit_marker`` is the publisher's half: exactly one racing publisher of a step creates the
+marker; a retry of a commit whose first try succeeded but did not report back recognises its own
+marker (same attempt, same manifest digest); a loser removes its own attempt (best effort: an
+unreferenced attempt is invisible anyway) and gets a ``StepConflictError``.
 """
 
 from __future__ import annotations
 
-import os
-import threading
-import uuid
+import dataclasses
+import logging
 
-_MEMORY_LOCK = threading.Lock()
+from dcr_core.errors import StepConflictError
+from storage import layout, signing
+from storage.catalog import Catalog
+from storage.marker import CommitMarker
+from storage.root import Root
 
-
-class UnsupportedBackendError(RuntimeError):
-    pass
-
-
-_SUPPORTED = ("file", "local", "memory", "s3", "s3a", "gs", "gcs")
+log = logging.getLogger("dcr.storage")
 
 
-def supports(protocol: str | tuple) -> bool:
-    """Whether ``create_if_absent`` has a create-if-absent for this protocol."""
-    proto = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
-    return proto in _SUPPORTED
+def _is_own(found: CommitMarker | None, marker: CommitMarker) -> bool:
+    return found is not None and found.attempt == marker.attempt and found.manifest_digest == marker.manifest_digest
 
 
-def create_if_absent(fs, protocol: str | tuple, path: str, data: bytes) -> bool:
-    proto = protocol[0] if isinstance(protocol, (tuple, list)) else protocol
-    if proto in ("file", "local"):
-        return _local(path, data)
-    if proto == "memory":
-        with _MEMORY_LOCK:
-            if fs.exists(path):
-                return False
-            fs.pipe_file(path, data)
-            return True
-    if proto in ("s3", "s3a"):
-        try:
-            fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            return False
-        return True
-    if proto in ("gs", "gcs"):
-        return _gcs(fs, path, data)
-    raise UnsupportedBackendError(
-        f"no atomic create-if-absent for protocol {proto!r}; use a local path, memory://, s3:// or gs://"
+def commit_marker(root: Root, marker: CommitMarker) -> CommitMarker:
+    """Create ``marker`` (signed when a signing key is set) unless the step is committed already."""
+    cat = Catalog(root)
+    existing = cat.marker(marker.step)
+    if existing is not None:
+        if _is_own(existing, marker):
+            return existing
+        discard_attempt(root, marker.step, marker.attempt)
+        raise StepConflictError(
+            f"{root.url}: step {marker.step} was committed by another publisher"
+            f" (attempt {existing.attempt}); this attempt was discarded"
+        )
+    latest = cat.latest_committed()
+    if latest is not None and latest > marker.step:
+        discard_attempt(root, marker.step, marker.attempt)
+        raise StepConflictError(
+            f"{root.url}: step {latest} was committed while step {marker.step} was being published; nothing committed"
+        )
+    key = signing.signing_key()
+    if key is not None:
+        marker = dataclasses.replace(marker, signature=signing.sign(key, marker.body()))
+    if root.create_if_absent(layout.commit_key(marker.step), marker.to_json()):
+        return marker
+    winner = Catalog(root).marker(marker.step)
+    if _is_own(winner, marker):
+        return winner
+    discard_attempt(root, marker.step, marker.attempt)
+    raise StepConflictError(
+        f"{root.url}: step {marker.step} was committed by another publisher"
+        f" (attempt {winner.attempt if winner else '?'}); this attempt was discarded"
     )
 
 
-def _local(path: str, data: bytes) -> bool:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
+def discard_attempt(root: Root, step: int, attempt: str) -> None:
+    """Best-effort removal of an attempt that lost (never referenced, so leaving it is also safe:
+    ``dcr gc`` collects it)."""
     try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    finally:
-        os.unlink(tmp)
-    fsync_dir(directory)
-    return True
-
-
-def fsync_dir(directory: str) -> None:
-    """Make a rename or link durable (best effort: not every file system fsyncs directories)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _gcs(fs, path: str, data: bytes) -> bool:
-    # gcsfs sends ifGenerationMatch=0 for mode="create" and raises FileExistsError on 412. The
-    # existence check first narrows the window on servers that ignore the precondition (the GCS
-    # emulator); on real GCS the conditional upload alone is atomic.
-    if fs.exists(path):
-        return False
-    try:
-        from storage.root import gcs_upload_kwargs
-
-        fs.pipe_file(path, data, mode="create", **gcs_upload_kwargs("gs", data))
-    except FileExistsError:
-        return False
-    return True
+        root.remove(layout.attempt_dir(step, attempt), recursive=True)
+    except (OSError, ValueError) as e:  # a publisher may lack delete permission (see the README)
+        log.info("could not remove the losing attempt %s of step %d (%s); dcr gc will", attempt, step, e)

@@ -3,6 +3,8 @@
     ROOT/steps/<step:012d>/commit.json                      publisher commit marker (written last)
     ROOT/steps/<step:012d>/attempts/<attempt>/manifest.json JSON manifest of one publish attempt
     ROOT/steps/<step:012d>/attempts/<attempt>/data.zarr/    Zarr v3 group, one array per tensor
+    .../data.zarr/<array>/c/<i>/<j>                         a stored chunk (Zarr's default chunk keys)
+    .../data.zarr/<array>%parts/c/<rank>/<i>/<j>            a rank's part of a shared chunk
     ROOT/steps/<step:012d>/receivers/<receiver-id>.json     receiver commit records
     ROOT/steps/<step:012d>/attempts/<attempt>/ranks/<r>.json partial manifest of rank r (sharded publish)
     ROOT/steps/<step:012d>/attempts/<attempt>/failed.json   a rank of a sharded publish gave up
@@ -73,6 +75,10 @@ def commit_key(step: int) -> str:
     return f"{step_dir(step)}/{COMMIT}"
 
 
+def attempts_dir(step: int) -> str:
+    return f"{step_dir(step)}/attempts"
+
+
 def attempt_dir(step: int, attempt: str) -> str:
     return f"{step_dir(step)}/attempts/{check_attempt(attempt)}"
 
@@ -97,6 +103,37 @@ def attempt_failed_key(step: int, attempt: str) -> str:
 
 def store_dir(step: int, attempt: str) -> str:
     return f"{attempt_dir(step, attempt)}/{STORE}"
+
+
+def chunk_key(array: str, grid_index: tuple[int, ...]) -> str:
+    """A chunk object's key inside a step's store: Zarr v3's default encoding, ``<array>/c/i/j``
+    (``<array>/c`` for a 0-d array)."""
+    return "/".join([array, "c", *map(str, grid_index)])
+
+
+def part_key(parts_array: str, slot: int, grid_index: tuple[int, ...]) -> str:
+    """A part object's key inside a step's store: chunk ``(slot, *grid_index)`` of the parts array."""
+    return chunk_key(parts_array, (slot, *grid_index))
+
+
+PARTS_SUFFIX = "%parts"  # array_segment never yields "%p", so no tensor's array can end like this
+SNAPSHOT_SUFFIX = ".full"  # a restart point's full copy of a tensor, beside its delta array
+
+
+def parts_array(array: str) -> str:
+    return array + PARTS_SUFFIX
+
+
+def array_meta_key(array: str) -> str:
+    return f"{array}/zarr.json"
+
+
+GROUP_META = "zarr.json"
+
+
+def store_key(step: int, attempt: str, key_in_store: str) -> str:
+    """A key under ROOT for an object of a step's store (``key_in_store`` from the functions above)."""
+    return f"{store_dir(step, attempt)}/{key_in_store}"
 
 
 def receivers_dir(step: int) -> str:

@@ -1,9 +1,9 @@
-"""Manifests and commit markers: versioned, human-readable JSON with strict parsing.
+"""Manifests: versioned, human-readable JSON with strict parsing.
 
 A manifest describes one publish attempt of one step: every tensor of the policy (name, dtype,
 shape, target digest), how its change is encoded, the chunk grid and, for every stored chunk, its
-digest and stored size. The commit marker names the one attempt that is real and binds its
-manifest by digest. Parsing checks every field's type and range before anything is used, so a
+digest and stored size (``storage.marker``: the commit marker names the one attempt that is real
+and binds its manifest by digest). Parsing checks every field's type and range before anything is used, so a
 hostile or corrupted manifest fails with an error naming it instead of exhausting memory.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,58 +18,25 @@ from dcr_core.chunking import ChunkGrid
 from dcr_core.codec import CodecSpec
 from dcr_core.delta import Encoding
 from dcr_core.digest import DIGEST_ALGORITHM, PIECES_SCHEME, box_digest, pieces_digest, policy_digest, tensor_digest
-from dcr_core.dtypes import DTYPES
-from dcr_core.errors import IntegrityError, UnsafeKeyError
+from dcr_core.dtypes import DTYPES, TensorInfo
+from dcr_core.errors import IntegrityError, UsageError
+from dcr_core.shard_spec import Piece, c_strides, check_cover
+from dcr_core.chain import DELTA, KEYFRAME
 from storage import layout
+from storage.fields import MAX_NDIM, fail, parse_attempt, parse_digest, parse_int, parse_shape
 
 SCHEMA_VERSION = 1
 FORMAT = "dcr-manifest"
-KEYFRAME, DELTA = "keyframe", "delta"
 
 # Limits a manifest must respect (a hostile one must not exhaust memory).
 MAX_MANIFEST_BYTES = 512 << 20
 MAX_TENSORS = 1_000_000
-MAX_NDIM = 16
 MAX_CHUNKS_PER_TENSOR = 50_000_000
-MAX_DIM = 1 << 48
 MAX_TENSOR_ELEMENTS = 1 << 40
 MAX_CHUNK_BYTES = 1 << 30  # a padded chunk, decompressed
 MAX_PIECES_PER_TENSOR = 1_000_000
 MAX_PIECE_RUNS_PER_TENSOR = 1 << 23  # contiguous runs the pieces' boxes decompose into
 MAX_PART_SLOTS = 1 << 16
-PARTS_SUFFIX = "%parts"  # array_segment never yields "%p", so no tensor's array can end like this
-
-_HEX = re.compile(r"^[0-9a-f]{64}$")
-
-
-def _fail(what: str, msg: str) -> IntegrityError:
-    return IntegrityError(f"{what}: {msg}")
-
-
-def _int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
-        raise _fail(what, f"expected an integer in {lo}..{hi}, got {v!r}")
-    return v
-
-
-def _hexdigest(v: Any, what: str) -> str:
-    if not isinstance(v, str) or not _HEX.match(v):
-        raise _fail(what, f"expected a 64-hex-digit digest, got {v!r}")
-    return v
-
-
-def _attempt(v: Any, what: str) -> str:
-    try:
-        return layout.check_attempt(v)
-    except UnsafeKeyError as e:
-        raise UnsafeKeyError(f"{what}: {e}") from None
-
-
-def _shape(v: Any, what: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or len(v) > MAX_NDIM:
-        raise _fail(what, f"expected a list of at most {MAX_NDIM} dims, got {v!r}")
-    return tuple(_int(d, what, 0, MAX_DIM) for d in v)
-
 
 @dataclass(frozen=True, slots=True)
 class ChunkTable:
@@ -89,16 +55,16 @@ class ChunkTable:
     @classmethod
     def from_dict(cls, d: Any, what: str, n_chunks: int) -> ChunkTable:
         if not isinstance(d, dict):
-            raise _fail(what, "chunks must be an object")
+            raise fail(what, "chunks must be an object")
         idx, dig, nb = d.get("indices"), d.get("digests"), d.get("nbytes")
         if not all(isinstance(x, list) for x in (idx, dig, nb)) or not len(idx) == len(dig) == len(nb):
-            raise _fail(what, "chunks.indices/digests/nbytes must be lists of equal length")
+            raise fail(what, "chunks.indices/digests/nbytes must be lists of equal length")
         if len(idx) > n_chunks:
-            raise _fail(what, f"{len(idx)} stored chunks but the grid has {n_chunks}")
-        indices = tuple(_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
+            raise fail(what, f"{len(idx)} stored chunks but the grid has {n_chunks}")
+        indices = tuple(parse_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
         if any(a >= b for a, b in zip(indices, indices[1:])):
-            raise _fail(what, "chunk indices must be strictly increasing")
-        return cls(indices, tuple(_hexdigest(x, what) for x in dig), tuple(_int(x, what) for x in nb))
+            raise fail(what, "chunk indices must be strictly increasing")
+        return cls(indices, tuple(parse_digest(x, what) for x in dig), tuple(parse_int(x, what) for x in nb))
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,41 +90,38 @@ class PieceTable:
 
     @classmethod
     def from_dict(cls, d: Any, what: str, shape: tuple[int, ...], digest: str) -> PieceTable:
-        from dcr_core.shard_spec import Piece, c_strides, check_cover
-        from dcr_core.errors import UsageError
-
         if not isinstance(d, dict) or d.get("scheme") != PIECES_SCHEME:
-            raise _fail(what, f"pieces must be an object with scheme {PIECES_SCHEME!r}")
+            raise fail(what, f"pieces must be an object with scheme {PIECES_SCHEME!r}")
         st, ex, dg = d.get("starts"), d.get("extents"), d.get("digests")
         if not all(isinstance(x, list) for x in (st, ex, dg)) or not len(st) == len(ex) == len(dg):
-            raise _fail(what, "pieces.starts/extents/digests must be lists of equal length")
+            raise fail(what, "pieces.starts/extents/digests must be lists of equal length")
         if len(st) > MAX_PIECES_PER_TENSOR:
-            raise _fail(what, f"{len(st)} pieces exceeds the limit {MAX_PIECES_PER_TENSOR}")
-        starts = tuple(_shape(x, what) for x in st)
-        extents = tuple(_shape(x, what) for x in ex)
-        digests = tuple(_hexdigest(x, what) for x in dg)
+            raise fail(what, f"{len(st)} pieces exceeds the limit {MAX_PIECES_PER_TENSOR}")
+        starts = tuple(parse_shape(x, what) for x in st)
+        extents = tuple(parse_shape(x, what) for x in ex)
+        digests = tuple(parse_digest(x, what) for x in dg)
         cs = c_strides(shape)
         runs, total_runs = [], 0
         for a, e in zip(starts, extents):
             if len(a) != len(shape) or len(e) != len(shape):
-                raise _fail(what, f"piece box {list(a)}+{list(e)} does not have {len(shape)} dims")
+                raise fail(what, f"piece box {list(a)}+{list(e)} does not have {len(shape)} dims")
             try:
                 p = Piece("", shape, a, e, 0, cs)
             except UsageError as err:
-                raise _fail(what, str(err)) from None
+                raise fail(what, str(err)) from None
             total_runs += p.n_runs()
             if total_runs > MAX_PIECE_RUNS_PER_TENSOR:
-                raise _fail(what, f"pieces decompose into more than {MAX_PIECE_RUNS_PER_TENSOR} runs")
+                raise fail(what, f"pieces decompose into more than {MAX_PIECE_RUNS_PER_TENSOR} runs")
             c, _, n = p.runs()
             if n:
                 runs.append((c, n))
         try:
             check_cover("", math.prod(shape), runs)
         except UsageError as err:
-            raise _fail(what, f"pieces do not partition the tensor ({err})") from None
+            raise fail(what, f"pieces do not partition the tensor ({err})") from None
         table = cls(starts, extents, digests)
         if pieces_digest(table.records()) != digest:
-            raise _fail(what, "digest does not match its pieces")
+            raise fail(what, "digest does not match its pieces")
         return table
 
 
@@ -187,21 +150,21 @@ class PartTable:
     @classmethod
     def from_dict(cls, d: Any, what: str, n_chunks: int) -> PartTable:
         if not isinstance(d, dict):
-            raise _fail(what, "parts must be an object")
+            raise fail(what, "parts must be an object")
         sl, idx, dig, nb = d.get("slot"), d.get("indices"), d.get("digests"), d.get("nbytes")
         if not all(isinstance(x, list) for x in (sl, idx, dig, nb)) or not len(sl) == len(idx) == len(dig) == len(nb):
-            raise _fail(what, "parts.slot/indices/digests/nbytes must be lists of equal length")
-        slots = _int(d.get("slots"), what, 1, MAX_PART_SLOTS)
+            raise fail(what, "parts.slot/indices/digests/nbytes must be lists of equal length")
+        slots = parse_int(d.get("slots"), what, 1, MAX_PART_SLOTS)
         if len(idx) > n_chunks * slots:
-            raise _fail(what, f"{len(idx)} parts but the grid has {n_chunks} chunks of {slots} slots")
-        slot = tuple(_int(x, what, 0, slots - 1) for x in sl)
-        indices = tuple(_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
+            raise fail(what, f"{len(idx)} parts but the grid has {n_chunks} chunks of {slots} slots")
+        slot = tuple(parse_int(x, what, 0, slots - 1) for x in sl)
+        indices = tuple(parse_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
         keys = list(zip(indices, slot))
         if any(a >= b for a, b in zip(keys, keys[1:])):
-            raise _fail(what, "parts must be strictly increasing by (chunk, slot)")
+            raise fail(what, "parts must be strictly increasing by (chunk, slot)")
         return cls(
             layout.check_segment(d.get("array"), f"{what} parts array"), slots, slot, indices,
-            tuple(_hexdigest(x, what) for x in dig), tuple(_int(x, what) for x in nb),
+            tuple(parse_digest(x, what) for x in dig), tuple(parse_int(x, what) for x in nb),
         )
 
 
@@ -225,6 +188,10 @@ class TensorEntry:
         return ChunkGrid(self.shape, self.chunk_shape)
 
     @property
+    def info(self) -> TensorInfo:
+        return TensorInfo(self.name, self.dtype, self.shape)
+
+    @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
@@ -246,11 +213,11 @@ class TensorEntry:
         n = len(self.chunks)
         if pos < n:
             index = self.chunks.indices[pos]
-            return f"{self.array}/{self.grid.chunk_key(index)}", index, self.chunks.digests[pos], self.chunks.nbytes[pos]
+            key = layout.chunk_key(self.array, self.grid.grid_index(index))
+            return key, index, self.chunks.digests[pos], self.chunks.nbytes[pos]
         p, q = self.parts, pos - n
         index = p.indices[q]
-        key = "/".join(["c", str(p.slot[q]), *map(str, self.grid.grid_index(index))])
-        return f"{p.array}/{key}", index, p.digests[q], p.nbytes[q]
+        return layout.part_key(p.array, p.slot[q], self.grid.grid_index(index)), index, p.digests[q], p.nbytes[q]
 
     def encoding_at(self, pos: int) -> Encoding:
         """How position ``pos`` applies: the entry's encoding for main chunks, XOR for parts
@@ -288,38 +255,38 @@ class TensorEntry:
     def from_dict(cls, name: str, d: Any, where: str) -> TensorEntry:
         what = f"{where} tensor {name!r}"
         if not isinstance(d, dict):
-            raise _fail(what, "entry must be an object")
+            raise fail(what, "entry must be an object")
         dtype = d.get("dtype")
         if dtype not in DTYPES:
-            raise _fail(what, f"unsupported dtype {dtype!r}")
+            raise fail(what, f"unsupported dtype {dtype!r}")
         try:
             encoding = Encoding(d.get("encoding"))
         except ValueError:
-            raise _fail(what, f"unknown encoding {d.get('encoding')!r}") from None
-        shape = _shape(d.get("shape"), what)
-        chunk_shape = _shape(d.get("chunk_shape"), what)
+            raise fail(what, f"unknown encoding {d.get('encoding')!r}") from None
+        shape = parse_shape(d.get("shape"), what)
+        chunk_shape = parse_shape(d.get("chunk_shape"), what)
         if math.prod(shape) > MAX_TENSOR_ELEMENTS:
-            raise _fail(what, f"{math.prod(shape)} elements exceeds the limit {MAX_TENSOR_ELEMENTS}")
+            raise fail(what, f"{math.prod(shape)} elements exceeds the limit {MAX_TENSOR_ELEMENTS}")
         if math.prod(chunk_shape) * DTYPES[dtype].itemsize > MAX_CHUNK_BYTES:
-            raise _fail(what, f"chunk shape {list(chunk_shape)} exceeds {MAX_CHUNK_BYTES} bytes per chunk")
+            raise fail(what, f"chunk shape {list(chunk_shape)} exceeds {MAX_CHUNK_BYTES} bytes per chunk")
         try:
             grid = ChunkGrid(shape, chunk_shape)  # validates contiguity and ranks
         except IntegrityError as e:
-            raise _fail(what, str(e)) from None
+            raise fail(what, str(e)) from None
         if grid.n_chunks > MAX_CHUNKS_PER_TENSOR:
-            raise _fail(what, f"{grid.n_chunks} chunks exceeds the limit {MAX_CHUNKS_PER_TENSOR}")
+            raise fail(what, f"{grid.n_chunks} chunks exceeds the limit {MAX_CHUNKS_PER_TENSOR}")
         base = d.get("base_digest")
         chunks = ChunkTable.from_dict(d.get("chunks"), what, grid.n_chunks)
-        digest = _hexdigest(d.get("digest"), what)
+        digest = parse_digest(d.get("digest"), what)
         pieces = None if d.get("pieces") is None else PieceTable.from_dict(d["pieces"], what, shape, digest)
         parts = None if d.get("parts") is None else PartTable.from_dict(d["parts"], what, grid.n_chunks)
         if encoding is Encoding.UNCHANGED and (len(chunks) or (parts and len(parts))):
-            raise _fail(what, "an unchanged tensor lists stored chunks")
+            raise fail(what, "an unchanged tensor lists stored chunks")
         if parts is not None:
             if encoding is Encoding.OVERWRITE:
-                raise _fail(what, "overwrites cannot have parts")
+                raise fail(what, "overwrites cannot have parts")
             if set(parts.indices) & set(chunks.indices):
-                raise _fail(what, "a chunk is stored both whole and in parts")
+                raise fail(what, "a chunk is stored both whole and in parts")
         return cls(
             name=name,
             dtype=dtype,
@@ -329,8 +296,8 @@ class TensorEntry:
             array=layout.check_segment(d.get("array"), f"{what} array"),
             chunk_shape=chunk_shape,
             chunks=chunks,
-            base_digest=None if base is None else _hexdigest(base, what),
-            changed=_int(d.get("changed_elements", 0), what),
+            base_digest=None if base is None else parse_digest(base, what),
+            changed=parse_int(d.get("changed_elements", 0), what),
             pieces=pieces,
             parts=parts,
         )
@@ -411,157 +378,80 @@ class Manifest:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
-            raise _fail(where, f"{len(data)} bytes exceeds the manifest limit {MAX_MANIFEST_BYTES}")
+            raise fail(where, f"{len(data)} bytes exceeds the manifest limit {MAX_MANIFEST_BYTES}")
         try:
             d = json.loads(data)
         except (ValueError, UnicodeDecodeError) as e:
-            raise _fail(where, f"not valid JSON ({e})") from None
+            raise fail(where, f"not valid JSON ({e})") from None
         return cls.from_dict(d, where)
 
     @classmethod
     def from_dict(cls, d: Any, where: str) -> Manifest:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise _fail(where, "not a DCR manifest")
+            raise fail(where, "not a DCR manifest")
         version = d.get("schema_version")
         if version != SCHEMA_VERSION:
-            raise _fail(where, f"schema_version {version!r} is not supported (this DCR reads {SCHEMA_VERSION})")
+            raise fail(where, f"schema_version {version!r} is not supported (this DCR reads {SCHEMA_VERSION})")
         if d.get("digest_algorithm", DIGEST_ALGORITHM) != DIGEST_ALGORITHM:
-            raise _fail(where, f"digest algorithm {d.get('digest_algorithm')!r} is not supported")
+            raise fail(where, f"digest algorithm {d.get('digest_algorithm')!r} is not supported")
         kind = d.get("kind")
         if kind not in (KEYFRAME, DELTA):
-            raise _fail(where, f"kind must be keyframe or delta, got {kind!r}")
-        step = _int(d.get("step"), where, 0, layout.MAX_STEP)
+            raise fail(where, f"kind must be keyframe or delta, got {kind!r}")
+        step = parse_int(d.get("step"), where, 0, layout.MAX_STEP)
         base_step = d.get("base_step")
         if kind == DELTA:
-            base_step = _int(base_step, where, 0, step - 1) if step > 0 else _int(base_step, where, 1, 0)
-            base_policy = _hexdigest(d.get("base_policy_digest"), where)
+            base_step = parse_int(base_step, where, 0, step - 1) if step > 0 else parse_int(base_step, where, 1, 0)
+            base_policy = parse_digest(d.get("base_policy_digest"), where)
         else:
             if base_step is not None:
-                raise _fail(where, "a keyframe has no base step")
+                raise fail(where, "a keyframe has no base step")
             base_policy = None
         tensors_d = d.get("tensors")
         if not isinstance(tensors_d, dict) or len(tensors_d) > MAX_TENSORS:
-            raise _fail(where, f"tensors must be an object of at most {MAX_TENSORS} entries")
+            raise fail(where, f"tensors must be an object of at most {MAX_TENSORS} entries")
         tensors = {}
         for name, td in tensors_d.items():
             entry = TensorEntry.from_dict(name, td, where)
             if kind == KEYFRAME and entry.encoding not in (Encoding.FULL,):
-                raise _fail(where, f"keyframe tensor {name!r} has encoding {entry.encoding.value}")
+                raise fail(where, f"keyframe tensor {name!r} has encoding {entry.encoding.value}")
             if kind == DELTA and entry.encoding is Encoding.FULL:
-                raise _fail(where, f"delta tensor {name!r} has encoding full")
+                raise fail(where, f"delta tensor {name!r} has encoding full")
             tensors[name] = entry
         snapshot = {}
         snap_d = d.get("snapshot")
         if snap_d is not None:
             if kind != DELTA or not isinstance(snap_d, dict) or set(snap_d) != set(tensors):
-                raise _fail(where, "a snapshot belongs to a delta and holds exactly its tensors")
+                raise fail(where, "a snapshot belongs to a delta and holds exactly its tensors")
             for name, td in snap_d.items():
                 entry = TensorEntry.from_dict(name, td, f"{where} snapshot")
                 t = tensors[name]
                 if entry.encoding is not Encoding.FULL or (entry.dtype, entry.shape, entry.digest) != (
                     t.dtype, t.shape, t.digest
                 ):
-                    raise _fail(where, f"snapshot tensor {name!r} is not a full copy of the step's tensor")
+                    raise fail(where, f"snapshot tensor {name!r} is not a full copy of the step's tensor")
                 snapshot[name] = entry
         arrays = [t.array for t in tensors.values()] + [t.parts.array for t in tensors.values() if t.parts]
         arrays += [t.array for t in snapshot.values()]
         if len(set(arrays)) != len(arrays):
-            raise _fail(where, "two tensors share one array")
+            raise fail(where, "two tensors share one array")
         try:
             codec = CodecSpec.from_dict(d.get("codec"))
         except (TypeError, KeyError, ValueError) as e:
-            raise _fail(where, f"bad codec ({e})") from None
+            raise fail(where, f"bad codec ({e})") from None
         m = cls(
             step=step,
             kind=kind,
             base_step=base_step,
             base_policy_digest=base_policy,
-            policy_digest=_hexdigest(d.get("policy_digest"), where),
-            attempt=_attempt(d.get("attempt"), where),
+            policy_digest=parse_digest(d.get("policy_digest"), where),
+            attempt=parse_attempt(d.get("attempt"), where),
             codec=codec,
-            chunk_bytes=_int(d.get("chunk_bytes"), where, 1),
+            chunk_bytes=parse_int(d.get("chunk_bytes"), where, 1),
             tensors=tensors,
             created_at=str(d.get("created_at", "")),
             producer=d.get("producer") if isinstance(d.get("producer"), dict) else {},
             snapshot=snapshot,
         )
         if m.computed_policy_digest() != m.policy_digest:
-            raise _fail(where, "policy digest does not match its tensors")
+            raise fail(where, "policy digest does not match its tensors")
         return m
-
-
-@dataclass(frozen=True)
-class CommitMarker:
-    """The object whose existence makes a step real; it names the attempt and binds its manifest."""
-
-    step: int
-    attempt: str
-    manifest_digest: str
-    kind: str
-    base_step: int | None
-    policy_digest: str
-    committed_at: str
-    summary: dict = field(default_factory=dict)
-    signature: str | None = None  # HMAC of body() when the publisher has a signing key
-
-    @property
-    def manifest_key(self) -> str:
-        return layout.manifest_key(self.step, self.attempt)
-
-    def to_json(self) -> bytes:
-        d = self.body()
-        if self.signature is not None:
-            d["signature"] = {"algorithm": "hmac-sha256", "value": self.signature}
-        return json.dumps(d, indent=1).encode() + b"\n"
-
-    def body(self) -> dict:
-        """Every field but the signature: what a signature covers."""
-        return {
-            "format": "dcr-commit",
-            "schema_version": SCHEMA_VERSION,
-            "step": self.step,
-            "attempt": self.attempt,
-            "manifest": f"attempts/{self.attempt}/{layout.MANIFEST}",
-            "manifest_digest": self.manifest_digest,
-            "kind": self.kind,
-            "base_step": self.base_step,
-            "policy_digest": self.policy_digest,
-            "committed_at": self.committed_at,
-            "summary": self.summary,
-        }
-
-    @classmethod
-    def from_json(cls, data: bytes, where: str, step: int) -> CommitMarker:
-        if len(data) > 1 << 20:
-            raise _fail(where, "commit marker is larger than 1 MiB")
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise _fail(where, f"not valid JSON ({e})") from None
-        if not isinstance(d, dict) or d.get("format") != "dcr-commit":
-            raise _fail(where, "not a DCR commit marker")
-        if d.get("step") != step:
-            raise _fail(where, f"commit marker of step {d.get('step')!r} found under step {step}")
-        attempt = _attempt(d.get("attempt"), where)
-        if d.get("manifest") != f"attempts/{attempt}/{layout.MANIFEST}":
-            raise _fail(where, f"manifest {d.get('manifest')!r} lies outside attempt {attempt}")
-        kind = d.get("kind")
-        if kind not in (KEYFRAME, DELTA):
-            raise _fail(where, f"bad kind {kind!r}")
-        base = d.get("base_step")
-        sig = d.get("signature")
-        if sig is not None and not (
-            isinstance(sig, dict) and sig.get("algorithm") == "hmac-sha256" and isinstance(sig.get("value"), str)
-        ):
-            raise _fail(where, "malformed signature")
-        return cls(
-            signature=None if sig is None else sig["value"],
-            step=step,
-            attempt=attempt,
-            manifest_digest=_hexdigest(d.get("manifest_digest"), where),
-            kind=kind,
-            base_step=None if base is None else _int(base, where, 0, max(0, step - 1)),
-            policy_digest=_hexdigest(d.get("policy_digest"), where),
-            committed_at=str(d.get("committed_at", "")),
-            summary=d.get("summary") if isinstance(d.get("summary"), dict) else {},
-        )

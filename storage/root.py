@@ -1,34 +1,67 @@
 """ROOT: an fsspec URL or local path, and every byte DCR reads or writes under it.
 
 All keys are relative, '/'-separated and checked to stay under ROOT; nothing else is touched.
-Every operation goes through this class, which retries transient failures (``storage.retry``)
-and counts requests and bytes per ROOT (``io_stats``), so what a refit moved can be measured.
+Every request goes through ``Root``, which applies the backend's retry owner (``storage.retry``)
+and counts requests and bytes (``storage.stats``). ``open_root`` keeps one ``Root`` per ROOT URL
+and storage options in the process, so steps that receive a ``RootRef`` do not reopen anything.
 """
 
 from __future__ import annotations
 
-import contextlib
 import datetime
+import json
 import logging
 import os
 import posixpath
+import re
 import threading
-import uuid
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, field
 
-# gcsfs 2026.x otherwise probes a gRPC endpoint on every call (seconds each); set before import.
-os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
-
-import fsspec  # noqa: E402
-
-from dcr_core.errors import UnsafeKeyError, UsageError  # noqa: E402
-from storage import commit  # noqa: E402
-from storage.retry import RetryPolicy  # noqa: E402
+from dcr_core.errors import UnsafeKeyError, UsageError
+from storage import backends, stats
+from storage.retry import RetryPolicy
 
 log = logging.getLogger("dcr.storage")
 
-DEFAULT_POOL = 32
+# A scheme is letters, digits, '+', '-', '.', starting with a letter (RFC 3986). Anything that looks
+# like one but is not a known backend is refused: "s3:/b/x" or "s4://b/x" must not become local paths.
+_URLISH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
+
+
+def check_root_url(url: str) -> str:
+    """``url`` if it is a local path or a well-formed URL of a supported backend, else a UsageError."""
+    if not isinstance(url, str) or not url:
+        raise UsageError(f"ROOT must be a non-empty path or URL, got {url!r}")
+    if _URLISH.match(url) and not re.match(r"^[A-Za-z]:[\\/]", url):  # not a Windows drive
+        scheme, _, rest = url.partition(":")
+        if scheme.lower() not in backends.SUPPORTED or not rest.startswith("//"):
+            raise UsageError(
+                f"ROOT {url!r} is not a supported URL; use a local path, file:///dir, memory://name, "
+                "s3://bucket/prefix or gs://bucket/prefix"
+            )
+    return url
+
+
+@dataclass(frozen=True)
+class RootRef:
+    """A ROOT by reference: what a task receives instead of an open filesystem (serializable)."""
+
+    url: str
+    storage_options: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "url", check_root_url(os.fspath(self.url)))
+        if not isinstance(self.storage_options, Mapping):
+            raise UsageError(f"storage_options must be a mapping, got {type(self.storage_options).__name__}")
+        object.__setattr__(self, "storage_options", dict(self.storage_options))
+
+    def __hash__(self) -> int:
+        return hash((self.url, _options_key(self.storage_options)))
+
+
+def _options_key(options: Mapping) -> str:
+    return json.dumps(options, sort_keys=True, default=repr)
 
 
 def parse_storage_options(pairs: list[str] | None) -> dict[str, object]:
@@ -53,7 +86,10 @@ def parse_storage_options(pairs: list[str] | None) -> dict[str, object]:
         target = out
         *parents, leaf = key.split(".")
         for p in parents:
-            target = target.setdefault(p, {})  # type: ignore[assignment]
+            nested = target.setdefault(p, {})
+            if not isinstance(nested, dict):
+                raise UsageError(f"--storage-option {pair!r}: {p!r} is already set to a value")
+            target = nested
         target[leaf] = value
     return out
 
@@ -64,78 +100,6 @@ def _check_rel(key: str) -> str:
     if any(part in ("", ".", "..") for part in key.split("/")):
         raise UnsafeKeyError(f"key {key!r} leaves ROOT")
     return key
-
-
-@dataclass
-class IOStats:
-    """Requests and bytes moved under one ROOT in this process."""
-
-    gets: int = 0
-    bytes_read: int = 0
-    puts: int = 0
-    bytes_written: int = 0
-    lists: int = 0
-    heads: int = 0
-    retries: int = 0
-
-    def copy(self) -> IOStats:
-        return IOStats(**asdict(self))
-
-    def minus(self, other: IOStats) -> IOStats:
-        return IOStats(**{k: v - getattr(other, k) for k, v in asdict(self).items()})
-
-
-_STATS: dict[str, IOStats] = {}
-_STATS_LOCK = threading.Lock()
-
-
-def io_stats(url: str | os.PathLike) -> IOStats:
-    """A snapshot of the counters of ROOT ``url`` in this process."""
-    with _STATS_LOCK:
-        return _STATS.setdefault(os.fspath(url), IOStats()).copy()
-
-
-def _backend_defaults(protocol: str, opts: dict) -> dict:
-    if protocol in ("file", "local"):
-        opts.setdefault("auto_mkdir", True)
-    elif protocol in ("s3", "s3a"):
-        # botocore's pool is 10 connections by default; DCR moves many chunks in parallel.
-        cfg = dict(opts.get("config_kwargs") or {})
-        cfg.setdefault("max_pool_connections", DEFAULT_POOL)
-        opts["config_kwargs"] = cfg
-        # One GET per object: with max_concurrency > 1 s3fs first HEADs every object to split it.
-        opts.setdefault("max_concurrency", 1)
-    elif protocol in ("gs", "gcs") and os.environ.get("STORAGE_EMULATOR_HOST"):
-        opts.setdefault("token", "anon")
-    return opts
-
-
-def gcs_upload_kwargs(protocol: str, data: bytes) -> dict:
-    """Upload options that keep GCS objects intact on every server.
-
-    The GCS emulator's multipart parser drops a trailing carriage return, so an object ending in
-    b"\\r" comes back one byte short (DCR's digests catch it). Such objects go through a one-chunk
-    resumable upload instead, which real GCS and the emulator both store exactly.
-    """
-    if protocol in ("gs", "gcs") and data.endswith(b"\r"):
-        return {"chunksize": len(data)}
-    return {}
-
-
-def _write_local_atomically(path: str, data: bytes) -> None:
-    """Write a temp file beside ``path`` and rename it over ``path``: a concurrent reader sees the
-    old object or the new one, never a prefix (the PUT semantics of object stores)."""
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.put-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,40 +129,23 @@ def _mtime(info: Mapping[str, object]) -> float | None:
 
 
 class Root:
-    """One ROOT opened through fsspec."""
+    """One ROOT opened through fsspec (prefer ``open_root``, which shares instances)."""
 
-    def __init__(
-        self,
-        url: str | os.PathLike,
-        storage_options: Mapping[str, object] | None = None,
-        retry: RetryPolicy | None = None,
-    ):
-        url = os.fspath(url)
-        protocol = fsspec.utils.get_protocol(url)
-        opts = _backend_defaults(protocol, dict(storage_options or {}))
-        try:
-            self.fs, self.path = fsspec.url_to_fs(url, **opts)
-        except (ImportError, ValueError, TypeError) as e:
-            raise UsageError(f"cannot open ROOT {url!r}: {e}") from None
-        self.url = url
-        self.storage_options = dict(storage_options or {})
-        self.protocol = protocol
-        self.path = self.path.rstrip("/") or "/"
-        self.retry = retry or RetryPolicy()
-        with _STATS_LOCK:
-            self._stats = _STATS.setdefault(url, IOStats())
+    def __init__(self, url: str | os.PathLike, storage_options: Mapping[str, object] | None = None,
+                 retry: RetryPolicy | None = None):
+        self.ref = RootRef(os.fspath(url), dict(storage_options or {}))
+        self.url = self.ref.url
+        self.storage_options = self.ref.storage_options
+        self.backend = backends.open_backend(self.url, self.storage_options)
+        self.fs, self.path, self.protocol = self.backend.fs, self.backend.path, self.backend.protocol
+        self.retry = retry or self.backend.retry
 
     def __repr__(self) -> str:
         return f"Root({self.url!r})"
 
-    def _count(self, **deltas: int) -> None:
-        with _STATS_LOCK:
-            for k, v in deltas.items():
-                setattr(self._stats, k, getattr(self._stats, k) + v)
-
     def _call(self, what: str, key: str, fn):
         def on_retry(attempt: int, e: BaseException) -> None:
-            self._count(retries=1)
+            stats.count(self.url, retries=1)
             log.warning("retrying %s %s/%s after %s: %s (attempt %d)", what, self.url, key, type(e).__name__, e, attempt)
 
         return self.retry.call(fn, on_retry)
@@ -210,9 +157,9 @@ class Root:
         path = self.full(key)
 
         def get() -> bytes:
-            self._count(gets=1)
+            stats.count(self.url, gets=1)
             data = self.fs.cat_file(path)
-            self._count(bytes_read=len(data))
+            stats.count(self.url, bytes_read=len(data))
             return data
 
         return self._call("GET", key, get)
@@ -222,11 +169,11 @@ class Root:
         path = self.full(key)
 
         def put() -> None:
-            self._count(puts=1, bytes_written=len(data))
-            if self.protocol in ("file", "local"):
-                _write_local_atomically(path, data)  # like an object store PUT: never seen half-written
+            stats.count(self.url, puts=1, bytes_written=len(data))
+            if self.backend.local:
+                backends.write_local_atomically(path, data)  # like a PUT: never seen half-written
                 return
-            self.fs.pipe_file(path, data, **gcs_upload_kwargs(self.protocol, data))
+            self.fs.pipe_file(path, data, **backends.upload_kwargs(self.protocol, data))
 
         self._call("PUT", key, put)
 
@@ -235,8 +182,8 @@ class Root:
         path = self.full(key)
 
         def put() -> bool:
-            self._count(puts=1, bytes_written=len(data))
-            return commit.create_if_absent(self.fs, self.protocol, path, data)
+            stats.count(self.url, puts=1, bytes_written=len(data))
+            return backends.create_if_absent(self.backend, path, data)
 
         return self._call("PUT-if-absent", key, put)
 
@@ -244,7 +191,7 @@ class Root:
         path = self.full(key)
 
         def head() -> bool:
-            self._count(heads=1)
+            stats.count(self.url, heads=1)
             self.fs.invalidate_cache(path)
             return self.fs.exists(path)
 
@@ -255,7 +202,7 @@ class Root:
         path = self.full(key)
 
         def ls() -> list[str]:
-            self._count(lists=1)
+            stats.count(self.url, lists=1)
             self.fs.invalidate_cache(path)
             try:
                 entries = self.fs.ls(path, detail=False)
@@ -270,7 +217,7 @@ class Root:
         path = self.full(key)
 
         def find() -> list[ObjectInfo]:
-            self._count(lists=1)
+            stats.count(self.url, lists=1)
             self.fs.invalidate_cache(path)
             try:
                 found = self.fs.find(path, detail=True)
@@ -287,4 +234,28 @@ class Root:
 
     def remove(self, key: str, recursive: bool = False) -> None:
         path = self.full(key)
-        self._call("DELETE", key, lambda: self.fs.rm(path, recursive=recursive))
+
+        def delete() -> None:
+            stats.count(self.url, deletes=1)
+            self.fs.rm(path, recursive=recursive)
+
+        self._call("DELETE", key, delete)
+
+
+_ROOTS: dict[tuple[str, str], Root] = {}
+_ROOTS_LOCK = threading.Lock()
+
+
+def open_root(ref: RootRef | str | os.PathLike, storage_options: Mapping | None = None) -> Root:
+    """The process's ``Root`` for a ROOT reference (opened once, then shared: roots hold no state
+    but their filesystem, which fsspec caches per options anyway)."""
+    if not isinstance(ref, RootRef):
+        ref = RootRef(os.fspath(ref), dict(storage_options or {}))
+    key = (ref.url, _options_key(ref.storage_options))
+    with _ROOTS_LOCK:
+        root = _ROOTS.get(key)
+    if root is None:
+        root = Root(ref.url, ref.storage_options)
+        with _ROOTS_LOCK:
+            root = _ROOTS.setdefault(key, root)
+    return root

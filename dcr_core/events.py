@@ -1,0 +1,135 @@
+"""Named points a refit passes: progress events for listeners, and failpoints for fault tests.
+
+Code says where it is with ``reached("publish.chunk-stored", tensor=name, index=i)``. Listeners
+(``listen``) receive ``(point, fields)``: a progress display, a logger, a test counting chunks.
+
+A failpoint turns a point into a fault, in the spirit of etcd's gofail: ``DCR_FAILPOINTS`` (read
+when this module is imported) or ``set_failpoints`` holds ``POINT[@N]=ACTION`` entries separated by
+commas, ``N`` being the N-th time this process reaches the point (default 1):
+- ``pause``: write ``dcr: failpoint POINT@N reached (pid P)`` to stderr, then block for good; a
+  test kills the process there, so the kill provably lands at that point;
+- ``exit``: write the same line, then ``os._exit(137)``: a crash that runs no cleanup, like kill -9;
+- ``raise``: raise ``FailpointError`` (not a ``DCRError``: no handler mistakes it for its own).
+
+With no listener and no failpoint, ``reached`` is one global check. Points are listed in
+``POINTS`` so tests and docs name real ones; reaching an unlisted point is a programming error.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+POINTS = frozenset({
+    # publisher
+    "chunk.stored", "chunk.fetched",
+    "publish.planned", "publish.tensors-stored", "publish.manifest-written",
+    "publish.committed", "publish.baseline-kept",
+    # a rank of a sharded publish
+    "publish.rank-partial-written",
+    # receiver (state file)
+    "receive.planned", "receive.tensor-staged", "receive.staged",
+    "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patched", "receive.replaced",
+    "receive.recorded",
+    # maintenance
+    "gc.marker-deleted", "gc.step-deleted",
+})
+
+ACTIONS = ("pause", "exit", "raise")
+
+Listener = Callable[[str, dict], None]
+
+
+class FailpointError(RuntimeError):
+    """Raised by a failpoint whose action is ``raise``."""
+
+
+_lock = threading.Lock()
+_listeners: list[Listener] = []
+_failpoints: dict[tuple[str, int], str] = {}
+_counts: dict[str, int] = {}
+_active = False
+
+
+def parse_failpoints(spec: str) -> dict[tuple[str, int], str]:
+    """``"a.b@3=pause,c=raise"`` -> ``{("a.b", 3): "pause", ("c", 1): "raise"}``."""
+    out: dict[tuple[str, int], str] = {}
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        where, sep, action = item.partition("=")
+        point, _, nth = where.partition("@")
+        if not sep or action not in ACTIONS or point not in POINTS or (nth and not nth.isdigit()):
+            raise ValueError(
+                f"failpoint {item!r} is not POINT[@N]=ACTION with ACTION one of {', '.join(ACTIONS)} "
+                f"and POINT one of {', '.join(sorted(POINTS))}"
+            )
+        out[(point, int(nth or 1))] = action
+    return out
+
+
+def _refresh() -> None:
+    global _active
+    _active = bool(_listeners or _failpoints)
+
+
+def set_failpoints(spec: str | dict[tuple[str, int], str] | None) -> None:
+    """Replace this process's failpoints (and restart the counts)."""
+    with _lock:
+        _failpoints.clear()
+        _failpoints.update(parse_failpoints(spec) if isinstance(spec, str) else (spec or {}))
+        _counts.clear()
+        _refresh()
+
+
+@contextmanager
+def failpoints(spec: str) -> Iterator[None]:
+    """Failpoints active for the block only (in-process fault tests)."""
+    set_failpoints(spec)
+    try:
+        yield
+    finally:
+        set_failpoints(None)
+
+
+@contextmanager
+def listening(listener: Listener) -> Iterator[Listener]:
+    """Call ``listener(point, fields)`` for every point reached in the block (any thread)."""
+    with _lock:
+        _listeners.append(listener)
+        _refresh()
+    try:
+        yield listener
+    finally:
+        with _lock:
+            _listeners.remove(listener)
+            _refresh()
+
+
+def reached(point: str, **fields) -> None:
+    """Report that this process reached ``point``: tell the listeners, then act on its failpoint."""
+    if not _active:
+        return
+    if point not in POINTS:
+        raise ValueError(f"unknown point {point!r}")
+    with _lock:
+        n = _counts[point] = _counts.get(point, 0) + 1
+        action = _failpoints.get((point, n))
+        listeners = list(_listeners)
+    for listener in listeners:
+        listener(point, fields)
+    if action is None:
+        return
+    if action == "raise":
+        raise FailpointError(f"failpoint {point}@{n}")
+    sys.stderr.write(f"dcr: failpoint {point}@{n} reached (pid {os.getpid()})\n")
+    sys.stderr.flush()
+    if action == "exit":
+        os._exit(137)
+    while True:  # pause: wait to be killed
+        time.sleep(3600)
+
+
+set_failpoints(os.environ.get("DCR_FAILPOINTS") or None)

@@ -1,0 +1,61 @@
+"""The commands that only read (or tidy) the bucket: ``dcr ls``, ``dcr verify``, ``dcr gc``.
+None of them imports torch."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import asdict
+
+from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.maintenance.audit import format_rows, list_steps, verify
+from flows.maintenance.gc import GcReport, format_report, run_gc
+from flows.options import GcOptions
+from storage.root import open_root
+
+
+def add_arguments(name: str, p) -> None:
+    add_common(p, orchestrated=name == "gc")
+    if name == "verify":
+        p.add_argument("--step", type=step_arg, default=None)
+        p.add_argument("--deep", action="store_true", help="also replay every delta and check tensor digests")
+    elif name == "gc":
+        p.add_argument(
+            "--keep-last", type=int, required=True, metavar="K",
+            help="keep the newest K committed steps (and the chains to rebuild them); registered receivers' "
+            "steps and the deltas they need are always kept",
+        )
+        p.add_argument(
+            "--grace-seconds", type=float, default=3600.0,
+            help="leave uncommitted attempts younger than this alone: a publisher may still be writing them (default 3600)",
+        )
+        p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
+
+
+def run(name: str, args) -> int:
+    so = storage_options(args)
+    if name == "ls":
+        rows = list_steps(open_root(args.root, so))
+        say(args, format_rows(rows), [asdict(r) for r in rows])
+        return 0
+    if name == "verify":
+        report = verify(open_root(args.root, so), args.step, deep=args.deep, workers=args.io_workers)
+        for err in report.errors:
+            print(f"dcr: verify: {err}", file=sys.stderr)
+        status = "FAILED" if report.errors else "ok"
+        say(
+            args,
+            f"verify {status}: {len(report.steps)} steps, {report.chunks} chunks, {report.bytes} bytes checked"
+            + (f", {len(report.errors)} errors" if report.errors else ""),
+            asdict(report),
+        )
+        return 1 if report.errors else 0
+    options = GcOptions(keep_last=args.keep_last, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
+    if use_prefect(args):
+        from flows.prefect_flows import gc_refit  # noqa: PLC0415 - Prefect only when asked for
+
+        data = gc_refit(args.root, options, so)
+        report = GcReport.from_dict(data)
+    else:
+        report = run_gc(args.root, options, so)
+    say(args, format_report(report), asdict(report))
+    return 0

@@ -1,0 +1,57 @@
+"""What every ``dcr`` command shares: common options, printing, the choice of orchestrator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from dcr_core.errors import UsageError
+from storage.root import parse_storage_options
+
+
+def add_common(p: argparse.ArgumentParser, orchestrated: bool = False) -> None:
+    p.add_argument("root", help="the bucket: a local path, file://, memory://name, s3://bucket/prefix or gs://bucket/prefix")
+    p.add_argument(
+        "--storage-option", action="append", default=[], metavar="KEY=VALUE",
+        help="extra fsspec option for ROOT (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",
+    )
+    if orchestrated:
+        p.add_argument(
+            "--orchestrator", choices=("auto", "prefect", "none"), default=os.environ.get("DCR_ORCHESTRATOR", "auto"),
+            help="run as Prefect flows or in-process (default auto: Prefect if PREFECT_API_URL is set)",
+        )
+    p.add_argument("--io-workers", type=int, default=8, help="parallel object reads/writes (default 8)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+
+
+def step_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}")
+    return value
+
+
+def storage_options(args) -> dict:
+    if args.io_workers < 1:
+        raise UsageError(f"--io-workers must be >= 1, got {args.io_workers}")
+    return parse_storage_options(args.storage_option)
+
+
+def use_prefect(args) -> bool:
+    if args.orchestrator == "prefect":
+        return True
+    return args.orchestrator == "auto" and bool(os.environ.get("PREFECT_API_URL"))
+
+
+def say(args, human: str, data) -> None:
+    if args.quiet:
+        return
+    if args.json:
+        print(json.dumps(data, indent=1, default=str), flush=True)
+    else:
+        print(human, flush=True)

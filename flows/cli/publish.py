@@ -1,0 +1,79 @@
+"""``dcr publish ROOT CHECKPOINT --step N [--keyframe]``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from dcr_core.errors import UsageError
+from dcr_core.retention import KeyframePolicy
+from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.options import DELTA_CODECS, PublishOptions
+from flows.publish.dcp import dcp_sources
+from flows.publish.layout_file import is_layout_file, layout_sources
+from flows.publish.pipeline import run_publish
+from storage.local.dcp_metadata import is_dcp_dir
+
+
+def add_arguments(name: str, p) -> None:
+    add_common(p, orchestrated=True)
+    p.add_argument("checkpoint", help="a .safetensors file, a sharded HF directory, a DCP directory or a layout file")
+    p.add_argument("--step", type=step_arg, required=True)
+    p.add_argument("--keyframe", action="store_true", help="store a full snapshot and start a new lineage")
+    p.add_argument(
+        "--dcp-prefix", default=None, metavar="PREFIX",
+        help="CHECKPOINT is a torch.distributed.checkpoint directory: publish only tensors named PREFIX..., "
+        "without the prefix (e.g. model.)",
+    )
+    p.add_argument("--chunk-bytes", type=int, default=None, help="raw bytes per chunk (default 4 MiB)")
+    p.add_argument("--no-cache", action="store_true", help="rebuild the baseline from ROOT instead of the local cache")
+    p.add_argument(
+        "--keyframe-every", type=int, default=0, metavar="K",
+        help="keyframe policy: make this step a restart point once K steps passed since the lineage's keyframe",
+    )
+    p.add_argument(
+        "--keyframe-above", type=float, default=0.0, metavar="F",
+        help="keyframe policy: make this step a restart point once the stored delta bytes since the lineage's "
+        "keyframe exceed F times the full size (e.g. 0.5)",
+    )
+    p.add_argument(
+        "--codec", choices=tuple(DELTA_CODECS), default="sparse",
+        help="delta codec: sparse (default, near the entropy bound; stock zarr reads it with this package "
+        "installed) or blosc (standard Zarr codec only, about 1.6x the bytes)",
+    )
+
+
+def _source(args):
+    if is_dcp_dir(args.checkpoint):  # a DCP directory: published from its shards, file by file
+        return dcp_sources(args.checkpoint, args.dcp_prefix)
+    if is_layout_file(args.checkpoint):  # per-rank safetensors files + a layout file
+        return layout_sources(args.checkpoint)
+    if args.dcp_prefix is not None:
+        raise UsageError(f"{args.checkpoint}: --dcp-prefix needs a torch.distributed.checkpoint directory (with .metadata)")
+    return args.checkpoint
+
+
+def run(name: str, args) -> int:
+    so = storage_options(args)
+    kw = {"io_workers": args.io_workers, "use_cache": not args.no_cache, "delta_codec": DELTA_CODECS[args.codec],
+          "keyframe_policy": KeyframePolicy(every=args.keyframe_every, above=args.keyframe_above)}
+    if args.chunk_bytes:
+        kw["chunk_bytes"] = args.chunk_bytes
+    options = PublishOptions(**kw)
+    source = _source(args)
+    if use_prefect(args):
+        from flows.prefect_flows import publish_refit  # noqa: PLC0415 - Prefect only when asked for
+
+        res = publish_refit(args.root, source, args.step, args.keyframe, so, options)
+    else:
+        res = asdict(run_publish(args.root, source, args.step, args.keyframe, so, options))
+    s = res["summary"]
+    base = "" if res["base_step"] is None else f" against step {res['base_step']}"
+    if res["kind"] == "keyframe" and s.get("keyframe_reason") not in (None, "requested", "first step"):
+        base = f" by keyframe policy: {s['keyframe_reason']}"
+    say(
+        args,
+        f"committed step {res['step']} ({res['kind']}{base}): {s['tensors_changed']}/{s['tensors']} tensors changed, "
+        f"change rate {100 * s['change_rate']:.3f}%, stored {s['bytes_stored']} of {s['bytes_full']} bytes",
+        res,
+    )
+    return 0

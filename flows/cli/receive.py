@@ -1,0 +1,62 @@
+"""``dcr receive ROOT --receiver ID --state PATH [--step N]`` and ``dcr materialize ROOT --step N --out PATH``."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from dcr_core.errors import UsageError
+from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.options import ReceiveOptions
+from flows.receive.follow import follow
+from flows.receive.pipeline import run_materialize, run_receive
+from storage.root import RootRef
+
+
+def add_arguments(name: str, p) -> None:
+    if name == "materialize":
+        add_common(p)
+        p.add_argument("--step", type=step_arg, default=None, help="default: the latest committed step")
+        p.add_argument("--out", required=True)
+        return
+    add_common(p, orchestrated=True)
+    p.add_argument("--receiver", required=True)
+    p.add_argument("--state", required=True)
+    p.add_argument("--step", type=step_arg, default=None)
+    p.add_argument("--follow", action="store_true", help="keep polling ROOT and apply every newly committed step")
+    p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
+    p.add_argument("--until-step", type=step_arg, default=None, help="with --follow: exit once at this step or later")
+    p.add_argument(
+        "--in-place", action="store_true",
+        help="patch the state file in place (undo journal; writes only the changed elements) instead of "
+        "rewriting it; readers must not read the file while a receive runs",
+    )
+
+
+def run(name: str, args) -> int:
+    so = storage_options(args)
+    if name == "materialize":
+        res = asdict(run_materialize(args.root, args.step, args.out, so, ReceiveOptions(io_workers=args.io_workers)))
+        say(args, f"wrote step {res['step']} to {args.out}", res)
+        return 0
+    options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place)
+    if use_prefect(args):
+        from flows.prefect_flows import receive_refit  # noqa: PLC0415 - Prefect only when asked for
+
+        def receive(step):
+            return receive_refit(args.root, args.receiver, args.state, step, so, options)
+    else:
+        def receive(step):
+            return asdict(run_receive(args.root, args.receiver, args.state, step, so, options))
+
+    def report(res: dict) -> None:
+        how = ", ".join(res["moves"]) or "already there"
+        say(args, f"receiver {args.receiver} at step {res['step']} ({how}; pulled {res['bytes_pulled']} bytes)", res)
+
+    if not args.follow:
+        report(receive(args.step))
+        return 0
+    if args.step is not None:
+        raise UsageError("--follow applies every new step; it takes no --step (use --until-step)")
+    for res in follow(RootRef(args.root, so), args.state, receive, args.interval, args.until_step):
+        report(res)
+    return 0

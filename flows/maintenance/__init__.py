@@ -1,0 +1,1 @@
+"""Looking after a bucket: ``dcr ls``, ``dcr verify`` and ``dcr gc``."""

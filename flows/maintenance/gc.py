@@ -1,0 +1,166 @@
+"""``dcr gc``: delete what retention no longer needs, never what a reader may still use.
+
+What is deleted (see ``dcr_core.retention`` for which committed steps are kept):
+- committed steps that retention does not keep: the commit marker first (from then on the step is
+  not visible to any reader), then everything under the step's prefix;
+- attempts that can never be committed: a losing attempt of a committed step, and attempts of
+  steps with no marker, once their newest object is older than the grace period (a publisher may
+  still be writing a young one; a marker-less step prefix left by a crash between the two deletes
+  above is collected the same way).
+
+A crash at any point of a ``gc`` leaves the bucket consistent: a step is either fully visible
+(marker and data) or invisible (no marker); running ``gc`` again finishes the job. A receiver
+refitting *backward* to a step that is being deleted fails cleanly (a missing object, its state
+unchanged); receivers that registered a step (``receivers/<id>.json``) keep that step and the
+deltas they need to reach the latest one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from dcr_core import events
+from dcr_core.retention import steps_to_delete, steps_to_keep
+from flows.options import GcOptions
+from flows.steps import InProcess, Runner, Step, StepTable
+from storage import layout
+from storage.catalog import Catalog
+from storage.root import Root, RootRef, open_root
+
+
+@dataclass
+class GcPlan:
+    keep: list[int]
+    delete_steps: list[int]
+    delete_attempts: list[str]  # attempt prefixes (keys relative to ROOT)
+    receivers: dict[str, int]  # receiver id -> the latest step it registered
+    bytes_freed: int = 0
+    objects: int = 0
+    young_attempts: list[str] = field(default_factory=list)  # kept: within the grace period
+    leftover_steps: list[int] = field(default_factory=list)  # marker-less, below the latest: tidied
+
+
+@dataclass
+class GcReport:
+    dry_run: bool
+    plan: GcPlan
+    deleted_steps: list[int] = field(default_factory=list)
+    deleted_attempts: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> GcReport:
+        """The report from its ``asdict`` form (what the Prefect flow returns)."""
+        return cls(d["dry_run"], GcPlan(**d["plan"]), list(d["deleted_steps"]), list(d["deleted_attempts"]))
+
+
+def registered_receivers(cat: Catalog, steps: list[int]) -> dict[str, int]:
+    """Each receiver id with the latest committed step it recorded."""
+    held: dict[str, int] = {}
+    for s in steps:
+        for rid in cat.receivers(s):
+            held[rid] = max(held.get(rid, -1), s)
+    return held
+
+
+def plan_gc(root: RootRef, options: GcOptions, now: float | None = None) -> GcPlan:
+    """What a ``gc`` would delete (reads markers and listings only; writes nothing)."""
+    now = time.time() if now is None else now
+    keep_last, grace_seconds = options.keep_last, options.grace_seconds
+    root = open_root(root)
+    cat = Catalog(root)
+    listed = cat.listed_steps()
+    committed = [s for s in listed if cat.marker(s) is not None]
+    infos = {s: cat.step_info(s) for s in committed}
+    receivers = registered_receivers(cat, committed)
+    keep = steps_to_keep(infos, keep_last, receivers)
+    doomed = steps_to_delete(committed, keep)
+    plan = GcPlan(sorted(keep), doomed, [], receivers)
+    for s in doomed:
+        for o in root.objects(layout.step_dir(s)):
+            plan.bytes_freed += o.size
+            plan.objects += 1
+    latest = max(committed, default=None)
+    for s in listed:
+        if s in doomed:
+            continue
+        marker = cat.marker(s)
+        if marker is None and latest is not None and s < latest:
+            plan.leftover_steps.append(s)
+        for attempt in root.listdir(layout.attempts_dir(s)):
+            if marker is not None and attempt == marker.attempt:
+                continue
+            prefix = f"{layout.attempts_dir(s)}/{attempt}"
+            objs = root.objects(prefix)
+            newest = max((o.mtime for o in objs if o.mtime is not None), default=None)
+            unknown_age = any(o.mtime is None for o in objs)
+            old_enough = not unknown_age and (newest is None or now - newest >= grace_seconds)
+            if marker is not None or old_enough:  # a losing attempt can never commit: no grace
+                plan.delete_attempts.append(prefix)
+                plan.bytes_freed += sum(o.size for o in objs)
+                plan.objects += len(objs)
+            else:
+                plan.young_attempts.append(prefix)
+    return plan
+
+
+def collect(root: RootRef, plan: GcPlan) -> GcReport:
+    """Delete what ``plan`` lists: each doomed step's marker first (invisible from then on), then its
+    prefix; then dead attempts; then marker-less leftovers."""
+    r = open_root(root)
+    report = GcReport(False, plan)
+    for s in plan.delete_steps:
+        r.remove(layout.commit_key(s))  # invisible from here on
+        events.reached("gc.marker-deleted", step=s)
+        r.remove(layout.step_dir(s), recursive=True)
+        events.reached("gc.step-deleted", step=s)
+        report.deleted_steps.append(s)
+    for prefix in plan.delete_attempts:
+        r.remove(prefix, recursive=True)
+        report.deleted_attempts.append(prefix)
+    for s in plan.leftover_steps:
+        _remove_leftover(r, s)
+    return report
+
+
+GC = StepTable(Step("plan-gc", plan_gc), Step("collect", collect))
+
+
+def run_gc(root: str | os.PathLike, options: GcOptions, storage_options: dict | None = None,
+           runner: Runner | None = None) -> GcReport:
+    """Plan, then (unless ``options.dry_run``) delete."""
+    ref = RootRef(os.fspath(root), dict(storage_options or {}))
+    tasks = GC.bind(runner or InProcess())
+    plan = tasks.plan_gc(ref, options)
+    return GcReport(True, plan) if options.dry_run else tasks.collect(ref, plan)
+
+
+def _remove_leftover(root: Root, step: int) -> None:
+    """Tidy a marker-less step below the latest (no publisher can commit it any more): receiver
+    records of a deleted step, then the prefix itself once nothing is left under it."""
+    if root.exists(layout.commit_key(step)) or root.listdir(layout.attempts_dir(step)):
+        return
+    try:
+        root.remove(layout.receivers_dir(step), recursive=True)
+    except FileNotFoundError:
+        pass
+    try:
+        if not root.objects(layout.step_dir(step)):
+            root.remove(layout.step_dir(step), recursive=True)  # an empty local directory
+    except FileNotFoundError:
+        pass
+
+
+def format_report(report: GcReport) -> str:
+    p = report.plan
+    verb = "would delete" if report.dry_run else "deleted"
+    lines = [f"{verb} step {s}" for s in p.delete_steps]
+    lines += [f"{verb} attempt {a}" for a in p.delete_attempts]
+    lines += [f"kept attempt {a} (younger than the grace period)" for a in p.young_attempts]
+    lines.append(
+        f"gc{' (dry run)' if report.dry_run else ''}: {verb} {len(p.delete_steps)} steps and "
+        f"{len(p.delete_attempts)} stale attempts, {p.objects} objects, {p.bytes_freed} bytes; "
+        f"kept {len(p.keep)} steps" + (f" ({len(p.receivers)} receivers registered)" if p.receivers else "")
+    )
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""The publisher: sources, plan, baseline, encode, manifest and commit; sharded trainers' ranks."""

@@ -1,0 +1,149 @@
+"""Planning a publish: everything checked before the first write, for canonical and sharded sources.
+
+A plan fixes the step, its kind (keyframe or delta), its base (pinned by manifest digest), a fresh
+attempt id and the tensors published; a rank of a sharded publish plans the same way for the
+tensors it touches (``rank``/``world``), and rank 0 later checks that every rank planned alike.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from dcr_core import events
+from dcr_core.chain import DELTA, KEYFRAME
+from dcr_core.dtypes import TensorInfo
+from dcr_core.errors import SchemaMismatchError, StepConflictError, UsageError
+from flows.options import PublishOptions
+from flows.publish.sources import SourceRef, open_source
+from storage import backends, layout
+from storage.catalog import Catalog
+from storage.manifest import Manifest, TensorEntry
+from storage.reader import StepRef
+from storage.root import Root, RootRef, open_root
+
+
+@dataclass(frozen=True)
+class PublishPlan:
+    root: RootRef
+    step: int
+    kind: str
+    base: StepRef | None  # the base step of a delta, its manifest pinned by digest
+    base_policy_digest: str | None
+    attempt: str
+    infos: dict[str, TensorInfo]  # what is published (a rank: the canonical tensors it touches)
+    options: PublishOptions
+    source_name: str = ""
+    keyframe_reason: str = ""  # why the step is a keyframe or carries a snapshot ("" otherwise)
+    snapshot: bool = False  # a delta that also stores a full copy of its step (keyframe policy)
+    rank: int = 0
+    world: int = 1
+
+    @property
+    def base_step(self) -> int | None:
+        return None if self.base is None else self.base.step
+
+    @property
+    def codec(self):
+        return self.options.keyframe_codec if self.kind == KEYFRAME else self.options.delta_codec
+
+    def base_entries(self) -> dict[str, TensorEntry]:
+        """The base step's entries (empty for a keyframe), from its pinned manifest."""
+        return {} if self.base is None else base_manifest(self).tensors
+
+
+def base_manifest(plan: PublishPlan) -> Manifest:
+    ref = plan.base
+    return Catalog(open_root(plan.root)).manifest_at(ref.step, ref.attempt, ref.manifest_digest)
+
+
+def _schema_diff(base: Manifest, infos: dict[str, TensorInfo], whole: bool) -> str | None:
+    """What differs between the tensors published and the base step's (``whole``: the same set)."""
+    missing = sorted(set(base.tensors) - set(infos)) if whole else []
+    extra = sorted(set(infos) - set(base.tensors))
+    more = lambda xs: f" (and {len(xs) - 1} more)" if len(xs) > 1 else ""  # noqa: E731
+    if missing:
+        return f"tensor {missing[0]!r} of step {base.step} is missing{more(missing)}"
+    if extra:
+        return f"tensor {extra[0]!r} is not in step {base.step}{more(extra)}"
+    for name in sorted(infos):
+        e, i = base.tensors[name], infos[name]
+        if (e.dtype, e.shape) != (i.dtype, i.shape):
+            return f"tensor {name!r} is {i.dtype}{list(i.shape)}, step {base.step} has {e.dtype}{list(e.shape)}"
+    return None
+
+
+def check_free(root: Root, cat: Catalog, step: int) -> int | None:
+    """Step ``step`` can still be published on ``root``; returns the latest committed step."""
+    layout.check_step(step)
+    if not backends.supports_create_if_absent(root.protocol):
+        raise UsageError(
+            f"{root.url}: no atomic create-if-absent for {root.protocol!r} ROOTs; use a local path, memory://, s3:// or gs://"
+        )
+    if cat.marker(step) is not None:
+        raise StepConflictError(f"{root.url}: step {step} is already committed")
+    latest = cat.latest_committed()
+    if latest is not None and step <= latest:
+        raise StepConflictError(
+            f"{root.url}: step {step} is not after the latest committed step {latest}; publish step {latest + 1} or later"
+        )
+    return latest
+
+
+def plan_publish(
+    root: RootRef, infos: dict[str, TensorInfo], step: int, keyframe: bool, options: PublishOptions,
+    source_name: str = "", shard: tuple[int, int] | None = None, attempt: str | None = None,
+) -> PublishPlan:
+    """Validate the publish of ``step`` without writing anything. ``shard``: ``(rank, world)`` of a
+    sharded publish (``infos``: the canonical tensors this rank touches), with the ``attempt`` id
+    every rank shares."""
+    r = open_root(root)
+    cat = Catalog(r)
+    latest = check_free(r, cat, step)
+    sharded = shard is not None
+    rank, world = shard or (0, 1)
+    policy = options.keyframe_policy
+    if sharded and (policy.every or policy.above):
+        raise UsageError(
+            "the keyframe policy (restart-point snapshots) is not available for sharded publishes yet; "
+            "publish a keyframe (keyframe=True) periodically instead"
+        )
+    attempt = layout.check_attempt(attempt) if attempt is not None else uuid.uuid4().hex
+    reason = "first step" if latest is None else "requested" if keyframe else ""
+    events.reached("publish.planned", step=step, rank=rank)
+    if reason:
+        return PublishPlan(root, step, KEYFRAME, None, None, attempt, dict(infos), options, source_name,
+                           reason, rank=rank, world=world)
+    base = cat.manifest(latest)
+    diff = _schema_diff(base, infos, whole=not sharded)
+    if diff:
+        who = f"rank {rank}" if sharded else (source_name or "checkpoint")
+        raise SchemaMismatchError(f"{who}: {diff}; publish with --keyframe to start a new lineage")
+    marker = cat.require_marker(latest)
+    policy_reason = "" if sharded else _policy_reason(cat, latest, step, options)
+    return PublishPlan(
+        root, step, DELTA, StepRef(latest, marker.attempt, marker.manifest_digest), base.policy_digest, attempt,
+        dict(infos), options, source_name, policy_reason, snapshot=bool(policy_reason), rank=rank, world=world,
+    )
+
+
+def plan_from_source(root: RootRef, source: SourceRef, step: int, keyframe: bool, options: PublishOptions) -> PublishPlan:
+    """The plan of publishing a canonical source (a checkpoint path or a snapshot held here)."""
+    src = open_source(source)
+    return plan_publish(root, src.infos, step, keyframe, options, src.path)
+
+
+def _policy_reason(cat: Catalog, latest: int, step: int, options: PublishOptions) -> str:
+    """Why the keyframe policy makes ``step`` a restart point, or "" (from the markers alone)."""
+    policy = options.keyframe_policy
+    if not (policy.every or policy.above):
+        return ""
+    s = cat.require_marker(latest).summary
+    kf, chain = s.get("keyframe_step"), s.get("chain_bytes")
+    kf_bytes = None
+    if isinstance(kf, int) and cat.marker(kf) is not None:  # the lineage's restart point
+        ks = cat.marker(kf).summary
+        kf_bytes = ks.get("snapshot_bytes", ks.get("bytes_stored"))
+    delta_bytes = chain - kf_bytes if isinstance(chain, int) and isinstance(kf_bytes, int) else None
+    full = s.get("bytes_full") if isinstance(s.get("bytes_full"), int) else None
+    return policy.due(step, kf if isinstance(kf, int) else None, delta_bytes, full) or ""

@@ -1,0 +1,1 @@
+"""The receiver: state files (rewritten or patched in place) and live modules (through their loader)."""

@@ -1,0 +1,70 @@
+"""A live module's receive pipeline: plan, then a dense load or fetch-everything-then-apply (all or
+nothing), then record the receiver's commit (see ``flows.receive.module`` for the states)."""
+
+from __future__ import annotations
+
+import os
+
+from dcr_core.errors import UsageError
+from flows import refs
+from flows.options import ReceiveOptions
+from flows.receive import module, placement, state_file
+from flows.receive.pipeline import check_arguments
+from flows.results import ReceiveResult
+from flows.steps import Bound, InProcess, Runner, Step, StepTable
+from storage.reader import RefitPlan, manifests
+from storage.root import RootRef
+
+MODULE_STEPS = StepTable(
+    Step("resolve-module-chain", module.plan_module_refit),
+    Step("load-dense", module.load_dense),
+    Step("fetch-verify", module.fetch_module_payloads),
+    Step("apply-to-module", module.apply_to_module),
+    Step("record-receiver-commit", state_file.record_receiver_commit),
+)
+
+
+def receive_into_module(
+    root: str | os.PathLike, receiver_id: str, target, step: int | None = None, storage_options: dict | None = None,
+    options: ReceiveOptions | None = None, state_path: str | os.PathLike | None = None, runner: Runner | None = None,
+) -> ReceiveResult:
+    """Bring the live ``target`` to ``step`` (default latest) and record the receiver's commit.
+
+    ``state_path``: where the partial mirror (overwrite-path tensors) is kept (default: under the
+    DCR cache directory, keyed by ROOT and receiver)."""
+    if not callable(getattr(target, "load_weights", None)):
+        raise UsageError(f"{type(target).__name__} has no load_weights(weights) method to place tensors with")
+    options = check_arguments(receiver_id, step, options)
+    ref = RootRef(os.fspath(root), dict(storage_options or {}))
+    mirror = os.fspath(state_path or module.default_mirror_path(ref.url, receiver_id))
+    tasks = MODULE_STEPS.bind(runner or InProcess())
+    with refs.holding(target, "module") as mod:
+        plan = tasks.plan_module_refit(ref, mod, step)
+        held = module.held_by(target)
+        module.set_held(target, None)  # unknown until this refit completes
+        if plan.current_step is None or plan.from_keyframe:
+            info = tasks.load_dense(plan, mod, mirror, options)
+        elif plan.moves:
+            info = _delta(tasks, plan, mod, mirror, options, target, held)
+        else:
+            info = {"mode": "current", "bytes_pulled": 0, "pause_seconds": 0.0, "tensors_loaded": 0}
+    policy = manifests(plan)[plan.target_step].policy_digest
+    module.set_held(target, {"root": ref.url, "step": plan.target_step, "policy_digest": policy,
+                             "fingerprint": placement.fingerprint(target)})
+    record = {"from_step": plan.current_step, "moves": plan.describe(), "policy_digest": policy,
+              "probe": module.probe_counts(target), **info}
+    tasks.record_receiver_commit(ref, receiver_id, plan.target_step, record)
+    return ReceiveResult(plan.target_step, plan.current_step, plan.describe(), info["bytes_pulled"], policy,
+                         dict(tasks.timings), {"probe": record["probe"], **info})
+
+
+def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target, held: dict) -> dict:
+    fetched = tasks.fetch_module_payloads(plan, options)  # every payload verified before the module is touched
+    try:
+        return tasks.apply_to_module(plan, mod, fetched, mirror)
+    except BaseException:
+        if placement.fingerprint(target) == held["fingerprint"]:
+            module.set_held(target, held)  # rolled back (or never touched): still at the held step
+        raise
+    finally:
+        refs.release(fetched)

@@ -1,0 +1,85 @@
+"""The receiver's pipelines: the order of its steps, written once, run in-process or as Prefect tasks.
+
+- a state file (``run_receive``): under the state's lock (one writer per file; a cut-off in-place
+  patch rolled back first), plan, then stage the refit and install it (or verify the held state
+  when there is nothing to apply), then record the receiver's commit;
+- ``run_materialize``: the same into a fresh file, with no receiver record.
+A live module's pipeline is ``flows.receive.module_pipeline`` (it needs torch; this one does not).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+
+from dcr_core.errors import StateMismatchError, UsageError
+from flows.options import ReceiveOptions
+from flows.receive import state_file
+from flows.results import ReceiveResult
+from flows.steps import InProcess, Runner, Step, StepTable
+from storage import layout
+from storage.local import journal, state
+from storage.reader import manifests
+from storage.root import RootRef
+
+log = logging.getLogger("dcr.receive")
+
+STATE_STEPS = StepTable(
+    Step("resolve-chain", state_file.plan_receive),
+    Step("fetch-apply-verify", state_file.stage_refit),
+    Step("replace-state", state_file.install_state),
+    Step("verify-held-state", state_file.verify_held_state),
+    Step("record-receiver-commit", state_file.record_receiver_commit),
+)
+
+
+def check_arguments(receiver_id: str | None, step: int | None, options) -> ReceiveOptions:
+    if receiver_id is not None:
+        layout.check_receiver(receiver_id)
+    if step is not None:
+        layout.check_step(step)
+    if options is not None and not isinstance(options, ReceiveOptions):
+        raise UsageError(f"options must be a ReceiveOptions, got {type(options).__name__}")
+    return options or ReceiveOptions()
+
+
+def run_receive(
+    root: str | os.PathLike, receiver_id: str, state_path: str | os.PathLike, step: int | None = None,
+    storage_options: dict | None = None, options: ReceiveOptions | None = None, runner: Runner | None = None,
+    record: bool = True, fresh: bool = False,
+) -> ReceiveResult:
+    """Bring the state file at ``state_path`` to ``step`` (default: latest) and record the commit."""
+    options = check_arguments(receiver_id if record else None, step, options)
+    ref = RootRef(os.fspath(root), dict(storage_options or {}))
+    state_path = state_file.check_path(state_path)
+    tasks = STATE_STEPS.bind(runner or InProcess())
+    with state.exclusive(state_path):  # one writer per state file; leftovers of a killed one removed
+        if fresh:  # rewritten whole; still undo a cut-off patch first, so a failed rewrite leaves a whole step
+            with contextlib.suppress(StateMismatchError):  # a damaged or foreign journal: moot here
+                journal.roll_back(state_path)
+            journal.remove(state_path)
+        elif journal.roll_back(state_path) is not None:  # an in-place patch was cut off: undo it first
+            log.warning("%s: rolled back an interrupted in-place refit", state_path)
+        plan = tasks.plan_receive(ref, state_path, step, fresh)
+        pulled = 0
+        if plan.moves:
+            staged = tasks.stage_refit(plan, state_path, options)
+            tasks.install_state(staged)
+            pulled = staged.bytes_pulled
+        else:
+            tasks.verify_held_state(plan, state_path)
+        policy = manifests(plan)[plan.target_step].policy_digest
+        if record:
+            tasks.record_receiver_commit(ref, receiver_id, plan.target_step, {
+                "from_step": plan.current_step, "moves": plan.describe(), "bytes_pulled": pulled, "policy_digest": policy,
+            })
+    return ReceiveResult(plan.target_step, plan.current_step, plan.describe(), pulled, policy, dict(tasks.timings))
+
+
+def run_materialize(
+    root: str | os.PathLike, step: int | None, out: str | os.PathLike, storage_options: dict | None = None,
+    options: ReceiveOptions | None = None, runner: Runner | None = None,
+) -> ReceiveResult:
+    """Write the full checkpoint of a committed step to ``out`` (no receiver record)."""
+    return run_receive(root, "materialize", out, step, storage_options, options, runner, record=False, fresh=True)

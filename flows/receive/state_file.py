@@ -1,0 +1,137 @@
+"""A receiver's state file, step by step: plan, stage the refit beside the file, install it, record.
+
+Order and why: plan (read and verify markers and manifests), then stage the refit next to the
+state file without touching it (a whole new file, or an undo journal of an in-place patch: see
+``flows.receive.in_place``), and only then install it (an atomic rename, or the journal put in
+force and the patch written). A failure anywhere before the install leaves the state file exactly
+as it was; a staged file left by a crash is removed by the next receive (the state's lock). Every
+step passes references (the plan, the staged file's path), so each can run as its own task.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+from dcr_core import events
+from flows.options import ReceiveOptions
+from flows.receive import in_place
+from storage import reader
+from storage.catalog import Catalog, utc_now
+from storage.local import journal, state
+from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
+from storage.reader import RefitPlan
+from storage.root import RootRef, open_root
+
+
+log = logging.getLogger("dcr.receive")
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A refit ready to install: a finished new state file, or a staged undo journal (in place)."""
+
+    state_path: str
+    path: str  # the new file, or the staged journal
+    in_place: bool
+    bytes_pulled: int
+    journal_bytes: int = 0
+
+
+def plan_receive(root: RootRef, state_path: str, step: int | None, fresh: bool = False) -> RefitPlan:
+    """Plan bringing the state file (its claimed step; nothing with ``fresh``) to ``step``."""
+    current = None if fresh else state.peek_step(state_path)
+    plan = reader.plan_refit(open_root(root), current, step, where=state_path)
+    events.reached("receive.planned", target=plan.target_step, moves=len(plan.moves))
+    return plan
+
+
+def stage_refit(plan: RefitPlan, state_path: str, options: ReceiveOptions | None = None) -> Staged:
+    """Stage the refit beside ``state_path`` (the file is not touched): an in-place patch when
+    asked for and possible (``flows.receive.in_place.eligible``), else a whole new file."""
+    options = options or ReceiveOptions()
+    if options.in_place and in_place.eligible(plan, state_path):
+        patch = in_place.stage_patch(plan, state_path, options)
+        if patch is not None:
+            events.reached("receive.staged", path=patch.journal)
+            return Staged(state_path, patch.journal, True, patch.bytes_pulled, patch.journal_bytes)
+    return stage_rewrite(plan, state_path, options)
+
+
+def stage_rewrite(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> Staged:
+    """Stream the refit into a new file beside ``state_path``: held bits read (and verified against
+    the held step) tensor by tensor, chunks applied as they arrive, every result verified against
+    the target step, appended. Memory: one tensor plus the fetch window."""
+    root = open_root(plan.root)
+    ms = reader.manifests(plan, root)
+    target = ms[plan.target_step]
+    held = None
+    if plan.current_step is not None and not plan.from_keyframe:
+        held = SafetensorsCheckpoint(state_path)
+        reader.check_schema(ms[plan.current_step], held.infos, state_path)
+    names = sorted(target.tensors)
+    meta = state.metadata(plan.target_step, target.policy_digest, plan.root.url)
+    writer = StreamingSafetensorsWriter(state_path, [target.tensors[n].info for n in names], meta,
+                                        header_room=state.HEADER_ROOM)
+    pulled = 0
+    try:
+        for name, bits, n in reader.refit_tensors(root, plan, ms, None if held is None else held.bits,
+                                                  options.io_workers, state_path):
+            writer.write(name, bits)
+            pulled += n
+            events.reached("receive.tensor-staged", name=name)
+        tmp = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    finally:
+        if held is not None:
+            held.close()
+    events.reached("receive.staged", path=tmp)
+    return Staged(state_path, tmp, False, pulled)
+
+
+def install_state(staged: Staged) -> None:
+    """Make the staged refit the state: rename the new file over it, or put the journal in force,
+    patch and fsync the file, then delete the journal (a crash mid-patch is rolled back by the next
+    receive)."""
+    if not staged.in_place:
+        install(staged.path, staged.state_path)
+        events.reached("receive.replaced", path=staged.state_path)
+        return
+    journal.activate(staged.state_path, staged.path)
+    patch = journal.read(staged.state_path)
+    try:
+        journal.put(staged.state_path, patch, "new")
+    except BaseException:
+        try:  # at once if possible; the next receive rolls back anyway
+            journal.roll_back(staged.state_path)
+        except Exception as undo:  # noqa: BLE001 - the original error is the one to report
+            log.warning("%s: roll back after a failed patch failed too (%s); the next receive rolls it back",
+                        staged.state_path, undo)
+        raise
+    journal.remove(staged.state_path)
+    events.reached("receive.patched", path=staged.state_path)
+
+
+def verify_held_state(plan: RefitPlan, state_path: str) -> None:
+    """Check, tensor by tensor, that the state file holds exactly the step it claims."""
+    held = reader.manifests(plan)[plan.current_step]
+    ck = SafetensorsCheckpoint(state_path)
+    try:
+        reader.check_schema(held, ck.infos, state_path)
+        for name, e in held.tensors.items():
+            if not e.matches(ck.bits(name)):
+                raise reader.held_mismatch(state_path, name, held.step)
+    finally:
+        ck.close()
+
+
+def record_receiver_commit(root: RootRef, receiver_id: str, step: int, record: dict) -> None:
+    Catalog(open_root(root)).record_receiver(step, receiver_id, {"committed_at": utc_now(), **record})
+    events.reached("receive.recorded", step=step, receiver=receiver_id)
+
+
+def check_path(path) -> str:
+    return state.check_path(os.fspath(path))

@@ -1,0 +1,93 @@
+"""The step table: each refit is a fixed order of steps, written once and run by a ``Runner``.
+
+A ``Step`` is a plain function whose arguments and result are serializable references (ROOT and
+step references, plans, manifest entries, file paths, ``LocalRef`` handles of objects that live in
+this process), never open files or tensors. A pipeline (``flows.publish.pipeline``,
+``flows.receive.pipeline``, ``flows.maintenance.gc``) calls its steps through
+``TABLE.bind(runner)``: ``InProcess`` calls them directly (``dcr`` without a Prefect server, the
+``Publisher``), ``flows.prefect_flows.PrefectRunner`` runs each as a Prefect task. Both time every
+step. Nothing else lists the steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step: its task name (shown by Prefect) and its function."""
+
+    name: str
+    fn: Callable[..., Any]
+
+    @property
+    def key(self) -> str:
+        return self.fn.__name__
+
+
+class Runner(Protocol):
+    timings: dict[str, float]
+
+    def wrap(self, step: Step) -> Callable[..., Any]: ...
+
+
+class StepTable:
+    """The steps of one pipeline, in the order they run."""
+
+    def __init__(self, *steps: Step):
+        self.steps = {s.key: s for s in steps}
+        if len(self.steps) != len(steps) or len({s.name for s in steps}) != len(steps):
+            raise ValueError("step keys and names must be unique")
+
+    def __iter__(self):
+        return iter(self.steps.values())
+
+    def bind(self, runner: Runner) -> Bound:
+        return Bound(self, runner)
+
+
+class Bound:
+    """A step table bound to a runner: ``bound.plan_publish(...)`` runs that step."""
+
+    def __init__(self, table: StepTable, runner: Runner):
+        self._table, self._runner = table, runner
+        self._calls: dict[str, Callable[..., Any]] = {}
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self._runner.timings
+
+    def __getattr__(self, key: str) -> Callable[..., Any]:
+        try:
+            step = self._table.steps[key]
+        except KeyError:
+            raise AttributeError(f"no step {key!r}") from None
+        call = self._calls.get(key)
+        if call is None:
+            call = self._calls[key] = self._runner.wrap(step)
+        return call
+
+
+def timed(timings: dict[str, float], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def call(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            timings[key] = timings.get(key, 0.0) + time.perf_counter() - t0
+
+    return call
+
+
+class InProcess:
+    """Runs every step as a plain call in this process."""
+
+    def __init__(self) -> None:
+        self.timings: dict[str, float] = {}
+
+    def wrap(self, step: Step) -> Callable[..., Any]:
+        return timed(self.timings, step.name, step.fn)

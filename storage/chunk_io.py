@@ -1,0 +1,179 @@
+"""Chunk objects of one step's Zarr store: bounded-parallel writes and verified reads.
+
+One mechanism moves every chunk: ``BoundedPool``, a thread pool that admits at most ``window``
+jobs at a time, so uploads start while later tensors are still being encoded, reads run ahead of
+the apply, and memory stays bounded by the window however large the model is. Writers compress,
+digest and upload; readers fetch, decompress into buffers of exactly the expected size and check
+each chunk's digest before returning anything (a bad chunk raises an error naming its object).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcr_core import events
+from dcr_core.chunking import ChunkGrid
+from dcr_core.codec import CodecSpec
+from dcr_core.delta import pad
+from dcr_core.digest import chunk_digest
+from dcr_core.dtypes import DTYPES
+from dcr_core.errors import IntegrityError
+from storage import layout, zarr_meta
+from storage.manifest import Manifest, TensorEntry
+from storage.root import Root
+
+
+class BoundedPool:
+    """``workers`` threads; ``submit`` blocks while ``window`` jobs are admitted and unfinished."""
+
+    def __init__(self, workers: int, window: int | None = None, name: str = "dcr-io"):
+        workers = max(1, workers)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix=name)
+        self._slots = threading.BoundedSemaphore(max(1, window or 2 * workers))
+
+    def submit(self, fn: Callable, *args) -> Future:
+        self._slots.acquire()
+        try:
+            fut = self._pool.submit(fn, *args)
+        except BaseException:
+            self._slots.release()
+            raise
+        fut.add_done_callback(lambda _: self._slots.release())
+        return fut
+
+    def close(self, cancel: bool = False) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=cancel)
+
+    def __enter__(self) -> BoundedPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close(cancel=exc[0] is not None)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredChunk:
+    index: int
+    digest: str
+    nbytes: int
+
+
+class StepWriter:
+    """Writes one attempt's Zarr store. Use as a context manager; leaving it waits for all uploads
+    (and cancels the ones not started if the block raised)."""
+
+    def __init__(self, root: Root, step: int, attempt: str, codec: CodecSpec, workers: int = 8):
+        self.root, self.step, self.attempt, self.codec = root, step, attempt, codec
+        self._pool = BoundedPool(workers, name="dcr-put")
+        self.bytes_written = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> StepWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pool.close(cancel=exc[0] is not None)
+
+    def _key(self, key_in_store: str) -> str:
+        return layout.store_key(self.step, self.attempt, key_in_store)
+
+    def write_group(self, attributes: dict) -> None:
+        self.root.write(self._key(layout.GROUP_META), zarr_meta.group_json(attributes))
+
+    def write_array(self, array: str, shape, chunk_shape, dtype: str, attributes: dict) -> Future:
+        data = zarr_meta.array_json(tuple(shape), tuple(chunk_shape), dtype, self.codec, attributes)
+        return self._pool.submit(self.root.write, self._key(layout.array_meta_key(array)), data)
+
+    def write_chunk(self, array: str, grid: ChunkGrid, index: int, payload: np.ndarray) -> Future:
+        """Compress, digest and upload one chunk; the future gives its StoredChunk."""
+        return self._upload(layout.chunk_key(array, grid.grid_index(index)), grid, index, payload)
+
+    def write_part(self, array: str, grid: ChunkGrid, slot: int, index: int, payload: np.ndarray) -> Future:
+        """Compress, digest and upload one contributor's part of a shared chunk, at ``[slot, chunk]``
+        of the parts array (shape ``(slots, *shape)``, chunks ``(1, *chunk_shape)``)."""
+        return self._upload(layout.part_key(array, slot, grid.grid_index(index)), grid, index, payload)
+
+    def _upload(self, key_in_store: str, grid: ChunkGrid, index: int, payload: np.ndarray) -> Future:
+        key = self._key(key_in_store)
+
+        def work() -> StoredChunk:
+            data = self.codec.encode(pad(payload, grid.chunk_numel))
+            self.root.write(key, data)
+            with self._lock:
+                self.bytes_written += len(data)
+            events.reached("chunk.stored", key=key, nbytes=len(data))
+            return StoredChunk(index, chunk_digest(payload), len(data))
+
+        return self._pool.submit(work)
+
+
+def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int) -> tuple[int, np.ndarray]:
+    """Fetch, decompress and verify the ``pos``-th stored chunk of ``entry`` (main chunks, then parts)."""
+    rel, index, digest, nbytes = entry.stored_at(pos)
+    key = layout.store_key(manifest.step, manifest.attempt, rel)
+    grid = entry.grid
+    try:
+        data = root.read(key)
+    except FileNotFoundError:
+        raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
+    if len(data) != nbytes:
+        raise IntegrityError(f"{root.url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
+    try:
+        padded = manifest.codec.decode(data, DTYPES[entry.dtype].storage, grid.chunk_numel)
+    except IntegrityError as e:
+        raise IntegrityError(f"{root.url}/{key}: {e}") from None
+    start, stop = grid.chunk_range(index)
+    payload = padded[: stop - start]
+    if chunk_digest(payload) != digest:
+        raise IntegrityError(f"{root.url}/{key}: chunk digest does not match the manifest")
+    events.reached("chunk.fetched", key=key, nbytes=nbytes)
+    return index, payload
+
+
+ChunkJob = tuple[Manifest, TensorEntry, int]  # a manifest, one of its entries, a stored position
+
+
+def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = 8, window: int | None = None
+                  ) -> Iterator[tuple[Manifest, TensorEntry, int, np.ndarray]]:
+    """Fetch and verify chunks in the order of ``jobs``, reading ahead across tensors and steps
+    with at most ``window`` chunks in flight (default ``2 * workers``): memory stays bounded, and
+    many small tensors do not cost one round trip each."""
+    it = iter(jobs)
+    window = max(1, window or 2 * workers)
+    pending: deque = deque()
+    with BoundedPool(workers, window=window + 1, name="dcr-get") as pool:
+        try:
+            while True:
+                while len(pending) < window:
+                    job = next(it, None)
+                    if job is None:
+                        break
+                    m, e, pos = job
+                    pending.append((m, e, pool.submit(read_chunk, root, m, e, pos)))
+                if not pending:
+                    return
+                m, e, fut = pending.popleft()
+                index, payload = fut.result()
+                yield m, e, index, payload
+        finally:
+            for _, _, f in pending:
+                f.cancel()
+
+
+def read_chunks(root: Root, manifest: Manifest, entries: dict[str, TensorEntry], workers: int = 8
+                ) -> dict[str, list[tuple[int, np.ndarray]]]:
+    """All stored chunks of ``entries`` (of ``manifest``), verified, in stored-position order per
+    tensor (main chunks in chunk order, then parts: apply position ``pos`` with
+    ``entry.encoding_at(pos)``). Memory: everything read (for callers that must hold it all)."""
+    names = [n for n in entries if entries[n].n_stored]
+    out: dict[str, list[tuple[int, np.ndarray]]] = {n: [] for n in names}
+    jobs = ((manifest, entries[n], p) for n in names for p in range(entries[n].n_stored))
+    for _, e, index, payload in stream_chunks(root, jobs, workers):
+        out[e.name].append((index, payload))
+    return out

@@ -1,0 +1,47 @@
+"""Strict parsing of the fields of stored JSON documents (manifests, markers, partial manifests).
+
+Each parser checks one field's type and range and fails with an ``IntegrityError`` naming the
+document and the field, so a hostile or corrupted document is refused before anything uses it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from dcr_core.errors import IntegrityError, UnsafeKeyError
+from storage import layout
+
+MAX_NDIM = 16
+MAX_DIM = 1 << 48
+
+_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def fail(what: str, msg: str) -> IntegrityError:
+    return IntegrityError(f"{what}: {msg}")
+
+
+def parse_int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+        raise fail(what, f"expected an integer in {lo}..{hi}, got {v!r}")
+    return v
+
+
+def parse_digest(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not _HEX.match(v):
+        raise fail(what, f"expected a 64-hex-digit digest, got {v!r}")
+    return v
+
+
+def parse_attempt(v: Any, what: str) -> str:
+    try:
+        return layout.check_attempt(v)
+    except UnsafeKeyError as e:
+        raise UnsafeKeyError(f"{what}: {e}") from None
+
+
+def parse_shape(v: Any, what: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > MAX_NDIM:
+        raise fail(what, f"expected a list of at most {MAX_NDIM} dims, got {v!r}")
+    return tuple(parse_int(d, what, 0, MAX_DIM) for d in v)

@@ -1,0 +1,1 @@
+"""Files on local disk: safetensors checkpoints, receiver state files and their undo journals, DCP metadata."""

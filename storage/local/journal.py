@@ -1,0 +1,243 @@
+"""The undo journal of a state file patched in place (``dcr receive --in-place``).
+
+Before the first byte of a state file changes, the receiver writes ``.<name>.undo`` beside it
+(temp file, fsync, rename, directory fsync): every element it is about to change, as (file
+offset of its tensor, element size, positions, old values, new values), plus the old and the new
+safetensors header. Then it writes the new values and the new header in place, fsyncs the file
+and deletes the journal. The header keeps its length (it is padded), so no tensor moves.
+
+A journal that exists means a patch may have been cut off anywhere. ``roll_back`` puts the old
+values and the old header back (idempotent: it only writes absolute values, so a crash during a
+roll back is repaired by rolling back again) and then deletes the journal: the file holds its old
+step again, byte for byte, and the next receive redoes the refit.
+
+File layout: ``DCRUNDO1``, u64 length of a JSON head, the head, then per record the positions
+(uint32, or int64 for tensors past 2^32 elements), the old values and the new values, then a
+32-byte BLAKE3 of everything before it: a damaged journal (head or records) is refused instead of
+applied. A roll back also checks that the file's header is one of the journal's two headers, so a
+journal left beside another file of the same name is refused too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from dataclasses import dataclass
+
+import blake3
+import numpy as np
+
+from dcr_core import events
+from dcr_core.errors import StateMismatchError
+from storage.backends import fsync_dir
+
+MAGIC = b"DCRUNDO1"
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_POS = {"<u4": np.dtype("<u4"), "<i8": np.dtype("<i8")}
+
+
+def journal_path(state_path: str) -> str:
+    directory, name = os.path.split(os.path.realpath(state_path))  # one journal per file, whatever the path
+    return os.path.join(directory, f".{name}.undo")
+
+
+@dataclass
+class Record:
+    """The elements of one tensor that a patch changes."""
+
+    offset: int  # byte offset of the tensor's data in the state file
+    itemsize: int
+    positions: np.ndarray  # element indices, ascending (uint32, or int64 past 2^32 elements)
+    old: np.ndarray  # unsigned ints of ``itemsize`` bytes
+    new: np.ndarray
+
+
+@dataclass
+class Journal:
+    from_step: int
+    to_step: int
+    old_header: bytes  # the first 8 + n bytes of the file (length prefix and header)
+    new_header: bytes  # same length
+    records: list[Record]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(r.positions.nbytes + r.old.nbytes + r.new.nbytes for r in self.records)
+
+
+def write(state_path: str, journal: Journal) -> str:
+    """Make the journal durable beside ``state_path`` (atomic: it exists whole or not at all)."""
+    return activate(state_path, stage(state_path, journal))
+
+
+def stage(state_path: str, journal: Journal) -> str:
+    """Write the journal durably under a temp name beside ``state_path`` (not yet in force: the
+    state's lock removes it if this process dies); ``activate`` puts it in force."""
+    if len(journal.old_header) != len(journal.new_header):
+        raise ValueError("old and new headers differ in length")  # pragma: no cover - caller invariant
+    if any(r.positions.dtype.str not in _POS or r.itemsize not in _UINT for r in journal.records):
+        raise ValueError("journal records need uint32/int64 positions and 1/2/4/8-byte values")
+    head = json.dumps({
+        "state": os.path.basename(state_path),
+        "from_step": journal.from_step,
+        "to_step": journal.to_step,
+        "old_header": journal.old_header.hex(),
+        "new_header": journal.new_header.hex(),
+        "records": [[r.offset, r.itemsize, int(r.positions.size), r.positions.dtype.str] for r in journal.records],
+    }).encode()
+    directory = os.path.dirname(journal_path(state_path))
+    state_name = os.path.basename(os.path.realpath(state_path))
+    # A killed write's leftover matches the temp files the state's lock removes (checkpoint.exclusive).
+    tmp = os.path.join(directory, f".{state_name}.tmp-undo-{uuid.uuid4().hex}")
+    h = blake3.blake3()
+    try:
+        with open(tmp, "wb") as f:
+            for part in (MAGIC + struct.pack("<Q", len(head)) + head,):
+                f.write(part)
+                h.update(part)
+            for r in journal.records:
+                for a in (r.positions, r.old, r.new):
+                    view = memoryview(np.ascontiguousarray(a)).cast("B")
+                    f.write(view)
+                    h.update(view)
+            f.write(h.digest())  # trailer: BLAKE3 of everything before it, head included
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def activate(state_path: str, staged: str) -> str:
+    """Put a staged journal in force (atomic rename, directory fsync): from here on, the next
+    receive of ``state_path`` rolls the file back unless the patch completes and removes it."""
+    path = journal_path(state_path)
+    os.replace(staged, path)
+    fsync_dir(os.path.dirname(path))
+    events.reached("receive.journal-written", path=path)
+    return path
+
+
+def _damaged(path: str, state_path: str) -> StateMismatchError:
+    return StateMismatchError(
+        f"{path}: damaged undo journal; {state_path} may be half patched: remove both and receive again"
+    )
+
+
+def _head(data: bytes, path: str, state_path: str) -> tuple[dict, int]:
+    if data[:8] != MAGIC or len(data) < 16:
+        raise _damaged(path, state_path)
+    (n,) = struct.unpack("<Q", data[8:16])
+    try:
+        head = json.loads(data[16:16 + n])
+        if not isinstance(head, dict):
+            raise ValueError
+    except ValueError:
+        raise _damaged(path, state_path) from None
+    return head, 16 + n
+
+
+def read_from_step(state_path: str) -> int | None:
+    """The step a cut-off patch of ``state_path`` rolls back to (head only, unverified), or None."""
+    path = journal_path(state_path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(16)
+            if len(data) == 16 and data[:8] == MAGIC:
+                data += f.read(min(struct.unpack("<Q", data[8:16])[0], 64 << 20))
+    except FileNotFoundError:
+        return None
+    head, _ = _head(data, path, state_path)
+    step = head.get("from_step")
+    if not isinstance(step, int) or step < 0:
+        raise _damaged(path, state_path)
+    return step
+
+
+def read(state_path: str, path: str | None = None) -> Journal | None:
+    """The journal of ``state_path`` (or the staged one at ``path``), or None if there is none;
+    refuses a damaged one (its trailer digest covers the head and every record)."""
+    path = path or journal_path(state_path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        return None
+    bad = _damaged(path, state_path)
+    if len(data) < 16 + 32 or blake3.blake3(memoryview(data)[:-32]).digest() != data[-32:]:
+        raise bad
+    head, start = _head(data[:-32], path, state_path)
+    try:
+        records_meta = [(int(o), int(s), int(c), _POS[p]) for o, s, c, p in head["records"]]
+        old_header, new_header = bytes.fromhex(head["old_header"]), bytes.fromhex(head["new_header"])
+        from_step, to_step = int(head["from_step"]), int(head["to_step"])
+    except (ValueError, KeyError, TypeError):
+        raise bad from None
+    if len(old_header) != len(new_header) or len(old_header) < 8:
+        raise bad
+    body = memoryview(data)[start:-32]
+    records, at = [], 0
+    for offset, size, count, pos_dtype in records_meta:
+        if size not in _UINT or offset < 0 or count < 0:
+            raise bad
+        p = pos_dtype.itemsize
+        need = count * (p + 2 * size)
+        if at + need > len(body):
+            raise bad
+        pos = np.frombuffer(body, pos_dtype, count, at)
+        old = np.frombuffer(body, _UINT[size], count, at + p * count)
+        new = np.frombuffer(body, _UINT[size], count, at + (p + size) * count)
+        records.append(Record(offset, size, pos, old, new))
+        at += need
+    if at != len(body):
+        raise bad
+    return Journal(from_step, to_step, old_header, new_header, records)
+
+
+def put(state_path: str, journal: Journal, which: str) -> None:
+    """Write the ``which`` ("old" or "new") values and header into the state file and fsync it
+    (the point ``receive.patch-record``, or ``receive.rollback-record``, is reached after each record)."""
+    with open(state_path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        for i, r in enumerate(journal.records):
+            if r.positions.size:
+                count = int(r.positions[-1]) + 1
+                if r.offset + count * r.itemsize > size:
+                    raise StateMismatchError(f"{state_path}: shorter than its undo journal says; remove both and receive again")
+                view = np.memmap(f, dtype=_UINT[r.itemsize], mode="r+", offset=r.offset, shape=(count,))
+                view[r.positions] = r.old if which == "old" else r.new  # fsync below writes it back
+                del view
+            events.reached("receive.patch-record" if which == "new" else "receive.rollback-record", index=i)
+        f.seek(0)
+        f.write(journal.old_header if which == "old" else journal.new_header)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def remove(state_path: str) -> None:
+    path = journal_path(state_path)
+    if os.path.exists(path):
+        os.unlink(path)
+        fsync_dir(os.path.dirname(path))
+
+
+def roll_back(state_path: str) -> int | None:
+    """Undo a cut-off patch of ``state_path``; returns the step it holds again (None: no journal)."""
+    journal = read(state_path)
+    if journal is None:
+        return None
+    if os.path.exists(state_path):
+        with open(state_path, "rb") as f:
+            head = f.read(len(journal.old_header))
+        if head not in (journal.old_header, journal.new_header):  # every crash leaves one of the two
+            raise StateMismatchError(
+                f"{journal_path(state_path)}: undo journal of another file (the header of {state_path} is neither "
+                "side of its patch); remove the journal if the file is intact"
+            )
+        put(state_path, journal, "old")
+    remove(state_path)
+    return journal.from_step

@@ -1,0 +1,301 @@
+"""Canonical checkpoints on local disk: safetensors files or Hugging Face sharded directories.
+
+Readers validate the whole header (names, dtypes, shapes, offsets within the file) before any
+tensor is used and hand out raw bits (flat unsigned numpy arrays: no torch); writers write a temp
+file in the destination directory, fsync it and rename it over the destination, so a crash never
+leaves a half-written checkpoint or receiver state.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from dcr_core.dtypes import DTYPES, TensorInfo, dtype_named
+from dcr_core.errors import InvalidCheckpointError
+from storage.backends import fsync_dir
+
+INDEX_NAME = "model.safetensors.index.json"
+MAX_HEADER_BYTES = 100 << 20
+
+
+@dataclass(frozen=True)
+class Header:
+    """A safetensors header as stored: its bytes (the 8-byte length prefix included) and parsed form."""
+
+    raw: bytes  # length prefix + JSON (+ padding)
+    doc: dict  # the parsed JSON, ``__metadata__`` included
+
+    @property
+    def data_start(self) -> int:
+        return len(self.raw)
+
+    def with_metadata(self, metadata: Mapping[str, str]) -> bytes | None:
+        """The same header with ``metadata`` merged in, padded with spaces to the same length (so
+        no tensor moves), or None when it does not fit."""
+        doc = dict(self.doc)
+        doc["__metadata__"] = {**(doc.get("__metadata__") or {}), **{str(k): str(v) for k, v in metadata.items()}}
+        body = json.dumps(doc, separators=(",", ":")).encode()
+        room = len(self.raw) - 8
+        if len(body) > room:
+            return None
+        return struct.pack("<Q", room) + body + b" " * (room - len(body))
+
+
+def read_header(path: str, fd: int) -> Header:
+    """Read one safetensors header (from the open file ``fd``) without loading any tensor."""
+    try:
+        size = os.fstat(fd).st_size
+        raw_len = os.pread(fd, 8, 0)
+        if len(raw_len) < 8:
+            raise InvalidCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        (n,) = struct.unpack("<Q", raw_len)
+        if n > MAX_HEADER_BYTES or 8 + n > size:
+            raise InvalidCheckpointError(f"{path}: truncated or not a safetensors file (header of {n} bytes)")
+        raw = b""
+        while len(raw) < n:
+            more = os.pread(fd, n - len(raw), 8 + len(raw))
+            if not more:
+                raise InvalidCheckpointError(f"{path}: truncated header")
+            raw += more
+        doc = json.loads(raw)
+    except OSError as e:
+        raise InvalidCheckpointError(f"{path}: cannot read checkpoint ({e.strerror or e})") from None
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        raise InvalidCheckpointError(f"{path}: safetensors header is not valid JSON") from None
+    if not isinstance(doc, dict):
+        raise InvalidCheckpointError(f"{path}: safetensors header is not an object")
+    return Header(raw_len + raw, doc)
+
+
+def _parse_header(path: str, fd: int) -> tuple[Header, dict[str, TensorInfo], dict[str, str], dict[str, int]]:
+    """Parse and check one safetensors header: tensors, metadata and each tensor's data offset."""
+    head = read_header(path, fd)
+    size = os.fstat(fd).st_size
+    n = head.data_start - 8
+    header = dict(head.doc)
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict):
+        raise InvalidCheckpointError(f"{path}: safetensors metadata is not an object")
+    infos: dict[str, TensorInfo] = {}
+    offsets: dict[str, int] = {}
+    end_max = 0
+    for name, d in header.items():
+        try:
+            dt = dtype_named(d["dtype"])
+            shape = tuple(int(x) for x in d["shape"])
+            start, end = (int(x) for x in d["data_offsets"])
+        except InvalidCheckpointError as e:
+            raise InvalidCheckpointError(f"{path}: tensor {name!r}: {e}") from None
+        except (KeyError, TypeError, ValueError):
+            raise InvalidCheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+        if any(x < 0 for x in shape) or end - start != math.prod(shape) * dt.itemsize or start < 0:
+            raise InvalidCheckpointError(f"{path}: tensor {name!r} has inconsistent shape/offsets")
+        end_max = max(end_max, end)
+        infos[name] = TensorInfo(name, dt.name, shape)
+        offsets[name] = 8 + n + start
+    spans = sorted((offsets[k] - 8 - n, offsets[k] - 8 - n + infos[k].nbytes, k) for k in infos)
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise InvalidCheckpointError(f"{path}: tensors {a!r} and {b!r} overlap (data_offsets)")
+    if 8 + n + end_max > size:
+        raise InvalidCheckpointError(
+            f"{path}: truncated (needs {8 + n + end_max} bytes, file has {size})"
+        )
+    return head, infos, {str(k): str(v) for k, v in metadata.items()}, offsets
+
+
+class SafetensorsCheckpoint:
+    """A ``.safetensors`` file or a sharded directory, opened for reading tensor by tensor."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = os.fspath(path)
+        if os.path.isdir(self.path):
+            self._files = self._index_files()
+        elif os.path.exists(self.path):
+            self._files = [self.path]
+        else:
+            raise InvalidCheckpointError(f"{self.path}: no such checkpoint")
+        self.infos: dict[str, TensorInfo] = {}
+        self._where: dict[str, str] = {}
+        self._offset: dict[str, int] = {}
+        self.metadata: dict[str, str] = {}
+        self.headers: dict[str, Header] = {}
+        # Files stay open: a reader keeps seeing the file it validated even if a writer atomically
+        # replaces the path meanwhile (the publisher's baseline cache is replaced that way).
+        self._fh: dict[str, object] = {}
+        for f in self._files:
+            try:
+                self._fh[f] = open(f, "rb", buffering=0)
+            except OSError as e:
+                raise InvalidCheckpointError(f"{f}: cannot read checkpoint ({e.strerror or e})") from None
+            self.headers[f], infos, meta, offsets = _parse_header(f, self._fh[f].fileno())
+            self._offset.update(offsets)
+            self.metadata.update(meta)
+            for name, info in infos.items():
+                if name in self.infos:
+                    raise InvalidCheckpointError(f"{self.path}: tensor {name!r} appears in two files")
+                self.infos[name] = info
+                self._where[name] = f
+
+    def _index_files(self) -> list[str]:
+        index = os.path.join(self.path, INDEX_NAME)
+        if os.path.exists(index):
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                files = sorted(set(weight_map.values()))
+            except (OSError, ValueError, KeyError, TypeError, AttributeError):
+                raise InvalidCheckpointError(f"{index}: not a valid safetensors index") from None
+            for name in files:
+                if os.path.basename(name) != name:
+                    raise InvalidCheckpointError(f"{index}: shard {name!r} lies outside the directory")
+        else:
+            files = sorted(n for n in os.listdir(self.path) if n.endswith(".safetensors"))
+        if not files:
+            raise InvalidCheckpointError(f"{self.path}: directory holds no .safetensors files")
+        return [os.path.join(self.path, n) for n in files]
+
+    def bits(self, name: str) -> np.ndarray:
+        """A fresh copy of one tensor's raw bits (flat, unsigned), read with plain reads (no mmap:
+        the process's resident memory then holds only what DCR allocated, one tensor at a time)."""
+        f = self._where[name]
+        info = self.infos[name]
+        dt = DTYPES[info.dtype]
+        buf = np.empty(info.nbytes, dtype=np.uint8)
+        fd = self._fh[f].fileno()
+        view = memoryview(buf)
+        got = 0
+        try:
+            while got < info.nbytes:
+                n = os.preadv(fd, [view[got:]], self._offset[name] + got)
+                if not n:
+                    break
+                got += n
+        except OSError as e:
+            raise InvalidCheckpointError(f"{f}: cannot read tensor {name!r} ({e.strerror or e})") from None
+        if got != info.nbytes:
+            raise InvalidCheckpointError(f"{f}: tensor {name!r} is truncated")
+        return buf.view(dt.storage)
+
+    def data_offset(self, name: str) -> int:
+        """Byte offset of one tensor's data in its file."""
+        return self._offset[name]
+
+    def mapped_bits(self, name: str) -> np.ndarray:
+        """One tensor's raw bits as a read-only memory map (flat, unsigned ints): file-backed pages
+        the OS can drop, not memory DCR holds. For bits read in place (a publisher's baseline)."""
+        info = self.infos[name]
+        dt = DTYPES[info.dtype]
+        count = info.nbytes // dt.itemsize
+        if not count:
+            return np.empty(0, dtype=dt.storage)
+        return np.memmap(self._where[name], dtype=dt.storage, mode="r", offset=self._offset[name], shape=(count,))
+
+    def close(self) -> None:
+        for fh in self._fh.values():
+            fh.close()
+
+    def __del__(self) -> None:
+        for fh in getattr(self, "_fh", {}).values():
+            fh.close()
+
+    def items(self) -> Iterator[tuple[str, np.ndarray]]:
+        """``(name, bits)`` of every tensor in name order, one tensor at a time."""
+        for name in sorted(self.infos):
+            yield name, self.bits(name)
+
+
+class StreamingSafetensorsWriter:
+    """Writes a safetensors file tensor by tensor, in a fixed order, with bounded memory.
+
+    The header (names, dtypes, shapes, offsets, metadata) is known up front, so tensors are
+    appended as they are produced. The file is written under a temp name in the destination's
+    directory; ``commit`` fsyncs and renames it over the destination, ``abort`` removes it.
+    ``durable=False`` skips both fsyncs (file and directory): the rename still never exposes a
+    half-written file to a running reader, but a power loss may; only for files that are checked
+    before use, such as the publisher's baseline cache. Receiver state files stay durable.
+    ``header_room`` pads the header with that many spaces, so metadata can grow when the header is
+    rewritten in place (receiver states patched in place, ``flows.patch_state``).
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, infos: list[TensorInfo], metadata: Mapping[str, str] | None = None,
+        durable: bool = True, header_room: int = 0,
+    ):
+        self.path = os.fspath(path)
+        self.durable = durable
+        directory = os.path.dirname(os.path.abspath(self.path))
+        os.makedirs(directory, exist_ok=True)
+        self.tmp = os.path.join(directory, f".{os.path.basename(self.path)}.tmp-{uuid.uuid4().hex}")
+        self._order = [i.name for i in infos]
+        self._sizes = {i.name: i.nbytes for i in infos}
+        header: dict[str, object] = {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        offset = 0
+        for info in infos:
+            header[info.name] = {
+                "dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes],
+            }
+            offset += info.nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * header_room  # spare room: the header can later be rewritten in place
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        self._f = open(self.tmp, "wb")
+        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._next = 0
+
+    def write(self, name: str, data) -> None:
+        if self._next >= len(self._order) or self._order[self._next] != name:
+            raise ValueError(f"tensor {name!r} written out of order")
+        view = memoryview(data).cast("B")
+        if view.nbytes != self._sizes[name]:
+            raise ValueError(f"tensor {name!r}: {view.nbytes} bytes, header says {self._sizes[name]}")
+        self._f.write(view)
+        self._next += 1
+
+    def finish(self) -> str:
+        """Close the complete temp file (fsynced when durable) and return its path; ``install``
+        moves it into place. A finished temp file left by a crash is removed by the next writer
+        holding the destination's lock (``storage.local.state.exclusive``)."""
+        if self._next != len(self._order):
+            raise ValueError(f"only {self._next} of {len(self._order)} tensors written")
+        try:
+            self._f.flush()
+            if self.durable:
+                os.fsync(self._f.fileno())
+            self._f.close()
+        except BaseException:
+            self.abort()
+            raise
+        return self.tmp
+
+    def commit(self) -> None:
+        """``finish`` then ``install``: the destination now holds the new file."""
+        tmp = self.finish()
+        try:
+            install(tmp, self.path, self.durable)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+
+def install(tmp: str, path: str, durable: bool = True) -> None:
+    """Atomically replace ``path`` with the finished temp file ``tmp`` (same directory)."""
+    os.replace(tmp, path)
+    if durable:
+        fsync_dir(os.path.dirname(os.path.abspath(path)))

@@ -1,0 +1,257 @@
+"""The shared reader: plan a refit from the commit markers, then stream, verify and apply payloads.
+
+Receivers (state files, live modules), the publisher's baseline rebuild, ``dcr materialize`` and
+``dcr verify`` all read ROOT through here. A ``RefitPlan`` is a reference: the steps it moves
+through and the digest of each manifest it needs (``StepRef``); ``manifests`` loads them verified
+(content-addressed, so a plan made in one process is checked again in another).
+
+Order of a refit, tensor by tensor: held bits (verified against the held step's digest by the
+caller, or zeros from a keyframe), every move's chunks applied as they arrive (each chunk checked
+against its digest on arrival, fetched ahead with a bounded window), the result checked against
+the target step's digest. Nothing unverified leaves this module.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dcr_core.chain import Direction, Move, plan_direct, plan_path
+from dcr_core.delta import Encoding, apply_chunk
+from dcr_core.dtypes import DTYPES
+from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UsageError
+from storage import layout
+from storage.catalog import Catalog
+from storage.chunk_io import read_chunks, stream_chunks
+from storage.manifest import Manifest, TensorEntry
+from storage.root import Root, RootRef, open_root
+
+
+@dataclass(frozen=True)
+class StepRef:
+    """A committed step by reference: its attempt and the digest of its manifest."""
+
+    step: int
+    attempt: str
+    manifest_digest: str
+
+
+@dataclass(frozen=True)
+class RefitPlan:
+    """How to go from ``current_step`` (None: nothing held) to ``target_step``."""
+
+    root: RootRef
+    target_step: int
+    current_step: int | None
+    moves: tuple[Move, ...]
+    steps: dict[int, StepRef] = field(default_factory=dict)  # every step whose manifest is used
+    stored: dict[int, int] = field(default_factory=dict)  # stored bytes of each move's step
+
+    @property
+    def from_keyframe(self) -> bool:
+        return bool(self.moves) and self.moves[0].direction is Direction.KEYFRAME
+
+    def describe(self) -> list[str]:
+        return [f"{m.direction.value}:{m.step}" for m in self.moves]
+
+
+def resolve_target(cat: Catalog, step: int | None) -> int:
+    if step is None:
+        latest = cat.latest_committed()
+        if latest is None:
+            raise StepNotFoundError(f"{cat.root.url}: no committed step")
+        return latest
+    layout.check_step(step)
+    cat.require_marker(step)
+    return step
+
+
+def plan_refit(root: Root, current: int | None, step: int | None, where: str = "state") -> RefitPlan:
+    """Resolve the target, plan the cheapest exact moves and pin every manifest they need."""
+    cat = Catalog(root)
+    target = resolve_target(cat, step)
+    if current is not None and cat.marker(current) is None:
+        raise StateMismatchError(f"{where}: claims step {current}, which is not committed in {root.url}")
+    # Common case first: one step lies on the other's chain; read only the markers in between.
+    moves = plan_direct(cat.step_info, current, target, cat.keyframe_cost(target))
+    if moves is None:
+        moves = plan_path(cat.chain_infos(target, current), current, target)
+    needed = {target} | {m.step for m in moves}
+    if current is not None and (not moves or moves[0].direction is not Direction.KEYFRAME):
+        needed.add(current)
+    refs = {}
+    for s in sorted(needed):
+        marker = cat.require_marker(s)
+        cat.manifest(s)  # read and verified now: a plan names only manifests that check out
+        refs[s] = StepRef(s, marker.attempt, marker.manifest_digest)
+    return RefitPlan(root.ref, target, current, tuple(moves), refs,
+                     {m.step: cat.step_info(m.step).stored_bytes for m in moves})
+
+
+def manifests(plan: RefitPlan, root: Root | None = None) -> dict[int, Manifest]:
+    """The verified manifest of every step the plan uses (from the process cache when possible)."""
+    cat = Catalog(root or open_root(plan.root))
+    return {s: cat.manifest_at(ref.step, ref.attempt, ref.manifest_digest) for s, ref in plan.steps.items()}
+
+
+def move_entries(m: Manifest, move: Move) -> dict[str, TensorEntry]:
+    """What a move reads from step ``m``: its restart entries for a keyframe move (a keyframe's
+    tensors or a delta's snapshot), else its delta entries."""
+    if move.direction is not Direction.KEYFRAME:
+        return m.tensors
+    entries = m.restart_entries()
+    if entries is None:
+        raise IntegrityError(f"step {m.step}: planned as a restart point, but it stores no full copy")
+    return entries
+
+
+def move_tables(plan: RefitPlan, ms: dict[int, Manifest]) -> tuple[list[Manifest], list[dict[str, TensorEntry]]]:
+    """The manifest of every move and the entries each move reads (see ``move_entries``)."""
+    chosen = [ms[m.step] for m in plan.moves]
+    return chosen, [move_entries(m, move) for m, move in zip(chosen, plan.moves)]
+
+
+def chunk_jobs(names: Iterable[str], chosen: list[Manifest], tables: list[dict]):
+    """Every stored chunk of every move, tensor by tensor in ``names`` order and move by move within
+    a tensor: the order a streaming refit applies them in."""
+    for name in names:
+        for m, table in zip(chosen, tables):
+            e = table[name]
+            for pos in range(e.n_stored):
+                yield m, e, pos
+
+
+def check_moves(plan: RefitPlan, ms: dict[int, Manifest]) -> None:
+    """Every move covers the target's tensors, and a backward move can be undone."""
+    target = ms[plan.target_step]
+    for move in plan.moves:
+        if set(ms[move.step].tensors) != set(target.tensors):
+            raise StateMismatchError(f"step {move.step}: its tensors differ from step {plan.target_step}")
+        if move.direction is Direction.BACKWARD and not ms[move.step].invertible:
+            raise StateMismatchError(f"step {move.step} cannot be undone (it holds overwrites)")
+
+
+def check_schema(manifest: Manifest, infos: dict, where: str) -> None:
+    """The held tensors (``infos``: name -> TensorInfo) have the step's names, dtypes and shapes."""
+    if set(infos) != set(manifest.tensors):
+        raise StateMismatchError(f"{where}: its tensor names differ from step {manifest.step}")
+    for name, e in manifest.tensors.items():
+        if (infos[name].dtype, infos[name].shape) != (e.dtype, e.shape):
+            raise StateMismatchError(f"{where}: tensor {name!r} dtype/shape differ from step {manifest.step}")
+
+
+def held_mismatch(where: str, name: str, step: int) -> StateMismatchError:
+    return StateMismatchError(f"{where}: tensor {name!r} is not the bits of step {step} (digest mismatch)")
+
+
+def result_mismatch(step: int, name: str) -> StateMismatchError:
+    return StateMismatchError(f"step {step}: tensor {name!r} does not match its digest after apply; nothing written")
+
+
+def refit_tensors(
+    root: Root, plan: RefitPlan, ms: dict[int, Manifest], held: Callable[[str], np.ndarray] | None,
+    workers: int = 8, where: str = "state",
+) -> Iterator[tuple[str, np.ndarray, int]]:
+    """Yield ``(name, bits, bytes pulled)`` of every target tensor, in name order, verified.
+
+    ``held(name)`` gives the held bits of a tensor (a private, writable copy) unless the plan starts
+    from a keyframe; they are checked against the held step's digest before anything is applied.
+    Memory: one tensor plus the fetch window."""
+    target = ms[plan.target_step]
+    check_moves(plan, ms)
+    names = sorted(target.tensors)
+    chosen, tables = move_tables(plan, ms)
+    held_m = None if plan.from_keyframe or plan.current_step is None else ms[plan.current_step]
+    if held_m is not None and held is None:
+        raise UsageError("a refit from a held step needs the held bits")
+    stream = stream_chunks(root, chunk_jobs(names, chosen, tables), workers=workers)
+    try:
+        for name in names:
+            e_target = target.tensors[name]
+            if held_m is not None:
+                bits = held(name)
+                if not held_m.tensors[name].matches(bits):
+                    raise held_mismatch(where, name, held_m.step)
+            else:
+                bits = np.zeros(math.prod(e_target.shape), dtype=DTYPES[e_target.dtype].storage)
+            pulled = 0
+            for table in tables:
+                e = table[name]
+                for pos in range(e.n_stored):
+                    _, _, index, payload = next(stream)
+                    apply_chunk(bits, e.grid, index, payload, e.encoding_at(pos))
+                pulled += e.stored_bytes
+            if not e_target.matches(bits):
+                raise result_mismatch(plan.target_step, name)
+            yield name, bits, pulled
+        if next(stream, None) is not None:
+            raise StateMismatchError("more chunks fetched than applied")  # pragma: no cover - invariant
+    finally:
+        stream.close()  # stops the read-ahead pool on any exit
+
+
+@dataclass
+class State:
+    """Canonical tensors as raw bits (flat, writable), plus the step they are known to hold."""
+
+    step: int | None
+    dtypes: dict[str, str] = field(default_factory=dict)
+    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    bits: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class Fetched:
+    """Verified payloads of every move of a plan, and what fetching them cost."""
+
+    chunks: dict[int, dict[str, list[tuple[int, np.ndarray]]]]
+    bytes_pulled: int
+    seconds: float
+
+
+def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers: int = 8) -> Fetched:
+    """Every payload of every move, verified, in memory: for receivers that must have everything
+    before they touch their target (live modules), and for ``dcr verify``."""
+    t0 = time.perf_counter()
+    chunks, pulled = {}, 0
+    for move in plan.moves:
+        m = ms[move.step]
+        entries = move_entries(m, move)
+        chunks[move.step] = read_chunks(root, m, entries, workers=workers)
+        pulled += sum(entries[n].stored_bytes for n in chunks[move.step])
+    return Fetched(chunks, pulled, time.perf_counter() - t0)
+
+
+def apply_payloads(plan: RefitPlan, ms: dict[int, Manifest], state: State | None, fetched: Fetched) -> State:
+    """Apply every move to ``state`` (modified in place unless a keyframe replaces it) and verify."""
+    for move in plan.moves:
+        m = ms[move.step]
+        chunks = fetched.chunks[move.step]
+        if move.direction is Direction.KEYFRAME:
+            state = State(None)
+            for name, e in m.tensors.items():
+                state.dtypes[name], state.shapes[name] = e.dtype, e.shape
+                state.bits[name] = np.zeros(math.prod(e.shape), dtype=DTYPES[e.dtype].storage)
+        elif state is None or set(state.bits) != set(m.tensors):
+            raise StateMismatchError(f"step {move.step}: the held tensors do not match its manifest")
+        entries = move_entries(m, move)
+        for name, items in chunks.items():
+            e = entries[name]
+            if move.direction is Direction.BACKWARD and e.encoding is not Encoding.XOR:
+                raise StateMismatchError(f"step {move.step}: tensor {name!r} ({e.encoding.value}) cannot be undone")
+            target = state.bits[name]
+            for pos, (index, payload) in enumerate(items):
+                apply_chunk(target, e.grid, index, payload, e.encoding_at(pos))
+        state.step = m.base_step if move.direction is Direction.BACKWARD else m.step
+    if state is None:
+        raise UsageError("nothing to apply and no state held")
+    if state.step != plan.target_step:
+        raise StateMismatchError(f"refit ended at step {state.step}, not {plan.target_step}")
+    for name, e in ms[plan.target_step].tensors.items():
+        if not e.matches(state.bits[name]):
+            raise result_mismatch(plan.target_step, name)
+    return state
