@@ -9,7 +9,8 @@ commas, ``N`` being the N-th time this process reaches the point (default 1):
 - ``pause``: write ``dcr: failpoint POINT@N reached (pid P)`` to stderr, then block for good; a
   test kills the process there, so the kill provably lands at that point;
 - ``exit``: write the same line, then ``os._exit(137)``: a crash that runs no cleanup, like kill -9;
-- ``raise``: raise ``FailpointError`` (not a ``DCRError``: no handler mistakes it for its own).
+- ``raise``: raise ``FailpointError``, a ``BaseException`` that stands for the process dying there
+  (no ``except Exception`` handler or retry swallows it); for in-process fault tests.
 
 With no listener and no failpoint, ``reached`` is one global check. Points are listed in
 ``POINTS`` so tests and docs name real ones; reaching an unlisted point is a programming error.
@@ -33,7 +34,8 @@ POINTS = frozenset({
     "publish.rank-partial-written",
     # receiver (state file)
     "receive.planned", "receive.tensor-staged", "receive.staged",
-    "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patched", "receive.replaced",
+    "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patch-written",
+    "receive.patched", "receive.replaced",
     "receive.recorded",
     # maintenance
     "gc.marker-deleted", "gc.step-deleted",
@@ -44,8 +46,8 @@ ACTIONS = ("pause", "exit", "raise")
 Listener = Callable[[str, dict], None]
 
 
-class FailpointError(RuntimeError):
-    """Raised by a failpoint whose action is ``raise``."""
+class FailpointError(BaseException):
+    """Raised by a failpoint whose action is ``raise``: the process "dies" there."""
 
 
 _lock = threading.Lock()

@@ -33,7 +33,7 @@ from flows.options import GcOptions, PublishOptions, ReceiveOptions
 from flows.publish.pipeline import run_publish
 from flows.receive.module_pipeline import receive_into_module
 from flows.receive.pipeline import run_receive
-from flows.results import PublishResult, ReceiveResult, as_dict
+from flows.results import PublishResult, as_dict
 from flows.steps import Step, timed
 
 
@@ -107,12 +107,12 @@ def receive_refit(
     _tag_run(*run_tags)
     with tags(*run_tags):
         if isinstance(target, (str, Path)):
-            result = run_receive(str(root), receiver_id, target, step, storage_options, options, PrefectRunner())
+            result = as_dict(run_receive(str(root), receiver_id, target, step, storage_options, options, PrefectRunner()))
         else:
             result = receive_into_module(str(root), receiver_id, target, step, storage_options, options, state_path,
                                          PrefectRunner())
     _report_receive(receiver_id, result)
-    return as_dict(result)
+    return result
 
 
 @flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True)
@@ -142,13 +142,13 @@ def _report_publish(r: PublishResult) -> None:
     )
 
 
-def _report_receive(receiver_id: str, r: ReceiveResult) -> None:
-    moves = ", ".join(r.moves) or "already there"
-    get_run_logger().info("receiver %s at step %d (%s; pulled %d bytes)", receiver_id, r.step, moves, r.bytes_pulled)
+def _report_receive(receiver_id: str, r: dict) -> None:
+    moves = ", ".join(r["moves"]) or "already there"
+    get_run_logger().info("receiver %s at step %d (%s; pulled %d bytes)", receiver_id, r["step"], moves, r["bytes_pulled"])
     create_table_artifact(
-        [{"receiver": receiver_id, "from": r.from_step, "to": r.step, "moves": moves, "bytes pulled": r.bytes_pulled,
-          "seconds": round(sum(r.timings.values()), 3)}],
-        key=f"dcr-receive-{_slug(receiver_id)}", description=f"receiver {receiver_id} at step {r.step}",
+        [{"receiver": receiver_id, "from": r["from_step"], "to": r["step"], "moves": moves,
+          "bytes pulled": r["bytes_pulled"], "seconds": round(sum(r["timings"].values()), 3)}],
+        key=f"dcr-receive-{_slug(receiver_id)}", description=f"receiver {receiver_id} at step {r['step']}",
     )
 
 

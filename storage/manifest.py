@@ -95,11 +95,22 @@ class PieceTable:
         st, ex, dg = d.get("starts"), d.get("extents"), d.get("digests")
         if not all(isinstance(x, list) for x in (st, ex, dg)) or not len(st) == len(ex) == len(dg):
             raise fail(what, "pieces.starts/extents/digests must be lists of equal length")
-        if len(st) > MAX_PIECES_PER_TENSOR:
+        if len(st) > MAX_PIECES_PER_TENSOR:  # before parsing them: a hostile manifest must not exhaust memory
             raise fail(what, f"{len(st)} pieces exceeds the limit {MAX_PIECES_PER_TENSOR}")
         starts = tuple(parse_shape(x, what) for x in st)
         extents = tuple(parse_shape(x, what) for x in ex)
         digests = tuple(parse_digest(x, what) for x in dg)
+        table = cls.checked(starts, extents, digests, shape, what)
+        if pieces_digest(table.records()) != digest:
+            raise fail(what, "digest does not match its pieces")
+        return table
+
+    @classmethod
+    def checked(cls, starts, extents, digests, shape: tuple[int, ...], what: str) -> PieceTable:
+        """The table of these pieces if their boxes partition a tensor of ``shape`` exactly (the
+        check every reader makes; rank 0 makes it too before committing a sharded step)."""
+        if len(starts) > MAX_PIECES_PER_TENSOR:
+            raise fail(what, f"{len(starts)} pieces exceeds the limit {MAX_PIECES_PER_TENSOR}")
         cs = c_strides(shape)
         runs, total_runs = [], 0
         for a, e in zip(starts, extents):
@@ -119,10 +130,7 @@ class PieceTable:
             check_cover("", math.prod(shape), runs)
         except UsageError as err:
             raise fail(what, f"pieces do not partition the tensor ({err})") from None
-        table = cls(starts, extents, digests)
-        if pieces_digest(table.records()) != digest:
-            raise fail(what, "digest does not match its pieces")
-        return table
+        return cls(tuple(map(tuple, starts)), tuple(map(tuple, extents)), tuple(digests))
 
 
 @dataclass(frozen=True, slots=True)

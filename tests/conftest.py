@@ -15,4 +15,4 @@ def _isolated_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "dcr-cache"))
 
 
-pytest_plugins = ["tests.servers", "tests.fault_report"]
+pytest_plugins = ["tests.support.servers", "tests.support.fault_report"]

@@ -72,7 +72,7 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
     handles: list = [given]
     try:
         snap = tasks.snapshot(src)
-        handles.append(snap)
+        handles.append(snap if snap != src else None)
         plan = tasks.plan_from_source(ref, snap, step, keyframe, options)
         held_ref = None if held is None or held.baseline is None else refs.put(held.baseline, "held")
         handles.append(held_ref)

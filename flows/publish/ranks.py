@@ -293,7 +293,8 @@ def merge_partials(plan: PublishPlan, partials: list[RankPartial]) -> dict[str, 
             raise SchemaMismatchError(
                 f"tensor {name!r} is {first.dtype}{list(first.shape)}, step {plan.base_step} has {base[name].dtype}{list(base[name].shape)}"
             )
-        table = PieceTable(tuple(a for a, _, _ in pieces), tuple(e for _, e, _ in pieces), tuple(d for _, _, d in pieces))
+        table = PieceTable.checked([a for a, _, _ in pieces], [e for _, e, _ in pieces], [d for _, _, d in pieces],
+                                   first.shape, f"{where} tensor {name!r}")
         encoding = Encoding.FULL if plan.kind == KEYFRAME else (Encoding.XOR if chunks or parts else Encoding.UNCHANGED)
         entries[name] = TensorEntry(
             name=name, dtype=first.dtype, shape=first.shape, digest=pieces_digest(table.records()),

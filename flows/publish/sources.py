@@ -4,7 +4,8 @@
   serializable reference, so any process can read it);
 - a mapping of canonical names to tensors (an in-process trainer's canonical view): the
   ``snapshot`` step copies its bits (training can go on while encoding runs) and steps refer to
-  the copy by ``LocalRef``.
+  the copy by ``LocalRef``;
+- any object with ``infos`` and ``bits(name)`` (the ``Source`` protocol), read as it is.
 Sharded sources (training shards) are in ``flows.publish.shards``.
 """
 
@@ -51,9 +52,11 @@ class MemorySource:
 
 def snapshot(source: SourceRef) -> SourceRef:
     """The step that fixes what is published: a checkpoint path is checked (its header read) and
-    returned as it is; an in-memory mapping is copied into a ``MemorySource`` held in this process."""
+    returned as it is; an in-memory mapping is copied into a ``MemorySource`` held in this process;
+    a ``Source`` object is read as it is (its owner keeps it stable)."""
     if isinstance(source, LocalRef):
-        return refs.put(MemorySource(refs.get(source)), "snapshot")
+        obj = refs.get(source)
+        return refs.put(MemorySource(obj), "snapshot") if isinstance(obj, Mapping) else source
     SafetensorsCheckpoint(source).close()
     return source
 
@@ -68,8 +71,8 @@ def as_source_ref(source) -> tuple[SourceRef, LocalRef | None]:
     """A user's source as a reference the snapshot step takes, and the handle to release after."""
     if isinstance(source, (str, os.PathLike)):
         return os.fspath(source), None
-    if isinstance(source, Mapping):
-        ref = refs.put(source, "tensors")
+    if isinstance(source, Mapping) or (hasattr(source, "infos") and callable(getattr(source, "bits", None))):
+        ref = refs.put(source, "tensors" if isinstance(source, Mapping) else "source")
         return ref, ref
     raise InvalidCheckpointError(
         f"cannot publish from {type(source).__name__}: pass a checkpoint path, a mapping of name -> tensor, "

@@ -10,7 +10,7 @@ from flows import refs
 from flows.options import ReceiveOptions
 from flows.receive import module, placement, state_file
 from flows.receive.pipeline import check_arguments
-from flows.results import ReceiveResult
+from flows.results import ReceiveResult, as_dict
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from storage.reader import RefitPlan, manifests
 from storage.root import RootRef
@@ -27,11 +27,14 @@ MODULE_STEPS = StepTable(
 def receive_into_module(
     root: str | os.PathLike, receiver_id: str, target, step: int | None = None, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, state_path: str | os.PathLike | None = None, runner: Runner | None = None,
-) -> ReceiveResult:
+) -> dict:
     """Bring the live ``target`` to ``step`` (default latest) and record the receiver's commit.
 
     ``state_path``: where the partial mirror (overwrite-path tensors) is kept (default: under the
-    DCR cache directory, keyed by ROOT and receiver)."""
+    DCR cache directory, keyed by ROOT and receiver). Returns the ``ReceiveResult`` as one flat dict:
+    the common fields and how the refit went (``mode`` dense/delta/current, ``bytes_pulled``,
+    ``fetch_seconds``, ``pause_seconds``: the time live storage was being modified,
+    ``modify_wall_seconds``, ``tensors_loaded``, the ``probe`` counts)."""
     if not callable(getattr(target, "load_weights", None)):
         raise UsageError(f"{type(target).__name__} has no load_weights(weights) method to place tensors with")
     options = check_arguments(receiver_id, step, options)
@@ -54,8 +57,8 @@ def receive_into_module(
     record = {"from_step": plan.current_step, "moves": plan.describe(), "policy_digest": policy,
               "probe": module.probe_counts(target), **info}
     tasks.record_receiver_commit(ref, receiver_id, plan.target_step, record)
-    return ReceiveResult(plan.target_step, plan.current_step, plan.describe(), info["bytes_pulled"], policy,
-                         dict(tasks.timings), {"probe": record["probe"], **info})
+    return as_dict(ReceiveResult(plan.target_step, plan.current_step, plan.describe(), info["bytes_pulled"], policy,
+                                 dict(tasks.timings), {"probe": record["probe"], **info}))
 
 
 def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target, held: dict) -> dict:

@@ -111,6 +111,7 @@ def install_state(staged: Staged) -> None:
             log.warning("%s: roll back after a failed patch failed too (%s); the next receive rolls it back",
                         staged.state_path, undo)
         raise
+    events.reached("receive.patch-written", path=staged.state_path)
     journal.remove(staged.state_path)
     events.reached("receive.patched", path=staged.state_path)
 

@@ -211,7 +211,8 @@ def put(state_path: str, journal: Journal, which: str) -> None:
                 view = np.memmap(f, dtype=_UINT[r.itemsize], mode="r+", offset=r.offset, shape=(count,))
                 view[r.positions] = r.old if which == "old" else r.new  # fsync below writes it back
                 del view
-            events.reached("receive.patch-record" if which == "new" else "receive.rollback-record", index=i)
+            events.reached("receive.patch-record" if which == "new" else "receive.rollback-record",
+                           index=i, of=len(journal.records))
         f.seek(0)
         f.write(journal.old_header if which == "old" else journal.new_header)
         f.flush()

@@ -1,0 +1,269 @@
+"""Receivers that patch their state file in place (``ReceiveOptions(in_place=True)``).
+
+Reference: the same refits through the default rewrite, and the published checkpoints
+themselves, compared on raw bits. Crashes are real: a forked child dies with ``os._exit`` at each
+point of the patch (no cleanup runs), and the parent checks what the next receive finds.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import shutil
+
+import numpy as np
+import pytest
+from safetensors.torch import load_file
+
+from dcr_core.errors import StateMismatchError
+from dcr_core import events
+from dcr_core.bits import bits_of
+from flows.receive import in_place, state_file
+from storage import reader
+from storage.local.safetensors import Header
+from storage.local.state import consistent_state
+from storage.root import open_root
+from flows.options import PublishOptions, ReceiveOptions
+from flows import run_publish, run_receive
+from storage.local.state import peek_step as peek_state_step
+from storage.local import journal as state_journal
+from storage.local.safetensors import SafetensorsCheckpoint
+from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes, next_step
+
+IN_PLACE = ReceiveOptions(in_place=True, io_workers=2)
+
+
+@pytest.fixture(scope="module")
+def published(tmp_path_factory):
+    """A keyframe and 6 XOR deltas of a nasty checkpoint with a large frozen embedding."""
+    base = tmp_path_factory.mktemp("inplace")
+    root = str(base / "root")
+    steps = chain_of_steps(7, seed=3, big=40)
+    opts = PublishOptions(chunk_bytes=256, cache_dir=str(base / "cache"))
+    for i, s in enumerate(steps):
+        run_publish(root, s, i, keyframe=(i == 0), options=opts)
+    return root, steps
+
+
+def _receive(root, state, step, in_place=True, **kw):
+    return run_receive(root, "rx", str(state), step, options=IN_PLACE if in_place else None, **kw)
+
+
+def test_in_place_refits_equal_the_rewrite_and_the_checkpoints_on_every_path(published, tmp_path):
+    root, steps = published
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _receive(root, a, 0)
+    _receive(root, b, 0, in_place=False)
+    inode = os.stat(a).st_ino
+    # one step, several combined, backward (several, then one), back to the keyframe by deltas
+    for target in (1, 4, 2, 6, 0, 5, 4):
+        res = _receive(root, a, target)
+        _receive(root, b, target, in_place=False)
+        assert res.step == target
+        assert_bits_equal(load_file(a), steps[target])
+        assert_bits_equal(load_file(a), load_file(b))
+        assert peek_state_step(str(a)) == target
+        assert os.stat(a).st_ino == inode, "patched in place, never replaced"
+        assert not os.path.exists(state_journal.journal_path(str(a)))
+
+
+def test_a_large_delta_falls_back_to_the_rewrite(tmp_path):
+    root = str(tmp_path / "root")
+    s0 = chain_of_steps(1, seed=5)[0]
+    s1 = next_step(s0, 9, fraction=0.6, unchanged=0.0)
+    opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"))
+    run_publish(root, s0, 0, options=opts)
+    run_publish(root, s1, 1, options=opts)
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    inode = os.stat(state).st_ino
+    _receive(root, state, 1)
+    assert os.stat(state).st_ino != inode, "a journal over half the state: rewritten instead"
+    assert_bits_equal(load_file(state), s1)
+
+
+def test_a_header_without_room_falls_back_to_the_rewrite(published, tmp_path):
+    root, steps = published
+    old = b"\x05\0\0\0\0\0\0\0" + b'{"a":1}'[:5]
+    assert Header(old, {"a": 1}).with_metadata({"dcr.step": "10"}) is None
+    fits = Header(b"\x30" + b"\0" * 7 + b" " * 48, {"a": 1}).with_metadata({"dcr.step": "10"})
+    assert len(fits) == 56 and fits[:8] == (48).to_bytes(8, "little")
+    assert json.loads(fits[8:]) == {"a": 1, "__metadata__": {"dcr.step": "10"}}
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    inode = os.stat(state).st_ino
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Header, "with_metadata", lambda *a: None)
+        _receive(root, state, 3)
+    assert os.stat(state).st_ino != inode
+    assert_bits_equal(load_file(state), steps[3])
+
+
+@pytest.mark.faults(component="receiver", outcome="refused with a one-line error; the state file byte-identical, no journal")
+@pytest.mark.parametrize("which", ["embed.frozen", "BF16.mat"])
+def test_a_damaged_state_is_refused_and_left_untouched(published, tmp_path, which, monkeypatch):
+    root, steps = published
+    calls = []
+    real = in_place.stage_patch
+    monkeypatch.setattr(in_place, "stage_patch", lambda *a, **k: calls.append(1) or real(*a, **k))
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    from storage.local.safetensors import SafetensorsCheckpoint
+
+    offset = SafetensorsCheckpoint(str(state)).data_offset(which)
+    with open(state, "r+b") as f:  # one bit of the held state flipped behind DCR's back
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    before = file_bytes(state)
+    with pytest.raises(StateMismatchError, match=f"tensor '{which}' is not the bits of step 0"):
+        _receive(root, state, 2)
+    assert calls, "refused by the in-place path"
+    assert file_bytes(state) == before
+    assert not os.path.exists(state_journal.journal_path(str(state)))
+
+
+def _crash_child(root, state, step, point):
+    """Run an in-place receive that dies (``os._exit(9)``, no cleanup) when it reports reaching
+    ``point`` of the install (``dcr_core.events``): the journal in force, record N of the patch
+    written (-1: the last), or the patch and its header written (the journal not yet removed)."""
+    def die_at(p, fields):
+        if point == "journal written" and p == "receive.journal-written":
+            os._exit(9)
+        if point.startswith("record ") and p == "receive.patch-record":
+            at = int(point.split()[1])
+            if fields["index"] == (at if at >= 0 else fields["of"] + at):
+                os._exit(9)
+        if point == "header written" and p == "receive.patch-written":
+            os._exit(9)
+
+    with events.listening(die_at):
+        run_receive(root, "rx", state, step, options=IN_PLACE)
+    os._exit(0)
+
+
+@pytest.mark.faults(component="receiver", outcome="crash mid-patch: the next receive rolls back to the old step, then ends bit-exact")
+@pytest.mark.parametrize("point", ["journal written", "record 0", "record 3", "record -1", "header written"])
+@pytest.mark.parametrize("held,target", [(1, 4), (1, 2), (3, 2)], ids=["3-steps-copied", "1-step-streamed", "back-1-streamed"])
+def test_a_patch_cut_off_anywhere_is_rolled_back_and_the_retry_is_exact(published, tmp_path, point, held, target):
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, held)
+    before = file_bytes(state)
+    _crash(root, state, target, point)
+    journal = state_journal.read(state)
+    assert journal is not None and (journal.from_step, journal.to_step) == (held, target)
+    assert peek_state_step(state) == held, "a cut-off patch reads as its old step"
+    if point == "header written":  # everything written, only the journal left
+        assert SafetensorsCheckpoint(state).metadata["dcr.step"] == str(target) and file_bytes(state) != before
+    assert state_journal.roll_back(state) == held
+    assert file_bytes(state) == before, "rolled back byte for byte"
+    assert state_journal.roll_back(state) is None
+    # The crash once more, then a plain retry: the receive rolls back first, then refits.
+    _crash(root, state, target, point)
+    res = _receive(root, state, target)
+    assert (res.from_step, res.step) == (held, target)
+    assert_bits_equal(load_file(state), steps[target])
+    assert not os.path.exists(state_journal.journal_path(state))
+
+
+def _crash(root, state, target, point):
+    child = multiprocessing.get_context("fork").Process(target=_crash_child, args=(root, state, target, point))
+    child.start()
+    child.join(120)
+    assert child.exitcode == 9, f"the child should have died at {point!r}"
+
+
+@pytest.mark.faults(component="receiver", outcome="crash mid-patch: readers under consistent_state, a fresh rewrite and a roll back interrupted midway all see one whole step")
+def test_after_a_cut_off_patch_readers_fresh_rewrites_and_interrupted_roll_backs_see_one_step(published, tmp_path):
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 1)
+    _crash(root, state, 2, "record -1")
+    with consistent_state(state):  # what a reader outside DCR does
+        assert_bits_equal(load_file(state), steps[1])
+    _crash(root, state, 2, "header written")
+    journal = state_journal.read(state)
+    with events.failpoints("receive.rollback-record=raise"), pytest.raises(events.FailpointError):
+        state_journal.put(state, journal, "old")  # a roll back cut off after its first record...
+    assert state_journal.roll_back(state) == 1  # ...is repaired by the next one
+    assert_bits_equal(load_file(state), steps[1])
+    _crash(root, state, 2, "record 3")
+    from flows import run_materialize
+
+    run_materialize(root, 5, state)  # fresh: undoes the cut-off patch first, then rewrites whole
+    assert_bits_equal(load_file(state), steps[5])
+    assert not os.path.exists(state_journal.journal_path(state))
+
+
+@pytest.mark.faults(component="receiver", outcome="a journal beside another file is refused with a one-line error; the file untouched")
+def test_a_journal_left_beside_another_file_is_refused(published, tmp_path):
+    root, steps = published
+    state, other = str(tmp_path / "s.safetensors"), str(tmp_path / "o.safetensors")
+    _receive(root, state, 1)
+    _crash(root, state, 4, "record 3")
+    run_receive(root, "other", other, 6)
+    shutil.copyfile(other, state)  # the user restores another file under the crashed one's name
+    before = file_bytes(state)
+    with pytest.raises(StateMismatchError, match="undo journal of another file") as e:
+        _receive(root, state, 4)
+    assert "\n" not in str(e.value)
+    assert file_bytes(state) == before
+
+
+@pytest.mark.faults(component="receiver", outcome="refused with a one-line error naming the journal; nothing changed")
+@pytest.mark.parametrize("where", ["head", "record", "trailer"])
+def test_a_damaged_journal_is_refused(published, tmp_path, where):
+    root, _ = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 1)
+    _crash(root, state, 4, "record 3")
+    path = state_journal.journal_path(state)
+    data = bytearray(open(path, "rb").read())
+    at = {"head": bytes(data).index(b'"records": [[') + 13, "record": -40, "trailer": -3}[where]
+    data[at] ^= 0x01  # head: one digit of the first record's file offset
+    open(path, "wb").write(bytes(data))
+    before = file_bytes(state)
+    with pytest.raises(StateMismatchError, match="damaged undo journal") as e:
+        _receive(root, state, 4)
+    assert "\n" not in str(e.value)
+    assert file_bytes(state) == before
+
+
+def test_the_journal_holds_only_the_changed_elements(published, tmp_path):
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 2)
+    plan = reader.plan_refit(open_root(root), 2, 3)
+    staged = state_file.stage_refit(plan, state, IN_PLACE)
+    assert staged.in_place
+    journal = state_journal.read(state, staged.path)
+    changed = sum(
+        int(np.count_nonzero(bits_of(steps[2][n]).reshape(-1) != bits_of(steps[3][n]).reshape(-1))) for n in steps[2]
+    )
+    assert sum(r.positions.size for r in journal.records) == changed
+    os.unlink(staged.path)  # staged, never installed: the state is untouched
+    assert peek_state_step(state) == 2
+
+
+def test_overwrite_encoded_tensors_are_patched_through_the_copy_path(tmp_path):
+    root = str(tmp_path / "root")
+    s0 = chain_of_steps(1, seed=8, big=40)[0]
+    s1 = next_step(s0, 4, fraction=0.02)
+    opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"), overwrite_above=0.01)
+    run_publish(root, s0, 0, options=opts)
+    res = run_publish(root, s1, 1, options=opts)
+    from storage.catalog import Catalog
+    from storage.root import Root
+
+    encodings = {e.encoding.value for e in Catalog(Root(root)).manifest(1).tensors.values()}
+    assert "overwrite" in encodings, encodings
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    inode = os.stat(state).st_ino
+    _receive(root, state, 1)
+    assert os.stat(state).st_ino == inode
+    assert_bits_equal(load_file(state), s1)
+    assert res.step == 1

@@ -1,0 +1,213 @@
+"""Refits of live modules through their own loaders equal a dense load, bit for bit, every step."""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+import torch
+
+from flows.receive import placement
+from flows import receive_into_module
+from flows.options import PublishOptions
+from flows import run_publish
+from tests.support.helpers import assert_bits_equal
+from tests.support.receivers.hf import HFReceiver, canonical_checkpoint as hf_checkpoint, greedy_tokens
+from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint, tp_group
+from tests.support.receivers.quantized import Fp8BlockQuantized, OffsetNorm, RechunkedExperts, is_norm
+
+
+def _bits(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer (persistent or not) of a module, by qualified name."""
+    out = {f"p:{n}": p.detach().clone() for n, p in module.named_parameters()}
+    out.update({f"b:{n}": b.detach().clone() for n, b in module.named_buffers()})
+    return out
+
+
+def _evolve(ck: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
+    """Next step: ~2% of BF16 bits flip (sign flips of zeros, NaN payloads included); buffers stay."""
+    g = torch.Generator().manual_seed(seed)
+    out = {n: t.clone() for n, t in ck.items()}
+    for n, t in out.items():
+        if t.dtype != torch.bfloat16:
+            continue
+        bits = t.view(-1).view(torch.int16)
+        mask = torch.rand(bits.numel(), generator=g) < 0.02
+        bits[mask] ^= torch.randint(1, 4, (int(mask.sum()),), generator=g, dtype=torch.int16)
+        if seed % 2 and bits.numel() > 3:
+            bits[0] = 0x7FC1 + seed  # a NaN with a distinct payload
+            bits[1] ^= -0x8000  # sign flip (+0.0 <-> -0.0 where it was zero)
+    return out
+
+
+def _publish_chain(root, first, steps, tmp_path):
+    cks = [first]
+    for s in range(1, steps):
+        cks.append(_evolve(cks[-1], s))
+    opts = PublishOptions(chunk_bytes=2048, cache_dir=str(tmp_path / "pub-cache"))
+    for s, ck in enumerate(cks):
+        run_publish(root, ck, s, options=opts)
+    return cks
+
+
+def _dense(factory, ck):
+    m = factory()
+    m.load_weights(list(ck.items()))
+    return _bits(m)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_vllm_style_tp_ranks_refit_exactly_forward_and_backward(tp, tie, tmp_path):
+    cfg = LlamaConfig(num_kv_heads=2, tie_word_embeddings=tie)  # tp=4 > 2 kv heads: replicated
+    root = f"memory://mod-{uuid.uuid4().hex}"
+    first = canonical_checkpoint(cfg, seed=0)
+    if tie:
+        first.pop("lm_head.weight", None)
+    cks = _publish_chain(root, first, 4, tmp_path)
+    ranks = tp_group(cfg, tp)
+    for step in [0, 1, 2, 3, 1, 3, 0]:
+        for r, mod in enumerate(ranks):
+            res = receive_into_module(root, f"rank{r}", mod, step, state_path=str(tmp_path / f"m{r}.safetensors"))
+            assert res["step"] == step
+            assert_bits_equal(_bits(mod), _dense(lambda r=r: VllmLlama(cfg, r, tp), cks[step]))
+    table = ranks[0]._dcr_probe
+    assert table.names(placement.OVERWRITE) == []
+    assert res["mode"] in ("delta", "dense")
+
+
+def test_refits_after_the_first_take_the_direct_xor_path_and_report_the_pause(tmp_path):
+    cfg = LlamaConfig()
+    root = f"memory://mod-{uuid.uuid4().hex}"
+    cks = _publish_chain(root, canonical_checkpoint(cfg, seed=1), 3, tmp_path)
+    mod = VllmLlama(cfg, 0, 2)
+    first = receive_into_module(root, "r", mod, 0)
+    assert first["mode"] == "dense"
+    res = receive_into_module(root, "r", mod, 2)
+    assert res["mode"] == "delta" and res["moves"] == ["forward:1", "forward:2"]
+    assert res["direct"] > 0 and res["overwrite"] == 0
+    assert 0 <= res["pause_seconds"] <= res["modify_wall_seconds"] + 1e-6
+    assert_bits_equal(_bits(mod), _dense(lambda: VllmLlama(cfg, 0, 2), cks[2]))
+
+
+def test_a_module_changed_behind_dcrs_back_is_reloaded_densely(tmp_path):
+    cfg = LlamaConfig()
+    root = f"memory://mod-{uuid.uuid4().hex}"
+    cks = _publish_chain(root, canonical_checkpoint(cfg, seed=2), 2, tmp_path)
+    mod = VllmLlama(cfg)
+    receive_into_module(root, "r", mod, 0)
+    with torch.no_grad():
+        next(mod.parameters()).view(-1)[0] += 1  # drift
+    res = receive_into_module(root, "r", mod, 1)
+    assert res["mode"] == "dense"
+    assert_bits_equal(_bits(mod), _dense(lambda: VllmLlama(cfg), cks[1]))
+
+
+def test_the_probe_classifies_placing_quantizing_offsetting_and_rechunking_loaders(tmp_path):
+    cfg = LlamaConfig()
+    ck = canonical_checkpoint(cfg, seed=3)
+    schema = [(n, {torch.bfloat16: "BF16", torch.float32: "F32"}[t.dtype], tuple(t.shape)) for n, t in ck.items()]
+    vllm = placement.probe_module(VllmLlama(cfg, 1, 2), schema)
+    assert vllm.names(placement.OVERWRITE) == [] and vllm.names(placement.IGNORED) == []
+    fp8 = placement.probe_module(Fp8BlockQuantized.from_checkpoint(ck), schema)
+    two_d = sorted(n for n, t in ck.items() if t.dim() == 2)
+    assert fp8.names(placement.OVERWRITE) == two_d
+    off = placement.probe_module(OffsetNorm.from_checkpoint(ck), schema)
+    assert off.names(placement.OVERWRITE) == sorted(n for n in ck if "norm" in n and n.endswith(".weight"))
+    experts = RechunkedExperts.checkpoint(0)
+    rechunk = placement.probe_module(
+        RechunkedExperts(), [(n, "BF16", tuple(t.shape)) for n, t in experts.items()]
+    )
+    assert rechunk.names(placement.DIRECT) == sorted(experts)
+    tied_cfg = LlamaConfig(tie_word_embeddings=True)
+    tied = placement.probe_module(VllmLlama(tied_cfg), schema)
+    assert tied.names(placement.IGNORED) == ["lm_head.weight"]
+
+
+@pytest.mark.parametrize("kind", ["fp8", "offset", "rechunk"])
+def test_non_preserving_and_rechunking_loaders_refit_exactly(kind, tmp_path):
+    root = f"memory://mod-{uuid.uuid4().hex}"
+    if kind == "rechunk":
+        first = RechunkedExperts.checkpoint(1)
+        factory = RechunkedExperts
+    else:
+        first = canonical_checkpoint(LlamaConfig(), seed=4)
+        cls = Fp8BlockQuantized if kind == "fp8" else OffsetNorm
+        factory = lambda: cls.from_checkpoint(first)  # noqa: E731
+    cks = _publish_chain(root, first, 4, tmp_path)
+    mod = factory()
+    for step in [0, 1, 3, 2, 3]:
+        res = receive_into_module(root, "r", mod, step, state_path=str(tmp_path / "mirror.safetensors"))
+        assert_bits_equal(_bits(mod), _dense(factory, cks[step]))
+    if kind != "rechunk":
+        assert res["overwrite"] > 0 and res["direct"] > 0
+
+
+def test_greedy_generation_after_a_dcr_refit_matches_a_dense_refit(tmp_path):
+    root = f"memory://mod-{uuid.uuid4().hex}"
+    first = hf_checkpoint(HFReceiver(seed=5))
+    cks = _publish_chain(root, first, 3, tmp_path)
+    live = HFReceiver(seed=6)
+    for step in range(3):
+        receive_into_module(root, "hf", live, step)
+    dense = HFReceiver(seed=7)
+    dense.load_weights(list(cks[2].items()))
+    assert_bits_equal(_bits(live), _bits(dense))
+    prompt = [1, 5, 9, 3]
+    assert greedy_tokens(live, prompt, 8) == greedy_tokens(dense, prompt, 8)
+
+
+@pytest.mark.faults(component="live module", outcome="the module is rolled back to its base bits; a retry refits it exactly")
+@pytest.mark.parametrize(
+    "kind,fail_at", [("direct", 1), ("direct", 3), ("direct", 7), ("overwrite", 1), ("overwrite", 2), ("overwrite", 3)]
+)
+def test_a_failure_mid_apply_rolls_the_live_module_back_to_its_base_bits(tmp_path, monkeypatch, kind, fail_at):
+    """A slot write (direct path) or a loader call (overwrite path) fails part-way: the module
+    returns to the exact bits of the step it held, and a retry takes the delta path to the target."""
+    if kind == "direct":
+        cfg = LlamaConfig()
+        factory = lambda: VllmLlama(cfg, 0, 2)  # noqa: E731
+        first = canonical_checkpoint(cfg, seed=4)
+    else:
+        first = canonical_checkpoint(LlamaConfig(), seed=4)
+        factory = lambda: OffsetNorm.from_checkpoint(first)  # noqa: E731 - norms stored as w - 1
+    root = f"memory://mod-{uuid.uuid4().hex}"
+    cks = _publish_chain(root, first, 3, tmp_path)
+    mod = factory()
+    receive_into_module(root, "r", mod, 0, state_path=str(tmp_path / "mirror.safetensors"))
+    base = _bits(mod)
+    calls = {"n": 0}
+    if kind == "direct":
+        real = placement._xor_slot
+
+        def flaky(slot, scratch):
+            calls["n"] += 1
+            if calls["n"] == fail_at:
+                raise RuntimeError("device error while writing a slot")
+            return real(slot, scratch)
+
+        monkeypatch.setattr(placement, "_xor_slot", flaky)
+        real_budget = placement.xor_into_module.__defaults__
+        monkeypatch.setattr(placement.xor_into_module, "__defaults__", (1,))  # one tensor per bucket
+    else:
+        real_load = type(mod).load_weights
+
+        def flaky_load(self, weights):
+            weights = list(weights)
+            if any(is_norm(n) for n, _ in weights):  # the overwrite path: norm weights reloaded
+                calls["n"] += 1
+                if calls["n"] == fail_at:
+                    raise RuntimeError("loader failed")
+            return real_load(self, weights)
+
+        monkeypatch.setattr(type(mod), "load_weights", flaky_load)
+    with pytest.raises(RuntimeError):
+        receive_into_module(root, "r", mod, 2, state_path=str(tmp_path / "mirror.safetensors"))
+    assert calls["n"] >= fail_at
+    assert_bits_equal(_bits(mod), base)  # rolled back to step 0, bit for bit
+    monkeypatch.undo()
+    if kind == "direct":
+        assert placement.xor_into_module.__defaults__ != (1,) and real_budget
+    res = receive_into_module(root, "r", mod, 2, state_path=str(tmp_path / "mirror.safetensors"))
+    assert res["mode"] == "delta"  # still known to hold step 0: no dense reload needed
+    assert_bits_equal(_bits(mod), _dense(factory, cks[2]))

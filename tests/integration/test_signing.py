@@ -1,0 +1,108 @@
+"""Signed commit markers, and receivers that refuse unsigned, tampered, replayed or rolled-back steps."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dcr_core.errors import IntegrityError, StateMismatchError
+from flows.options import PublishOptions
+from flows import run_publish, run_receive
+from tests.support.helpers import assert_bits_equal, file_bytes
+
+pytestmark = pytest.mark.faults(component="security", outcome="refused with a one-line error; the held state unchanged")
+
+
+def _chain(n):
+    g = torch.Generator().manual_seed(0)
+    ck = {"w": torch.randn(40, 30, generator=g).bfloat16(), "nan": torch.tensor(float("nan")).bfloat16()}
+    out = [ck]
+    for s in range(1, n):
+        ck = {k: v.clone() for k, v in ck.items()}
+        ck["w"].view(-1).view(torch.int16)[s::7] ^= 1
+        out.append(ck)
+    return out
+
+
+def _publish(root, cks, tmp_path):
+    for s, ck in enumerate(cks):
+        run_publish(root, ck, s, options=PublishOptions(cache_dir=str(tmp_path / "c")))
+
+
+def _marker(root, step):
+    return os.path.join(root, "steps", f"{step:012d}", "commit.json")
+
+
+@pytest.fixture
+def signed(tmp_path, monkeypatch):
+    monkeypatch.setenv("DCR_SIGNING_KEY", "correct horse battery staple")
+    root = str(tmp_path / "bucket")
+    cks = _chain(3)
+    _publish(root, cks, tmp_path)
+    return root, cks
+
+
+def test_signed_steps_refit_exactly_and_carry_a_signature(signed, tmp_path):
+    root, cks = signed
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state))
+    assert_bits_equal(load_file(state), cks[2])
+    assert json.load(open(_marker(root, 2)))["signature"]["algorithm"] == "hmac-sha256"
+
+
+def test_a_receiver_with_the_key_refuses_unsigned_markers(tmp_path, monkeypatch):
+    root = str(tmp_path / "bucket")
+    _publish(root, _chain(2), tmp_path)  # no key: unsigned
+    monkeypatch.setenv("DCR_SIGNING_KEY", "k")
+    with pytest.raises(IntegrityError, match="not signed"):
+        run_receive(root, "r", str(tmp_path / "s.safetensors"))
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+@pytest.mark.parametrize("field", ["summary", "policy", "key"])
+def test_tampered_markers_or_another_key_are_refused_and_nothing_changes(signed, tmp_path, monkeypatch, field):
+    root, cks = signed
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state), 1)
+    before = file_bytes(state)
+    path = _marker(root, 2)
+    d = json.load(open(path))
+    if field == "summary":
+        d["summary"]["bytes_stored"] = 1
+    elif field == "policy":
+        d["policy_digest"] = "0" * 64
+    json.dump(d, open(path, "w"))
+    if field == "key":
+        monkeypatch.setenv("DCR_SIGNING_KEY", "another key")
+    with pytest.raises(IntegrityError) as ei:
+        run_receive(root, "r", str(state), 2)
+    assert len(str(ei.value).splitlines()) == 1
+    assert file_bytes(state) == before
+
+
+def test_a_signed_marker_replayed_under_another_step_is_refused(signed, tmp_path):
+    root, _ = signed
+    step3 = os.path.join(root, "steps", f"{3:012d}")
+    shutil.copytree(os.path.join(root, "steps", f"{1:012d}"), step3)
+    d = json.load(open(os.path.join(step3, "commit.json")))
+    d["step"] = 3  # the signature covers the step
+    json.dump(d, open(os.path.join(step3, "commit.json"), "w"))
+    with pytest.raises(IntegrityError, match="signature"):
+        run_receive(root, "r", str(tmp_path / "s.safetensors"), 3)
+
+
+def test_a_rolled_back_root_is_refused_and_the_held_state_is_kept(signed, tmp_path):
+    root, cks = signed
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state))
+    before = file_bytes(state)
+    os.unlink(_marker(root, 2))  # the newest step vanished: "latest" would now be older than what is held
+    for step in (None, 1):
+        with pytest.raises(StateMismatchError, match="not committed"):
+            run_receive(root, "r", str(state), step)
+    assert file_bytes(state) == before

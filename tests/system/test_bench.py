@@ -1,0 +1,73 @@
+"""Smoke test of ``dcr bench``: it runs end to end and writes well-formed results (no timing checks)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from dcr_bench.bench import main
+from dcr_bench.data import synthetic
+
+
+def test_synthetic_update_is_small_steps_plus_specials():
+    old, new = synthetic(50_000, 0.05, seed=3)
+    assert set(old) == set(new) and all(t.dtype == torch.bfloat16 for t in new.values())
+    assert sum(t.numel() for t in old.values()) == 50_000
+    o = torch.cat([t.reshape(-1).view(torch.int16) for t in old.values()]).to(torch.int32) & 0xFFFF
+    n = torch.cat([t.reshape(-1).view(torch.int16) for t in new.values()]).to(torch.int32) & 0xFFFF
+    changed = o != n
+    assert 0.03 < changed.float().mean().item() < 0.07
+    assert {0x7FC3, 0x8000, 0x7F80} <= set(n[:3].tolist())  # NaN payload, -0.0, +inf
+    body = changed.clone()
+    body[:4] = False
+    steps = (n[body] & 0x7FFF) - (o[body] & 0x7FFF)
+    assert steps.abs().max().item() <= 3 and bool(((n[body] ^ o[body]) & 0x8000).eq(0).all())
+
+
+def test_quick_bench_writes_results(tmp_path):
+    rc = main(["--quick", "--out", str(tmp_path), "--sizes", "200000", "--rates", "0.01,0.05",
+               "--sources", "synthetic", "--backends", "local"])
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["machine"]["cores"] >= 1 and results["command"][:2] == ["dcr", "bench"]
+    assert len(results["scenarios"]) == 2
+    for s in results["scenarios"]:
+        m = s["methods"]
+        assert 0 < m["dcr"]["bytes"] < m["full"]["bytes"] == s["full_bytes"]
+        assert m["dcr"]["exact"] and s["changed"] > 0
+        assert s["bound"]["bytes_per_change"] > 0
+        for key in ("standard", "xor_zstd1", "index_value_zstd1"):
+            assert m[key]["bytes"] > 0 and m[key]["ratio_to_dcr"] > 0
+        assert "patch_from_1" in m and "patch_from_3" in m
+    assert {e["backend"] for e in results["end_to_end"]} == {"local"}
+    assert all(e["dcr"]["exact"] and e["dcr"]["bytes_stored"] > 0 for e in results["end_to_end"])
+    assert all(e["cli"]["exact"] and e["cli"]["total_s"] > 0 for e in results["end_to_end"])  # as dcr commands
+    assert results["startup_s"]["local"] > 0
+    md = (tmp_path / "results.md").read_text()
+    assert "Bytes per changed element" in md and "End to end" in md
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert (tmp_path / "bytes_per_change.png").stat().st_size > 0
+    else:
+        assert results["plots_skipped"]
+
+
+def test_bench_end_to_end_through_s3_at_two_link_caps(tmp_path):
+    for mod in ("moto", "boto3", "s3fs", "flask"):
+        if importlib.util.find_spec(mod) is None:
+            pytest.skip(f"{mod} is not installed")
+    rc = main(["--out", str(tmp_path), "--sizes", "200000", "--rates", "0.05", "--sources", "synthetic",
+               "--backends", "s3", "--bandwidth", "50e6,20e6"])
+    assert rc == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    e2e = results["end_to_end"]
+    assert [e["bandwidth"] for e in e2e] == [50e6, 20e6]
+    for e in e2e:
+        assert e["dcr"]["exact"] and e["cli"]["exact"]
+        # both directions of the delta crossed the capped link: at least the stored bytes, up and down
+        assert e["dcr"]["wire_bytes"] >= 2 * e["dcr"]["bytes_stored"] > 0
+        assert e["full"]["wire_bytes"] >= 2 * e["full"]["bytes"]
+        assert e["dcr"]["link_s"] > 0 and e["dcr"]["server_cpu_s"] >= 0 and e["byte_ratio"] > 1
+    assert "server CPU s" in (tmp_path / "results.md").read_text()

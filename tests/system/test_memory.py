@@ -1,0 +1,64 @@
+"""Publisher and receiver memory is bounded by one tensor plus the transfer window, not the model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import torch
+
+from tests.support.helpers import write_safetensors
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MiB = 1 << 20
+
+
+_LAUNCH = (
+    "import sys\n"
+    "from flows.cli import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "hwm = open('/proc/self/status').read().split('VmHWM:')[1].split()[0]\n"
+    "print('VmHWM', hwm, file=sys.stderr)\n"
+    "sys.exit(rc)\n"
+)
+
+
+def _peak_rss(args, env) -> int:
+    """Peak resident memory (bytes) of one ``dcr`` process, read from its own /proc status (the
+    rusage of a child would include what the forking test process held before exec)."""
+    out = subprocess.run([sys.executable, "-c", _LAUNCH, *map(str, args)], cwd=REPO, env=env,
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    assert out.returncode == 0, out.stderr
+    line = [x for x in out.stderr.splitlines() if x.startswith("VmHWM")][-1]
+    return int(line.split()[1]) * 1024
+
+
+def test_peak_memory_of_publish_and_receive_stays_far_below_the_model_size(tmp_path):
+    n_tensors, rows, cols = 16, 2048, 4096  # 16 tensors of 16 MiB: a 256 MiB BF16 model
+    g = torch.Generator().manual_seed(0)
+    model = {f"layers.{i}.weight": torch.randn(rows, cols, generator=g).bfloat16() for i in range(n_tensors)}
+    model_bytes = sum(t.numel() * 2 for t in model.values())
+    tensor_bytes = rows * cols * 2
+    c0, c1 = tmp_path / "c0.safetensors", tmp_path / "c1.safetensors"
+    write_safetensors(c0, model)
+    for t in model.values():
+        t.view(-1).view(torch.int16)[::50] ^= 1  # 2% of the weights change
+    write_safetensors(c1, model)
+    del model
+    root = tmp_path / "bucket"
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_CACHE_DIR": str(tmp_path / "cache")}
+    io = ["--io-workers", "4"]
+    idle = _peak_rss(["ls", root], env)  # the interpreter, torch and friends
+    publish_key = _peak_rss(["publish", root, c0, "--step", 0, "--chunk-bytes", MiB, *io], env)
+    publish_delta = _peak_rss(["publish", root, c1, "--step", 1, "--chunk-bytes", MiB, *io], env)
+    receive = _peak_rss(["receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", *io], env)
+    back = _peak_rss(["receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", "--step", 0, *io], env)
+    # one source tensor + one baseline tensor + a copy for XOR + the window of 1 MiB chunks + slack
+    bound = 4 * tensor_bytes + 32 * MiB
+    extra = {k: v - idle for k, v in
+             {"publish_keyframe": publish_key, "publish_delta": publish_delta, "receive": receive, "receive_back": back}.items()}
+    print({k: f"{v / MiB:.0f} MiB" for k, v in extra.items()}, f"idle {idle / MiB:.0f} MiB, model {model_bytes / MiB:.0f} MiB")
+    for what, v in extra.items():
+        assert v < bound, f"{what}: {v / MiB:.0f} MiB over idle, bound {bound / MiB:.0f} MiB (model {model_bytes / MiB:.0f} MiB)"
+    assert bound < model_bytes / 2

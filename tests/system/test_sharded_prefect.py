@@ -1,0 +1,34 @@
+"""publish_refit with training shards through the Prefect API: one task per rank, then the commit."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.test_sharded_publish import canonical, held, sources
+from tests.support.helpers import assert_bits_equal, next_step
+
+pytestmark = pytest.mark.prefect
+
+
+@pytest.fixture
+def prefect_settings(prefect_api):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_api}):
+        yield prefect_api
+
+
+def test_publish_refit_from_all_ranks_shards_is_bit_exact(prefect_settings, tmp_path):
+    from flows import publish_refit, receive_refit
+    from flows.options import PublishOptions
+
+    root, state = str(tmp_path / "bucket"), str(tmp_path / "s.safetensors")
+    opts = PublishOptions(chunk_bytes=32, cache_dir=str(tmp_path / "cache"))
+    ck = canonical(11)
+    for step in range(2):
+        res = publish_refit(root, sources(ck), step, options=opts)
+        assert res["kind"] == ("keyframe" if step == 0 else "delta")
+        assert "rank_part" in res["timings"]
+        receive_refit(root, "r", state)
+        assert_bits_equal(held(state), ck)
+        ck = next_step(ck, 30 + step)

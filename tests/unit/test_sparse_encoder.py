@@ -1,0 +1,145 @@
+"""The fast sparse encoder writes exactly the frames of the plain one, for every dtype and layout.
+
+The plain encoder below is the codec's definition (``np.flatnonzero`` on the whole mask, gaps by
+``np.diff``); the shipped one finds changes through 64-bit words first. Same input, same bytes.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from numcodecs import Zstd
+
+from dcr_core.bits import bits_of, torch_dtype
+from dcr_core.dtypes import DTYPES
+from dcr_core.sparse import _HEAD, DENSE, DENSE_ABOVE, MAGIC, SPARSE, decode_sparse, encode_sparse, nonzero
+
+WIDTHS = [np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8")]
+
+
+def _plain_planes(a: np.ndarray) -> bytes:
+    return np.ascontiguousarray(a.view(np.uint8).reshape(-1, a.dtype.itemsize).T).tobytes()
+
+
+def _plain_section(payload: bytes, level: int) -> bytes:
+    frame = Zstd(level=level).encode(payload) if payload else b""
+    return struct.pack("<Q", len(frame)) + bytes(frame)
+
+
+def plain_encode(mask: np.ndarray, level: int) -> bytes:
+    mask = np.ascontiguousarray(mask).reshape(-1)
+    n = mask.size
+    positions = np.flatnonzero(mask)
+    k = positions.size
+    if n and k / n > DENSE_ABOVE:
+        return _HEAD.pack(MAGIC, 1, DENSE, mask.dtype.itemsize, 0, n, k) + _plain_section(_plain_planes(mask), level)
+    gaps = np.diff(positions, prepend=-1).astype(np.uint32) - np.uint32(1)
+    head = _HEAD.pack(MAGIC, 1, SPARSE, mask.dtype.itemsize, 0, n, k)
+    return head + _plain_section(_plain_planes(gaps), level) + _plain_section(_plain_planes(mask[positions]), level)
+
+
+def _check(mask: np.ndarray, level: int = 1) -> None:
+    frame = encode_sparse(mask, level)
+    assert frame == plain_encode(mask, level)
+    out = decode_sparse(frame, mask.dtype, mask.size)
+    assert out.dtype == mask.dtype and out.tobytes() == np.ascontiguousarray(mask).tobytes()
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(
+    dtype=st.sampled_from(WIDTHS),
+    n=st.integers(0, 3000),
+    offset=st.integers(0, 7),
+    density=st.sampled_from([0.0, 0.001, 0.01, 0.05, 0.1, DENSE_ABOVE, 0.26, 0.6, 1.0]),
+    seed=st.integers(0, 2**31),
+    level=st.sampled_from([1, 3]),
+)
+def test_frames_equal_the_plain_encoder(dtype, n, offset, density, seed, level):
+    """Any width, size (odd ones too), density, and start address (masks not 8-byte aligned)."""
+    rng = np.random.default_rng(seed)
+    buf = np.zeros(n + offset, dtype=dtype)
+    hit = rng.random(n) < density
+    buf[offset:][hit] = rng.integers(1, np.iinfo(dtype).max, size=int(hit.sum()), dtype=dtype, endpoint=True)
+    _check(buf[offset:], level)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    dtype=st.sampled_from(WIDTHS),
+    n=st.integers(0, 3000),
+    offset=st.integers(0, 7),
+    density=st.sampled_from([0.0, 0.001, 0.01, 0.3, 1.0]),
+    seed=st.integers(0, 2**31),
+)
+def test_nonzero_equals_flatnonzero(dtype, n, offset, density, seed):
+    """What in-place receivers journal: exactly the non-zero elements, in order, with their values."""
+    rng = np.random.default_rng(seed)
+    buf = np.zeros(n + offset, dtype=dtype)
+    hit = rng.random(n) < density
+    buf[offset:][hit] = rng.integers(1, np.iinfo(dtype).max, size=int(hit.sum()), dtype=dtype, endpoint=True)
+    mask = buf[offset:]
+    positions, values = nonzero(mask)
+    assert positions.tolist() == np.flatnonzero(mask).tolist()
+    assert values.dtype == mask.dtype and values.tobytes() == mask[mask != 0].tobytes()
+
+
+@pytest.mark.parametrize("dtype", WIDTHS)
+@pytest.mark.parametrize("n", [1, 7, 9, 8 * 37 + 3, 8 * 37 + 7])
+def test_changes_only_after_the_last_whole_word(dtype, n):
+    m = np.zeros(n, dtype=dtype)
+    m[-1] = 1
+    _check(m)
+    m[0] = np.iinfo(dtype).max
+    _check(m)
+
+
+@pytest.mark.parametrize("dtype", WIDTHS)
+def test_empty_all_zero_and_all_changed_chunks(dtype):
+    _check(np.zeros(0, dtype=dtype))
+    _check(np.zeros(1001, dtype=dtype))
+    _check(np.full(1001, np.iinfo(dtype).max, dtype=dtype))
+    _check(np.arange(1, 1002).astype(dtype) | dtype.type(1))  # dense: every element non-zero
+
+
+@pytest.mark.parametrize("density", [DENSE_ABOVE - 0.001, DENSE_ABOVE + 0.001])
+def test_the_dense_threshold_is_the_plain_encoders(density):
+    n = 10_000
+    m = np.zeros(n, dtype=np.uint16)
+    m[: int(round(density * n))] = 0x0101
+    frame = encode_sparse(m, 1)
+    assert frame[5] == (DENSE if density > DENSE_ABOVE else SPARSE)
+    _check(m)
+
+
+FLOAT_NAMES = ["BF16", "F16", "F32", "F64", "F8_E4M3", "F8_E5M2", "C64"]
+
+
+@pytest.mark.parametrize("name", FLOAT_NAMES)
+def test_special_float_bits_survive_an_xor_round_trip(name):
+    """NaN payloads, -0.0/+0.0 flips, infinities and subnormals, as stored bits of every float type."""
+    dt = DTYPES[name]
+    g = torch.Generator().manual_seed(7)
+    old = (torch.randn(4099, generator=g) * 0.02).to(torch_dtype(dt))
+    old_bits = bits_of(old).copy()
+    new_bits = old_bits.copy()
+    width = np.iinfo(dt.storage).bits
+    sign = dt.storage.type(1 << (width - 1))
+    new_bits[[3, 17]] ^= sign  # sign flips, e.g. -0.0 <-> +0.0 where the value is zero
+    old_bits[100] = 0
+    new_bits[100] = sign  # +0.0 -> -0.0
+    new_bits[200] = dt.storage.type((1 << (width - 1)) - 1)  # all exponent and mantissa bits: a NaN payload
+    new_bits[201] = dt.storage.type(1)  # smallest subnormal (or smallest value of the format)
+    if name in ("BF16", "F16", "F32", "F64"):
+        inf = torch.tensor([float("inf")], dtype=torch_dtype(dt))
+        new_bits[300] = bits_of(inf)[0]
+        new_bits[301] = bits_of(-inf)[0]
+    new_bits[-1] ^= dt.storage.type(1)  # a change in the last element (after the last whole word)
+    mask = np.bitwise_xor(new_bits, old_bits)
+    _check(mask)
+    applied = np.bitwise_xor(old_bits, decode_sparse(encode_sparse(mask, 1), dt.storage, mask.size))
+    assert applied.tobytes() == new_bits.tobytes()
