@@ -28,6 +28,7 @@ COMMANDS = {
     "ls": ("flows.cli.bucket", "one row per step"),
     "verify": ("flows.cli.bucket", "re-read stored payloads and check their digests"),
     "gc": ("flows.cli.bucket", "delete steps and attempts that retention no longer needs"),
+    "serve": ("flows.cli.serve", "serve the Prefect deployments of infra/prefect.yaml from this process"),
 }
 PLUGIN_GROUP = "dcr.commands"
 

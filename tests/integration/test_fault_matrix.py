@@ -4,7 +4,7 @@ steps. Rows of ``docs/fault-matrix.md`` (see ``tests/support/fault_report.py``).
 
 A process death is simulated in-process by ``Killed`` (a ``BaseException``: no ``except
 Exception`` handler or retry swallows it), raised from a hook at the chosen point; ``kill -9`` of
-real processes is in ``tests/test_cli.py``. While a publisher is stopped at its fault point, the
+real processes is in ``tests/system/test_cli.py``. While a publisher is stopped at its fault point, the
 hook itself reads ROOT as a receiver would and checks that it serves exactly the old step.
 """
 

@@ -16,7 +16,7 @@ from storage.local import journal as state_journal
 from tests.support.helpers import write_safetensors
 from tests.support.helpers import assert_bits_equal
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def spawn_dcr(*args) -> subprocess.Popen:
@@ -151,7 +151,7 @@ def _kill_receive_sweep(tmp_path, delays, in_place=False):
     """``dcr receive`` killed (SIGKILL) after each delay: the state file is always exactly one step
     (in place: once the next receive's first act, rolling back a cut-off patch, has run). The delays
     span process start-up, planning, fetching and writing; the in-place commit window itself lasts
-    milliseconds and is crashed at each of its points deterministically in tests/test_in_place.py."""
+    milliseconds and is crashed at each of its points deterministically in tests/integration/test_in_place.py."""
     extra = ["--in-place"] if in_place else []
     root = tmp_path / "bucket"
     cks = [_ck(0, rows=6000)]

@@ -23,7 +23,7 @@ def test_run_demo_is_exact_and_deltas_are_small(tmp_path):
 
 
 def test_main_writes_json_and_reruns_over_its_own_workdir(tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr("flows.demo.ModelConfig", lambda: TINY)
+    monkeypatch.setattr("dcr_bench.demo.ModelConfig", lambda: TINY)
     work, out = tmp_path / "demo", tmp_path / "summary.json"
     for _ in range(2):  # the second run wipes the first run's workdir and root
         assert main(["--workdir", str(work), "--steps", "1", "--lr", "1e-5", "--json", str(out)]) == 0

@@ -5,18 +5,18 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 import torch
-import yaml
 
 from tests.support.fused_module import TinyFused
 from tests.support.helpers import assert_bits_equal
 
 pytestmark = pytest.mark.prefect
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 @pytest.fixture
@@ -88,52 +88,115 @@ def test_receive_refit_into_a_module_equals_a_dense_load_after_every_step(prefec
 
 
 def test_the_prefect_publish_tasks_use_and_keep_a_held_baseline(prefect_settings, tmp_path):
-    """``run_publish(held=...)`` with the Prefect tasks, inside a flow: the baseline stays in memory
+    """A ``Publisher`` whose steps run as Prefect tasks inside a flow: the baseline stays in memory
     (no baseline file is written or rebuilt) and every step is received bit-exact."""
     from prefect import flow
     from safetensors.torch import load_file
 
-    from flows.options import PublishOptions
-    from flows import run_publish, run_receive
-    from flows.prefect_flows import PREFECT_TASKS
-    from flows.publish.baseline import BaselineSlot
+    from flows import Publisher, PublishOptions, run_receive
+    from flows.prefect_flows import PrefectRunner
 
-    root, slot = str(tmp_path / "bucket"), BaselineSlot()
+    root = str(tmp_path / "bucket")
     opts = PublishOptions(cache_dir=str(tmp_path / "cache"))
 
-    @flow(name="dcr-publish-held", validate_parameters=False)
-    def publish_held(ck, step):
-        return run_publish(root, ck, step, options=opts, tasks=PREFECT_TASKS, held=slot)
+    @flow(name="dcr-publish-held")
+    def publish_held(pub, step: int):
+        pub.runner = PrefectRunner()
+        return pub.publish(ck, step)
 
+    pub = Publisher(root, options=opts)
     ck = TinyFused.checkpoint(3)
     state = str(tmp_path / "state.safetensors")
     for step in range(3):
-        res = publish_held(ck, step)
-        assert res.kind == ("keyframe" if step == 0 else "delta") and slot.baseline.step == step
+        res = publish_held(pub, step)
+        assert res.kind == ("keyframe" if step == 0 else "delta") and pub.step == step
+        assert "encode-and-write-chunks" in res.timings
         run_receive(root, "rx", state)
         assert_bits_equal(load_file(state), ck)
         ck = _next(ck, step + 1)
     assert not os.path.exists(tmp_path / "cache")
 
 
-def test_deployments_build_with_an_interval_schedule_and_the_yaml_entrypoints_import(prefect_settings):
-    from prefect.utilities.importtools import import_object
+def test_task_results_are_serializable_references_persisted_as_json(prefect_settings, tmp_path, monkeypatch):
+    """With result persistence on, every step's result is written by Prefect's JSON serializer:
+    the steps exchange references and small records, never tensors or open files."""
+    from prefect.settings import (
+        PREFECT_LOCAL_STORAGE_PATH,
+        PREFECT_RESULTS_PERSIST_BY_DEFAULT,
+        temporary_settings,
+    )
 
-    from flows.serve import deployments
+    from flows import publish_refit, receive_refit
 
-    receiver, publisher = deployments("memory://x", "rollout-0", "/tmp/x.safetensors", 15)
-    assert receiver.schedules and receiver.schedules[0].schedule.interval.total_seconds() == 15
-    assert not publisher.schedules
-    with open(os.path.join(REPO, "infra", "prefect.yaml")) as f:
-        spec = yaml.safe_load(f)
-    cwd = os.getcwd()
-    os.chdir(REPO)
+    store = tmp_path / "results"
+    root = str(tmp_path / "bucket")
+    ck = TinyFused.checkpoint(4)
+    with temporary_settings({PREFECT_RESULTS_PERSIST_BY_DEFAULT: True, PREFECT_LOCAL_STORAGE_PATH: str(store)}):
+        publish_refit(root, ck, 0)
+        publish_refit(root, _next(ck, 1), 1)
+        receive_refit(root, "rx", str(tmp_path / "s.safetensors"))
+    files = [p for p in store.rglob("*") if p.is_file()]
+    assert len(files) >= 12, "the steps' results were persisted"
+    big = max(p.stat().st_size for p in files)
+    assert big < 1 << 20, f"a step result of {big} bytes: steps must pass references, not data"
+    docs = [p.read_text() for p in files]
+    assert all('"serializer": {"type": "json"' in d or '"type":"json"' in d for d in docs[:5])
+
+
+def test_deployments_from_the_one_source_run_with_typed_options_through_a_served_process(prefect_api, tmp_path):
+    """``dcr serve`` serves infra/prefect.yaml; runs of its deployments get their options as
+    mappings (as a deployment or the UI passes them), validated into the typed models; the server
+    refuses a run with bad options against the flow's parameter schema before anything runs."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments import run_deployment
+    from prefect.exceptions import PrefectHTTPStatusError
+    from safetensors.torch import load_file
+
+    from storage.catalog import Catalog
+    from storage.root import Root
+    from tests.support.helpers import write_safetensors
+
+    root, state = str(tmp_path / "bucket"), str(tmp_path / "rx.safetensors")
+    ck0 = TinyFused.checkpoint(5)
+    ck1 = _next(ck0, 1)
+    write_safetensors(tmp_path / "c0.safetensors", ck0)
+    write_safetensors(tmp_path / "c1.safetensors", ck1)
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "DCR_ROOT": root, "DCR_RECEIVER_ID": "rx",
+           "DCR_RECEIVER_STATE": state, "DCR_GC_KEEP_LAST": "3", "DCR_CACHE_DIR": str(tmp_path / "cache"),
+           "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
+    served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve"], env=env, cwd=REPO,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for d in spec["deployments"]:
-            assert callable(import_object(d["entrypoint"]))
+        with get_client(sync_client=True) as client:
+            for _ in range(120):
+                try:
+                    client.read_deployment_by_name("dcr-gc/gc")
+                    break
+                except Exception:  # noqa: BLE001 - not registered yet
+                    time.sleep(0.5)
+        run = run_deployment("dcr-publish/publisher", parameters={
+            "source": str(tmp_path / "c0.safetensors"), "step": 0, "options": {"chunk_bytes": 4096, "io_workers": 2},
+        }, timeout=180, poll_interval=1)
+        assert run.state.is_completed(), run.state
+        assert run.name == "publish-step-0"
+        assert Catalog(Root(root)).manifest(0).chunk_bytes == 4096, "the run's options reached the publisher"
+        with pytest.raises(PrefectHTTPStatusError, match="options.io_workers"):  # refused: no run is created
+            run_deployment("dcr-publish/publisher", parameters={
+                "source": str(tmp_path / "c1.safetensors"), "step": 1, "options": {"io_workers": 0},
+            }, timeout=180, poll_interval=1)
+        assert Catalog(Root(root)).latest_committed() == 0
+        assert run_deployment("dcr-publish/publisher", parameters={
+            "source": str(tmp_path / "c1.safetensors"), "step": 1}, timeout=180, poll_interval=1).state.is_completed()
+        rx = run_deployment("dcr-receive/receiver", timeout=180, poll_interval=1)
+        assert rx.state.is_completed(), rx.state
+        assert_bits_equal(load_file(state), ck1)
+        assert "rx" in Catalog(Root(root)).receivers(1)
+        with get_client(sync_client=True) as client:
+            fr = client.read_flow_run(rx.id)
+            assert {"dcr", "dcr-receive", f"receiver:rx"} <= set(fr.tags)
     finally:
-        os.chdir(cwd)
-    assert any(d.get("schedules") for d in spec["deployments"] if d["name"] == "receiver")
+        served.terminate()
+        served.wait(30)
 
 
 def test_cli_runs_the_prefect_flows_when_asked(prefect_api, tmp_path):

@@ -22,7 +22,7 @@ from tests.support.helpers import assert_bits_equal
 from tests.support.httpproxy import Proxy
 from tests.support.servers import S3_BUCKET
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
 def _model(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -73,7 +73,7 @@ def test_sixteen_publisher_processes_racing_for_one_step_commit_exactly_once(s3_
         for i, p in enumerate(cands)
     ]
     results = [(p.wait(timeout=300), p.stderr.read()) for p in procs]
-    assert len(os.listdir(barrier)) == n, "every publisher reached the commit"
+    assert len(os.listdir(barrier)) == n, ("every publisher reached the commit", results[:2])
     winners = [i for i, (rc, _) in enumerate(results) if rc == 0]
     assert len(winners) == 1, results
     for i, (rc, err) in enumerate(results):
