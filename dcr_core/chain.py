@@ -19,7 +19,6 @@ from enum import Enum
 
 from dcr_core.errors import IntegrityError, StepNotFoundError
 
-
 KEYFRAME, DELTA = "keyframe", "delta"  # the two kinds of committed step
 
 

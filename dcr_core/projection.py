@@ -214,7 +214,7 @@ class _Extent:
         return self
 
 
-def chunks_touched(runs: "_Runs", grid: ChunkGrid) -> list[int]:
+def chunks_touched(runs: _Runs, grid: ChunkGrid) -> list[int]:
     """Indices of the chunks of ``grid`` that the runs touch, ascending."""
     if not runs.cstart.size:
         return []
@@ -225,7 +225,7 @@ def chunks_touched(runs: "_Runs", grid: ChunkGrid) -> list[int]:
     return [int(i) for a, b in _merge(first, last) for i in range(a, b + 1)]
 
 
-def scatter_chunk(buf: np.ndarray, cs: int, runs: "_Runs", locals_: Sequence[np.ndarray]) -> None:
+def scatter_chunk(buf: np.ndarray, cs: int, runs: _Runs, locals_: Sequence[np.ndarray]) -> None:
     """The inverse of projection: copy the rank's elements of canonical chunk ``buf`` (which starts
     at flat element ``cs``) into the rank's local shard arrays ``locals_``."""
     ce = cs + buf.size

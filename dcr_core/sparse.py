@@ -129,7 +129,7 @@ def _read_section(data: bytes, offset: int, expect: int) -> tuple[bytes, int]:
     try:
         out = np.empty(expect, dtype=np.uint8)
         Zstd().decode(data[offset : offset + length], out=out)
-    except Exception as e:  # not zstd, or a different size than the header says
+    except Exception as e:  # noqa: BLE001 - not zstd, or a different size than the header says
         raise IntegrityError(f"sparse frame section does not decode to {expect} bytes ({e})") from None
     return out.tobytes(), offset + length
 

@@ -88,7 +88,7 @@ def open_backend(url: str, storage_options: dict) -> Backend:
 def _open_gcs(url: str, opts: dict):
     """gcsfs's core filesystem class: the package default (``ExtendedGcsFileSystem`` unless
     ``GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false``) probes a gRPC endpoint on every call, seconds each."""
-    from gcsfs.core import GCSFileSystem  # optional heavy dependency: only GCS ROOTs need it
+    from gcsfs.core import GCSFileSystem  # noqa: PLC0415 - optional heavy dependency: only GCS ROOTs need it
 
     if os.environ.get("STORAGE_EMULATOR_HOST"):
         opts.setdefault("token", "anon")

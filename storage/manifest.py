@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from dcr_core.chain import DELTA, KEYFRAME
 from dcr_core.chunking import ChunkGrid
 from dcr_core.codec import CodecSpec
 from dcr_core.delta import Encoding
@@ -21,9 +22,8 @@ from dcr_core.digest import DIGEST_ALGORITHM, PIECES_SCHEME, box_digest, pieces_
 from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import IntegrityError, UsageError
 from dcr_core.shard_spec import Piece, c_strides, check_cover
-from dcr_core.chain import DELTA, KEYFRAME
 from storage import layout
-from storage.fields import MAX_NDIM, fail, parse_attempt, parse_digest, parse_int, parse_shape
+from storage.fields import fail, parse_attempt, parse_digest, parse_int, parse_shape
 
 SCHEMA_VERSION = 1
 FORMAT = "dcr-manifest"

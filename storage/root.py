@@ -118,13 +118,13 @@ def _mtime(info: Mapping[str, object]) -> float | None:
         if isinstance(v, (int, float)):
             return float(v)
         if isinstance(v, datetime.datetime):
-            return (v if v.tzinfo else v.replace(tzinfo=datetime.timezone.utc)).timestamp()
+            return (v if v.tzinfo else v.replace(tzinfo=datetime.UTC)).timestamp()
         if isinstance(v, str):
             try:
                 d = datetime.datetime.fromisoformat(v.replace("Z", "+00:00"))
             except ValueError:
                 continue
-            return (d if d.tzinfo else d.replace(tzinfo=datetime.timezone.utc)).timestamp()
+            return (d if d.tzinfo else d.replace(tzinfo=datetime.UTC)).timestamp()
     return None
 
 

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dcr_bench import data as bench_data
+from dcr_bench.e2e import S3Service, e2e_local, e2e_s3, e2e_summary, startup_s
 from dcr_core.bits import bits_of
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.codec import CodecSpec
@@ -31,8 +33,6 @@ from dcr_core.delta import (
     encode_chunks,
     pad,
 )
-from dcr_bench import data as bench_data
-from dcr_bench.e2e import S3Service, e2e_local, e2e_s3, e2e_summary, startup_s
 from flows import PublishOptions
 from flows.publish.steps import PUBLISH
 from flows.receive.pipeline import STATE_STEPS

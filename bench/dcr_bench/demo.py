@@ -8,7 +8,7 @@ import os
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import torch
 from safetensors.torch import load_file
@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 from dcr_bench.models.demo_lm import DEFAULT_LR, DemoLM, ModelConfig, canonical, train_step
 from dcr_core.errors import DCRError
 from flows import PublishOptions, run_materialize, run_publish, run_receive
+
 RECEIVERS = ("rollout-a", "rollout-b")
 MARKER = ".dcr-demo"  # marks a workdir the demo created, so a rerun may wipe it
 
@@ -116,7 +117,7 @@ def _summarize(rows, problem, wall_s, root, workdir, lr, c, n_params, say) -> di
     deltas = [r for r in rows if r["kind"] != "keyframe"] or rows
     full = rows[0]["bytes_full"]
     stored = sum(r["bytes_stored"] for r in deltas)
-    mean = lambda key: sum(r[key] for r in deltas) / len(deltas)  # noqa: E731
+    mean = lambda key: sum(r[key] for r in deltas) / len(deltas)
     summary = {
         "root": root, "workdir": workdir, "lr": lr, "config": asdict(c), "parameters": n_params,
         "steps": len(rows) - 1, "exact": problem is None and all(r["exact"] for r in rows), "mismatch": problem,

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import uuid
+
 from safetensors.torch import load_file
 
 from dcr_bench.demo import mismatch

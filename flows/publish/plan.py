@@ -61,7 +61,7 @@ def _schema_diff(base: Manifest, infos: dict[str, TensorInfo], whole: bool) -> s
     """What differs between the tensors published and the base step's (``whole``: the same set)."""
     missing = sorted(set(base.tensors) - set(infos)) if whole else []
     extra = sorted(set(infos) - set(base.tensors))
-    more = lambda xs: f" (and {len(xs) - 1} more)" if len(xs) > 1 else ""  # noqa: E731
+    more = lambda xs: f" (and {len(xs) - 1} more)" if len(xs) > 1 else ""
     if missing:
         return f"tensor {missing[0]!r} of step {base.step} is missing{more(missing)}"
     if extra:

@@ -36,9 +36,9 @@ from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError, SchemaMismatchError, StepConflictError, UsageError
 from dcr_core.projection import ShardBits, project
 from flows import refs
+from flows.options import PublishOptions
 from flows.poll import poll
 from flows.publish.commit import WrittenManifest, commit_step, write_manifest
-from flows.options import PublishOptions
 from flows.publish.plan import PublishPlan, plan_publish
 from flows.publish.shard_baseline import piece_records
 from flows.publish.shards import ShardSnapshot

@@ -115,9 +115,9 @@ def dtensor_pieces(name: str, dt) -> list[Piece]:
     """The piece of a DTensor's local shard (``Shard(d)``/``Replicate()`` on any mesh): the box that
     ``compute_local_shape_and_global_offset`` gives; replicas other than coordinate 0 hold none."""
     # Imported here: torch.distributed.tensor costs 0.4 s of start-up, and only FSDP2 callers need it.
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor import Shard as DShard
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor import Replicate  # noqa: PLC0415
+    from torch.distributed.tensor import Shard as DShard  # noqa: PLC0415
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: PLC0415
 
     for pl in dt.placements:
         if type(pl) not in (Replicate, DShard):

@@ -224,11 +224,11 @@ def xor_into_module(
     applied: list[tuple[str, torch.Tensor]] = []
     try:
         return _xor_buckets(module, table, masks, budget_bytes, applied)
-    except BaseException as e:
+    except BaseException as e:  # undo on any exit (an interrupt too), then re-raise
         if applied:
             try:
                 _xor_buckets(module, table, applied, budget_bytes, [])
-            except BaseException as undo:
+            except BaseException as undo:  # noqa: BLE001 - reported with the original error
                 raise PlacementError(
                     f"applying masks failed ({type(e).__name__}: {e}) and undoing them failed too "
                     f"({type(undo).__name__}: {undo}); the module must be reloaded"

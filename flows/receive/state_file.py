@@ -24,7 +24,6 @@ from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensor
 from storage.reader import RefitPlan
 from storage.root import RootRef, open_root
 
-
 log = logging.getLogger("dcr.receive")
 
 

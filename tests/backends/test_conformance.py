@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError, UnsafeKeyError
-from flows.publish.steps import PUBLISH
+from flows import run_materialize, run_publish, run_receive
 from flows.maintenance.audit import list_steps, verify
 from flows.options import PublishOptions
-from flows import run_materialize, run_publish, run_receive
+from flows.publish.steps import PUBLISH
 from storage import layout
 from storage.catalog import Catalog
 from storage.root import Root
-from tests.support.steps import patch_step
 from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes
+from tests.support.steps import patch_step
 
 
 def opts(tmp_path, **kw) -> PublishOptions:

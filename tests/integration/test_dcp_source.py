@@ -11,11 +11,10 @@ import pytest
 import torch
 
 from dcr_core.errors import InvalidCheckpointError
+from flows import run_receive
 from flows.cli import main
 from flows.publish.dcp import dcp_sources
 from storage.local.dcp_metadata import is_dcp_dir, read_dcp_metadata
-from flows import run_receive
-from storage.local.safetensors import SafetensorsCheckpoint
 from tests.support.helpers import assert_bits_equal, nasty_tensor, next_step, read_state
 
 warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")

@@ -15,6 +15,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dcr_core.digest import policy_digest
 from dcr_core.errors import (
     DCRError,
     IntegrityError,
@@ -25,16 +26,12 @@ from dcr_core.errors import (
     StepNotFoundError,
     UnsafeKeyError,
 )
-from flows.publish.steps import PUBLISH
-from storage import reader
-from storage.root import open_root
-from tests.support.steps import patch_step
-from flows.options import PublishOptions
 from flows import run_materialize, run_publish, run_receive
-from storage import layout
+from flows.options import PublishOptions
+from flows.publish.steps import PUBLISH
+from storage import layout, reader
 from storage.catalog import Catalog, manifest_digest
-from dcr_core.digest import policy_digest
-from storage.root import Root
+from storage.root import Root, open_root
 from tests.support.helpers import (
     assert_bits_equal,
     chain_of_steps,
@@ -44,6 +41,7 @@ from tests.support.helpers import (
     raw_bits,
     tree_snapshot,
 )
+from tests.support.steps import patch_step
 
 CHUNK_BYTES = 256
 

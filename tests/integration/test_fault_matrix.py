@@ -274,6 +274,7 @@ NETWORK = [
 ]
 
 
+@pytest.mark.backend
 @pytest.mark.parametrize("case", NETWORK, ids=str)
 def test_network_faults(case, s3_server, tmp_path):
     which = NETWORK.index(case)

@@ -16,19 +16,18 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from dcr_core.errors import StateMismatchError
 from dcr_core import events
 from dcr_core.bits import bits_of
+from dcr_core.errors import StateMismatchError
+from flows import run_publish, run_receive
+from flows.options import PublishOptions, ReceiveOptions
 from flows.receive import in_place, state_file
 from storage import reader
-from storage.local.safetensors import Header
-from storage.local.state import consistent_state
-from storage.root import open_root
-from flows.options import PublishOptions, ReceiveOptions
-from flows import run_publish, run_receive
-from storage.local.state import peek_step as peek_state_step
 from storage.local import journal as state_journal
-from storage.local.safetensors import SafetensorsCheckpoint
+from storage.local.safetensors import Header, SafetensorsCheckpoint
+from storage.local.state import consistent_state
+from storage.local.state import peek_step as peek_state_step
+from storage.root import open_root
 from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes, next_step
 
 IN_PLACE = ReceiveOptions(in_place=True, io_workers=2)

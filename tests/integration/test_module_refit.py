@@ -7,13 +7,13 @@ import uuid
 import pytest
 import torch
 
-from flows.receive import placement
-from flows import receive_into_module
-from flows.options import PublishOptions
-from flows import run_publish
-from tests.support.helpers import assert_bits_equal
-from tests.support.receivers.hf import HFReceiver, canonical_checkpoint as hf_checkpoint, greedy_tokens
 from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint, tp_group
+from flows import receive_into_module, run_publish
+from flows.options import PublishOptions
+from flows.receive import placement
+from tests.support.helpers import assert_bits_equal
+from tests.support.receivers.hf import HFReceiver, greedy_tokens
+from tests.support.receivers.hf import canonical_checkpoint as hf_checkpoint
 from tests.support.receivers.quantized import Fp8BlockQuantized, OffsetNorm, RechunkedExperts, is_norm
 
 
@@ -28,7 +28,7 @@ def _evolve(ck: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
     """Next step: ~2% of BF16 bits flip (sign flips of zeros, NaN payloads included); buffers stay."""
     g = torch.Generator().manual_seed(seed)
     out = {n: t.clone() for n, t in ck.items()}
-    for n, t in out.items():
+    for t in out.values():
         if t.dtype != torch.bfloat16:
             continue
         bits = t.view(-1).view(torch.int16)
@@ -133,7 +133,7 @@ def test_non_preserving_and_rechunking_loaders_refit_exactly(kind, tmp_path):
     else:
         first = canonical_checkpoint(LlamaConfig(), seed=4)
         cls = Fp8BlockQuantized if kind == "fp8" else OffsetNorm
-        factory = lambda: cls.from_checkpoint(first)  # noqa: E731
+        factory = lambda: cls.from_checkpoint(first)
     cks = _publish_chain(root, first, 4, tmp_path)
     mod = factory()
     for step in [0, 1, 3, 2, 3]:
@@ -166,11 +166,11 @@ def test_a_failure_mid_apply_rolls_the_live_module_back_to_its_base_bits(tmp_pat
     returns to the exact bits of the step it held, and a retry takes the delta path to the target."""
     if kind == "direct":
         cfg = LlamaConfig()
-        factory = lambda: VllmLlama(cfg, 0, 2)  # noqa: E731
+        factory = lambda: VllmLlama(cfg, 0, 2)
         first = canonical_checkpoint(cfg, seed=4)
     else:
         first = canonical_checkpoint(LlamaConfig(), seed=4)
-        factory = lambda: OffsetNorm.from_checkpoint(first)  # noqa: E731 - norms stored as w - 1
+        factory = lambda: OffsetNorm.from_checkpoint(first)
     root = f"memory://mod-{uuid.uuid4().hex}"
     cks = _publish_chain(root, first, 3, tmp_path)
     mod = factory()

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from dcr_core.chain import StepInfo, plan_direct, plan_path
-from flows.options import PublishOptions
 from flows import run_publish, run_receive
+from flows.options import PublishOptions
 from storage.catalog import Catalog
 from storage.root import Root
 from storage.stats import io_stats

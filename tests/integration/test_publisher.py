@@ -17,20 +17,18 @@ from safetensors.torch import load_file, save_file
 from dcr_core.errors import StepConflictError, UsageError
 from dcr_core.retention import KeyframePolicy
 from dcr_core.shard_spec import full
-from flows import refs
+from flows import Publisher, refs, run_publish, run_receive
+from flows.options import PublishOptions
 from flows.publish import baseline as ps
 from flows.publish import sources
-from flows.publish.steps import PUBLISH
-from tests.support.steps import patch_step
-from flows.options import PublishOptions
-from flows import run_publish, run_receive
 from flows.publish.baseline import BaselineSlot, HeldBaseline
-from flows import Publisher
 from flows.publish.shards import Shard, ShardedSource
 from flows.publish.sources import MemorySource
+from flows.publish.steps import PUBLISH
 from storage.catalog import Catalog
 from storage.root import Root
 from tests.support.helpers import assert_bits_equal, chain_of_steps, nasty_checkpoint, next_step
+from tests.support.steps import patch_step
 
 CHUNK_BYTES = 256
 

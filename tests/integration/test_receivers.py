@@ -7,10 +7,16 @@ import random
 import pytest
 import torch
 
-from tests.support.receivers.hf import HFReceiver, canonical_checkpoint as hf_checkpoint, greedy_tokens, tiny_hf_llama
 from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint, padded_vocab, tp_group
+from tests.support.receivers.hf import HFReceiver, greedy_tokens, tiny_hf_llama
+from tests.support.receivers.hf import canonical_checkpoint as hf_checkpoint
 from tests.support.receivers.quantized import (
-    FP8, Fp8BlockQuantized, OffsetNorm, RechunkedExperts, dequantize_fp8_blocks, is_norm,
+    FP8,
+    Fp8BlockQuantized,
+    OffsetNorm,
+    RechunkedExperts,
+    dequantize_fp8_blocks,
+    is_norm,
 )
 
 CONFIGS = {

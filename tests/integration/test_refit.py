@@ -19,8 +19,8 @@ import zarr
 from safetensors.torch import load_file, save_file
 
 from dcr_core.delta import Encoding
-from flows.options import PublishOptions
 from flows import run_materialize, run_publish, run_receive
+from flows.options import PublishOptions
 from storage import layout
 from storage.catalog import Catalog
 from storage.root import Root

@@ -10,10 +10,9 @@ from safetensors.torch import load_file
 from dcr_core.chain import Direction, Move, StepInfo, plan_path
 from dcr_core.errors import StepNotFoundError, UsageError
 from dcr_core.retention import KeyframePolicy, steps_to_keep
-from flows.maintenance import gc
-from flows.options import GcOptions
-from flows.options import PublishOptions
 from flows import run_materialize, run_publish, run_receive
+from flows.maintenance import gc
+from flows.options import GcOptions, PublishOptions
 from storage import layout
 from storage.catalog import Catalog
 from storage.root import Root, RootRef
@@ -139,8 +138,6 @@ def test_gc_deletes_only_what_retention_and_receivers_do_not_need(tmp_path, back
     ckpts = publish_run(root, tmp_path)  # a keyframe at 0, a delta with a full snapshot at 4
     behind = tmp_path / "behind.safetensors"
     run_receive(root, "behind", str(behind), step=2)
-    r = Root(root)
-
     dry = gc.run_gc(root, GcOptions(keep_last=2, dry_run=True))
     assert dry.plan.delete_steps == [0, 1] and dry.plan.receivers == {"behind": 2}
     assert dry.plan.bytes_freed > 0 and not dry.deleted_steps

@@ -20,16 +20,13 @@ import zarr
 from dcr_core.bits import bits_of
 from dcr_core.errors import DCRError, IntegrityError, StateMismatchError
 from dcr_core.shard_spec import BufferParam, flat_buffer, flat_buffer_size, fused_qkv, gated_fc1, replicate, split
-from flows import refs
+from flows import receive_into_module, refs, run_materialize, run_publish, run_receive
 from flows.maintenance import audit
+from flows.options import PublishOptions
 from flows.publish import ranks
 from flows.publish.shard_baseline import load_shard_baseline
-from flows import receive_into_module
-from flows.options import PublishOptions
-from flows import run_materialize, run_publish, run_receive
 from flows.publish.shards import Shard, ShardedSource
 from storage.catalog import Catalog
-from storage.local.safetensors import SafetensorsCheckpoint
 from storage.root import Root, RootRef
 from tests.support.fused_module import TinyFused
 from tests.support.helpers import assert_bits_equal, from_bits, nasty_tensor, next_step, read_state
@@ -254,7 +251,7 @@ def test_ranks_in_threads_agree_through_storage(tmp_path, opts):
         results, errors = {}, {}
         attempt = f"{n:02d}" * 16
 
-        def run(src):
+        def run(src, n=n, attempt=attempt, results=results, errors=errors):
             try:
                 results[src.rank] = run_publish(root, src, n, options=opts, attempt=attempt)
             except DCRError as e:

@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file
 
 from dcr_core.errors import IntegrityError, StateMismatchError
-from flows.options import PublishOptions
 from flows import run_publish, run_receive
+from flows.options import PublishOptions
 from tests.support.helpers import assert_bits_equal, file_bytes
 
 pytestmark = pytest.mark.faults(component="security", outcome="refused with a one-line error; the held state unchanged")

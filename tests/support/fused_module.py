@@ -44,7 +44,7 @@ class TinyFused(nn.Module):
     @staticmethod
     def checkpoint(seed: int, hidden: int = 8, kv: int = 4, inter: int = 12) -> dict[str, torch.Tensor]:
         g = torch.Generator().manual_seed(seed)
-        r = lambda *s: torch.randn(*s, generator=g).bfloat16()  # noqa: E731
+        r = lambda *s: torch.randn(*s, generator=g).bfloat16()
         return {
             "layer.q_proj.weight": r(hidden, hidden),
             "layer.k_proj.weight": r(kv, hidden),

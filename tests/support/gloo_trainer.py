@@ -30,17 +30,18 @@ def worker(rank: int, world: int, port: int, root: str, cache: str, out: str, st
 
 
 def _train(rank, world, root, cache, out, steps, dcp_steps):
+    import warnings
+
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    import warnings
 
     warnings.filterwarnings("ignore", category=FutureWarning)
     from torch.distributed.nn.functional import all_reduce
 
     from dcr_core.conversion import cast, offset
     from dcr_core.shard_spec import replicate, split
-    from flows.options import PublishOptions
     from flows import run_publish, run_receive
+    from flows.options import PublishOptions
     from flows.publish.shards import Shard, ShardedSource, dtensor_pieces
     from tests.support.helpers import read_state
 

@@ -3,29 +3,21 @@
 from __future__ import annotations
 
 import os
-import signal
+import shutil
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from storage.local import journal as state_journal
-from tests.support.helpers import write_safetensors
-from tests.support.helpers import assert_bits_equal
+from tests.support.helpers import assert_bits_equal, write_safetensors
+from tests.support.kill import kill_at
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-
-
-def spawn_dcr(*args) -> subprocess.Popen:
-    """A ``dcr`` process in the background (output discarded), for kill -9 tests."""
-    return subprocess.Popen(
-        [sys.executable, "-m", "flows.cli", *map(str, args)],
-        cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none"},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
 
 
 def dcr(*args, env=None, check=None):
@@ -52,17 +44,29 @@ def _evolve(ck, seed):
     return out
 
 
-@pytest.fixture
-def published(tmp_path):
-    root = tmp_path / "bucket"
+def _copy(made: Path, tmp_path: Path) -> Path:
+    """A private copy of a bucket (and its neighbours) published once per module."""
+    shutil.copytree(made, tmp_path, dirs_exist_ok=True)
+    return tmp_path
+
+
+@pytest.fixture(scope="module")
+def _published_once(tmp_path_factory):
+    d = tmp_path_factory.mktemp("published")
     cks = [_ck(0)]
     for s in range(1, 4):
         cks.append(_evolve(cks[-1], s))
     for s, ck in enumerate(cks):
-        p = tmp_path / f"c{s}.safetensors"
+        p = d / f"c{s}.safetensors"
         write_safetensors(p, ck)
-        dcr("publish", root, p, "--step", s, "--chunk-bytes", 4096, check=0)
-    return root, cks
+        dcr("publish", d / "bucket", p, "--step", s, "--chunk-bytes", 4096, check=0)
+    return d, cks
+
+
+@pytest.fixture
+def published(_published_once, tmp_path):
+    made, cks = _published_once
+    return _copy(made, tmp_path) / "bucket", cks
 
 
 def test_publish_receive_materialize_ls_and_verify_from_the_command_line(published, tmp_path):
@@ -119,113 +123,126 @@ def test_a_verify_of_a_corrupted_chunk_names_the_object_and_fails(published):
     assert str(chunk.relative_to(root)) in out.stderr
 
 
-@pytest.mark.faults(component="process", outcome="kill -9: nothing visible, or the step committed whole; a rerun ends bit-exact")
-def test_a_publish_killed_at_random_points_is_invisible_and_a_retry_commits(tmp_path):
-    root = tmp_path / "bucket"
+# kill -9 of real processes, at points they report reaching (tests/support/kill.py) -----------------
+
+PUBLISH_POINTS = [  # (point, committed afterwards?)
+    ("publish.planned", False),  # validated, nothing written
+    ("chunk.stored@1", False),  # mid upload
+    ("chunk.stored@7", False),
+    ("publish.tensors-stored", False),  # every chunk, no manifest
+    ("publish.manifest-written", False),  # the manifest, no marker
+    ("publish.committed", True),  # the marker created, the baseline cache not yet written
+]
+
+
+@pytest.fixture(scope="module")
+def _keyframe_once(tmp_path_factory):
+    d = tmp_path_factory.mktemp("keyframe")
     base = _ck(0, rows=4000)
-    p0 = tmp_path / "c0.safetensors"
-    write_safetensors(p0, base)
-    dcr("publish", root, p0, "--step", 0, check=0)
+    write_safetensors(d / "c0.safetensors", base)
+    dcr("publish", d / "bucket", d / "c0.safetensors", "--step", 0, check=0, env={"DCR_CACHE_DIR": str(d / "cache")})
     new = _evolve(base, 1)
-    p1 = tmp_path / "c1.safetensors"
-    write_safetensors(p1, new)
-    for delay in (0.3, 0.6, 0.9, 1.2):
-        proc = spawn_dcr("publish", root, p1, "--step", 1, "--chunk-bytes", 512, "--io-workers", 1)
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        committed = (root / "steps" / "000000000001" / "commit.json").exists()
-        out = dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", check=0)
-        expect = new if committed else base
-        assert_bits_equal(load_file(tmp_path / "s.safetensors"), expect)
-        if committed:
-            break
-    if not (root / "steps" / "000000000001" / "commit.json").exists():
-        dcr("publish", root, p1, "--step", 1, check=0)
-    dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", check=0)
-    assert_bits_equal(load_file(tmp_path / "s.safetensors"), new)
-    assert out.returncode == 0
+    write_safetensors(d / "c1.safetensors", new)
+    return d, base, new
 
 
-def _kill_receive_sweep(tmp_path, delays, in_place=False):
-    """``dcr receive`` killed (SIGKILL) after each delay: the state file is always exactly one step
-    (in place: once the next receive's first act, rolling back a cut-off patch, has run). The delays
-    span process start-up, planning, fetching and writing; the in-place commit window itself lasts
-    milliseconds and is crashed at each of its points deterministically in tests/integration/test_in_place.py."""
-    extra = ["--in-place"] if in_place else []
-    root = tmp_path / "bucket"
+@pytest.mark.faults(component="process", outcome="kill -9 at a reported point: nothing visible before the marker, the step whole after; a rerun ends bit-exact")
+@pytest.mark.parametrize("point,committed", PUBLISH_POINTS, ids=[p for p, _ in PUBLISH_POINTS])
+def test_a_publish_killed_at_each_point_is_invisible_or_whole_and_a_rerun_is_exact(_keyframe_once, tmp_path, point, committed):
+    made, base, new = _keyframe_once
+    d = _copy(made, tmp_path)
+    root, env = d / "bucket", {"DCR_CACHE_DIR": str(d / "cache")}
+    kill_at(point, "publish", root, d / "c1.safetensors", "--step", 1, "--chunk-bytes", 512, "--io-workers", 1, env=env)
+    assert (root / "steps" / "000000000001" / "commit.json").exists() == committed
+    state = d / "s.safetensors"
+    dcr("receive", root, "--receiver", "r", "--state", state, check=0)
+    assert_bits_equal(load_file(state), new if committed else base)
+    dcr("publish", root, d / "c1.safetensors", "--step", 1, check=3 if committed else 0, env=env)  # the rerun
+    if committed:  # killed before its baseline cache was written: the next delta rebuilds it from ROOT
+        newer = _evolve(new, 2)
+        write_safetensors(d / "c2.safetensors", newer)
+        dcr("publish", root, d / "c2.safetensors", "--step", 2, check=0, env=env)
+        new = newer
+    dcr("receive", root, "--receiver", "r", "--state", state, check=0)
+    assert_bits_equal(load_file(state), new)
+
+
+RECEIVE_POINTS = {  # point -> the state holds the new step afterwards (after a roll back, in place)
+    "rewrite": [("receive.planned", False), ("chunk.fetched@1", False), ("chunk.fetched@9", False),
+                ("receive.tensor-staged@1", False), ("receive.staged", False), ("receive.replaced", True),
+                ("receive.recorded", True)],
+    "in-place": [("receive.planned", False), ("chunk.fetched@5", False), ("receive.staged", False),
+                 ("receive.journal-written", False), ("receive.patch-record@1", False),
+                 ("receive.patch-written", False), ("receive.patched", True)],
+}
+
+
+@pytest.fixture(scope="module")
+def _receiver_once(tmp_path_factory):
+    d = tmp_path_factory.mktemp("receiver")
     cks = [_ck(0, rows=6000)]
     cks.append(_evolve(cks[0], 1))
     for s, ck in enumerate(cks):
-        p = tmp_path / f"c{s}.safetensors"
+        p = d / f"c{s}.safetensors"
         write_safetensors(p, ck)
-        dcr("publish", root, p, "--step", s, "--chunk-bytes", 512, check=0)
-    state = tmp_path / "rx" / "s.safetensors"
-    dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, check=0)
-    outcomes = []
-    for delay in delays:
-        proc = spawn_dcr("receive", root, "--receiver", "r", "--state", state, "--step", 1, "--io-workers", 1, *extra)
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if in_place:
-            state_journal.roll_back(str(state))  # what the next receive does first
-        held = load_file(state)  # never torn: a complete safetensors file of one step
-        at_new = bool(torch.equal(held["step"], cks[1]["step"]))
-        assert_bits_equal(held, cks[1] if at_new else cks[0])
-        outcomes.append(at_new)
-        if at_new:  # back to step 0 for the next kill (an XOR delta undone)
-            dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, *extra, check=0)
+        dcr("publish", d / "bucket", p, "--step", s, "--chunk-bytes", 512, check=0)
+    dcr("receive", d / "bucket", "--receiver", "r", "--state", d / "rx" / "s.safetensors", "--step", 0, check=0)
+    return d, cks
+
+
+def _receiver_setup(made, tmp_path):
+    d, cks = made
+    d = _copy(d, tmp_path)
+    return d / "bucket", cks, d / "rx" / "s.safetensors"
+
+
+@pytest.mark.faults(component="process", outcome="kill -9 at a reported point: the state file holds one whole step (in place: after its roll back); a rerun ends bit-exact")
+@pytest.mark.parametrize("mode,point,at_new", [(m, p, n) for m, pts in RECEIVE_POINTS.items() for p, n in pts],
+                         ids=[f"{m}-{p}" for m, pts in RECEIVE_POINTS.items() for p, _ in pts])
+def test_a_receive_killed_at_each_point_leaves_one_whole_step_and_a_rerun_is_exact(_receiver_once, tmp_path, mode, point, at_new):
+    root, cks, state = _receiver_setup(_receiver_once, tmp_path)
+    extra = ["--in-place"] if mode == "in-place" else []
+    kill_at(point, "receive", root, "--receiver", "r", "--state", state, "--step", 1, "--io-workers", 1, *extra)
+    if mode == "in-place":
+        state_journal.roll_back(str(state))  # what the next receive does first
+    held = load_file(state)  # never torn: a complete safetensors file of one step
+    assert_bits_equal(held, cks[1] if at_new else cks[0])
     dcr("receive", root, "--receiver", "r", "--state", state, *extra, check=0)
     assert_bits_equal(load_file(state), cks[1])
     assert not [p for p in os.listdir(state.parent) if ".tmp-" in p], "a killed receiver's temp file was removed"
-    return outcomes
-
-
-@pytest.mark.faults(component="process", outcome="kill -9: the state file holds the old or the new step exactly; a rerun ends bit-exact")
-def test_a_receive_killed_at_several_points_leaves_one_whole_step_and_a_rerun_is_exact(tmp_path):
-    _kill_receive_sweep(tmp_path, [0.5, 1.0, 1.5, 2.0, 3.0])
-
-
-@pytest.mark.faults(component="process", outcome="kill -9 of an in-place receive: after its roll back the state file holds one step exactly; a rerun ends bit-exact")
-def test_an_in_place_receive_killed_at_several_points_rolls_back_to_one_whole_step(tmp_path):
-    _kill_receive_sweep(tmp_path, [0.5, 1.0, 1.5, 2.0, 3.0], in_place=True)
 
 
 @pytest.mark.slow
-@pytest.mark.faults(component="process", outcome="kill -9: the state file holds the old or the new step exactly; a rerun ends bit-exact")
-def test_a_receive_killed_at_random_points_full_sweep(tmp_path):
-    import random
-
-    rng = random.Random(7)
-    _kill_receive_sweep(tmp_path, sorted(rng.uniform(0.2, 3.5) for _ in range(24)))
-
-
-@pytest.mark.slow
-@pytest.mark.faults(component="process", outcome="kill -9: nothing visible, or the step committed whole; a rerun ends bit-exact")
-def test_a_publish_killed_at_random_points_full_sweep(tmp_path):
-    import random
-
-    rng = random.Random(11)
-    root = tmp_path / "bucket"
-    base = _ck(0, rows=4000)
-    p0 = tmp_path / "c0.safetensors"
-    write_safetensors(p0, base)
-    dcr("publish", root, p0, "--step", 0, check=0)
-    for i, delay in enumerate(sorted(rng.uniform(0.2, 3.0) for _ in range(16)), start=1):
-        new = _evolve(base, i)
-        p = tmp_path / f"c{i}.safetensors"
-        write_safetensors(p, new)
-        proc = spawn_dcr("publish", root, p, "--step", i, "--chunk-bytes", 512, "--io-workers", 1)
-        time.sleep(delay)
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
-        if not (root / "steps" / f"{i:012d}" / "commit.json").exists():
-            dcr("publish", root, p, "--step", i, check=0)  # the restart
-        state = tmp_path / "s.safetensors"
+@pytest.mark.faults(component="process", outcome="kill -9 after every chunk upload in turn: nothing visible; a rerun ends bit-exact")
+def test_a_publish_killed_after_each_chunk_in_turn_full_sweep(_keyframe_once, tmp_path):
+    made, base, new = _keyframe_once
+    d = _copy(made, tmp_path)
+    root, p1, state = d / "bucket", d / "c1.safetensors", d / "s.safetensors"
+    for n in range(1, 25, 2):
+        kill_at(f"chunk.stored@{n}", "publish", root, p1, "--step", 1, "--chunk-bytes", 512, "--io-workers", 1)
+        assert not (root / "steps" / "000000000001" / "commit.json").exists()
         dcr("receive", root, "--receiver", "r", "--state", state, check=0)
-        assert_bits_equal(load_file(state), new)
-        base = new
+        assert_bits_equal(load_file(state), base)
+    dcr("publish", root, p1, "--step", 1, check=0)
+    dcr("receive", root, "--receiver", "r", "--state", state, check=0)
+    assert_bits_equal(load_file(state), new)
+
+
+@pytest.mark.slow
+@pytest.mark.faults(component="process", outcome="kill -9 after every chunk fetched and every patch record in turn: one whole step; a rerun ends bit-exact")
+@pytest.mark.parametrize("mode", ["rewrite", "in-place"])
+def test_a_receive_killed_after_each_chunk_and_record_in_turn_full_sweep(_receiver_once, tmp_path, mode):
+    root, cks, state = _receiver_setup(_receiver_once, tmp_path)
+    extra = ["--in-place"] if mode == "in-place" else []
+    points = [f"chunk.fetched@{n}" for n in range(1, 40, 3)]
+    points += [f"receive.patch-record@{n}" for n in (1, 2, 3)] if mode == "in-place" else [f"receive.tensor-staged@{n}" for n in (1, 2)]
+    for point in points:
+        kill_at(point, "receive", root, "--receiver", "r", "--state", state, "--step", 1, "--io-workers", 1, *extra)
+        if mode == "in-place":
+            state_journal.roll_back(str(state))
+        assert_bits_equal(load_file(state), cks[0])
+    dcr("receive", root, "--receiver", "r", "--state", state, *extra, check=0)
+    assert_bits_equal(load_file(state), cks[1])
 
 
 def test_publishers_racing_for_one_step_from_separate_processes_commit_exactly_once(tmp_path):

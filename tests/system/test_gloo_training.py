@@ -8,10 +8,9 @@ import socket
 
 import torch.multiprocessing as mp
 
-from flows.cli import main
 from flows import run_receive
+from flows.cli import main
 from storage.catalog import Catalog
-from storage.local.safetensors import SafetensorsCheckpoint
 from storage.root import Root
 from tests.support import gloo_trainer
 from tests.support.helpers import assert_bits_equal, read_state

@@ -193,7 +193,7 @@ def test_deployments_from_the_one_source_run_with_typed_options_through_a_served
         assert "rx" in Catalog(Root(root)).receivers(1)
         with get_client(sync_client=True) as client:
             fr = client.read_flow_run(rx.id)
-            assert {"dcr", "dcr-receive", f"receiver:rx"} <= set(fr.tags)
+            assert {"dcr", "dcr-receive", "receiver:rx"} <= set(fr.tags)
     finally:
         served.terminate()
         served.wait(30)

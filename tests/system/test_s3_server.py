@@ -12,13 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from flows.options import PublishOptions, ReceiveOptions
 from flows import run_publish, run_receive
+from flows.options import PublishOptions, ReceiveOptions
 from storage import layout
 from storage.catalog import Catalog
-from tests.support.helpers import write_safetensors
 from storage.root import Root
-from tests.support.helpers import assert_bits_equal
+from tests.support.helpers import assert_bits_equal, write_safetensors
 from tests.support.httpproxy import Proxy
 from tests.support.servers import S3_BUCKET
 
@@ -48,6 +47,7 @@ def _step(ck, frac: float, seed: int, only: str | None = None) -> dict[str, torc
 
 
 @pytest.mark.faults(component="publisher", outcome="exactly one commit; the others exit 3 with one line")
+@pytest.mark.slow
 def test_sixteen_publisher_processes_racing_for_one_step_commit_exactly_once(s3_server, tmp_path):
     root = f"s3://{S3_BUCKET}/race-{uuid.uuid4().hex[:8]}"
     base = _model(0)
@@ -167,6 +167,7 @@ def test_transient_5xx_throttling_and_resets_are_retried_to_a_bit_exact_refit(pr
     assert len(injected) >= 10, "faults were really injected"
 
 
+@pytest.mark.slow
 def test_sixteen_receiver_processes_follow_a_publisher_on_the_s3_server(s3_server, tmp_path):
     """16 ``dcr receive --follow`` processes pull every step while the publisher keeps publishing:
     all end bit-exact at the last step, the publisher is never held up (receivers write nothing it
@@ -207,7 +208,7 @@ def test_sixteen_receiver_processes_follow_a_publisher_on_the_s3_server(s3_serve
     outs = [p.communicate(timeout=600) for p in procs]
     wall = time.perf_counter() - t0
     catch_up = time.perf_counter() - t_last
-    for p, (out, err) in zip(procs, outs):
+    for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err
     pulled = refits = 0
     for i, (out, _) in enumerate(outs):

@@ -17,13 +17,12 @@ from dcr_core.bits import bits_of, dtype_of, tensor_from_bits, torch_dtype
 from dcr_core.chain import Direction, Move, StepInfo, ancestors, plan_path
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.codec import CodecSpec
-from dcr_core.delta import ChunkPayload, Encoding, apply_chunk, choose_encoding, encode_chunks, pad
+from dcr_core.delta import Encoding, apply_chunk, choose_encoding, encode_chunks, pad
 from dcr_core.digest import chunk_digest, policy_digest, tensor_digest
 from dcr_core.dtypes import DTYPES, dtype_named
 from dcr_core.errors import DCRError, IntegrityError, InvalidCheckpointError, StepNotFoundError
 from storage import layout
 from tests.support.helpers import SPECIALS, from_bits, nasty_tensor, random_bits, raw_bytes
-
 
 ODD_SHAPES = [(), (0,), (3, 0, 2), (1,), (7,), (5, 3), (2, 3, 5), (1, 1, 1)]
 ALL_DTYPES = list(DTYPES)

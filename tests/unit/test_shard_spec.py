@@ -192,7 +192,7 @@ def test_readme_megatron_layout_partitions_one_pipeline_stage():
     from dcr_core.shard_spec import rename, shift_index
 
     tp, dp, nh, ng, hd, H, F, L, stage = 2, 2, 4, 2, 2, 6, 8, 2, 1
-    to_global = lambda n: shift_index(n, "layers", stage * L)  # noqa: E731
+    to_global = lambda n: shift_index(n, "layers", stage * L)
     pieces = []
     for t in range(tp):
         params = []

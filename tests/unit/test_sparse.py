@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from dcr_core.codec import CodecSpec
 from dcr_core.errors import IntegrityError
 from dcr_core.sparse import DENSE_ABOVE, decode_sparse, encode_sparse
-from flows.options import PublishOptions
 from flows import run_publish
+from flows.options import PublishOptions
 from storage.catalog import Catalog
 from storage.root import Root
 

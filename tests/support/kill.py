@@ -1,0 +1,47 @@
+"""kill -9 of a real ``dcr`` process at a point it reports reaching (``dcr_core.events``).
+
+The process runs with ``DCR_FAILPOINTS=POINT=pause``: on reaching POINT it writes
+``dcr: failpoint POINT reached`` to stderr and blocks; the test then sends SIGKILL. So a kill
+lands exactly where the test says, and ``kill_at`` proves it: it fails if the process exits
+without reaching the point, and checks that SIGKILL (not a normal exit) ended it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def kill_at(point: str, *args, env: dict | None = None, timeout: float = 120.0) -> str:
+    """Run ``dcr ARGS`` until it reaches ``point`` (``name`` or ``name@N``), SIGKILL it there, and
+    return what it wrote to stderr before dying."""
+    spec = point if "@" in point else f"{point}@1"
+    e = {**os.environ, "DCR_ORCHESTRATOR": "none", **(env or {}), "DCR_FAILPOINTS": f"{spec}=pause"}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, env=e,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr] + [lines.put(None)], daemon=True).start()
+    seen = []
+    try:
+        while True:
+            line = lines.get(timeout=timeout)
+            if line is None:
+                proc.wait()
+                raise AssertionError(f"dcr {args[0]} exited ({proc.returncode}) without reaching {spec}: {''.join(seen)[-800:]}")
+            seen.append(line)
+            if line.startswith(f"dcr: failpoint {spec} reached"):
+                break
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == -signal.SIGKILL, f"dcr {args[0]} ended with {proc.returncode}, not by the kill at {spec}"
+    return "".join(seen)
