@@ -67,8 +67,9 @@ class Proxy:
                     with proxy.lock:
                         proxy.log.append((method, path, 0, 0))
                     return
-                if fault in ("500", "503"):
-                    msg = b"<Error><Code>SlowDown</Code><Message>injected</Message></Error>" if fault == "503" else b"<Error><Code>InternalError</Code><Message>injected</Message></Error>"
+                if fault in ("500", "503", "403"):
+                    code = {"500": b"InternalError", "503": b"SlowDown", "403": b"AccessDenied"}[fault]
+                    msg = b"<Error><Code>" + code + b"</Code><Message>injected</Message></Error>"
                     self.send_response(int(fault))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(msg)))

@@ -167,6 +167,31 @@ def test_transient_5xx_throttling_and_resets_are_retried_to_a_bit_exact_refit(pr
     assert len(injected) >= 10, "faults were really injected"
 
 
+@pytest.mark.parametrize("fault,final", [("500", False), ("503", False), ("reset", False), ("403", True)])
+def test_one_owner_retries_each_request_a_bounded_number_of_times(proxied_s3, fault, final):
+    """s3fs and botocore are told not to retry, so a request that keeps failing reaches the wire
+    as often as DCR's policy tries it (5), not 5 x 5 x 4; a final answer is tried once. (A reset
+    connection: aiohttp reopens a pooled keep-alive connection the server closed once per request,
+    a reconnect rather than a retry policy, so at most twice per attempt.)"""
+    from storage.retry import RetryPolicy
+    from storage.root import Root
+
+    proxy = proxied_s3
+    root = Root(f"s3://{S3_BUCKET}/owner-{uuid.uuid4().hex[:8]}", proxy.storage_options)
+    root.write("x.bin", b"payload")
+    root.retry = RetryPolicy(attempts=5, base_delay=0.0)
+    proxy.log.clear()
+    proxy.fault = lambda method, path: fault if path.endswith("/x.bin") and method == "GET" else None
+    with pytest.raises((OSError, Exception)):
+        root.read("x.bin")
+    proxy.fault = None
+    wire = [e for e in proxy.log if e[1].endswith("/x.bin") and e[0] == "GET"]
+    if fault == "reset":
+        assert 5 <= len(wire) <= 10, wire
+    else:
+        assert len(wire) == (1 if final else 5), wire
+
+
 @pytest.mark.slow
 def test_sixteen_receiver_processes_follow_a_publisher_on_the_s3_server(s3_server, tmp_path):
     """16 ``dcr receive --follow`` processes pull every step while the publisher keeps publishing:
