@@ -52,9 +52,9 @@ def main() -> int:
     t2 = time.perf_counter()
     mod = VllmLlama(cfg, 0, a.tp)
     d0 = time.perf_counter()
-    dense = receive_into_module(root, "bench", mod, 0).details
+    dense = receive_into_module(root, "bench", mod, 0)
     d1 = time.perf_counter()
-    delta = receive_into_module(root, "bench", mod, 1).details
+    delta = receive_into_module(root, "bench", mod, 1)
     d2 = time.perf_counter()
     ref = VllmLlama(cfg, 0, a.tp)
     ref.load_weights(list(ck1.items()))
