@@ -1,7 +1,7 @@
 """Named points a refit passes: progress events for listeners, and failpoints for fault tests.
 
-Code says where it is with ``reached("publish.chunk-stored", tensor=name, index=i)``. Listeners
-(``listen``) receive ``(point, fields)``: a progress display, a logger, a test counting chunks.
+Code says where it is with ``reached("chunk.stored", key=key, nbytes=n)``. Listeners
+(``listening``) receive ``(point, fields)``: a progress display, a logger, a test counting chunks.
 
 A failpoint turns a point into a fault, in the spirit of etcd's gofail: ``DCR_FAILPOINTS`` (read
 when this module is imported) or ``set_failpoints`` holds ``POINT[@N]=ACTION`` entries separated by

@@ -80,7 +80,7 @@ def _gc_name() -> str:
     return f"gc-keep-{keep}"
 
 
-@flow(name="dcr-publish", flow_run_name=_publish_name, log_prints=True)
+@flow(name="dcr-publish-refit", flow_run_name=_publish_name, log_prints=True)
 def publish_refit(
     root: str | Path, source: Any, step: int, keyframe: bool = False, storage_options: dict | None = None,
     options: PublishOptions | None = None, attempt: str | None = None,
@@ -96,7 +96,7 @@ def publish_refit(
     return asdict(result)
 
 
-@flow(name="dcr-receive", flow_run_name=_receive_name, log_prints=True)
+@flow(name="dcr-receive-refit", flow_run_name=_receive_name, log_prints=True)
 def receive_refit(
     root: str | Path, receiver_id: str, target: Any, step: int | None = None, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, state_path: str | None = None,

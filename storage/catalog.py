@@ -57,6 +57,14 @@ def _cache_manifest(key: tuple[str, int, str], m: Manifest) -> None:
             _MANIFESTS.popitem(last=False)
 
 
+def _check_agrees(m: Manifest, marker: CommitMarker, where: str) -> None:
+    """The manifest says what its marker says (a marker edited beside an intact manifest is refused)."""
+    if (m.step, m.attempt, m.kind, m.base_step, m.policy_digest) != (
+        marker.step, marker.attempt, marker.kind, marker.base_step, marker.policy_digest
+    ):
+        raise IntegrityError(f"{where}: manifest disagrees with its commit marker")
+
+
 class Catalog:
     """Read access to the steps of one ROOT (see the module docstring for what is cached)."""
 
@@ -114,8 +122,9 @@ class Catalog:
         cache_key = (self.root.url, step, marker.manifest_digest)
         m = _cached_manifest(cache_key)
         if m is None:
-            m = self._read_manifest(marker)
+            m = self._read_verified(marker.manifest_key, marker.manifest_digest)
             _cache_manifest(cache_key, m)
+        _check_agrees(m, marker, f"{self.root.url}/{marker.manifest_key}")
         return m
 
     def manifest_at(self, step: int, attempt: str, digest: str) -> Manifest:
@@ -138,16 +147,6 @@ class Catalog:
         if manifest_digest(data) != digest:
             raise IntegrityError(f"{where}: manifest digest does not match the commit marker")
         return Manifest.from_json(data, where)
-
-    def _read_manifest(self, marker: CommitMarker) -> Manifest:
-        key = marker.manifest_key
-        where = f"{self.root.url}/{key}"
-        m = self._read_verified(key, marker.manifest_digest)
-        if (m.step, m.attempt, m.kind, m.base_step, m.policy_digest) != (
-            marker.step, marker.attempt, marker.kind, marker.base_step, marker.policy_digest
-        ):
-            raise IntegrityError(f"{where}: manifest disagrees with its commit marker")
-        return m
 
     def step_info(self, step: int) -> StepInfo:
         marker = self.require_marker(step)

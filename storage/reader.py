@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcr_core.chain import Direction, Move, plan_direct, plan_path
-from dcr_core.delta import Encoding, apply_chunk
+from dcr_core.delta import apply_chunk
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UsageError
 from storage import layout
@@ -195,16 +195,6 @@ def refit_tensors(
 
 
 @dataclass
-class State:
-    """Canonical tensors as raw bits (flat, writable), plus the step they are known to hold."""
-
-    step: int | None
-    dtypes: dict[str, str] = field(default_factory=dict)
-    shapes: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    bits: dict[str, np.ndarray] = field(default_factory=dict)
-
-
-@dataclass
 class Fetched:
     """Verified payloads of every move of a plan, and what fetching them cost."""
 
@@ -215,7 +205,7 @@ class Fetched:
 
 def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers: int = 8) -> Fetched:
     """Every payload of every move, verified, in memory: for receivers that must have everything
-    before they touch their target (live modules), and for ``dcr verify``."""
+    before they touch their target (live modules)."""
     t0 = time.perf_counter()
     chunks, pulled = {}, 0
     for move in plan.moves:
@@ -224,34 +214,3 @@ def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers
         chunks[move.step] = read_chunks(root, m, entries, workers=workers)
         pulled += sum(entries[n].stored_bytes for n in chunks[move.step])
     return Fetched(chunks, pulled, time.perf_counter() - t0)
-
-
-def apply_payloads(plan: RefitPlan, ms: dict[int, Manifest], state: State | None, fetched: Fetched) -> State:
-    """Apply every move to ``state`` (modified in place unless a keyframe replaces it) and verify."""
-    for move in plan.moves:
-        m = ms[move.step]
-        chunks = fetched.chunks[move.step]
-        if move.direction is Direction.KEYFRAME:
-            state = State(None)
-            for name, e in m.tensors.items():
-                state.dtypes[name], state.shapes[name] = e.dtype, e.shape
-                state.bits[name] = np.zeros(math.prod(e.shape), dtype=DTYPES[e.dtype].storage)
-        elif state is None or set(state.bits) != set(m.tensors):
-            raise StateMismatchError(f"step {move.step}: the held tensors do not match its manifest")
-        entries = move_entries(m, move)
-        for name, items in chunks.items():
-            e = entries[name]
-            if move.direction is Direction.BACKWARD and e.encoding is not Encoding.XOR:
-                raise StateMismatchError(f"step {move.step}: tensor {name!r} ({e.encoding.value}) cannot be undone")
-            target = state.bits[name]
-            for pos, (index, payload) in enumerate(items):
-                apply_chunk(target, e.grid, index, payload, e.encoding_at(pos))
-        state.step = m.base_step if move.direction is Direction.BACKWARD else m.step
-    if state is None:
-        raise UsageError("nothing to apply and no state held")
-    if state.step != plan.target_step:
-        raise StateMismatchError(f"refit ended at step {state.step}, not {plan.target_step}")
-    for name, e in ms[plan.target_step].tensors.items():
-        if not e.matches(state.bits[name]):
-            raise result_mismatch(plan.target_step, name)
-    return state

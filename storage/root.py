@@ -18,6 +18,8 @@ import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import fsspec
+
 from dcr_core.errors import UnsafeKeyError, UsageError
 from storage import backends, stats
 from storage.retry import RetryPolicy
@@ -25,19 +27,23 @@ from storage.retry import RetryPolicy
 log = logging.getLogger("dcr.storage")
 
 # A scheme is letters, digits, '+', '-', '.', starting with a letter (RFC 3986). Anything that looks
-# like one but is not a known backend is refused: "s3:/b/x" or "s4://b/x" must not become local paths.
+# like one but is not a protocol fsspec knows, or lacks the "//", is refused: "s3:/b/x" or "s4://b/x"
+# must not become local directories.
 _URLISH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 
 def check_root_url(url: str) -> str:
-    """``url`` if it is a local path or a well-formed URL of a supported backend, else a UsageError."""
+    """``url`` if it is a local path or a well-formed fsspec URL, else a one-line UsageError.
+    (Publishing needs a backend with create-if-absent: ``storage.backends.SUPPORTED``.)"""
     if not isinstance(url, str) or not url:
         raise UsageError(f"ROOT must be a non-empty path or URL, got {url!r}")
-    if _URLISH.match(url) and not re.match(r"^[A-Za-z]:[\\/]", url):  # not a Windows drive
+    if "::" in url:  # a chained fsspec URL (simplecache::s3://...): fsspec checks each part
+        return url
+    if _URLISH.match(url):
         scheme, _, rest = url.partition(":")
-        if scheme.lower() not in backends.SUPPORTED or not rest.startswith("//"):
+        if scheme.lower() not in fsspec.available_protocols() or not rest.startswith("//"):
             raise UsageError(
-                f"ROOT {url!r} is not a supported URL; use a local path, file:///dir, memory://name, "
+                f"ROOT {url!r} is not a valid URL; use a local path, file:///dir, memory://name, "
                 "s3://bucket/prefix or gs://bucket/prefix"
             )
     return url

@@ -188,7 +188,7 @@ def adamw_steps(
 ) -> Iterator[tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]]:
     """Consecutive (old, new) canonical BF16 checkpoints of a small Llama-like model trained with AdamW.
 
-    FP32 master weights, real AdamW steps on random tokens (``flows.demo``'s model and step). With
+    FP32 master weights, real AdamW steps on random tokens (``dcr_bench.demo``'s model and step). With
     ``target_rate`` (one rate, or one per step) each step's lr is chosen to change about that fraction
     of the BF16 weights; otherwise every step uses ``lr``. ``log``, if given, gets one dict per step."""
     rates = [target_rate] * steps if target_rate is None or isinstance(target_rate, float | int) else list(target_rate)

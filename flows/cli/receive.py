@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
-
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
 from flows.options import ReceiveOptions
 from flows.receive.follow import follow
 from flows.receive.pipeline import run_materialize, run_receive
+from flows.results import as_dict
 from storage.root import RootRef
 
 
@@ -35,7 +34,7 @@ def add_arguments(name: str, p) -> None:
 def run(name: str, args) -> int:
     so = storage_options(args)
     if name == "materialize":
-        res = asdict(run_materialize(args.root, args.step, args.out, so, ReceiveOptions(io_workers=args.io_workers)))
+        res = as_dict(run_materialize(args.root, args.step, args.out, so, ReceiveOptions(io_workers=args.io_workers)))
         say(args, f"wrote step {res['step']} to {args.out}", res)
         return 0
     options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place)
@@ -46,7 +45,7 @@ def run(name: str, args) -> int:
             return receive_refit(args.root, args.receiver, args.state, step, so, options)
     else:
         def receive(step):
-            return asdict(run_receive(args.root, args.receiver, args.state, step, so, options))
+            return as_dict(run_receive(args.root, args.receiver, args.state, step, so, options))
 
     def report(res: dict) -> None:
         how = ", ".join(res["moves"]) or "already there"

@@ -24,7 +24,7 @@ from dcr_core.chain import KEYFRAME
 from dcr_core.errors import DCRError
 from flows import refs
 from flows.publish.plan import PublishPlan
-from flows.publish.sources import Source, SourceRef, open_source
+from flows.publish.sources import Source, SourceRef, open_source, opened
 from flows.refs import LocalRef
 from storage import reader
 from storage.local import state
@@ -76,17 +76,17 @@ def _cache_valid(path: str, plan: PublishPlan) -> bool:
     entries = plan.base_entries()
     try:
         ck = SafetensorsCheckpoint(path)
-    except DCRError:
+    except (DCRError, OSError):
         return False  # a missing or broken cache is only a cache: it gets rebuilt
     try:
         meta = ck.metadata
         if meta.get(state.STEP) != str(plan.base_step) or meta.get(state.POLICY) != plan.base_policy_digest:
             return False
-        if set(ck.infos) != set(entries):
+        if {n: (i.dtype, i.shape) for n, i in ck.infos.items()} != {n: (e.dtype, e.shape) for n, e in entries.items()}:
             return False
         # Checked here (not only on use) so a damaged cache is rebuilt instead of failing the publish.
         return all(entries[n].matches(ck.bits(n)) for n in entries)
-    except DCRError:
+    except (DCRError, OSError, ValueError):
         return False
     finally:
         ck.close()
@@ -145,7 +145,6 @@ def remember_baseline(
     if not plan.options.use_cache:
         return None
     names = sorted(plan.infos)
-    src = open_source(source)
     meta = state.metadata(marker.step, marker.policy_digest, plan.root.url)
     try:
         writer = StreamingSafetensorsWriter(cache_path(plan), [plan.infos[n] for n in names], meta, durable=False)
@@ -153,11 +152,12 @@ def remember_baseline(
         log.warning("cannot write the baseline cache (%s); the next delta rebuilds its baseline from ROOT", e)
         return None
     try:
-        for n in names:  # one tensor at a time
-            writer.write(n, src.bits(n))
+        with opened(source) as src:
+            for n in names:  # one tensor at a time
+                writer.write(n, src.bits(n))
         writer.commit()
         events.reached("publish.baseline-kept", step=marker.step, where=writer.path)
-    except (OSError, DCRError) as e:  # the step is committed; only the cache is lost
+    except (OSError, DCRError, ValueError) as e:  # the step is committed; only the cache is lost
         writer.abort()
         log.warning("cannot write the baseline cache (%s); the next delta rebuilds its baseline from ROOT", e)
     return None

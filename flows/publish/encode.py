@@ -8,6 +8,7 @@ the upload window. Nothing is visible to readers yet: no marker names the attemp
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from concurrent.futures import Future
 
@@ -19,7 +20,7 @@ from dcr_core.digest import tensor_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, SchemaMismatchError
 from flows.publish.plan import PublishPlan
-from flows.publish.sources import SourceRef, open_source
+from flows.publish.sources import SourceRef, opened
 from storage import layout
 from storage.chunk_io import StepWriter, StoredChunk
 from storage.manifest import ChunkTable, TensorEntry
@@ -45,15 +46,17 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     a file can change after it was verified) or a held in-memory snapshot (not re-checked, see
     ``flows.publish.baseline``)."""
     opts = plan.options
-    src = open_source(source)
+    stack = contextlib.ExitStack()
+    src = stack.enter_context(opened(source))
     if src.infos != plan.infos:
+        stack.close()
         raise SchemaMismatchError(f"{src.path}: its tensors changed after the publish was planned; publish again")
     base_entries = plan.base_entries()
     from_file = isinstance(baseline, str)
-    base_src = None if baseline is None else open_source(baseline)
+    base_src = None if baseline is None else stack.enter_context(opened(baseline))
     pending: list[tuple[dict, Future, list[Future]]] = []
     used: set[str] = set()
-    with StepWriter(open_root(plan.root), plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
+    with stack, StepWriter(open_root(plan.root), plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
         for name in sorted(plan.infos):
             info = plan.infos[name]
@@ -100,11 +103,11 @@ def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, Tens
 
     Arrays are named ``<tensor array>.full`` (kept distinct from every delta array); chunks use the
     delta codec, whose dense form stores values as byte planes. One tensor at a time."""
-    src = open_source(source)
     used = {e.array for e in entries.values()}
     out: dict[str, TensorEntry] = {}
     opts = plan.options
-    with StepWriter(open_root(plan.root), plan.step, plan.attempt, opts.delta_codec, workers=opts.io_workers) as w:
+    with opened(source) as src, StepWriter(open_root(plan.root), plan.step, plan.attempt, opts.delta_codec,
+                                           workers=opts.io_workers) as w:
         pending = []
         for name in sorted(plan.infos):
             info, e = plan.infos[name], entries[name]

@@ -94,18 +94,18 @@ class FileRankSource(ShardedSource):
         self.shards = []
 
     def snapshot(self) -> ShardSnapshot:
-        ck = SafetensorsCheckpoint(self.file)
         shards = []
-        for i, e in enumerate(self.entries):
-            what = f"{self.where} rank {self.rank} shard {i}"
-            if not isinstance(e, dict) or not isinstance(e.get("name"), str):
-                raise UsageError(f"{what}: needs a name")
-            if e["name"] not in ck.infos:
-                raise InvalidCheckpointError(f"{self.file}: has no tensor {e['name']!r} (named in {self.where})")
-            c = conv.named(e["conversion"]) if e.get("conversion") else None
-            info = ck.infos[e["name"]]
-            t = tensor_from_bits(ck.bits(e["name"]), DTYPES[info.dtype], info.shape)
-            shards.append(Shard(e["name"], t, pieces_of(e.get("placement"), what), c))
+        with SafetensorsCheckpoint(self.file) as ck:
+            for i, e in enumerate(self.entries):
+                what = f"{self.where} rank {self.rank} shard {i}"
+                if not isinstance(e, dict) or not isinstance(e.get("name"), str):
+                    raise UsageError(f"{what}: needs a name")
+                if e["name"] not in ck.infos:
+                    raise InvalidCheckpointError(f"{self.file}: has no tensor {e['name']!r} (named in {self.where})")
+                c = conv.named(e["conversion"]) if e.get("conversion") else None
+                info = ck.infos[e["name"]]
+                t = tensor_from_bits(ck.bits(e["name"]), DTYPES[info.dtype], info.shape)
+                shards.append(Shard(e["name"], t, pieces_of(e.get("placement"), what), c))
         return ShardedSource(shards, self.rank, self.world).snapshot()
 
 

@@ -15,7 +15,7 @@ from dcr_core.chain import DELTA, KEYFRAME
 from dcr_core.dtypes import TensorInfo
 from dcr_core.errors import SchemaMismatchError, StepConflictError, UsageError
 from flows.options import PublishOptions
-from flows.publish.sources import SourceRef, open_source
+from flows.publish.sources import SourceRef, opened
 from storage import backends, layout
 from storage.catalog import Catalog
 from storage.manifest import Manifest, TensorEntry
@@ -109,7 +109,8 @@ def plan_publish(
             "publish a keyframe (keyframe=True) periodically instead"
         )
     attempt = layout.check_attempt(attempt) if attempt is not None else uuid.uuid4().hex
-    reason = "first step" if latest is None else "requested" if keyframe else ""
+    # Why a step is a keyframe, recorded in its marker ("requested" for ranks, whose plans do not say).
+    reason = ("requested" if sharded else "first step") if latest is None else "requested" if keyframe else ""
     events.reached("publish.planned", step=step, rank=rank)
     if reason:
         return PublishPlan(root, step, KEYFRAME, None, None, attempt, dict(infos), options, source_name,
@@ -129,8 +130,8 @@ def plan_publish(
 
 def plan_from_source(root: RootRef, source: SourceRef, step: int, keyframe: bool, options: PublishOptions) -> PublishPlan:
     """The plan of publishing a canonical source (a checkpoint path or a snapshot held here)."""
-    src = open_source(source)
-    return plan_publish(root, src.infos, step, keyframe, options, src.path)
+    with opened(source) as src:
+        return plan_publish(root, src.infos, step, keyframe, options, src.path)
 
 
 def _policy_reason(cat: Catalog, latest: int, step: int, options: PublishOptions) -> str:

@@ -293,10 +293,9 @@ def merge_partials(plan: PublishPlan, partials: list[RankPartial]) -> dict[str, 
             raise SchemaMismatchError(
                 f"tensor {name!r} is {first.dtype}{list(first.shape)}, step {plan.base_step} has {base[name].dtype}{list(base[name].shape)}"
             )
-        table = PieceTable.checked([a for a, _, _ in pieces], [e for _, e, _ in pieces], [d for _, _, d in pieces],
-                                   first.shape, f"{where} tensor {name!r}")
+        table = PieceTable(tuple(a for a, _, _ in pieces), tuple(e for _, e, _ in pieces), tuple(d for _, _, d in pieces))
         encoding = Encoding.FULL if plan.kind == KEYFRAME else (Encoding.XOR if chunks or parts else Encoding.UNCHANGED)
-        entries[name] = TensorEntry(
+        entry = TensorEntry(
             name=name, dtype=first.dtype, shape=first.shape, digest=pieces_digest(table.records()),
             encoding=encoding, array=first.array, chunk_shape=first.chunk_shape,
             chunks=ChunkTable(tuple(c[0] for c in chunks), tuple(c[1] for c in chunks), tuple(c[2] for c in chunks)),
@@ -306,6 +305,9 @@ def merge_partials(plan: PublishPlan, partials: list[RankPartial]) -> dict[str, 
                 tuple(p[2] for p in parts), tuple(p[3] for p in parts),
             ),
         )
+        # Other ranks' data: the checks every reader of the manifest makes (pieces partition the
+        # tensor, no chunk both whole and in parts, limits), made here before anything is written.
+        entries[name] = TensorEntry.from_dict(name, entry.to_dict(), where)
     return entries
 
 

@@ -80,16 +80,16 @@ def load_shard_baseline(plan: PublishPlan, snapshot: LocalRef) -> LocalRef | Non
 
 def _cached(plan: PublishPlan, snap: ShardSnapshot) -> list[np.ndarray] | None:
     try:
-        ck = SafetensorsCheckpoint(rank_cache_path(plan))
-        # The step number only selects the file; the piece digests below verify every bit.
-        if ck.metadata.get(state.STEP) != str(plan.base_step):
-            return None
-        bits = []
-        for spec, dt in zip(snap.specs, snap.dtypes):
-            info = ck.infos.get(spec.local_name)
-            if info is None or (info.dtype, info.shape) != (dt, spec.local_shape):
+        with SafetensorsCheckpoint(rank_cache_path(plan)) as ck:
+            # The step number only selects the file; the piece digests below verify every bit.
+            if ck.metadata.get(state.STEP) != str(plan.base_step):
                 return None
-            bits.append(ck.mapped_bits(spec.local_name))  # mapped: the baseline costs no extra memory
+            bits = []
+            for spec, dt in zip(snap.specs, snap.dtypes):
+                info = ck.infos.get(spec.local_name)
+                if info is None or (info.dtype, info.shape) != (dt, spec.local_shape):
+                    return None
+                bits.append(ck.mapped_bits(spec.local_name))  # mapped (its own mapping): no extra memory
     except (DCRError, OSError):
         return None  # a missing or broken cache is only a cache
     base = plan.base_entries()

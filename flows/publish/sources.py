@@ -12,7 +12,8 @@ Sharded sources (training shards) are in ``flows.publish.shards``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Protocol
 
 import numpy as np
@@ -62,9 +63,22 @@ def snapshot(source: SourceRef) -> SourceRef:
 
 
 def open_source(source: SourceRef) -> Source:
+    """The source behind a reference (a checkpoint opened from its path: close it, or use ``opened``)."""
     if isinstance(source, LocalRef):
         return refs.get(source)
     return SafetensorsCheckpoint(source)
+
+
+@contextmanager
+def opened(source: SourceRef) -> Iterator[Source]:
+    """The source behind a reference; a checkpoint opened here from its path is closed afterwards
+    (objects held in this process belong to their owner)."""
+    src = open_source(source)
+    try:
+        yield src
+    finally:
+        if isinstance(src, SafetensorsCheckpoint):
+            src.close()
 
 
 def as_source_ref(source) -> tuple[SourceRef, LocalRef | None]:

@@ -122,13 +122,12 @@ def load_dense(plan: RefitPlan, module: LocalRef, mirror: str, options: ReceiveO
     install(staged.path, tmp, durable=False)
     fetch_s = time.perf_counter() - t_fetch
     try:
-        ck = SafetensorsCheckpoint(tmp)
-        t0 = time.perf_counter()
-        for name in sorted(ck.infos):
-            target.load_weights([(name, _tensor(ck.bits(name), manifest.tensors[name]))])
-        pause = time.perf_counter() - t0
-        keep = {n: ck.bits(n) for n in table.names(placement.OVERWRITE)}
-        ck.close()
+        with SafetensorsCheckpoint(tmp) as ck:
+            t0 = time.perf_counter()
+            for name in sorted(ck.infos):
+                target.load_weights([(name, _tensor(ck.bits(name), manifest.tensors[name]))])
+            pause = time.perf_counter() - t0
+            keep = {n: ck.bits(n) for n in table.names(placement.OVERWRITE)}
         _write_mirror(mirror, plan.target_step, manifest, keep)
     finally:
         os.unlink(tmp)
@@ -165,11 +164,10 @@ def apply_to_module(plan: RefitPlan, module: LocalRef, fetched: LocalRef, mirror
     # New values of overwrite-path tensors, from the partial mirror, verified before any change.
     mirror_bits: dict[str, np.ndarray] = {}
     if table.names(placement.OVERWRITE):
-        ck = SafetensorsCheckpoint(mirror)
-        if ck.metadata.get(state.STEP) != str(plan.current_step):
-            raise StateMismatchError(f"{mirror}: partial mirror is not at step {plan.current_step}")
-        mirror_bits = {n: ck.bits(n) for n in table.names(placement.OVERWRITE)}
-        ck.close()
+        with SafetensorsCheckpoint(mirror) as ck:
+            if ck.metadata.get(state.STEP) != str(plan.current_step):
+                raise StateMismatchError(f"{mirror}: partial mirror is not at step {plan.current_step}")
+            mirror_bits = {n: ck.bits(n) for n in table.names(placement.OVERWRITE)}
         for n in over:
             np.bitwise_xor(mirror_bits[n], masks[n], out=mirror_bits[n])
         for n, b in mirror_bits.items():

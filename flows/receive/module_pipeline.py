@@ -62,8 +62,9 @@ def receive_into_module(
 
 
 def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target, held: dict) -> dict:
-    fetched = tasks.fetch_module_payloads(plan, options)  # every payload verified before the module is touched
+    fetched = None
     try:
+        fetched = tasks.fetch_module_payloads(plan, options)  # every payload verified before the module is touched
         return tasks.apply_to_module(plan, mod, fetched, mirror)
     except BaseException:
         if placement.fingerprint(target) == held["fingerprint"]:

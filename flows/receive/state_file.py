@@ -68,12 +68,21 @@ def stage_rewrite(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> 
     held = None
     if plan.current_step is not None and not plan.from_keyframe:
         held = SafetensorsCheckpoint(state_path)
-        reader.check_schema(ms[plan.current_step], held.infos, state_path)
+        try:
+            reader.check_schema(ms[plan.current_step], held.infos, state_path)
+        except BaseException:
+            held.close()
+            raise
     names = sorted(target.tensors)
     meta = state.metadata(plan.target_step, target.policy_digest, plan.root.url)
-    writer = StreamingSafetensorsWriter(state_path, [target.tensors[n].info for n in names], meta,
-                                        header_room=state.HEADER_ROOM)
     pulled = 0
+    try:
+        writer = StreamingSafetensorsWriter(state_path, [target.tensors[n].info for n in names], meta,
+                                            header_room=state.HEADER_ROOM)
+    except BaseException:
+        if held is not None:
+            held.close()
+        raise
     try:
         for name, bits, n in reader.refit_tensors(root, plan, ms, None if held is None else held.bits,
                                                   options.io_workers, state_path):

@@ -203,6 +203,12 @@ class SafetensorsCheckpoint:
         for fh in self._fh.values():
             fh.close()
 
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def __del__(self) -> None:
         for fh in getattr(self, "_fh", {}).values():
             fh.close()
@@ -223,7 +229,7 @@ class StreamingSafetensorsWriter:
     half-written file to a running reader, but a power loss may; only for files that are checked
     before use, such as the publisher's baseline cache. Receiver state files stay durable.
     ``header_room`` pads the header with that many spaces, so metadata can grow when the header is
-    rewritten in place (receiver states patched in place, ``flows.patch_state``).
+    rewritten in place (receiver states patched in place, ``flows.receive.in_place``).
     """
 
     def __init__(

@@ -55,7 +55,8 @@ def peek_step(path: str) -> int | None:
     from_step = journal.read_from_step(path)
     if from_step is not None:
         return from_step
-    return claimed_step(SafetensorsCheckpoint(path).metadata, path)
+    with SafetensorsCheckpoint(path) as ck:
+        return claimed_step(ck.metadata, path)
 
 
 def check_path(path: str | os.PathLike) -> str:

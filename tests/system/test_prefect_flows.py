@@ -174,20 +174,20 @@ def test_deployments_from_the_one_source_run_with_typed_options_through_a_served
                     break
                 except Exception:  # noqa: BLE001 - not registered yet
                     time.sleep(0.5)
-        run = run_deployment("dcr-publish/publisher", parameters={
+        run = run_deployment("dcr-publish-refit/publisher", parameters={
             "source": str(tmp_path / "c0.safetensors"), "step": 0, "options": {"chunk_bytes": 4096, "io_workers": 2},
         }, timeout=180, poll_interval=1)
         assert run.state.is_completed(), run.state
         assert run.name == "publish-step-0"
         assert Catalog(Root(root)).manifest(0).chunk_bytes == 4096, "the run's options reached the publisher"
         with pytest.raises(PrefectHTTPStatusError, match="options.io_workers"):  # refused: no run is created
-            run_deployment("dcr-publish/publisher", parameters={
+            run_deployment("dcr-publish-refit/publisher", parameters={
                 "source": str(tmp_path / "c1.safetensors"), "step": 1, "options": {"io_workers": 0},
             }, timeout=180, poll_interval=1)
         assert Catalog(Root(root)).latest_committed() == 0
-        assert run_deployment("dcr-publish/publisher", parameters={
+        assert run_deployment("dcr-publish-refit/publisher", parameters={
             "source": str(tmp_path / "c1.safetensors"), "step": 1}, timeout=180, poll_interval=1).state.is_completed()
-        rx = run_deployment("dcr-receive/receiver", timeout=180, poll_interval=1)
+        rx = run_deployment("dcr-receive-refit/receiver", timeout=180, poll_interval=1)
         assert rx.state.is_completed(), rx.state
         assert_bits_equal(load_file(state), ck1)
         assert "rx" in Catalog(Root(root)).receivers(1)
