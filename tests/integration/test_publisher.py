@@ -76,7 +76,7 @@ def baselines(monkeypatch):
     monkeypatch.setattr(ps, "StreamingSafetensorsWriter", spy("file_writes", ps.StreamingSafetensorsWriter))
     monkeypatch.setattr(ps, "rebuild", spy("rebuilds", ps.rebuild))
     real_open = sources.open_source  # a baseline file read while encoding counts as a file read too
-    monkeypatch.setattr("flows.publish.encode.open_source",
+    monkeypatch.setattr("flows.publish.sources.open_source",
                         lambda ref: (seen["file_reads"].append(ref) if isinstance(ref, str) and ps.BASELINE_FILE in ref else None)
                         or real_open(ref))
     return seen
