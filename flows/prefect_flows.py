@@ -34,7 +34,7 @@ from flows.publish.pipeline import run_publish
 from flows.receive.module_pipeline import receive_into_module
 from flows.receive.pipeline import run_receive
 from flows.results import PublishResult, as_dict
-from flows.steps import Step, timed
+from flows.steps import Step
 
 
 @functools.cache
@@ -47,11 +47,8 @@ def _task(step: Step):
 class PrefectRunner:
     """Runs each step as a Prefect task (call the pipeline inside a flow run)."""
 
-    def __init__(self) -> None:
-        self.timings: dict[str, float] = {}
-
     def wrap(self, step: Step):
-        return timed(self.timings, step.name, _task(step))
+        return _task(step)
 
 
 def _slug(text: str) -> str:

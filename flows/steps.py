@@ -5,8 +5,8 @@ step references, plans, manifest entries, file paths, ``LocalRef`` handles of ob
 this process), never open files or tensors. A pipeline (``flows.publish.pipeline``,
 ``flows.receive.pipeline``, ``flows.maintenance.gc``) calls its steps through
 ``TABLE.bind(runner)``: ``InProcess`` calls them directly (``dcr`` without a Prefect server, the
-``Publisher``), ``flows.prefect_flows.PrefectRunner`` runs each as a Prefect task. Both time every
-step. Nothing else lists the steps.
+``Publisher``), ``flows.prefect_flows.PrefectRunner`` runs each as a Prefect task. A bound table
+times every step it runs (``bound.timings``, by task name). Nothing else lists the steps.
 """
 
 from __future__ import annotations
@@ -30,9 +30,8 @@ class Step:
 
 
 class Runner(Protocol):
-    timings: dict[str, float]
-
-    def wrap(self, step: Step) -> Callable[..., Any]: ...
+    def wrap(self, step: Step) -> Callable[..., Any]:
+        """The callable that runs ``step`` (the function itself, or a task around it)."""
 
 
 class StepTable:
@@ -51,15 +50,13 @@ class StepTable:
 
 
 class Bound:
-    """A step table bound to a runner: ``bound.plan_publish(...)`` runs that step."""
+    """A step table bound to a runner: ``bound.plan_publish(...)`` runs that step; ``timings`` holds
+    the seconds spent in each step this bound table ran."""
 
     def __init__(self, table: StepTable, runner: Runner):
         self._table, self._runner = table, runner
         self._calls: dict[str, Callable[..., Any]] = {}
-
-    @property
-    def timings(self) -> dict[str, float]:
-        return self._runner.timings
+        self.timings: dict[str, float] = {}
 
     def __getattr__(self, key: str) -> Callable[..., Any]:
         try:
@@ -68,7 +65,7 @@ class Bound:
             raise AttributeError(f"no step {key!r}") from None
         call = self._calls.get(key)
         if call is None:
-            call = self._calls[key] = self._runner.wrap(step)
+            call = self._calls[key] = timed(self.timings, step.name, self._runner.wrap(step))
         return call
 
 
@@ -86,8 +83,5 @@ def timed(timings: dict[str, float], key: str, fn: Callable[..., Any]) -> Callab
 class InProcess:
     """Runs every step as a plain call in this process."""
 
-    def __init__(self) -> None:
-        self.timings: dict[str, float] = {}
-
     def wrap(self, step: Step) -> Callable[..., Any]:
-        return timed(self.timings, step.name, step.fn)
+        return step.fn

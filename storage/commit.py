@@ -35,11 +35,7 @@ def commit_marker(root: Root, marker: CommitMarker) -> CommitMarker:
     if existing is not None:
         if _is_own(existing, marker):
             return existing
-        discard_attempt(root, marker.step, marker.attempt)
-        raise StepConflictError(
-            f"{root.url}: step {marker.step} was committed by another publisher"
-            f" (attempt {existing.attempt}); this attempt was discarded"
-        )
+        raise _lost(root, marker, existing)
     latest = cat.latest_committed()
     if latest is not None and latest > marker.step:
         discard_attempt(root, marker.step, marker.attempt)
@@ -54,8 +50,13 @@ def commit_marker(root: Root, marker: CommitMarker) -> CommitMarker:
     winner = Catalog(root).marker(marker.step)
     if _is_own(winner, marker):
         return winner
+    raise _lost(root, marker, winner)
+
+
+def _lost(root: Root, marker: CommitMarker, winner: CommitMarker | None) -> StepConflictError:
+    """Discard this attempt (another one is the step) and say so."""
     discard_attempt(root, marker.step, marker.attempt)
-    raise StepConflictError(
+    return StepConflictError(
         f"{root.url}: step {marker.step} was committed by another publisher"
         f" (attempt {winner.attempt if winner else '?'}); this attempt was discarded"
     )

@@ -20,7 +20,6 @@ class Checking(InProcess):
     to JSON (what Prefect's JSON result serializer needs) and stays small."""
 
     def __init__(self) -> None:
-        super().__init__()
         self.sizes: dict[str, int] = {}
 
     def wrap(self, step: Step):
