@@ -151,8 +151,10 @@ class Root:
 
     def _call(self, what: str, key: str, fn):
         def on_retry(attempt: int, e: BaseException) -> None:
+            # Counted (io_stats) and logged at INFO: a retry that succeeds is routine, and a command's
+            # stderr stays the one line of its error when the retries run out.
             stats.count(self.url, retries=1)
-            log.warning("retrying %s %s/%s after %s: %s (attempt %d)", what, self.url, key, type(e).__name__, e, attempt)
+            log.info("retrying %s %s/%s after %s: %s (attempt %d)", what, self.url, key, type(e).__name__, e, attempt)
 
         return self.retry.call(fn, on_retry)
 
