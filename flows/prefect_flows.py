@@ -77,7 +77,7 @@ def _gc_name() -> str:
     return f"gc-keep-{keep}"
 
 
-@flow(name="dcr-publish-refit", flow_run_name=_publish_name, log_prints=True)
+@flow(name="dcr-publish-refit", flow_run_name=_publish_name, log_prints=True, result_serializer="json")
 def publish_refit(
     root: str | Path, source: Any, step: int, keyframe: bool = False, storage_options: dict | None = None,
     options: PublishOptions | None = None, attempt: str | None = None,
@@ -93,7 +93,7 @@ def publish_refit(
     return asdict(result)
 
 
-@flow(name="dcr-receive-refit", flow_run_name=_receive_name, log_prints=True)
+@flow(name="dcr-receive-refit", flow_run_name=_receive_name, log_prints=True, result_serializer="json")
 def receive_refit(
     root: str | Path, receiver_id: str, target: Any, step: int | None = None, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, state_path: str | None = None,
@@ -112,7 +112,7 @@ def receive_refit(
     return result
 
 
-@flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True)
+@flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True, result_serializer="json")
 def gc_refit(root: str | Path, options: GcOptions, storage_options: dict | None = None) -> dict:
     """Delete the steps retention no longer keeps and attempts that can never commit (``dcr gc``)."""
     run_tags = ("dcr", "dcr-gc", f"root:{root}")
