@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DCR := $(VENV)/bin/dcr
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install demo test test-backends test-slow lint fault-matrix bench clean
+.PHONY: install demo test test-backends test-slow lint fault-matrix race bench clean
 
 $(VENV)/.installed: pyproject.toml bench/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -42,6 +42,10 @@ lint: install
 # Run every fault-injection and bad-input test (the slow kill -9 sweeps too) and regenerate the table.
 fault-matrix: install
 	$(PYTEST) -m faults --fault-matrix=docs/fault-matrix.md
+
+# the long gc race: 300 publishes (gc after each) against 6 followers killed at random points
+race: install
+	DCR_RACE_STEPS=300 DCR_RACE_FOLLOWERS=6 $(PYTEST) -s tests/system/test_gc_race.py
 
 bench: install
 	$(DCR) bench --quick

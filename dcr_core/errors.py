@@ -35,6 +35,10 @@ class StepNotFoundError(DCRError, FileNotFoundError):
     exit_code = 4
 
 
+class StepVanishedError(StepNotFoundError):
+    """A step a refit planned to read was deleted meanwhile (``dcr gc``): plan again."""
+
+
 class IntegrityError(DCRError):
     """Stored bytes do not match the digests that bind them: corrupted, missing or foreign data."""
 

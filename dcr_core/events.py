@@ -10,7 +10,9 @@ commas, ``N`` being the N-th time this process reaches the point (default 1):
   test kills the process there, so the kill provably lands at that point;
 - ``exit``: write the same line, then ``os._exit(137)``: a crash that runs no cleanup, like kill -9;
 - ``raise``: raise ``FailpointError``, a ``BaseException`` that stands for the process dying there
-  (no ``except Exception`` handler or retry swallows it); for in-process fault tests.
+  (no ``except Exception`` handler or retry swallows it); for in-process fault tests;
+- ``sleep(S)``: wait S seconds, then go on (silently): widens a race window. ``POINT@*=sleep(S)``
+  sleeps every time the point is reached.
 
 With no listener and no failpoint, ``reached`` is one global check. Points are listed in
 ``POINTS`` so tests and docs name real ones; reaching an unlisted point is a programming error.
@@ -33,15 +35,16 @@ POINTS = frozenset({
     # a rank of a sharded publish
     "publish.rank-partial-written",
     # receiver (state file)
-    "receive.planned", "receive.tensor-staged", "receive.staged",
+    "receive.planned", "receive.leased", "receive.tensor-staged", "receive.staged",
     "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patch-written",
     "receive.patched", "receive.replaced",
     "receive.recorded",
     # maintenance
-    "gc.marker-deleted", "gc.step-deleted",
+    "gc.planned", "gc.leases-checked", "gc.marker-deleted", "gc.step-deleted",
 })
 
-ACTIONS = ("pause", "exit", "raise")
+ACTIONS = ("pause", "exit", "raise", "sleep(S)")
+EVERY = 0  # the N of ``POINT@*``
 
 Listener = Callable[[str, dict], None]
 
@@ -63,13 +66,22 @@ def parse_failpoints(spec: str) -> dict[tuple[str, int], str]:
     for item in filter(None, (x.strip() for x in spec.split(","))):
         where, sep, action = item.partition("=")
         point, _, nth = where.partition("@")
-        if not sep or action not in ACTIONS or point not in POINTS or (nth and not nth.isdigit()):
+        if not sep or not _valid_action(action) or point not in POINTS or (nth and not (nth.isdigit() or nth == "*")):
             raise ValueError(
-                f"failpoint {item!r} is not POINT[@N]=ACTION with ACTION one of {', '.join(ACTIONS)} "
+                f"failpoint {item!r} is not POINT[@N|@*]=ACTION with ACTION one of {', '.join(ACTIONS)} "
                 f"and POINT one of {', '.join(sorted(POINTS))}"
             )
-        out[(point, int(nth or 1))] = action
+        out[(point, EVERY if nth == "*" else int(nth or 1))] = action
     return out
+
+
+def _valid_action(action: str) -> bool:
+    if action.startswith("sleep(") and action.endswith(")"):
+        try:
+            return 0 <= float(action[6:-1]) <= 3600
+        except ValueError:
+            return False
+    return action in ACTIONS[:3]
 
 
 def _refresh() -> None:
@@ -118,11 +130,14 @@ def reached(point: str, **fields) -> None:
         raise ValueError(f"unknown point {point!r}")
     with _lock:
         n = _counts[point] = _counts.get(point, 0) + 1
-        action = _failpoints.get((point, n))
+        action = _failpoints.get((point, n)) or _failpoints.get((point, EVERY))
         listeners = list(_listeners)
     for listener in listeners:
         listener(point, fields)
     if action is None:
+        return
+    if action.startswith("sleep("):
+        time.sleep(float(action[6:-1]))
         return
     if action == "raise":
         raise FailpointError(f"failpoint {point}@{n}")

@@ -69,6 +69,9 @@ class ReceiveOptions(_Options):
     # Patch the state file in place (undo journal, only the changed elements written) instead of
     # rewriting it and renaming it into place; see flows.receive.in_place for the trade-off.
     in_place: bool = Field(False, description="patch the state file in place behind an undo journal")
+    lease_seconds: float = Field(
+        3600.0, gt=0.0, description="how long gc keeps the steps a refit reads (its leases), at most",
+    )
 
 
 class GcOptions(_Options):

@@ -4,6 +4,7 @@ Create-if-absent is the one write that makes a step (or anything else) real. Ato
 (the publisher relies on it to let exactly one racing publisher win):
 - local files: write a private temp file, then ``os.link`` it to the final name. ``link`` fails if
   the name exists and the linked file is complete, so readers never see a partial marker. Atomic.
+  (``storage.local.objects``, with every other operation on a local ROOT.)
 - ``memory://``: check and write under a process-wide lock. Atomic within the process, which is
   the whole extent of that filesystem.
 - S3 (s3fs): ``PutObject`` with ``If-None-Match: *``; the server refuses (412) if the key exists.
@@ -20,10 +21,8 @@ real GCS and the emulator both store exactly (DCR's digests caught it).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import threading
-import uuid
 from dataclasses import dataclass
 
 import fsspec
@@ -109,8 +108,6 @@ def supports_create_if_absent(protocol: str) -> bool:
 def create_if_absent(backend: Backend, path: str, data: bytes) -> bool:
     """Create ``path`` holding ``data`` unless it exists; True if this call created it."""
     protocol, fs = backend.protocol, backend.fs
-    if protocol in LOCAL:
-        return _create_local(path, data)
     if protocol == "memory":
         with _MEMORY_LOCK:
             if fs.exists(path):
@@ -135,40 +132,6 @@ def create_if_absent(backend: Backend, path: str, data: bytes) -> bool:
             return False
         return True
     raise UsageError(f"no atomic create-if-absent for protocol {protocol!r}; use a local path, memory://, s3:// or gs://")
-
-
-def _create_local(path: str, data: bytes) -> bool:
-    directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".tmp-{uuid.uuid4().hex}")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    try:
-        os.link(tmp, path)
-    except FileExistsError:
-        return False
-    finally:
-        os.unlink(tmp)
-    fsync_dir(directory)
-    return True
-
-
-def write_local_atomically(path: str, data: bytes) -> None:
-    """Write a temp file beside ``path`` and rename it over ``path``: a concurrent reader sees the
-    old object or the new one, never a prefix (the PUT semantics of object stores)."""
-    directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, f".{name}.put-{uuid.uuid4().hex}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def fsync_dir(directory: str) -> None:

@@ -22,9 +22,9 @@ import blake3
 
 from dcr_core.chain import DELTA, StepInfo
 from dcr_core.errors import IntegrityError, StepNotFoundError
-from storage import layout, signing
-from storage.manifest import Manifest
-from storage.marker import CommitMarker
+from storage import layout, run, signing
+from storage.manifest import MAX_MANIFEST_BYTES, Manifest
+from storage.marker import MAX_MARKER_BYTES, CommitMarker
 from storage.root import Root
 
 MANIFEST_CACHE_SIZE = 64
@@ -72,6 +72,7 @@ class Catalog:
         self.root = root
         self.key = signing.signing_key()  # markers must be signed with it when set
         self._markers: dict[int, CommitMarker] = {}
+        self._run: run.Run | None | bool = False  # False: not read yet
 
     def listed_steps(self) -> list[int]:
         """Every step with a prefix under ``steps/`` (committed or not), ascending."""
@@ -104,7 +105,7 @@ class Catalog:
     def _read_marker(self, step: int) -> CommitMarker | None:
         key = layout.commit_key(step)
         try:
-            data = self.root.read(key)
+            data = self.root.read(key, limit=MAX_MARKER_BYTES)
         except FileNotFoundError:
             return None
         where = f"{self.root.url}/{key}"
@@ -114,7 +115,25 @@ class Catalog:
                 raise IntegrityError(f"{where}: commit marker is not signed, and a signing key is configured")
             if not signing.verify(self.key, marker.body(), marker.signature):
                 raise IntegrityError(f"{where}: commit marker signature does not match (tampered, or another key)")
+        self._check_run(marker, step, where)
         return marker
+
+    def _check_run(self, marker: CommitMarker, step: int, where: str) -> None:
+        the_run = self.root_run()
+        if the_run is not None and the_run.accepts(marker.run, step):
+            return
+        the_run = self.root_run(fresh=True)  # a cached run of a ROOT since wiped and restarted?
+        if the_run is not None:
+            the_run.check(marker.run, step, where)
+        elif marker.run is not None:
+            raise IntegrityError(f"{where}: names run {marker.run}, but {self.root.url} has no run.json (deleted?)")
+
+    def root_run(self, fresh: bool = False) -> run.Run | None:
+        """The ROOT's run (a run once seen is remembered per process: ``run.json`` never changes
+        while its ROOT exists; ``fresh`` reads it again)."""
+        if self._run is False or fresh:
+            self._run = run.read(self.root, cached=not fresh)
+        return self._run
 
     def manifest(self, step: int) -> Manifest:
         """The verified manifest of committed ``step``."""
@@ -141,7 +160,7 @@ class Catalog:
     def _read_verified(self, key: str, digest: str) -> Manifest:
         where = f"{self.root.url}/{key}"
         try:
-            data = self.root.read(key)
+            data = self.root.read(key, limit=MAX_MANIFEST_BYTES)
         except FileNotFoundError:
             raise IntegrityError(f"{where}: manifest named by the commit marker is missing") from None
         if manifest_digest(data) != digest:

@@ -119,7 +119,7 @@ def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int) -> 
     key = layout.store_key(manifest.step, manifest.attempt, rel)
     grid = entry.grid
     try:
-        data = root.read(key)
+        data = root.read(key, limit=nbytes)  # a larger object is refused without being read
     except FileNotFoundError:
         raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
     if len(data) != nbytes:

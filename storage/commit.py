@@ -16,7 +16,7 @@ import dataclasses
 import logging
 
 from dcr_core.errors import StepConflictError
-from storage import layout, signing
+from storage import layout, run, signing
 from storage.catalog import Catalog
 from storage.marker import CommitMarker
 from storage.root import Root
@@ -42,6 +42,7 @@ def commit_marker(root: Root, marker: CommitMarker) -> CommitMarker:
         raise StepConflictError(
             f"{root.url}: step {latest} was committed while step {marker.step} was being published; nothing committed"
         )
+    marker = dataclasses.replace(marker, run=run.ensure(root, marker.step).run_id)
     key = signing.signing_key()
     if key is not None:
         marker = dataclasses.replace(marker, signature=signing.sign(key, marker.body()))

@@ -45,3 +45,12 @@ def parse_shape(v: Any, what: str) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > MAX_NDIM:
         raise fail(what, f"expected a list of at most {MAX_NDIM} dims, got {v!r}")
     return tuple(parse_int(d, what, 0, MAX_DIM) for d in v)
+
+
+_RUN = re.compile(r"^[0-9a-f]{32}$")
+
+
+def parse_run_id(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not _RUN.match(v):
+        raise fail(what, f"expected a run id of 32 hex digits, got {v!r}")
+    return v

@@ -1,11 +1,13 @@
 """The bucket layout under ROOT, keyed by step, and the validation of every key read from it.
 
+    ROOT/run.json                                           the run's identity, bound into every marker
     ROOT/steps/<step:012d>/commit.json                      publisher commit marker (written last)
     ROOT/steps/<step:012d>/attempts/<attempt>/manifest.json JSON manifest of one publish attempt
     ROOT/steps/<step:012d>/attempts/<attempt>/data.zarr/    Zarr v3 group, one array per tensor
     .../data.zarr/<array>/c/<i>/<j>                         a stored chunk (Zarr's default chunk keys)
     .../data.zarr/<array>%parts/c/<rank>/<i>/<j>            a rank's part of a shared chunk
     ROOT/steps/<step:012d>/receivers/<receiver-id>.json     receiver commit records
+    ROOT/steps/<step:012d>/leases/<receiver-id>.json        a receiver reading the step: gc keeps it
     ROOT/steps/<step:012d>/attempts/<attempt>/ranks/<r>.json partial manifest of rank r (sharded publish)
     ROOT/steps/<step:012d>/attempts/<attempt>/failed.json   a rank of a sharded publish gave up
 
@@ -24,6 +26,7 @@ from dcr_core.errors import UnsafeKeyError, UsageError
 STEP_WIDTH = 12
 MAX_STEP = 10**STEP_WIDTH - 1
 STEPS = "steps"
+RUN = "run.json"  # the ROOT's run identity (storage.run)
 COMMIT = "commit.json"
 MANIFEST = "manifest.json"
 STORE = "data.zarr"
@@ -138,6 +141,14 @@ def store_key(step: int, attempt: str, key_in_store: str) -> str:
 
 def receivers_dir(step: int) -> str:
     return f"{step_dir(step)}/receivers"
+
+
+def leases_dir(step: int) -> str:
+    return f"{step_dir(step)}/leases"
+
+
+def lease_key(step: int, receiver_id: str) -> str:
+    return f"{leases_dir(step)}/{check_receiver(receiver_id)}.json"
 
 
 def receiver_key(step: int, receiver_id: str) -> str:

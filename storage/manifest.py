@@ -23,7 +23,7 @@ from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import IntegrityError, UsageError
 from dcr_core.shard_spec import Piece, c_strides, check_cover
 from storage import layout
-from storage.fields import fail, parse_attempt, parse_digest, parse_int, parse_shape
+from storage.fields import MAX_DIM, MAX_NDIM, fail, parse_attempt, parse_digest, parse_int, parse_shape
 
 SCHEMA_VERSION = 1
 FORMAT = "dcr-manifest"
@@ -37,6 +37,23 @@ MAX_CHUNK_BYTES = 1 << 30  # a padded chunk, decompressed
 MAX_PIECES_PER_TENSOR = 1_000_000
 MAX_PIECE_RUNS_PER_TENSOR = 1 << 23  # contiguous runs the pieces' boxes decompose into
 MAX_PART_SLOTS = 1 << 16
+
+def refusal(shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...]) -> str | None:
+    """Why every receiver would refuse a tensor of this shape and chunking (the limits a manifest
+    is parsed against), or None. The publisher asks before it writes anything."""
+    if len(shape) > MAX_NDIM:
+        return f"{len(shape)} dimensions, more than the {MAX_NDIM} a manifest may hold"
+    if any(d > MAX_DIM for d in shape):
+        return f"a dimension larger than {MAX_DIM}"
+    if math.prod(shape) > MAX_TENSOR_ELEMENTS:
+        return f"{math.prod(shape)} elements, more than {MAX_TENSOR_ELEMENTS}"
+    if math.prod(chunk_shape) * DTYPES[dtype].itemsize > MAX_CHUNK_BYTES:
+        return f"its chunks {list(chunk_shape)} exceed {MAX_CHUNK_BYTES} bytes (an empty tensor with a huge dimension?)"
+    grid = ChunkGrid(shape, chunk_shape)
+    if grid.n_chunks > MAX_CHUNKS_PER_TENSOR:
+        return f"{grid.n_chunks} chunks, more than {MAX_CHUNKS_PER_TENSOR}; publish with larger chunks"
+    return None
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkTable:
@@ -389,7 +406,7 @@ class Manifest:
             raise fail(where, f"{len(data)} bytes exceeds the manifest limit {MAX_MANIFEST_BYTES}")
         try:
             d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise fail(where, f"not valid JSON ({e})") from None
         return cls.from_dict(d, where)
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from dcr_core.chain import DELTA, KEYFRAME
 from storage import layout
-from storage.fields import fail, parse_attempt, parse_digest, parse_int
+from storage.fields import fail, parse_attempt, parse_digest, parse_int, parse_run_id
 
 SCHEMA_VERSION = 1
 FORMAT = "dcr-commit"
@@ -32,6 +32,7 @@ class CommitMarker:
     committed_at: str
     summary: dict = field(default_factory=dict)
     signature: str | None = None  # HMAC of body() when the publisher has a signing key
+    run: str | None = None  # the ROOT's run id (``storage.run``); None in markers written before runs
 
     @property
     def manifest_key(self) -> str:
@@ -57,7 +58,7 @@ class CommitMarker:
             "policy_digest": self.policy_digest,
             "committed_at": self.committed_at,
             "summary": self.summary,
-        }
+        } | ({} if self.run is None else {"run": self.run})
 
     @classmethod
     def from_json(cls, data: bytes, where: str, step: int) -> CommitMarker:
@@ -65,7 +66,7 @@ class CommitMarker:
             raise fail(where, "commit marker is larger than 1 MiB")
         try:
             d = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as e:
+        except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise fail(where, f"not valid JSON ({e})") from None
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise fail(where, "not a DCR commit marker")
@@ -92,5 +93,29 @@ class CommitMarker:
             base_step=None if base is None else parse_int(base, where, 0, max(0, step - 1)),
             policy_digest=parse_digest(d.get("policy_digest"), where),
             committed_at=str(d.get("committed_at", "")),
-            summary=d.get("summary") if isinstance(d.get("summary"), dict) else {},
+            summary=_summary(d.get("summary"), where),
+            run=None if d.get("run") is None else parse_run_id(d.get("run"), where),
         )
+
+
+_SUMMARY_INTS = ("tensors", "tensors_changed", "elements", "elements_changed", "bytes_full", "bytes_stored",
+                 "chunks_stored", "snapshot_bytes", "keyframe_step", "chain_bytes")
+
+
+def _summary(s: object, where: str) -> dict:
+    """The marker's summary, its known fields checked (planners price paths from them)."""
+    if s is None:
+        return {}
+    if not isinstance(s, dict):
+        raise fail(where, "summary must be an object")
+    for k in _SUMMARY_INTS:
+        if k in s:
+            parse_int(s[k], f"{where} summary.{k}")
+    if "invertible" in s and not isinstance(s["invertible"], bool):
+        raise fail(where, f"summary.invertible must be true or false, got {s['invertible']!r}")
+    rate = s.get("change_rate")
+    if rate is not None and (isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0.0 <= rate <= 1.0):
+        raise fail(where, f"summary.change_rate must be a number in 0..1, got {rate!r}")
+    if "keyframe_reason" in s and not isinstance(s["keyframe_reason"], str):
+        raise fail(where, "summary.keyframe_reason must be a string")
+    return s

@@ -13,6 +13,7 @@ the target step's digest. Nothing unverified leaves this module.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -29,6 +30,8 @@ from storage.catalog import Catalog
 from storage.chunk_io import read_chunks, stream_chunks
 from storage.manifest import Manifest, TensorEntry
 from storage.root import Root, RootRef, open_root
+
+log = logging.getLogger("dcr.receive")
 
 
 @dataclass(frozen=True)
@@ -74,8 +77,7 @@ def plan_refit(root: Root, current: int | None, step: int | None, where: str = "
     """Resolve the target, plan the cheapest exact moves and pin every manifest they need."""
     cat = Catalog(root)
     target = resolve_target(cat, step)
-    if current is not None and cat.marker(current) is None:
-        raise StateMismatchError(f"{where}: claims step {current}, which is not committed in {root.url}")
+    current = held_or_restart(cat, current, where)
     # Common case first: one step lies on the other's chain; read only the markers in between.
     moves = plan_direct(cat.step_info, current, target, cat.keyframe_cost(target))
     if moves is None:
@@ -90,6 +92,22 @@ def plan_refit(root: Root, current: int | None, step: int | None, where: str = "
         refs[s] = StepRef(s, marker.attempt, marker.manifest_digest)
     return RefitPlan(root.ref, target, current, tuple(moves), refs,
                      {m.step: cat.step_info(m.step).stored_bytes for m in moves})
+
+
+def held_or_restart(cat: Catalog, current: int | None, where: str) -> int | None:
+    """The held step to plan from: ``current``, or None (restart from a restart point) when it is no
+    longer committed (``dcr gc`` deleted it) while a newer step is. A held step newer than every
+    committed step is refused: the ROOT was rolled back, and following it would silently take
+    receivers back to older weights."""
+    if current is None or cat.marker(current) is not None:
+        return current
+    latest = cat.latest_committed()
+    if latest is not None and current < latest:
+        log.warning("%s holds step %d, which is no longer committed in %s (deleted by gc); restarting from a "
+                    "restart point, the state untouched until the new one is verified", where, current, cat.root.url)
+        return None
+    raise StateMismatchError(f"{where}: claims step {current}, which is not committed in {cat.root.url}"
+                             + (f" (the latest committed step is {latest}: a ROOT rolled back?)" if latest is not None else ""))
 
 
 def manifests(plan: RefitPlan, root: Root | None = None) -> dict[int, Manifest]:

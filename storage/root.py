@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 
 import fsspec
 
-from dcr_core.errors import UnsafeKeyError, UsageError
+from dcr_core.errors import IntegrityError, UnsafeKeyError, UsageError
 from storage import backends, stats
+from storage.local import objects as local_objects
 from storage.retry import RetryPolicy
 
 log = logging.getLogger("dcr.storage")
@@ -161,16 +162,27 @@ class Root:
     def full(self, key: str) -> str:
         return posixpath.join(self.path, _check_rel(key))
 
-    def read(self, key: str) -> bytes:
+    def read(self, key: str, limit: int | None = None) -> bytes:
+        """The object's bytes. With ``limit``, an object larger than that is refused (an
+        ``IntegrityError`` naming it) having read at most ``limit + 1`` bytes (a ranged GET), so a
+        hostile or damaged object cannot exhaust memory."""
         path = self.full(key)
 
         def get() -> bytes:
             stats.count(self.url, gets=1)
-            data = self.fs.cat_file(path)
+            if self.backend.local:
+                data = local_objects.read(self.path, path, limit)
+            elif limit is None:
+                data = self.fs.cat_file(path)
+            else:
+                data = self.fs.cat_file(path, start=0, end=limit + 1)
             stats.count(self.url, bytes_read=len(data))
             return data
 
-        return self._call("GET", key, get)
+        data = self._call("GET", key, get)
+        if limit is not None and len(data) > limit:
+            raise IntegrityError(f"{self.url}/{key}: more than the {limit} bytes this object may hold")
+        return data
 
     def write(self, key: str, data: bytes) -> None:
         """Write (or replace) an object. Only for objects no reader trusts before a commit."""
@@ -179,7 +191,7 @@ class Root:
         def put() -> None:
             stats.count(self.url, puts=1, bytes_written=len(data))
             if self.backend.local:
-                backends.write_local_atomically(path, data)  # like a PUT: never seen half-written
+                local_objects.write_atomically(self.path, path, data)  # like a PUT: never seen half-written
                 return
             self.fs.pipe_file(path, data, **backends.upload_kwargs(self.protocol, data))
 
@@ -191,6 +203,8 @@ class Root:
 
         def put() -> bool:
             stats.count(self.url, puts=1, bytes_written=len(data))
+            if self.backend.local:
+                return local_objects.create_if_absent(self.path, path, data)
             return backends.create_if_absent(self.backend, path, data)
 
         return self._call("PUT-if-absent", key, put)
@@ -200,6 +214,8 @@ class Root:
 
         def head() -> bool:
             stats.count(self.url, heads=1)
+            if self.backend.local:
+                return local_objects.exists(self.path, path)
             self.fs.invalidate_cache(path)
             return self.fs.exists(path)
 
@@ -211,6 +227,8 @@ class Root:
 
         def ls() -> list[str]:
             stats.count(self.url, lists=1)
+            if self.backend.local:
+                return local_objects.listdir(self.path, path)
             self.fs.invalidate_cache(path)
             try:
                 entries = self.fs.ls(path, detail=False)
@@ -223,20 +241,23 @@ class Root:
     def objects(self, key: str) -> list[ObjectInfo]:
         """Every object under ``key`` (recursive; [] if none), with size and modification time."""
         path = self.full(key)
+        prefix = self.path.rstrip("/") + "/"
+
+        def rel(full: str) -> str:
+            return full[len(prefix):] if full.startswith(prefix) else full
 
         def find() -> list[ObjectInfo]:
             stats.count(self.url, lists=1)
+            if self.backend.local:
+                return sorted((ObjectInfo(rel(p), size, mtime) for p, size, mtime in local_objects.find(self.path, path)),
+                              key=lambda o: o.key)
             self.fs.invalidate_cache(path)
             try:
                 found = self.fs.find(path, detail=True)
             except FileNotFoundError:
                 return []
-            prefix = self.path.rstrip("/") + "/"
-            out = []
-            for full, info in found.items():
-                rel = full[len(prefix):] if full.startswith(prefix) else full
-                out.append(ObjectInfo(rel, int(info.get("size") or 0), _mtime(info)))
-            return sorted(out, key=lambda o: o.key)
+            return sorted((ObjectInfo(rel(f), int(i.get("size") or 0), _mtime(i)) for f, i in found.items()),
+                          key=lambda o: o.key)
 
         return self._call("LIST", key, find)
 
@@ -245,7 +266,10 @@ class Root:
 
         def delete() -> None:
             stats.count(self.url, deletes=1)
-            self.fs.rm(path, recursive=recursive)
+            if self.backend.local:
+                local_objects.remove(self.path, path, recursive)
+            else:
+                self.fs.rm(path, recursive=recursive)
 
         self._call("DELETE", key, delete)
 

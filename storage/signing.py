@@ -14,20 +14,34 @@ import hmac
 import json
 import os
 
+from dcr_core.errors import UsageError
+
 ALGORITHM = "hmac-sha256"
 ENV_KEY = "DCR_SIGNING_KEY"
 ENV_KEY_FILE = "DCR_SIGNING_KEY_FILE"
 
 
 def signing_key() -> bytes | None:
-    """The configured key, or None when signing is off."""
+    """The configured key, or None when signing is off (neither variable set).
+
+    A key that is set but empty or only whitespace is an error, never "signing off": an empty key
+    file must not silently disable the checks (nor override a valid ``DCR_SIGNING_KEY``)."""
     path = os.environ.get(ENV_KEY_FILE)
-    if path:
-        with open(path, "rb") as f:
-            key = f.read().strip()
-        return key or None
+    if path is not None:
+        try:
+            with open(path, "rb") as f:
+                key = f.read().strip()
+        except OSError as e:
+            raise UsageError(f"{ENV_KEY_FILE}={path}: cannot read the signing key ({e.strerror or e})") from None
+        if not key:
+            raise UsageError(f"{ENV_KEY_FILE}={path}: the signing key file is empty; put the key in it or unset the variable")
+        return key
     value = os.environ.get(ENV_KEY)
-    return value.encode() if value else None
+    if value is None:
+        return None
+    if not value.strip():
+        raise UsageError(f"{ENV_KEY} is set but empty; set the key or unset the variable")
+    return value.encode()
 
 
 def _canonical(body: dict) -> bytes:

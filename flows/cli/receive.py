@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
 from flows.options import ReceiveOptions
@@ -24,6 +26,8 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--follow", action="store_true", help="keep polling ROOT and apply every newly committed step")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
     p.add_argument("--until-step", type=step_arg, default=None, help="with --follow: exit once at this step or later")
+    p.add_argument("--lease-seconds", type=float, default=3600.0,
+                   help="how long dcr gc keeps the steps a refit reads, at most (default 3600; released when done)")
     p.add_argument(
         "--in-place", action="store_true",
         help="patch the state file in place (undo journal; writes only the changed elements) instead of "
@@ -37,7 +41,7 @@ def run(name: str, args) -> int:
         res = as_dict(run_materialize(args.root, args.step, args.out, so, ReceiveOptions(io_workers=args.io_workers)))
         say(args, f"wrote step {res['step']} to {args.out}", res)
         return 0
-    options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place)
+    options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place, lease_seconds=args.lease_seconds)
     if use_prefect(args):
         from flows.prefect_flows import receive_refit  # noqa: PLC0415 - Prefect only when asked for
 
@@ -56,6 +60,9 @@ def run(name: str, args) -> int:
         return 0
     if args.step is not None:
         raise UsageError("--follow applies every new step; it takes no --step (use --until-step)")
-    for res in follow(RootRef(args.root, so), args.state, receive, args.interval, args.until_step):
+    def warn(message: str) -> None:
+        print(f"dcr: receive: {message}", file=sys.stderr, flush=True)
+
+    for res in follow(RootRef(args.root, so), args.state, receive, args.interval, args.until_step, warn):
         report(res)
     return 0

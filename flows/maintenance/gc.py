@@ -9,10 +9,16 @@ What is deleted (see ``dcr_core.retention`` for which committed steps are kept):
   above is collected the same way).
 
 A crash at any point of a ``gc`` leaves the bucket consistent: a step is either fully visible
-(marker and data) or invisible (no marker); running ``gc`` again finishes the job. A receiver
-refitting *backward* to a step that is being deleted fails cleanly (a missing object, its state
-unchanged); receivers that registered a step (``receivers/<id>.json``) keep that step and the
-deltas they need to reach the latest one.
+(marker and data) or invisible (no marker); running ``gc`` again finishes the job.
+
+Receivers: a step a receiver registered (``receivers/<id>.json``) is kept, with the deltas it needs
+to reach the latest one. A step a receiver is reading is leased (``storage.leases``): gc keeps it
+while the lease is live, looks again right before deleting the marker (spared), and once more after
+(a receiver that leased it and saw the marker in between reads on: the marker is gone, the data
+stays until a later gc finds the lease gone). A receiver whose plan lost a step before its lease
+landed plans again; one holding a step gc deleted restarts from a restart point
+(``storage.reader.held_or_restart``). Names below ``steps/`` that DCR does not write
+(links, special files, attempt names that are not attempt ids) are reported and left alone.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ import time
 from dataclasses import dataclass, field
 
 from dcr_core import events
+from dcr_core.errors import DCRError, UnsafeKeyError
 from dcr_core.retention import steps_to_delete, steps_to_keep
 from flows.options import GcOptions
 from flows.steps import InProcess, Runner, Step, StepTable
-from storage import layout
+from storage import layout, leases
 from storage.catalog import Catalog
 from storage.root import Root, RootRef, open_root
 
@@ -40,6 +47,8 @@ class GcPlan:
     objects: int = 0
     young_attempts: list[str] = field(default_factory=list)  # kept: within the grace period
     leftover_steps: list[int] = field(default_factory=list)  # marker-less, below the latest: tidied
+    leased: dict[int, list[str]] = field(default_factory=dict)  # kept: receivers are reading them
+    refused: list[str] = field(default_factory=list)  # left alone: links, foreign names, unreadable markers
 
 
 @dataclass
@@ -49,10 +58,18 @@ class GcReport:
     deleted_steps: list[int] = field(default_factory=list)
     deleted_attempts: list[str] = field(default_factory=list)
 
+    spared: dict[int, list[str]] = field(default_factory=dict)  # planned, then leased before deletion
+    # marker deleted, data kept: a receiver leased it before the marker went (a later gc deletes it)
+    hidden: dict[int, list[str]] = field(default_factory=dict)
+
     @classmethod
     def from_dict(cls, d: dict) -> GcReport:
         """The report from its ``asdict`` form (what the Prefect flow returns)."""
-        return cls(d["dry_run"], GcPlan(**d["plan"]), list(d["deleted_steps"]), list(d["deleted_attempts"]))
+        plan = dict(d["plan"])
+        plan["leased"] = {int(k): v for k, v in plan.get("leased", {}).items()}
+        return cls(d["dry_run"], GcPlan(**plan), list(d["deleted_steps"]), list(d["deleted_attempts"]),
+                   {int(k): v for k, v in d.get("spared", {}).items()},
+                   {int(k): v for k, v in d.get("hidden", {}).items()})
 
 
 def registered_receivers(cat: Catalog, steps: list[int]) -> dict[str, int]:
@@ -70,29 +87,53 @@ def plan_gc(root: RootRef, options: GcOptions, now: float | None = None) -> GcPl
     keep_last, grace_seconds = options.keep_last, options.grace_seconds
     root = open_root(root)
     cat = Catalog(root)
-    listed = cat.listed_steps()
-    committed = [s for s in listed if cat.marker(s) is not None]
+    refused: list[str] = []
+    listed, markers = [], {}
+    for s in cat.listed_steps():
+        try:
+            markers[s] = cat.marker(s)
+        except DCRError as e:  # an unreadable marker (damaged, a FIFO, a link): never touch that step
+            refused.append(f"{layout.step_dir(s)}: {e}")
+            continue
+        listed.append(s)
+    committed = [s for s in listed if markers[s] is not None]
     infos = {s: cat.step_info(s) for s in committed}
     receivers = registered_receivers(cat, committed)
-    keep = steps_to_keep(infos, keep_last, receivers)
+    # leases on marker-less steps too: a step whose marker gc deleted while a receiver was reading it
+    leased = {s: who for s in listed if (who := _leases(root, s, now, refused))}
+    keep = steps_to_keep(infos, keep_last, receivers) | set(leased)
     doomed = steps_to_delete(committed, keep)
-    plan = GcPlan(sorted(keep), doomed, [], receivers)
+    plan = GcPlan(sorted(keep), doomed, [], receivers, leased=leased, refused=refused)
     for s in doomed:
         for o in root.objects(layout.step_dir(s)):
             plan.bytes_freed += o.size
             plan.objects += 1
     latest = max(committed, default=None)
     for s in listed:
-        if s in doomed:
-            continue
-        marker = cat.marker(s)
+        if s in doomed or (markers[s] is None and s in leased):
+            continue  # a marker-less step still leased: a receiver is finishing a read of it
+        marker = markers[s]
         if marker is None and latest is not None and s < latest:
             plan.leftover_steps.append(s)
-        for attempt in root.listdir(layout.attempts_dir(s)):
+        try:
+            attempts = root.listdir(layout.attempts_dir(s))
+        except UnsafeKeyError as e:  # e.g. a link in place of attempts/: nothing under it is ours
+            refused.append(str(e))
+            continue
+        for attempt in attempts:
             if marker is not None and attempt == marker.attempt:
                 continue
             prefix = f"{layout.attempts_dir(s)}/{attempt}"
-            objs = root.objects(prefix)
+            try:
+                layout.check_attempt(attempt)
+            except UnsafeKeyError:
+                refused.append(f"{prefix}: not an attempt DCR writes (its name is not an attempt id); left alone")
+                continue
+            try:
+                objs = root.objects(prefix)
+            except UnsafeKeyError as e:  # a link in place of an attempt
+                refused.append(f"{prefix}: {e}")
+                continue
             newest = max((o.mtime for o in objs if o.mtime is not None), default=None)
             unknown_age = any(o.mtime is None for o in objs)
             old_enough = not unknown_age and (newest is None or now - newest >= grace_seconds)
@@ -111,8 +152,17 @@ def collect(root: RootRef, plan: GcPlan) -> GcReport:
     r = open_root(root)
     report = GcReport(False, plan)
     for s in plan.delete_steps:
+        who = leases.live(r, s)  # a receiver may have leased it since the plan: spare it
+        if who:
+            report.spared[s] = who
+            continue
+        events.reached("gc.leases-checked", step=s)
         r.remove(layout.commit_key(s))  # invisible from here on
         events.reached("gc.marker-deleted", step=s)
+        who = leases.live(r, s)  # taken before the marker went, and the receiver saw the marker:
+        if who:  # its reads finish first; a later gc deletes the data once the lease is gone
+            report.hidden[s] = who
+            continue
         r.remove(layout.step_dir(s), recursive=True)
         events.reached("gc.step-deleted", step=s)
         report.deleted_steps.append(s)
@@ -133,7 +183,16 @@ def run_gc(root: str | os.PathLike, options: GcOptions, storage_options: dict | 
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
     tasks = GC.bind(runner or InProcess())
     plan = tasks.plan_gc(ref, options)
+    events.reached("gc.planned", delete_steps=len(plan.delete_steps))
     return GcReport(True, plan) if options.dry_run else tasks.collect(ref, plan)
+
+
+def _leases(root: Root, step: int, now: float, refused: list[str]) -> list[str]:
+    try:
+        return leases.live(root, step, now)
+    except UnsafeKeyError as e:
+        refused.append(str(e))
+        return ["(unreadable leases)"]  # keep the step: gc never guesses in favour of deleting
 
 
 def _remove_leftover(root: Root, step: int) -> None:
@@ -141,10 +200,11 @@ def _remove_leftover(root: Root, step: int) -> None:
     records of a deleted step, then the prefix itself once nothing is left under it."""
     if root.exists(layout.commit_key(step)) or root.listdir(layout.attempts_dir(step)):
         return
-    try:
-        root.remove(layout.receivers_dir(step), recursive=True)
-    except FileNotFoundError:
-        pass
+    for d in (layout.receivers_dir(step), layout.leases_dir(step)):
+        try:
+            root.remove(d, recursive=True)
+        except FileNotFoundError:
+            pass
     try:
         if not root.objects(layout.step_dir(step)):
             root.remove(layout.step_dir(step), recursive=True)  # an empty local directory
@@ -155,11 +215,16 @@ def _remove_leftover(root: Root, step: int) -> None:
 def format_report(report: GcReport) -> str:
     p = report.plan
     verb = "would delete" if report.dry_run else "deleted"
-    lines = [f"{verb} step {s}" for s in p.delete_steps]
+    steps = p.delete_steps if report.dry_run else report.deleted_steps
+    lines = [f"{verb} step {s}" for s in steps]
     lines += [f"{verb} attempt {a}" for a in p.delete_attempts]
     lines += [f"kept attempt {a} (younger than the grace period)" for a in p.young_attempts]
+    lines += [f"kept step {s} (leased by {', '.join(who)})" for s, who in sorted(p.leased.items())]
+    lines += [f"spared step {s} (leased by {', '.join(who)} after the plan)" for s, who in sorted(report.spared.items())]
+    lines += [f"uncommitted step {s}, its data kept while {', '.join(who)} finish reading it" for s, who in sorted(report.hidden.items())]
+    lines += [f"left alone: {r}" for r in p.refused]
     lines.append(
-        f"gc{' (dry run)' if report.dry_run else ''}: {verb} {len(p.delete_steps)} steps and "
+        f"gc{' (dry run)' if report.dry_run else ''}: {verb} {len(steps)} steps and "
         f"{len(p.delete_attempts)} stale attempts, {p.objects} objects, {p.bytes_freed} bytes; "
         f"kept {len(p.keep)} steps" + (f" ({len(p.receivers)} receivers registered)" if p.receivers else "")
     )

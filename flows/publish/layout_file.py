@@ -119,7 +119,7 @@ def layout_sources(path) -> list[FileRankSource]:
             d = json.loads(f.read())
     except OSError as e:
         raise InvalidCheckpointError(f"{path}: cannot read ({e.strerror or e})") from None
-    except ValueError:
+    except (ValueError, RecursionError):
         raise InvalidCheckpointError(f"{path}: layout file is not valid JSON") from None
     if not isinstance(d, dict) or d.get("format") != LAYOUT_FORMAT or not isinstance(d.get("ranks"), list):
         raise InvalidCheckpointError(f"{path}: not a {LAYOUT_FORMAT} file")

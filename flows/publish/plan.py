@@ -12,13 +12,15 @@ from dataclasses import dataclass
 
 from dcr_core import events
 from dcr_core.chain import DELTA, KEYFRAME
-from dcr_core.dtypes import TensorInfo
-from dcr_core.errors import SchemaMismatchError, StepConflictError, UsageError
+from dcr_core.chunking import choose_chunk_shape
+from dcr_core.dtypes import DTYPES, TensorInfo
+from dcr_core.errors import InvalidCheckpointError, SchemaMismatchError, StepConflictError, UsageError
 from flows.options import PublishOptions
 from flows.publish.sources import SourceRef, opened
 from storage import backends, layout
 from storage.catalog import Catalog
-from storage.manifest import Manifest, TensorEntry
+from storage.fields import MAX_NDIM
+from storage.manifest import MAX_TENSORS, Manifest, TensorEntry, refusal
 from storage.reader import StepRef
 from storage.root import Root, RootRef, open_root
 
@@ -73,6 +75,19 @@ def _schema_diff(base: Manifest, infos: dict[str, TensorInfo], whole: bool) -> s
     return None
 
 
+def check_receivable(infos: dict[str, TensorInfo], options: PublishOptions, source_name: str) -> None:
+    """Every tensor is one receivers can read (their manifest limits): refused before any write."""
+    if len(infos) > MAX_TENSORS:
+        raise InvalidCheckpointError(f"{source_name or 'checkpoint'}: {len(infos)} tensors, more than the {MAX_TENSORS} a step may hold")
+    for name in sorted(infos):
+        i = infos[name]
+        chunk = choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, options.chunk_bytes) if len(i.shape) <= MAX_NDIM else ()
+        why = refusal(i.shape, i.dtype, chunk)
+        if why:
+            raise InvalidCheckpointError(f"{source_name or 'checkpoint'}: tensor {name!r} {i.dtype}{list(i.shape)}: {why}; "
+                                         "receivers could not read it")
+
+
 def check_free(root: Root, cat: Catalog, step: int) -> int | None:
     """Step ``step`` can still be published on ``root``; returns the latest committed step."""
     layout.check_step(step)
@@ -98,6 +113,7 @@ def plan_publish(
     sharded publish (``infos``: the canonical tensors this rank touches), with the ``attempt`` id
     every rank shares."""
     r = open_root(root)
+    check_receivable(infos, options, source_name)
     cat = Catalog(r)
     latest = check_free(r, cat, step)
     sharded = shard is not None

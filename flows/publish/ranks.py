@@ -222,10 +222,10 @@ def fail_attempt(root: RootRef, step: int, attempt: str, rank: int, message: str
 def _failed(root: Root, plan: PublishPlan) -> str | None:
     key = layout.attempt_failed_key(plan.step, plan.attempt)
     try:
-        d = json.loads(root.read(key))
+        d = json.loads(root.read(key, limit=64 << 10))
     except FileNotFoundError:
         return None
-    except (ValueError, RecursionError):
+    except (ValueError, RecursionError, IntegrityError):
         return "another rank failed"
     if not isinstance(d, dict):
         return "another rank failed"
@@ -250,7 +250,7 @@ def read_partials(root: Root, plan: PublishPlan, timeout: float) -> list[RankPar
     for r in range(plan.world):
         key = layout.rank_partial_key(plan.step, plan.attempt, r)
         where = f"{root.url}/{key}"
-        p = RankPartial.from_json(root.read(key), where, r)
+        p = RankPartial.from_json(root.read(key, limit=MAX_PARTIAL_BYTES), where, r)
         for k, v in (("world", plan.world), ("step", plan.step), ("kind", plan.kind), ("base_step", plan.base_step),
                      ("base_policy_digest", plan.base_policy_digest)):
             if getattr(p, k) != v:

@@ -1,26 +1,41 @@
-"""``dcr receive --follow``: apply every newly committed step as it appears.
+"""``dcr receive --follow``: apply every newly committed step as it appears, and keep going.
 
 Only commit markers make a step visible, so an attempt still being written (or abandoned) is never
 applied. Each poll is one fresh listing of ``steps/`` plus reads of new markers; a refit runs only
-when a committed step newer than the receiver's state exists.
+when a committed step newer than the receiver's state exists. A follower rides out what passes: an
+object store that is unreachable for a while, a step deleted under it by ``dcr gc``, a damaged
+object someone repairs; it says so on each retry and waits longer each time (up to a minute). It
+stops on what retrying cannot fix: bad arguments, and a state that is not what it claims or a ROOT
+rolled back behind it (``StateMismatchError``).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
+from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError
 from flows.poll import poll
 from storage.catalog import Catalog
 from storage.local import state
+from storage.retry import is_transient
 from storage.root import RootRef, open_root
+
+MAX_BACKOFF = 60.0
+
+
+def worth_retrying(e: BaseException) -> bool:
+    if isinstance(e, StateMismatchError):
+        return False
+    return isinstance(e, (IntegrityError, StepNotFoundError)) or is_transient(e)
 
 
 def follow(
     root: RootRef, state_path: str, receive: Callable[[int], dict], interval: float = 5.0,
-    until_step: int | None = None,
+    until_step: int | None = None, warn: Callable[[str], None] | None = None,
 ) -> Iterator[dict]:
     """Yield ``receive(step)`` for every committed step newer than the state; stop once the state
-    holds ``until_step`` or later (None: follow for good)."""
+    holds ``until_step`` or later (None: follow for good). ``warn`` hears every failure retried."""
     r = open_root(root)
 
     def newer() -> int | None:
@@ -28,9 +43,22 @@ def follow(
         latest = Catalog(r).latest_committed()
         return latest if latest is not None and (held is None or latest > held) else None
 
+    backoff = interval
     while True:
         held = state.peek_step(state_path)
         if until_step is not None and held is not None and held >= until_step:
             return
-        step = poll(newer, f"{root.url}: waiting for a step after {held}", interval=interval, first=interval)
-        yield receive(step)
+        try:
+            step = poll(newer, f"{root.url}: waiting for a step after {held}", interval=interval, first=interval)
+            result = receive(step)
+        except Exception as e:  # sorted below: retried or re-raised
+            if not worth_retrying(e):
+                raise
+            delay = min(MAX_BACKOFF, backoff)
+            backoff = min(MAX_BACKOFF, backoff * 2)
+            if warn is not None:
+                warn(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}; retrying in {delay:.1f} s")
+            time.sleep(delay)
+            continue
+        backoff = interval
+        yield result

@@ -3,24 +3,29 @@ nothing), then record the receiver's commit (see ``flows.receive.module`` for th
 
 from __future__ import annotations
 
+import logging
 import os
 
-from dcr_core.errors import UsageError
+from dcr_core.errors import IntegrityError, StepVanishedError, UsageError
 from flows import refs
 from flows.options import ReceiveOptions
 from flows.receive import module, placement, state_file
-from flows.receive.pipeline import check_arguments
+from flows.receive.pipeline import MAX_REPLANS, check_arguments
 from flows.results import ReceiveResult, as_dict
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from storage.reader import RefitPlan, manifests
 from storage.root import RootRef
 
+log = logging.getLogger("dcr.receive")
+
 MODULE_STEPS = StepTable(
     Step("resolve-module-chain", module.plan_module_refit),
+    Step("take-leases", state_file.take_leases),
     Step("load-dense", module.load_dense),
     Step("fetch-verify", module.fetch_module_payloads),
     Step("apply-to-module", module.apply_to_module),
     Step("record-receiver-commit", state_file.record_receiver_commit),
+    Step("release-leases", state_file.release_leases),
 )
 
 
@@ -42,23 +47,43 @@ def receive_into_module(
     mirror = os.fspath(state_path or module.default_mirror_path(ref.url, receiver_id))
     tasks = MODULE_STEPS.bind(runner or InProcess())
     with refs.holding(target, "module") as mod:
-        plan = tasks.plan_module_refit(ref, mod, step)
-        held = module.held_by(target)
-        module.set_held(target, None)  # unknown until this refit completes
-        if plan.current_step is None or plan.from_keyframe:
-            info = tasks.load_dense(plan, mod, mirror, options)
-        elif plan.moves:
-            info = _delta(tasks, plan, mod, mirror, options, target, held)
-        else:
-            info = {"mode": "current", "bytes_pulled": 0, "pause_seconds": 0.0, "tensors_loaded": 0}
-    policy = manifests(plan)[plan.target_step].policy_digest
-    module.set_held(target, {"root": ref.url, "step": plan.target_step, "policy_digest": policy,
-                             "fingerprint": placement.fingerprint(target)})
-    record = {"from_step": plan.current_step, "moves": plan.describe(), "policy_digest": policy,
-              "probe": module.probe_counts(target), **info}
-    tasks.record_receiver_commit(ref, receiver_id, plan.target_step, record)
+        leased: list[int] = []
+        try:
+            for attempt in range(1, MAX_REPLANS + 1):
+                plan = tasks.plan_module_refit(ref, mod, step)
+                leased = tasks.take_leases(ref, receiver_id, plan, options.lease_seconds)
+                try:
+                    info = _refit(tasks, plan, mod, mirror, options, target)
+                    break
+                except (StepVanishedError, IntegrityError) as e:
+                    tasks.release_leases(ref, receiver_id, leased)
+                    leased = []
+                    if attempt == MAX_REPLANS or not (isinstance(e, StepVanishedError) or state_file.vanished(plan)):
+                        raise
+                    log.warning("%s: a step of the refit was deleted meanwhile (gc); planning again",
+                                type(target).__name__)
+            policy = manifests(plan)[plan.target_step].policy_digest
+            module.set_held(target, {"root": ref.url, "step": plan.target_step, "policy_digest": policy,
+                                     "fingerprint": placement.fingerprint(target)})
+            record = {"from_step": plan.current_step, "moves": plan.describe(), "policy_digest": policy,
+                      "probe": module.probe_counts(target), **info}
+            tasks.record_receiver_commit(ref, receiver_id, plan.target_step, record)
+        finally:
+            if leased:
+                tasks.release_leases(ref, receiver_id, leased)
     return as_dict(ReceiveResult(plan.target_step, plan.current_step, plan.describe(), info["bytes_pulled"], policy,
                                  dict(tasks.timings), {"probe": record["probe"], **info}))
+
+
+def _refit(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target) -> dict:
+    held = module.held_by(target)
+    module.set_held(target, None)  # unknown until this refit completes
+    if plan.current_step is None or plan.from_keyframe:
+        return tasks.load_dense(plan, mod, mirror, options)
+    if plan.moves:
+        return _delta(tasks, plan, mod, mirror, options, target, held)
+    module.set_held(target, held)
+    return {"mode": "current", "bytes_pulled": 0, "pause_seconds": 0.0, "tensors_loaded": 0}
 
 
 def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target, held: dict) -> dict:

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import os
 
-from dcr_core.errors import StateMismatchError, UsageError
+from dcr_core.errors import IntegrityError, StateMismatchError, StepVanishedError, UsageError
 from flows.options import ReceiveOptions
 from flows.receive import state_file
 from flows.results import ReceiveResult
@@ -27,11 +27,14 @@ log = logging.getLogger("dcr.receive")
 
 STATE_STEPS = StepTable(
     Step("resolve-chain", state_file.plan_receive),
+    Step("take-leases", state_file.take_leases),
     Step("fetch-apply-verify", state_file.stage_refit),
     Step("replace-state", state_file.install_state),
     Step("verify-held-state", state_file.verify_held_state),
     Step("record-receiver-commit", state_file.record_receiver_commit),
+    Step("release-leases", state_file.release_leases),
 )
+MAX_REPLANS = 3  # a step deleted under a refit (gc): plan again, this many times at most
 
 
 def check_arguments(receiver_id: str | None, step: int | None, options) -> ReceiveOptions:
@@ -61,19 +64,37 @@ def run_receive(
             journal.remove(state_path)
         elif journal.roll_back(state_path) is not None:  # an in-place patch was cut off: undo it first
             log.warning("%s: rolled back an interrupted in-place refit", state_path)
-        plan = tasks.plan_receive(ref, state_path, step, fresh)
-        pulled = 0
-        if plan.moves:
-            staged = tasks.stage_refit(plan, state_path, options)
-            tasks.install_state(staged)
-            pulled = staged.bytes_pulled
-        else:
-            tasks.verify_held_state(plan, state_path)
-        policy = manifests(plan)[plan.target_step].policy_digest
-        if record:
-            tasks.record_receiver_commit(ref, receiver_id, plan.target_step, {
-                "from_step": plan.current_step, "moves": plan.describe(), "bytes_pulled": pulled, "policy_digest": policy,
-            })
+        leased: list[int] = []
+        try:
+            for attempt in range(1, MAX_REPLANS + 1):
+                plan = tasks.plan_receive(ref, state_path, step, fresh)
+                try:
+                    if record:
+                        leased = tasks.take_leases(ref, receiver_id, plan, options.lease_seconds)
+                    staged = tasks.stage_refit(plan, state_path, options) if plan.moves else None
+                    break
+                except (StepVanishedError, IntegrityError) as e:
+                    if leased:
+                        tasks.release_leases(ref, receiver_id, leased)
+                        leased = []
+                    if attempt == MAX_REPLANS or not (isinstance(e, StepVanishedError) or state_file.vanished(plan)):
+                        raise
+                    log.warning("%s: a step of the refit was deleted meanwhile (gc); planning again", state_path)
+            pulled = 0
+            if staged is not None:
+                tasks.install_state(staged)
+                pulled = staged.bytes_pulled
+            else:
+                tasks.verify_held_state(plan, state_path)
+            policy = manifests(plan)[plan.target_step].policy_digest
+            if record:
+                tasks.record_receiver_commit(ref, receiver_id, plan.target_step, {
+                    "from_step": plan.current_step, "moves": plan.describe(), "bytes_pulled": pulled,
+                    "policy_digest": policy,
+                })
+        finally:
+            if leased:  # also when the refit failed: leases only ever protect reads in progress
+                tasks.release_leases(ref, receiver_id, leased)
     return ReceiveResult(plan.target_step, plan.current_step, plan.describe(), pulled, policy, dict(tasks.timings))
 
 

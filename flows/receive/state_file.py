@@ -15,9 +15,10 @@ import os
 from dataclasses import dataclass
 
 from dcr_core import events
+from dcr_core.errors import StepVanishedError
 from flows.options import ReceiveOptions
 from flows.receive import in_place
-from storage import reader
+from storage import layout, leases, reader
 from storage.catalog import Catalog, utc_now
 from storage.local import journal, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
@@ -40,10 +41,37 @@ class Staged:
 
 def plan_receive(root: RootRef, state_path: str, step: int | None, fresh: bool = False) -> RefitPlan:
     """Plan bringing the state file (its claimed step; nothing with ``fresh``) to ``step``."""
+    r = open_root(root)
     current = None if fresh else state.peek_step(state_path)
-    plan = reader.plan_refit(open_root(root), current, step, where=state_path)
+    plan = reader.plan_refit(r, current, step, where=state_path)
     events.reached("receive.planned", target=plan.target_step, moves=len(plan.moves))
     return plan
+
+
+def take_leases(root: RootRef, receiver_id: str, plan: RefitPlan, ttl: float) -> list[int]:
+    """Lease every step the plan reads (``storage.leases``), then check each is still committed: a
+    gc that planned before the leases existed may have deleted one (``StepVanishedError``: plan again)."""
+    r = open_root(root)
+    steps = sorted(plan.steps)
+    r.exists(layout.receiver_key(plan.target_step, receiver_id))  # a record that cannot be written fails now, not after the refit
+    leases.take(r, receiver_id, steps, plan.target_step, ttl)
+    cat = Catalog(r)
+    for s in steps:
+        if cat.marker(s) is None:
+            leases.release(r, receiver_id, steps)
+            raise StepVanishedError(f"{r.url}: step {s} was deleted while this refit was planned (gc); planning again")
+    events.reached("receive.leased", steps=steps)
+    return steps
+
+
+def release_leases(root: RootRef, receiver_id: str, steps: list[int]) -> None:
+    leases.release(open_root(root), receiver_id, steps)
+
+
+def vanished(plan: RefitPlan) -> list[int]:
+    """The steps of ``plan`` that are no longer committed (a gc ran meanwhile)."""
+    cat = Catalog(open_root(plan.root))
+    return [s for s in sorted(plan.steps) if cat.marker(s) is None]
 
 
 def stage_refit(plan: RefitPlan, state_path: str, options: ReceiveOptions | None = None) -> Staged:

@@ -136,7 +136,7 @@ def _head(data: bytes, path: str, state_path: str) -> tuple[dict, int]:
         head = json.loads(data[16:16 + n])
         if not isinstance(head, dict):
             raise ValueError
-    except ValueError:
+    except (ValueError, RecursionError):
         raise _damaged(path, state_path) from None
     return head, 16 + n
 

@@ -60,10 +60,15 @@ def peek_step(path: str) -> int | None:
 
 
 def check_path(path: str | os.PathLike) -> str:
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise InvalidCheckpointError(f"{path}: the receiver state must be a .safetensors file, not a directory")
-    return path
+    """The file a state (or ``dcr materialize --out``) path names. A symbolic link names its target:
+    the target is refitted, rewritten or patched alike, and the link is kept. Anything but a regular
+    file (a directory, a FIFO, a device such as ``/dev/null``) is refused."""
+    given = os.fspath(path)
+    real = os.path.realpath(given)
+    if os.path.exists(real) and not os.path.isfile(real):
+        raise InvalidCheckpointError(f"{given}: not a regular file (a directory, FIFO or device); a receiver state "
+                                     "or materialize output must be a .safetensors file")
+    return real
 
 
 @contextlib.contextmanager

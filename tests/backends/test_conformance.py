@@ -18,6 +18,7 @@ from flows.publish.steps import PUBLISH
 from storage import layout
 from storage.catalog import Catalog
 from storage.root import Root
+from storage.stats import io_stats
 from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes
 from tests.support.steps import patch_step
 
@@ -53,6 +54,20 @@ def test_create_if_absent_creates_once_and_never_replaces(make_root):
     assert root.create_if_absent("steps/m.json", b"first") is True
     assert root.create_if_absent("steps/m.json", b"second") is False
     assert root.read("steps/m.json") == b"first"
+
+
+def test_a_read_with_a_limit_fetches_at_most_the_limit_plus_one_byte(make_root):
+    """An oversized object is refused having transferred at most ``limit + 1`` bytes (a ranged read),
+    so a hostile or damaged object cannot exhaust a reader's memory."""
+    url = make_root()
+    root = Root(url)
+    root.write("steps/big", b"x" * (4 << 20))
+    root.write("steps/small", b"y" * 1000)
+    before = io_stats(root.url)
+    with pytest.raises(IntegrityError, match="steps/big"):
+        root.read("steps/big", limit=1024)
+    assert io_stats(root.url).minus(before).bytes_read <= 1025
+    assert root.read("steps/small", limit=1000) == b"y" * 1000  # exactly the limit is fine
 
 
 @pytest.mark.parametrize("key", ["../x", "/abs", "a//b", "a/./b", "a/../../b", ""])

@@ -23,7 +23,7 @@ HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te"
 class Proxy:
     """``Proxy(upstream_url)``; ``.url`` is where clients connect. Use ``with`` or call ``close``."""
 
-    def __init__(self, upstream: str):
+    def __init__(self, upstream: str, port: int = 0):
         u = urlsplit(upstream)
         self.upstream = (u.hostname, u.port)
         self.lock = threading.Lock()
@@ -34,6 +34,7 @@ class Proxy:
         self.fault: Callable[[str, str], str | None] | None = None
         self.stall_seconds = 3.0
         self.bandwidth: float | None = None  # bytes/s cap on response bodies
+        self.connections: set[socket.socket] = set()  # open client connections (keep-alive)
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -41,6 +42,16 @@ class Proxy:
 
             def log_message(self, *args) -> None:
                 pass
+
+            def setup(self) -> None:
+                super().setup()
+                with proxy.lock:
+                    proxy.connections.add(self.connection)
+
+            def finish(self) -> None:
+                with proxy.lock:
+                    proxy.connections.discard(self.connection)
+                super().finish()
 
             def _body(self) -> bytes:
                 if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
@@ -116,7 +127,7 @@ class Proxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)  # port 0: any free one
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
@@ -129,8 +140,17 @@ class Proxy:
             self.log.clear()
 
     def close(self) -> None:
+        """Stop listening and drop every open client connection: from here on the endpoint refuses
+        connections, as a server that went away does."""
         self.server.shutdown()
         self.server.server_close()
+        with self.lock:
+            conns = list(self.connections)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
 
     def __enter__(self) -> Proxy:
         return self

@@ -3,70 +3,29 @@
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from storage.local import journal as state_journal
+from tests.support.cli import REPO, copy_tree, dcr, evolve, publish_chain, small_checkpoint
 from tests.support.helpers import assert_bits_equal, write_safetensors
 from tests.support.kill import kill_at
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-
-
-def dcr(*args, env=None, check=None):
-    e = {**os.environ, "DCR_ORCHESTRATOR": "none", **(env or {})}
-    out = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], capture_output=True, text=True, cwd=REPO, env=e)
-    if check is not None:
-        assert out.returncode == check, (out.returncode, out.stdout, out.stderr)
-    return out
-
-
-def _ck(seed: int, rows: int = 300) -> dict[str, torch.Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    return {
-        "w": torch.randn(rows, 64, generator=g).bfloat16(),
-        "b": torch.randn(7, generator=g),
-        "step": torch.tensor(seed, dtype=torch.int64),
-    }
-
-
-def _evolve(ck, seed):
-    out = {n: t.clone() for n, t in ck.items()}
-    out["w"].view(-1).view(torch.int16)[seed::97] ^= 1
-    out["step"] += 1
-    return out
-
-
-def _copy(made: Path, tmp_path: Path) -> Path:
-    """A private copy of a bucket (and its neighbours) published once per module."""
-    shutil.copytree(made, tmp_path, dirs_exist_ok=True)
-    return tmp_path
 
 
 @pytest.fixture(scope="module")
 def _published_once(tmp_path_factory):
     d = tmp_path_factory.mktemp("published")
-    cks = [_ck(0)]
-    for s in range(1, 4):
-        cks.append(_evolve(cks[-1], s))
-    for s, ck in enumerate(cks):
-        p = d / f"c{s}.safetensors"
-        write_safetensors(p, ck)
-        dcr("publish", d / "bucket", p, "--step", s, "--chunk-bytes", 4096, check=0)
-    return d, cks
+    return d, publish_chain(d)
 
 
 @pytest.fixture
 def published(_published_once, tmp_path):
     made, cks = _published_once
-    return _copy(made, tmp_path) / "bucket", cks
+    return copy_tree(made, tmp_path) / "bucket", cks
 
 
 def test_publish_receive_materialize_ls_and_verify_from_the_command_line(published, tmp_path):
@@ -138,10 +97,10 @@ PUBLISH_POINTS = [  # (point, committed afterwards?)
 @pytest.fixture(scope="module")
 def _keyframe_once(tmp_path_factory):
     d = tmp_path_factory.mktemp("keyframe")
-    base = _ck(0, rows=4000)
+    base = small_checkpoint(0, rows=4000)
     write_safetensors(d / "c0.safetensors", base)
     dcr("publish", d / "bucket", d / "c0.safetensors", "--step", 0, check=0, env={"DCR_CACHE_DIR": str(d / "cache")})
-    new = _evolve(base, 1)
+    new = evolve(base, 1)
     write_safetensors(d / "c1.safetensors", new)
     return d, base, new
 
@@ -150,7 +109,7 @@ def _keyframe_once(tmp_path_factory):
 @pytest.mark.parametrize("point,committed", PUBLISH_POINTS, ids=[p for p, _ in PUBLISH_POINTS])
 def test_a_publish_killed_at_each_point_is_invisible_or_whole_and_a_rerun_is_exact(_keyframe_once, tmp_path, point, committed):
     made, base, new = _keyframe_once
-    d = _copy(made, tmp_path)
+    d = copy_tree(made, tmp_path)
     root, env = d / "bucket", {"DCR_CACHE_DIR": str(d / "cache")}
     kill_at(point, "publish", root, d / "c1.safetensors", "--step", 1, "--chunk-bytes", 512, "--io-workers", 1, env=env)
     assert (root / "steps" / "000000000001" / "commit.json").exists() == committed
@@ -159,7 +118,7 @@ def test_a_publish_killed_at_each_point_is_invisible_or_whole_and_a_rerun_is_exa
     assert_bits_equal(load_file(state), new if committed else base)
     dcr("publish", root, d / "c1.safetensors", "--step", 1, check=3 if committed else 0, env=env)  # the rerun
     if committed:  # killed before its baseline cache was written: the next delta rebuilds it from ROOT
-        newer = _evolve(new, 2)
+        newer = evolve(new, 2)
         write_safetensors(d / "c2.safetensors", newer)
         dcr("publish", root, d / "c2.safetensors", "--step", 2, check=0, env=env)
         new = newer
@@ -180,8 +139,8 @@ RECEIVE_POINTS = {  # point -> the state holds the new step afterwards (after a 
 @pytest.fixture(scope="module")
 def _receiver_once(tmp_path_factory):
     d = tmp_path_factory.mktemp("receiver")
-    cks = [_ck(0, rows=6000)]
-    cks.append(_evolve(cks[0], 1))
+    cks = [small_checkpoint(0, rows=6000)]
+    cks.append(evolve(cks[0], 1))
     for s, ck in enumerate(cks):
         p = d / f"c{s}.safetensors"
         write_safetensors(p, ck)
@@ -192,7 +151,7 @@ def _receiver_once(tmp_path_factory):
 
 def _receiver_setup(made, tmp_path):
     d, cks = made
-    d = _copy(d, tmp_path)
+    d = copy_tree(d, tmp_path)
     return d / "bucket", cks, d / "rx" / "s.safetensors"
 
 
@@ -216,7 +175,7 @@ def test_a_receive_killed_at_each_point_leaves_one_whole_step_and_a_rerun_is_exa
 @pytest.mark.faults(component="process", outcome="kill -9 after every chunk upload in turn: nothing visible; a rerun ends bit-exact")
 def test_a_publish_killed_after_each_chunk_in_turn_full_sweep(_keyframe_once, tmp_path):
     made, base, new = _keyframe_once
-    d = _copy(made, tmp_path)
+    d = copy_tree(made, tmp_path)
     root, p1, state = d / "bucket", d / "c1.safetensors", d / "s.safetensors"
     for n in range(1, 25, 2):
         kill_at(f"chunk.stored@{n}", "publish", root, p1, "--step", 1, "--chunk-bytes", 512, "--io-workers", 1)
@@ -248,12 +207,12 @@ def test_a_receive_killed_after_each_chunk_and_record_in_turn_full_sweep(_receiv
 def test_publishers_racing_for_one_step_from_separate_processes_commit_exactly_once(tmp_path):
     root = tmp_path / "bucket"
     p0 = tmp_path / "c0.safetensors"
-    write_safetensors(p0, _ck(0))
+    write_safetensors(p0, small_checkpoint(0))
     dcr("publish", root, p0, "--step", 0, check=0)
     paths = []
     for i in range(4):  # four different candidate policies for step 1
         p = tmp_path / f"cand{i}.safetensors"
-        write_safetensors(p, _evolve(_ck(0), i + 1))
+        write_safetensors(p, evolve(small_checkpoint(0), i + 1))
         paths.append(p)
     env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
     procs = [
@@ -277,9 +236,9 @@ def test_publishers_racing_for_one_step_from_separate_processes_commit_exactly_o
 
 def test_receive_follow_applies_each_newly_committed_step_and_never_an_uncommitted_one(tmp_path):
     root = tmp_path / "bucket"
-    cks = [_ck(0)]
+    cks = [small_checkpoint(0)]
     for s in range(1, 4):
-        cks.append(_evolve(cks[-1], s))
+        cks.append(evolve(cks[-1], s))
     paths = []
     for s, ck in enumerate(cks):
         p = tmp_path / f"c{s}.safetensors"

@@ -3,36 +3,19 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import torch
 
+from tests.support.cli import dcr_peak_rss
 from tests.support.helpers import write_safetensors
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 MiB = 1 << 20
 
 
-_LAUNCH = (
-    "import importlib, os, sys\n"
-    "for m in filter(None, os.environ.get('PRELOAD', '').split(',')): importlib.import_module(m)\n"
-    "from flows.cli import main\n"
-    "rc = main(sys.argv[1:])\n"
-    "hwm = open('/proc/self/status').read().split('VmHWM:')[1].split()[0]\n"
-    "print('VmHWM', hwm, file=sys.stderr)\n"
-    "sys.exit(rc)\n"
-)
-
-
 def _peak_rss(args, env) -> int:
-    """Peak resident memory (bytes) of one ``dcr`` process, read from its own /proc status (the
-    rusage of a child would include what the forking test process held before exec)."""
-    out = subprocess.run([sys.executable, "-c", _LAUNCH, *map(str, args)], cwd=REPO, env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    assert out.returncode == 0, out.stderr
-    line = [x for x in out.stderr.splitlines() if x.startswith("VmHWM")][-1]
-    return int(line.split()[1]) * 1024
+    code, err, peak = dcr_peak_rss(*args, env=env)
+    assert code == 0, err
+    return peak
 
 
 def test_peak_memory_of_publish_and_receive_stays_far_below_the_model_size(tmp_path):
@@ -57,10 +40,12 @@ def test_peak_memory_of_publish_and_receive_stays_far_below_the_model_size(tmp_p
     publish_delta = _peak_rss(["publish", root, c1, "--step", 1, "--chunk-bytes", MiB, *io], env)
     receive = _peak_rss(["receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", *io], env)
     back = _peak_rss(["receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", "--step", 0, *io], env)
+    verify = _peak_rss(["verify", root, "--deep", *io], env)  # rebuilds step 0, replays step 1
     # one source tensor + one baseline tensor + a copy for XOR + the window of 1 MiB chunks + slack
     bound = 4 * tensor_bytes + 32 * MiB
     extra = {"publish_keyframe": publish_key - idle_publish, "publish_delta": publish_delta - idle_publish,
-             "receive": receive - idle_receive, "receive_back": back - idle_receive}
+             "receive": receive - idle_receive, "receive_back": back - idle_receive,
+             "verify_deep": verify - idle_receive}
     print({k: f"{v / MiB:.0f} MiB" for k, v in extra.items()},
           f"idle {idle_publish / MiB:.0f} / {idle_receive / MiB:.0f} MiB, model {model_bytes / MiB:.0f} MiB")
     for what, v in extra.items():

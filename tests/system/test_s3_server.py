@@ -254,3 +254,64 @@ def test_sixteen_receiver_processes_follow_a_publisher_on_the_s3_server(s3_serve
     (tmp_path / "load-report.json").write_text(json.dumps(report, indent=1))
     print("load report:", json.dumps(report))
     assert refits >= n  # every receiver applied deltas (usually one refit per step)
+
+
+@pytest.mark.backend
+@pytest.mark.faults(component="network", outcome="the follower waits, says so, and catches up bit-exact")
+def test_a_follower_rides_out_an_endpoint_outage_and_says_so(s3_server, tmp_path):
+    """The endpoint refuses every connection for 12 s (the proxy in front of it is gone) while the
+    publisher commits a step: ``dcr receive --follow`` reports each retry on stderr, backs off, and
+    applies every step once the endpoint is back."""
+    import socket
+    import time
+
+    root = f"s3://{S3_BUCKET}/outage-{uuid.uuid4().hex[:8]}"
+    opts = PublishOptions(chunk_bytes=64 << 10, cache_dir=str(tmp_path / "cache"))
+    cks = [_model(8)]
+    for s in (1, 2):
+        cks.append(_step(cks[-1], 0.02, seed=200 + s))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proxy = Proxy(s3_server, port=port)
+    run_publish(root, cks[0], 0, options=opts)
+    state = tmp_path / "s.safetensors"
+    follower = subprocess.Popen(
+        [sys.executable, "-m", "flows.cli", "receive", root, "--receiver", "rx", "--state", str(state), "--follow",
+         "--interval", "0.2", "--until-step", "2", "--storage-option", f"endpoint_url={proxy.url}"],
+        env={**os.environ, "DCR_ORCHESTRATOR": "none"}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while "rx" not in Catalog(Root(root)).receivers(0) and time.time() < deadline:
+            time.sleep(0.1)
+        proxy.close()  # the outage: connection refused
+        run_publish(root, cks[1], 1, options=opts)
+        time.sleep(12)
+        proxy = Proxy(s3_server, port=port)  # back
+        run_publish(root, cks[2], 2, options=opts)
+        out, err = follower.communicate(timeout=180)
+    finally:
+        if follower.poll() is None:
+            follower.kill()
+        proxy.close()
+    assert follower.returncode == 0, err
+    retries = [line for line in err.splitlines() if "retrying in" in line]
+    assert len(retries) >= 2 and all(line.startswith("dcr: receive:") for line in retries), err
+    assert_bits_equal(load_file(state), cks[2])
+
+
+@pytest.mark.faults(component="bad input or damaged bucket", outcome="refused; at most the limit plus one byte crossed the wire")
+def test_an_oversized_marker_is_refused_after_a_ranged_read_on_the_wire(proxied_s3, tmp_path):
+    """A 32 MiB ``commit.json`` (the limit is 1 MiB): the receiver refuses it with one line, and the
+    proxy saw at most 1 MiB + 1 byte of it go by."""
+    proxy = proxied_s3
+    so = proxy.storage_options
+    root = f"s3://{S3_BUCKET}/big-{uuid.uuid4().hex[:8]}"
+    run_publish(root, _model(3), 0, storage_options=so, options=PublishOptions(cache_dir=str(tmp_path / "cache")))
+    Root(root, so).write(layout.commit_key(1), b" " * (32 << 20))
+    proxy.reset_counts()
+    with pytest.raises(Exception, match="more than the 1048576 bytes"):
+        run_receive(root, "rx", str(tmp_path / "s.safetensors"), storage_options=so)
+    marker_gets = [e for e in proxy.log if e[0] == "GET" and e[1].split("?")[0].endswith(layout.commit_key(1))]
+    assert marker_gets and all(e[3] <= (1 << 20) + 1 for e in marker_gets), marker_gets

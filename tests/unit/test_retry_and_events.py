@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import http.client
+import time
 
 import pytest
 
@@ -83,7 +84,9 @@ def test_failpoints_parse_and_refuse_what_is_not_a_known_point_or_action():
     assert events.parse_failpoints("chunk.stored@3=pause, receive.staged=raise") == {
         ("chunk.stored", 3): "pause", ("receive.staged", 1): "raise",
     }
-    for bad in ("nope=pause", "chunk.stored=explode", "chunk.stored", "chunk.stored@x=raise"):
+    assert events.parse_failpoints("receive.staged@*=sleep(0.25)") == {("receive.staged", events.EVERY): "sleep(0.25)"}
+    for bad in ("nope=pause", "chunk.stored=explode", "chunk.stored", "chunk.stored@x=raise", "chunk.stored=sleep(S)",
+                "chunk.stored=sleep(-1)", "chunk.stored=sleep(x)"):
         with pytest.raises(ValueError):
             events.parse_failpoints(bad)
 
@@ -97,6 +100,12 @@ def test_a_raise_failpoint_fires_at_the_nth_reach_only_and_listeners_see_every_p
         events.reached("chunk.stored", i=3)
     assert seen == [("chunk.stored", 1), ("chunk.stored", 2), ("chunk.stored", 3)]
     events.reached("chunk.stored")  # nothing active: nothing happens
+    with events.failpoints("chunk.stored@*=sleep(0.05),chunk.stored@2=raise"):
+        t = time.monotonic()
+        events.reached("chunk.stored")
+        assert time.monotonic() - t >= 0.05  # every reach sleeps...
+        with pytest.raises(events.FailpointError):  # ...but an @N action wins at its N
+            events.reached("chunk.stored")
     with pytest.raises(ValueError):
         with events.listening(lambda p, f: None):
             events.reached("not.a.point")

@@ -1,0 +1,82 @@
+"""The run a ROOT holds: an identity bound into every commit marker (and so into its signature).
+
+Two training runs that share a signing key could otherwise swap steps: a step directory copied from
+run A into run B carries a valid signature, and B's receivers would load A's weights. So the first
+publish into a ROOT (or the first one by this version into an older ROOT) creates ``run.json``
+(create-if-absent: racing publishers agree on the winner's id) with a random run id and the step
+it starts at; every marker committed from then on names the run, and readers refuse a marker
+that names another run, or none at a step the run covers. Markers written before a ROOT had a run
+stay readable. A mirror of a ROOT copies ``run.json`` with the steps: it is the same run. What
+this cannot stop: someone who can write the bucket replacing ``run.json`` and every step with
+another run's (the whole ROOT becomes that run); one signing key per run closes that too.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+
+from dcr_core.errors import IntegrityError
+from storage import layout
+from storage.fields import fail, parse_int, parse_run_id
+from storage.root import Root
+
+FORMAT = "dcr-run"
+MAX_RUN_BYTES = 4096
+
+
+@dataclass(frozen=True)
+class Run:
+    run_id: str
+    since_step: int  # markers of this step and later must name the run
+
+    def accepts(self, marker_run: str | None, step: int) -> bool:
+        # a marker without a run was committed before the ROOT had one
+        return marker_run == self.run_id or (marker_run is None and step < self.since_step)
+
+    def check(self, marker_run: str | None, step: int, where: str) -> None:
+        if self.accepts(marker_run, step):
+            return
+        if marker_run is None:
+            raise IntegrityError(f"{where}: names no run, but run {self.run_id} covers step {step} (a marker from elsewhere?)")
+        raise IntegrityError(f"{where}: commit marker of run {marker_run}, but this ROOT holds run {self.run_id} "
+                             "(a step copied from another run)")
+
+
+_seen: dict[str, Run] = {}  # ROOT url -> its run, as last read by this process
+
+
+def read(root: Root, cached: bool = False) -> Run | None:
+    """The ROOT's run, or None for a ROOT that has none yet. ``cached``: the run this process saw
+    last, if any (callers re-read when a marker disagrees with it)."""
+    if cached and root.url in _seen:
+        return _seen[root.url]
+    where = f"{root.url}/{layout.RUN}"
+    try:
+        d = json.loads(root.read(layout.RUN, limit=MAX_RUN_BYTES))
+    except FileNotFoundError:
+        _seen.pop(root.url, None)
+        return None
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise fail(where, f"not valid JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != FORMAT:
+        raise fail(where, "not a DCR run document")
+    run = Run(parse_run_id(d.get("run_id"), where), parse_int(d.get("since_step"), where, 0, layout.MAX_STEP))
+    _seen[root.url] = run
+    return run
+
+
+def ensure(root: Root, step: int) -> Run:
+    """The ROOT's run, created now (starting at ``step``) if it has none."""
+    run = read(root)
+    if run is not None:
+        return run
+    doc = {"format": FORMAT, "run_id": uuid.uuid4().hex, "since_step": step,
+           "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    root.create_if_absent(layout.RUN, json.dumps(doc, indent=1).encode() + b"\n")
+    run = read(root)  # this publisher's, or the one that won the race
+    if run is None:
+        raise IntegrityError(f"{root.url}/{layout.RUN}: created but not readable")
+    return run

@@ -1,0 +1,353 @@
+"""Hostile and damaged buckets, as an attacker or a busy operator would make them, against ``dcr``.
+
+Nothing outside ROOT is ever read or written through a link; special files and oversized objects
+are refused without hanging or exhausting memory; malformed documents and unreadable schemas fail
+with one line and the right exit code; a step copied from another run is refused. Each case runs
+the real command in a fresh process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import struct
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dcr_core.errors import InvalidCheckpointError
+from flows import run_publish
+from flows.options import PublishOptions
+from storage import layout
+from storage.marker import CommitMarker
+from storage.signing import sign
+from tests.support.cli import copy_tree, dcr, dcr_peak_rss, publish_chain
+from tests.support.helpers import assert_bits_equal, tree_snapshot, write_safetensors
+
+pytestmark = pytest.mark.faults(component="bad input or damaged bucket",
+                                outcome="refused with one line naming the object, right exit code; nothing outside ROOT touched")
+
+KEY = "hardening-test-key"
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def _made(tmp_path_factory):
+    d = tmp_path_factory.mktemp("made")
+    return d, publish_chain(d)
+
+
+@pytest.fixture
+def bucket(_made, tmp_path):
+    made, cks = _made
+    return copy_tree(made, tmp_path) / "bucket", cks
+
+
+def _attempt_dir(root: Path, step: int) -> Path:
+    (attempt,) = [p for p in (root / layout.attempts_dir(step)).iterdir()]
+    return attempt
+
+
+def _victim(path: Path) -> dict[str, bytes]:
+    (path / "proj").mkdir(parents=True)
+    (path / "proj" / "weights.bin").write_bytes(b"precious")
+    (path / "rx.json").write_bytes(b"precious too")
+    return tree_snapshot(path)
+
+
+# -- 1. nothing outside ROOT, nothing but regular files ---------------------------------------------
+
+
+@pytest.mark.faults(component="security", outcome="gc reports each and deletes nothing through it; the rest is collected")
+def test_gc_never_deletes_through_a_link_nor_names_it_did_not_write(bucket, tmp_path):
+    """A linked ``attempts/`` of an uncommitted step and of a committed one, a linked attempt, and a
+    folder whose name is not an attempt id: gc reports each and leaves it (and what it points
+    to, outside ROOT) alone, while still collecting the rest."""
+    root, _ = bucket
+    victim = tmp_path / "victim"
+    before = _victim(victim)
+    (root / layout.step_dir(99)).mkdir()
+    os.symlink(victim, root / layout.attempts_dir(99))
+    moved = tmp_path / "moved-attempts"  # a committed step's attempts/ moved out and linked back
+    shutil.move(root / layout.attempts_dir(1), moved)
+    (moved / uuid.uuid4().hex).mkdir()  # a "losing attempt" gc would delete at once
+    moved_before = tree_snapshot(moved)
+    os.symlink(moved, root / layout.attempts_dir(1))
+    os.symlink(victim, root / layout.attempts_dir(2) / uuid.uuid4().hex)
+    foreign = root / layout.attempts_dir(2) / "not-an-attempt"
+    foreign.mkdir()
+    (foreign / "keep.me").write_bytes(b"x")
+    stale = root / layout.attempts_dir(3) / uuid.uuid4().hex  # a real stale attempt: still collected
+    stale.mkdir()
+    (stale / "manifest.json").write_bytes(b"{}")
+
+    out = dcr("gc", root, "--keep-last", 5, "--grace-seconds", 0, check=0)
+    assert tree_snapshot(victim) == before and tree_snapshot(moved) == moved_before
+    assert (foreign / "keep.me").exists() and not stale.exists()
+    left_alone = [line for line in out.stdout.splitlines() if line.startswith("left alone:")]
+    assert len(left_alone) == 4, out.stdout
+    assert sum("symbolic link" in line for line in left_alone) == 3
+    assert any("not-an-attempt" in line and "not an attempt" in line for line in left_alone)
+
+
+@pytest.mark.faults(component="security", outcome="the linked target outside ROOT is untouched")
+def test_gc_with_signing_on_leaves_a_linked_attempts_dir_of_an_unsigned_step_alone(tmp_path):
+    """With signing on, an uncommitted step needs no marker to be collected: a link there must still
+    never be followed."""
+    env = {"DCR_SIGNING_KEY": KEY}
+    publish_chain(tmp_path, steps=2, env=env)
+    root = tmp_path / "bucket"
+    victim = tmp_path / "victim"
+    before = _victim(victim)
+    (root / layout.step_dir(99)).mkdir()
+    os.symlink(victim, root / layout.attempts_dir(99))
+    out = dcr("gc", root, "--keep-last", 1, "--grace-seconds", 0, env=env, check=0)
+    assert tree_snapshot(victim) == before
+    assert "symbolic link" in out.stdout
+
+
+@pytest.mark.faults(component="security", outcome="exit 5 before the state is written; the target outside ROOT untouched")
+def test_a_linked_receivers_dir_is_refused_before_the_state_is_touched(bucket, tmp_path):
+    root, _ = bucket
+    victim = tmp_path / "victim"
+    before = _victim(victim)
+    os.symlink(victim, root / layout.receivers_dir(3))
+    state = tmp_path / "rx.safetensors"
+    out = dcr("receive", root, "--receiver", "rx", "--state", state, check=5)
+    assert "symbolic link" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert tree_snapshot(victim) == before and not state.exists()
+    assert not (root / layout.leases_dir(3)).exists() or not any((root / layout.leases_dir(3)).iterdir())
+
+
+def test_a_fifo_in_place_of_a_commit_marker_fails_fast_and_gc_leaves_it(bucket, tmp_path):
+    """A FIFO blocks an ``open`` for reading forever: every command must refuse it instead."""
+    root, cks = bucket
+    (root / layout.step_dir(4)).mkdir()
+    os.mkfifo(root / layout.commit_key(4))
+    state = tmp_path / "s.safetensors"
+    for args in (("receive", root, "--receiver", "r", "--state", state), ("ls", root), ("verify", root)):
+        out = dcr(*args, timeout=60, check=5)
+        assert "not a regular file" in out.stderr and layout.commit_key(4) in out.stderr, out.stderr
+    out = dcr("gc", root, "--keep-last", 1, "--grace-seconds", 0, timeout=60, check=0)
+    assert "left alone" in out.stdout and (root / layout.commit_key(4)).exists()
+
+
+@pytest.mark.faults(component="security", outcome="exit 5 at once, peak RSS under 300 MiB")
+def test_a_chunk_linked_to_dev_zero_is_refused_in_bounded_memory(bucket, tmp_path):
+    root, _ = bucket
+    chunk = next(p for p in _attempt_dir(root, 3).rglob("*") if p.is_file() and "/c/" in str(p))
+    chunk.unlink()
+    os.symlink("/dev/zero", chunk)
+    code, err, peak = dcr_peak_rss("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", timeout=60)
+    assert code == 5 and "symbolic link" in err, err
+    assert peak < 300 * MiB, peak
+
+
+# -- 4. oversized objects are refused having read at most the limit ---------------------------------
+
+
+@pytest.mark.faults(component="bad input or damaged bucket", outcome="exit 5 having read at most the limit; peak RSS under 300 MiB")
+@pytest.mark.parametrize("what", ["marker", "chunk"])
+def test_a_3_gb_object_is_refused_without_reading_it(bucket, tmp_path, what):
+    root, _ = bucket
+    if what == "marker":
+        target = root / layout.commit_key(3)
+    else:
+        target = next(p for p in _attempt_dir(root, 3).rglob("*") if p.is_file() and "/c/" in str(p))
+    os.truncate(target, 3 << 30)  # sparse: costs no disk
+    code, err, peak = dcr_peak_rss("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", timeout=60)
+    assert code == 5 and "3221225472 bytes, more than" in err, err
+    assert peak < 300 * MiB, peak
+    if what == "marker":
+        code, err, peak = dcr_peak_rss("ls", root, timeout=60)
+        assert code == 5 and peak < 300 * MiB, (err, peak)
+
+
+# -- 3. signing keys --------------------------------------------------------------------------------
+
+
+@pytest.mark.faults(component="security", outcome="exit 2; nothing applied")
+@pytest.mark.parametrize("content", [b"", b" \n\t \n"], ids=["empty", "whitespace"])
+def test_an_empty_signing_key_file_is_an_error_even_beside_a_valid_key(bucket, tmp_path, content):
+    root, _ = bucket
+    keyfile = tmp_path / "key"
+    keyfile.write_bytes(content)
+    state = tmp_path / "s.safetensors"
+    env = {"DCR_SIGNING_KEY": KEY, "DCR_SIGNING_KEY_FILE": str(keyfile)}
+    out = dcr("receive", root, "--receiver", "r", "--state", state, env=env, check=2)
+    assert "signing key file is empty" in out.stderr and not state.exists()
+    out = dcr("receive", root, "--receiver", "r", "--state", state, env={"DCR_SIGNING_KEY": content.decode()}, check=2)
+    assert "DCR_SIGNING_KEY is set but empty" in out.stderr and not state.exists()
+
+
+# -- 5. the publisher refuses what no receiver could read -------------------------------------------
+
+
+@pytest.mark.faults(component="publisher", outcome="exit 2 before anything is written; ROOT unchanged")
+@pytest.mark.parametrize("shape, dtype, says", [
+    ((0, 2**30), torch.bfloat16, "exceed"),
+    ((1,) * 17, torch.float32, "17 dimensions"),
+    ((0, 2**50), torch.bfloat16, "a dimension larger than"),
+], ids=["bf16-0x2^30", "17-dims", "0x2^50"])
+def test_a_checkpoint_no_receiver_could_read_is_refused_before_anything_is_written(bucket, tmp_path, shape, dtype, says):
+    root, cks = bucket
+    ck = {**cks[3], "odd": torch.empty(shape, dtype=dtype)}
+    path = tmp_path / "odd.safetensors"
+    write_safetensors(path, ck)
+    before = tree_snapshot(root)
+    out = dcr("publish", root, path, "--step", 4, check=2)
+    assert says in out.stderr and "'odd'" in out.stderr and "receivers could not read it" in out.stderr, out.stderr
+    assert tree_snapshot(root) == before
+    fresh = tmp_path / "fresh"
+    with pytest.raises(InvalidCheckpointError, match="receivers could not read it"):
+        run_publish(fresh, ck, 0, options=PublishOptions(cache_dir=str(tmp_path / "cache")))
+    assert not fresh.exists()
+
+
+# -- 8, 9. state files: aliasing tensors, links, special files --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def _alias_made(tmp_path_factory):
+    d = tmp_path_factory.mktemp("alias")
+    return d, _alias_state(d)
+
+
+def _alias_state(tmp_path: Path) -> tuple[Path, Path]:
+    """A bucket of two equal tensors, and a state at step 0 whose header points both at one range
+    (its digests still match: the bytes are equal)."""
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(7)).bfloat16()
+    y = x.clone()
+    y.view(-1).view(torch.int16)[::7] ^= 1
+    root = tmp_path / "alias-bucket"
+    for s, ck in enumerate([{"a": x, "c": x.clone()}, {"a": y, "c": x.clone()}]):
+        write_safetensors(tmp_path / f"a{s}.safetensors", ck)
+        dcr("publish", root, tmp_path / f"a{s}.safetensors", "--step", s, check=0)
+    state = tmp_path / "alias.safetensors"
+    dcr("receive", root, "--receiver", "q", "--state", state, "--step", 0, check=0)
+    raw = state.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    header["c"]["data_offsets"] = header["a"]["data_offsets"]
+    text = json.dumps(header).encode()
+    state.write_bytes(raw[:8] + text.ljust(n) + raw[8 + n:])
+    return root, state
+
+
+@pytest.mark.parametrize("mode", [[], ["--in-place"]], ids=["rewrite", "in-place"])
+def test_a_state_whose_tensors_alias_the_same_bytes_is_refused_by_both_paths(_alias_made, tmp_path, mode):
+    made, (root, state) = _alias_made
+    copy_tree(made, tmp_path)
+    root, state = tmp_path / root.relative_to(made), tmp_path / state.relative_to(made)
+    before = state.read_bytes()
+    out = dcr("receive", root, "--receiver", "q", "--state", state, *mode, check=2)
+    assert "overlap" in out.stderr and str(state) in out.stderr
+    assert state.read_bytes() == before
+    assert not (root / layout.receiver_key(1, "q")).exists()
+
+
+@pytest.mark.faults(component="receiver", outcome="the target refitted bit-exact, the link kept, both modes alike")
+@pytest.mark.parametrize("mode", [[], ["--in-place"]], ids=["rewrite", "in-place"])
+def test_a_state_that_is_a_link_refits_its_target_and_stays_a_link(bucket, tmp_path, mode):
+    root, cks = bucket
+    real = tmp_path / "real.safetensors"
+    dcr("receive", root, "--receiver", "r", "--state", real, "--step", 1, check=0)
+    link = tmp_path / "link.safetensors"
+    os.symlink(real.name, link)
+    out = dcr("receive", root, "--receiver", "r", "--state", link, *mode, check=0)
+    assert "at step 3" in out.stdout
+    assert link.is_symlink() and os.readlink(link) == real.name
+    assert_bits_equal(load_file(real), cks[3])
+    out = dcr("receive", root, "--receiver", "r", "--state", real, check=0)
+    assert "already there" in out.stdout
+
+
+def test_special_files_are_refused_as_states_and_materialize_outputs(bucket, tmp_path):
+    root, _ = bucket
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    for args in (("materialize", root, "--out", fifo), ("receive", root, "--receiver", "r", "--state", fifo)):
+        out = dcr(*args, timeout=60, check=2)
+        assert "not a regular file" in out.stderr
+        assert fifo.exists() and not fifo.is_file()  # still the FIFO
+
+
+# -- 10. run identity -------------------------------------------------------------------------------
+
+
+@pytest.mark.faults(component="security", outcome="exit 5 naming the run; the state not written")
+def test_a_step_copied_from_another_run_with_the_same_key_is_refused(tmp_path):
+    env = {"DCR_SIGNING_KEY": KEY}
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    publish_chain(a, steps=2, env=env)
+    publish_chain(b, steps=1, env=env)
+    shutil.copytree(a / "bucket" / layout.step_dir(1), b / "bucket" / layout.step_dir(1))
+    state = tmp_path / "s.safetensors"
+    out = dcr("receive", b / "bucket", "--receiver", "r", "--state", state, env=env, check=5)
+    assert "copied from another run" in out.stderr and layout.commit_key(1) in out.stderr
+    assert not state.exists()
+
+
+@pytest.mark.faults(component="security", outcome="old markers readable; a run starts at the next publish; bit-exact")
+def test_a_root_written_before_runs_existed_stays_readable_and_gains_a_run(bucket, tmp_path):
+    """Markers without a run and no ``run.json`` (as older versions wrote them, signed): receivers
+    read them; the next publish starts a run from its step on; older markers stay valid."""
+    root, cks = bucket
+    env = {"DCR_SIGNING_KEY": KEY}
+    (root / layout.RUN).unlink()
+    for s in range(4):  # strip the run and sign again, as an older publisher would have
+        path = root / layout.commit_key(s)
+        m = dataclasses.replace(CommitMarker.from_json(path.read_bytes(), str(path), s), run=None)
+        path.write_bytes(dataclasses.replace(m, signature=sign(KEY.encode(), m.body())).to_json())
+        assert b'"run"' not in path.read_bytes()
+    state = tmp_path / "s.safetensors"
+    dcr("receive", root, "--receiver", "r", "--state", state, "--step", 2, env=env, check=0)
+    assert_bits_equal(load_file(state), cks[2])
+    nxt = {n: t.clone() for n, t in cks[3].items()}
+    nxt["b"] += 1
+    write_safetensors(tmp_path / "c4.safetensors", nxt)
+    dcr("publish", root, tmp_path / "c4.safetensors", "--step", 4, env=env, check=0)
+    run = json.loads((root / layout.RUN).read_bytes())
+    assert run["since_step"] == 4 and json.loads((root / layout.commit_key(4)).read_bytes())["run"] == run["run_id"]
+    dcr("receive", root, "--receiver", "r", "--state", state, env=env, check=0)
+    assert_bits_equal(load_file(state), nxt)
+    dcr("verify", root, env=env, check=0)
+
+
+# -- 11. malformed documents: one line, the right exit code -----------------------------------------
+
+
+@pytest.mark.parametrize("value", ["NaN", '"x"', "[1]", "1e999", "-5"])
+def test_a_malformed_marker_summary_fails_with_one_line_and_exit_5(bucket, tmp_path, value):
+    root, _ = bucket
+    path = root / layout.commit_key(3)
+    text = path.read_text()
+    stored = json.loads(text)["summary"]["bytes_stored"]
+    path.write_text(text.replace(f'"bytes_stored": {stored}', f'"bytes_stored": {value}'))
+    assert value in path.read_text()
+    for args in (("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors"), ("ls", root)):
+        out = dcr(*args, check=5)
+        assert "summary.bytes_stored" in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+
+
+def test_deeply_nested_json_fails_with_one_line_naming_the_object(bucket, tmp_path):
+    root, cks = bucket
+    (root / layout.commit_key(3)).write_text("[" * 200_000)
+    out = dcr("ls", root, check=5)
+    assert layout.commit_key(3) in out.stderr and "not valid JSON" in out.stderr
+    nested = tmp_path / "nested.safetensors"
+    header = b"[" * 200_000
+    nested.write_bytes(struct.pack("<Q", len(header)) + header)
+    out = dcr("publish", tmp_path / "other", nested, "--step", 0, check=2)
+    assert "nested.safetensors" in out.stderr and "not valid JSON" in out.stderr
+    state = tmp_path / "state.safetensors"
+    shutil.copy(nested, state)
+    out = dcr("receive", root, "--receiver", "r", "--state", state, "--step", 2, check=2)
+    assert str(state) in out.stderr and len(out.stderr.strip().splitlines()) == 1
