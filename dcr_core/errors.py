@@ -49,8 +49,14 @@ class StateMismatchError(IntegrityError):
     """A receiver's state is not the step it claims to be."""
 
 
-class UnsafeKeyError(IntegrityError, ValueError):
-    """A key taken from a manifest or commit marker points outside where it must lie."""
+class UntrustedError(IntegrityError):
+    """ROOT holds something no retry makes trustworthy: an unsigned or forged commit marker, a marker
+    of another run, a link or special file where an object belongs. Someone must look."""
+
+
+class UnsafeKeyError(UntrustedError, ValueError):
+    """A key taken from a manifest or commit marker points outside where it must lie, or a path
+    below ROOT is a link or special file."""
 
 
 class UsageError(DCRError, ValueError):

@@ -21,7 +21,7 @@ from collections import OrderedDict
 import blake3
 
 from dcr_core.chain import DELTA, StepInfo
-from dcr_core.errors import IntegrityError, StepNotFoundError
+from dcr_core.errors import IntegrityError, StepNotFoundError, UntrustedError
 from storage import layout, run, signing
 from storage.manifest import MAX_MANIFEST_BYTES, Manifest
 from storage.marker import MAX_MARKER_BYTES, CommitMarker
@@ -112,25 +112,25 @@ class Catalog:
         marker = CommitMarker.from_json(data, where, step)
         if self.key is not None:
             if marker.signature is None:
-                raise IntegrityError(f"{where}: commit marker is not signed, and a signing key is configured")
+                raise UntrustedError(f"{where}: commit marker is not signed, and a signing key is configured")
             if not signing.verify(self.key, marker.body(), marker.signature):
-                raise IntegrityError(f"{where}: commit marker signature does not match (tampered, or another key)")
+                raise UntrustedError(f"{where}: commit marker signature does not match (tampered, or another key)")
         self._check_run(marker, step, where)
         return marker
 
     def _check_run(self, marker: CommitMarker, step: int, where: str) -> None:
         the_run = self.root_run()
-        if the_run is not None and the_run.accepts(marker.run, step):
+        if the_run.accepts(marker.run, step) if the_run is not None else marker.run is None:
             return
-        the_run = self.root_run(fresh=True)  # a cached run of a ROOT since wiped and restarted?
+        the_run = self.root_run(fresh=True)  # the cached answer may be seconds old: read again
         if the_run is not None:
             the_run.check(marker.run, step, where)
         elif marker.run is not None:
-            raise IntegrityError(f"{where}: names run {marker.run}, but {self.root.url} has no run.json (deleted?)")
+            raise UntrustedError(f"{where}: names run {marker.run}, but {self.root.url} has no run.json (deleted?)")
 
     def root_run(self, fresh: bool = False) -> run.Run | None:
-        """The ROOT's run (a run once seen is remembered per process: ``run.json`` never changes
-        while its ROOT exists; ``fresh`` reads it again)."""
+        """The ROOT's run (``storage.run.read``: what this process read seconds ago may answer;
+        ``fresh`` reads it again)."""
         if self._run is False or fresh:
             self._run = run.read(self.root, cached=not fresh)
         return self._run

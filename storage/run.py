@@ -18,7 +18,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from dcr_core.errors import IntegrityError
+from dcr_core.errors import IntegrityError, UntrustedError
 from storage import layout
 from storage.fields import fail, parse_int, parse_run_id
 from storage.root import Root
@@ -40,31 +40,34 @@ class Run:
         if self.accepts(marker_run, step):
             return
         if marker_run is None:
-            raise IntegrityError(f"{where}: names no run, but run {self.run_id} covers step {step} (a marker from elsewhere?)")
-        raise IntegrityError(f"{where}: commit marker of run {marker_run}, but this ROOT holds run {self.run_id} "
+            raise UntrustedError(f"{where}: names no run, but run {self.run_id} covers step {step} (a marker from elsewhere?)")
+        raise UntrustedError(f"{where}: commit marker of run {marker_run}, but this ROOT holds run {self.run_id} "
                              "(a step copied from another run)")
 
 
-_seen: dict[str, Run] = {}  # ROOT url -> its run, as last read by this process
+CACHE_SECONDS = 10.0
+_seen: dict[str, tuple[float, Run | None]] = {}  # ROOT url -> (when read, its run) in this process
 
 
 def read(root: Root, cached: bool = False) -> Run | None:
-    """The ROOT's run, or None for a ROOT that has none yet. ``cached``: the run this process saw
-    last, if any (callers re-read when a marker disagrees with it)."""
-    if cached and root.url in _seen:
-        return _seen[root.url]
+    """The ROOT's run, or None for a ROOT that has none yet. ``cached``: what this process read in
+    the last ``CACHE_SECONDS`` may do (one GET per refit, not one per marker; callers read again
+    when a marker disagrees with it, and a ROOT wiped and restarted is seen within seconds)."""
+    hit = _seen.get(root.url)
+    if cached and hit is not None and time.monotonic() - hit[0] < CACHE_SECONDS:
+        return hit[1]
     where = f"{root.url}/{layout.RUN}"
     try:
         d = json.loads(root.read(layout.RUN, limit=MAX_RUN_BYTES))
     except FileNotFoundError:
-        _seen.pop(root.url, None)
+        _seen[root.url] = (time.monotonic(), None)
         return None
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise fail(where, f"not valid JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != FORMAT:
         raise fail(where, "not a DCR run document")
     run = Run(parse_run_id(d.get("run_id"), where), parse_int(d.get("since_step"), where, 0, layout.MAX_STEP))
-    _seen[root.url] = run
+    _seen[root.url] = (time.monotonic(), run)
     return run
 
 

@@ -27,6 +27,8 @@ def signing_key() -> bytes | None:
     A key that is set but empty or only whitespace is an error, never "signing off": an empty key
     file must not silently disable the checks (nor override a valid ``DCR_SIGNING_KEY``)."""
     path = os.environ.get(ENV_KEY_FILE)
+    if path is not None and not path.strip():
+        raise UsageError(f"{ENV_KEY_FILE} is set but empty; set it to the key file's path or unset it")
     if path is not None:
         try:
             with open(path, "rb") as f:

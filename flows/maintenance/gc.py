@@ -49,6 +49,7 @@ class GcPlan:
     leftover_steps: list[int] = field(default_factory=list)  # marker-less, below the latest: tidied
     leased: dict[int, list[str]] = field(default_factory=dict)  # kept: receivers are reading them
     refused: list[str] = field(default_factory=list)  # left alone: links, foreign names, unreadable markers
+    step_sizes: dict[int, list[int]] = field(default_factory=dict)  # doomed step -> [objects, bytes]
 
 
 @dataclass
@@ -61,22 +62,32 @@ class GcReport:
     spared: dict[int, list[str]] = field(default_factory=dict)  # planned, then leased before deletion
     # marker deleted, data kept: a receiver leased it before the marker went (a later gc deletes it)
     hidden: dict[int, list[str]] = field(default_factory=dict)
+    left_alone: list[str] = field(default_factory=list)  # found while deleting: links, special files
 
     @classmethod
     def from_dict(cls, d: dict) -> GcReport:
         """The report from its ``asdict`` form (what the Prefect flow returns)."""
         plan = dict(d["plan"])
         plan["leased"] = {int(k): v for k, v in plan.get("leased", {}).items()}
+        plan["step_sizes"] = {int(k): v for k, v in plan.get("step_sizes", {}).items()}
         return cls(d["dry_run"], GcPlan(**plan), list(d["deleted_steps"]), list(d["deleted_attempts"]),
                    {int(k): v for k, v in d.get("spared", {}).items()},
-                   {int(k): v for k, v in d.get("hidden", {}).items()})
+                   {int(k): v for k, v in d.get("hidden", {}).items()}, list(d.get("left_alone", [])))
 
 
-def registered_receivers(cat: Catalog, steps: list[int]) -> dict[str, int]:
-    """Each receiver id with the latest committed step it recorded."""
+def registered_receivers(cat: Catalog, steps: list[int], unreadable: dict[int, str] | None = None) -> dict[str, int]:
+    """Each receiver id with the latest committed step it recorded. A step whose records cannot be
+    listed (a link in place of ``receivers/``) goes into ``unreadable`` (else the error is raised)."""
     held: dict[str, int] = {}
     for s in steps:
-        for rid in cat.receivers(s):
+        try:
+            names = cat.receivers(s)
+        except UnsafeKeyError as e:
+            if unreadable is None:
+                raise
+            unreadable[s] = str(e)
+            continue
+        for rid in names:
             held[rid] = max(held.get(rid, -1), s)
     return held
 
@@ -98,16 +109,19 @@ def plan_gc(root: RootRef, options: GcOptions, now: float | None = None) -> GcPl
         listed.append(s)
     committed = [s for s in listed if markers[s] is not None]
     infos = {s: cat.step_info(s) for s in committed}
-    receivers = registered_receivers(cat, committed)
+    unreadable: dict[int, str] = {}
+    receivers = registered_receivers(cat, committed, unreadable)
+    refused += [f"{e}; step {s} kept" for s, e in sorted(unreadable.items())]
     # leases on marker-less steps too: a step whose marker gc deleted while a receiver was reading it
     leased = {s: who for s in listed if (who := _leases(root, s, now, refused))}
-    keep = steps_to_keep(infos, keep_last, receivers) | set(leased)
+    keep = steps_to_keep(infos, keep_last, receivers) | set(leased) | set(unreadable)
     doomed = steps_to_delete(committed, keep)
     plan = GcPlan(sorted(keep), doomed, [], receivers, leased=leased, refused=refused)
     for s in doomed:
-        for o in root.objects(layout.step_dir(s)):
-            plan.bytes_freed += o.size
-            plan.objects += 1
+        objs = root.objects(layout.step_dir(s))
+        plan.step_sizes[s] = [len(objs), sum(o.size for o in objs)]
+        plan.objects += len(objs)
+        plan.bytes_freed += sum(o.size for o in objs)
     latest = max(committed, default=None)
     for s in listed:
         if s in doomed or (markers[s] is None and s in leased):
@@ -170,7 +184,10 @@ def collect(root: RootRef, plan: GcPlan) -> GcReport:
         r.remove(prefix, recursive=True)
         report.deleted_attempts.append(prefix)
     for s in plan.leftover_steps:
-        _remove_leftover(r, s)
+        try:
+            _remove_leftover(r, s)
+        except UnsafeKeyError as e:  # a link below the leftover: left alone, reported
+            report.left_alone.append(str(e))
     return report
 
 
@@ -222,10 +239,14 @@ def format_report(report: GcReport) -> str:
     lines += [f"kept step {s} (leased by {', '.join(who)})" for s, who in sorted(p.leased.items())]
     lines += [f"spared step {s} (leased by {', '.join(who)} after the plan)" for s, who in sorted(report.spared.items())]
     lines += [f"uncommitted step {s}, its data kept while {', '.join(who)} finish reading it" for s, who in sorted(report.hidden.items())]
-    lines += [f"left alone: {r}" for r in p.refused]
+    lines += [f"left alone: {r}" for r in p.refused + report.left_alone]
+    objects, freed = p.objects, p.bytes_freed
+    for s in list(report.spared) + list(report.hidden):  # planned, not deleted
+        n, b = p.step_sizes.get(s, (0, 0))
+        objects, freed = objects - n, freed - b
     lines.append(
         f"gc{' (dry run)' if report.dry_run else ''}: {verb} {len(steps)} steps and "
-        f"{len(p.delete_attempts)} stale attempts, {p.objects} objects, {p.bytes_freed} bytes; "
+        f"{len(p.delete_attempts)} stale attempts, {objects} objects, {freed} bytes; "
         f"kept {len(p.keep)} steps" + (f" ({len(p.receivers)} receivers registered)" if p.receivers else "")
     )
     return "\n".join(lines)

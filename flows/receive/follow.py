@@ -5,8 +5,9 @@ applied. Each poll is one fresh listing of ``steps/`` plus reads of new markers;
 when a committed step newer than the receiver's state exists. A follower rides out what passes: an
 object store that is unreachable for a while, a step deleted under it by ``dcr gc``, a damaged
 object someone repairs; it says so on each retry and waits longer each time (up to a minute). It
-stops on what retrying cannot fix: bad arguments, and a state that is not what it claims or a ROOT
-rolled back behind it (``StateMismatchError``).
+stops on what retrying cannot fix: bad arguments, a state that is not what it claims or a ROOT
+rolled back behind it (``StateMismatchError``), and what must not be trusted (``UntrustedError``:
+an unsigned or forged marker, a marker of another run, a link or special file below ROOT).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
-from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError
+from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UntrustedError
 from flows.poll import poll
 from storage.catalog import Catalog
 from storage.local import state
@@ -25,8 +26,8 @@ MAX_BACKOFF = 60.0
 
 
 def worth_retrying(e: BaseException) -> bool:
-    if isinstance(e, StateMismatchError):
-        return False
+    if isinstance(e, (StateMismatchError, UntrustedError)):
+        return False  # a state that lies, a forged or foreign marker, a link: someone must look
     return isinstance(e, (IntegrityError, StepNotFoundError)) or is_transient(e)
 
 

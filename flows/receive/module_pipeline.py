@@ -51,13 +51,14 @@ def receive_into_module(
         try:
             for attempt in range(1, MAX_REPLANS + 1):
                 plan = tasks.plan_module_refit(ref, mod, step)
-                leased = tasks.take_leases(ref, receiver_id, plan, options.lease_seconds)
                 try:
+                    leased = tasks.take_leases(ref, receiver_id, plan, options.lease_seconds)
                     info = _refit(tasks, plan, mod, mirror, options, target)
                     break
                 except (StepVanishedError, IntegrityError) as e:
-                    tasks.release_leases(ref, receiver_id, leased)
-                    leased = []
+                    if leased:
+                        tasks.release_leases(ref, receiver_id, leased)
+                        leased = []
                     if attempt == MAX_REPLANS or not (isinstance(e, StepVanishedError) or state_file.vanished(plan)):
                         raise
                     log.warning("%s: a step of the refit was deleted meanwhile (gc); planning again",

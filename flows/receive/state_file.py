@@ -53,13 +53,17 @@ def take_leases(root: RootRef, receiver_id: str, plan: RefitPlan, ttl: float) ->
     gc that planned before the leases existed may have deleted one (``StepVanishedError``: plan again)."""
     r = open_root(root)
     steps = sorted(plan.steps)
-    r.exists(layout.receiver_key(plan.target_step, receiver_id))  # a record that cannot be written fails now, not after the refit
-    leases.take(r, receiver_id, steps, plan.target_step, ttl)
-    cat = Catalog(r)
-    for s in steps:
-        if cat.marker(s) is None:
-            leases.release(r, receiver_id, steps)
-            raise StepVanishedError(f"{r.url}: step {s} was deleted while this refit was planned (gc); planning again")
+    if r.backend.local:  # a link in place of receivers/ fails now, not after the refit (stores have no links)
+        r.exists(layout.receiver_key(plan.target_step, receiver_id))
+    try:
+        leases.take(r, receiver_id, steps, plan.target_step, ttl)
+        cat = Catalog(r)
+        for s in steps:
+            if cat.marker(s) is None:
+                raise StepVanishedError(f"{r.url}: step {s} was deleted while this refit was planned (gc); planning again")
+    except BaseException:  # nothing leased is left behind, whatever failed
+        leases.release(r, receiver_id, steps)
+        raise
     events.reached("receive.leased", steps=steps)
     return steps
 

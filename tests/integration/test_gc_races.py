@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+import torch
 
 from dcr_core import events
 from dcr_core.errors import StepNotFoundError
@@ -154,15 +155,20 @@ def test_a_lease_landing_between_gcs_last_look_and_the_marker_delete_keeps_the_d
     assert_bits_equal(read_state(state), cks[4])
 
 
-def test_a_step_deleted_between_plan_and_lease_is_planned_again(chain):
-    """The receiver plans a refit to the latest step through step 2, then gc deletes step 2 before
-    the lease lands: the receiver finds it gone, plans again (from the restart point) and lands
-    bit-exact; asked for step 2 itself, it says the step is gone (exit 4) and leaves its state."""
+def test_a_step_deleted_between_plan_and_lease_is_planned_again(chain, monkeypatch):
+    """The receiver plans a refit to step 2, then gc deletes step 2 before the lease lands: the check
+    after leasing finds it gone before anything is fetched, the receiver plans again, and says the
+    step is gone (exit 4), its state untouched."""
+    from flows.receive.pipeline import STATE_STEPS
+    from tests.support.steps import patch_step
+
     root, cks, state = chain
     # an anonymous state at 1 (not registered: gc keeps nothing for it)
     anon = state.replace("r.safetensors", "anon.safetensors")
     run_receive(root, "anon", anon, 1, record=False)
     before = open(anon, "rb").read()
+    staged = []
+    patch_step(monkeypatch, STATE_STEPS, "stage_refit", lambda real, *a, **k: staged.append(1) or real(*a, **k))
     gc_gate, rx_gate = Gate("gc", "gc.planned"), Gate("rx", "receive.planned")
     with events.listening(gc_gate), events.listening(rx_gate):
         gc, rx, _ = _gc_and_receive(root, anon, gc_gate, rx_gate, 2, receiver="a2")
@@ -173,6 +179,7 @@ def test_a_step_deleted_between_plan_and_lease_is_planned_again(chain):
         rx_gate.open()
         with pytest.raises(StepNotFoundError, match="step 2 is not committed"):
             rx.result(60)
+    assert staged == []  # stopped by the check after leasing, not by a missing chunk
     assert open(anon, "rb").read() == before
     res = run_receive(root, "a2", anon)
     assert res.step == 4
@@ -207,7 +214,7 @@ def test_a_step_deleted_mid_fetch_under_a_receiver_without_a_lease_is_planned_ag
 def test_a_follower_retries_what_may_pass_with_backoff_and_stops_on_a_state_that_lies(chain, monkeypatch):
     """``follow`` retries a failed refit (a step gone, a damaged object, a refused connection),
     saying so each time and waiting longer; a state that is not what it claims stops it."""
-    from dcr_core.errors import IntegrityError, StateMismatchError
+    from dcr_core.errors import IntegrityError, StateMismatchError, UntrustedError
     from flows.receive import follow as follow_mod
     from storage.root import RootRef
 
@@ -235,4 +242,55 @@ def test_a_follower_retries_what_may_pass_with_backoff_and_stops_on_a_state_that
                 options=PublishOptions(chunk_bytes=256, cache_dir=str(Path(state).parent / "cache")))
     with pytest.raises(StateMismatchError):
         list(follow_mod.follow(RootRef(root), state, lies, interval=0.01, warn=warned.append))
+
+    def forged(step):
+        raise UntrustedError("commit marker signature does not match")
+
+    with pytest.raises(UntrustedError):
+        list(follow_mod.follow(RootRef(root), state, forged, interval=0.01, warn=warned.append))
     assert len(warned) == 3
+
+
+def test_a_live_module_whose_plan_loses_steps_to_gc_plans_again(tmp_path, monkeypatch, caplog):
+    """A live module at step 1 (no receiver record protects it) plans deltas 2, 3, 4; gc deletes steps
+    0-2 right after the plan, before the lease: the module receiver plans again from the restart
+    point and lands bit-exact, like a dense load of step 4."""
+    import shutil
+
+    from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint
+    from flows import receive_into_module
+    from flows.receive.module_pipeline import MODULE_STEPS
+    from tests.support.steps import patch_step
+
+    cfg = LlamaConfig()
+    cks = [canonical_checkpoint(cfg, seed=0)]
+    for s in range(1, 5):
+        nxt = {n: t.clone() for n, t in cks[-1].items()}
+        for t in nxt.values():
+            if t.dtype == torch.bfloat16:
+                t.view(-1).view(torch.int16)[s::53] ^= 1
+        cks.append(nxt)
+    root = str(tmp_path / "bucket")
+    opts = PublishOptions(chunk_bytes=2048, cache_dir=str(tmp_path / "cache"), keyframe_policy=KeyframePolicy(every=3))
+    for s, ck in enumerate(cks):
+        run_publish(root, ck, s, options=opts)
+    mod = VllmLlama(cfg, 0, 1)
+    mirror = str(tmp_path / "mirror.safetensors")
+    receive_into_module(root, "m", mod, 1, state_path=mirror)
+    for s in range(5):  # forget the record: gc keeps nothing for this receiver
+        shutil.rmtree(Path(root) / layout.receivers_dir(s), ignore_errors=True)
+    deleted = []
+
+    def plan_then_gc(real, *args, **kwargs):
+        plan = real(*args, **kwargs)
+        if not deleted:
+            assert [m.step for m in plan.moves] == [2, 3, 4], plan.moves
+            deleted.extend(run_gc(root, KEEP_1).deleted_steps)
+        return plan
+
+    patch_step(monkeypatch, MODULE_STEPS, "plan_module_refit", plan_then_gc)
+    res = receive_into_module(root, "m", mod, state_path=mirror)
+    assert deleted == [0, 1, 2] and res["step"] == 4 and "planning again" in caplog.text
+    dense = VllmLlama(cfg, 0, 1)
+    dense.load_weights(list(cks[4].items()))
+    assert_bits_equal(dict(mod.state_dict()), dict(dense.state_dict()))

@@ -54,6 +54,7 @@ def test_quick_bench_writes_results(tmp_path):
         assert results["plots_skipped"]
 
 
+@pytest.mark.slow  # about 17 s: the quick bench above covers the command in the default run
 def test_bench_end_to_end_through_s3_at_two_link_caps(tmp_path):
     for mod in ("moto", "boto3", "s3fs", "flask"):
         if importlib.util.find_spec(mod) is None:

@@ -111,6 +111,19 @@ def test_gc_with_signing_on_leaves_a_linked_attempts_dir_of_an_unsigned_step_alo
     assert "symbolic link" in out.stdout
 
 
+@pytest.mark.faults(component="security", outcome="the step is kept and reported; the rest collected; the target untouched")
+def test_gc_keeps_a_step_whose_receiver_records_sit_behind_a_link(bucket, tmp_path):
+    root, cks = bucket
+    run_publish(root, cks[3], 4, keyframe=True, options=PublishOptions(cache_dir=str(tmp_path / "cache")))
+    victim = tmp_path / "victim"
+    before = _victim(victim)
+    os.symlink(victim, root / layout.receivers_dir(1))
+    out = dcr("gc", root, "--keep-last", 1, "--grace-seconds", 0, check=0)
+    assert tree_snapshot(victim) == before
+    assert "deleted step 0" in out.stdout and "deleted step 2" in out.stdout and "step 1 kept" in out.stdout, out.stdout
+    assert (root / layout.commit_key(1)).exists() and os.path.islink(root / layout.receivers_dir(1))
+
+
 @pytest.mark.faults(component="security", outcome="exit 5 before the state is written; the target outside ROOT untouched")
 def test_a_linked_receivers_dir_is_refused_before_the_state_is_touched(bucket, tmp_path):
     root, _ = bucket
