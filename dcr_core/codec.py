@@ -59,13 +59,18 @@ class CodecSpec:
             raise ValueError(f"blocksize must be 0..2^30, got {self.blocksize}")
 
     def to_dict(self) -> dict:
+        """The manifest's codec block: only the fields the codec uses."""
+        if self.name == "dcr-sparse":
+            return {"name": self.name, "clevel": self.clevel}
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict) -> CodecSpec:
+        name = str(d.get("name", "blosc"))  # manifests written before sparse deltas existed
+        if name == "dcr-sparse":  # older manifests also listed (unused) Blosc fields
+            return cls(name=name, clevel=int(d["clevel"]))
         return cls(
-            name=str(d.get("name", "blosc")),  # manifests written before sparse deltas existed
-            cname=str(d["cname"]), clevel=int(d["clevel"]), shuffle=str(d["shuffle"]),
+            name=name, cname=str(d["cname"]), clevel=int(d["clevel"]), shuffle=str(d["shuffle"]),
             blocksize=int(d.get("blocksize", 0)),
         )
 

@@ -6,8 +6,9 @@ shows each step's state, duration and (with result persistence on: Prefect's
 ``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``) its JSON result. Tasks take and return references
 (``flows.steps``), never tensors or open files; the flows' options are the typed models of
 ``flows.options`` (deployments pass them as mappings, validated by Prefect). Runs are named
-(``publish-step-12``, ``receive-rollout-0-to-latest``, ``gc-keep-5``), tagged (``dcr``, the kind of
-run, ``root:<ROOT>``, ``step:<N>``, ``receiver:<id>``) and leave a table artifact of what they did.
+(``publish-step-12``, ``receive-rollout-0-to-12``: renamed to the step it reached, ``gc-keep-5``), tagged (``dcr``, the kind of
+run, ``root:<ROOT>``, ``step:<N>``, ``receiver:<id>``) and leave a table artifact of what they did (one row per task with its seconds); a publish also
+leaves a markdown artifact linking the step's manifest and commit marker.
 
 Retries: none here. Transient request errors are retried by the storage layer's one owner per
 backend (``storage.retry``); everything else is DCR's verdict on the data, which a retry cannot
@@ -23,11 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from prefect import flow, get_run_logger, tags, task
-from prefect.artifacts import create_table_artifact
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.runtime import flow_run
 
+from dcr_core.errors import DCRError
 from flows.maintenance.gc import GcReport, run_gc
 from flows.options import GcOptions, PublishOptions, ReceiveOptions
 from flows.publish.pipeline import run_publish
@@ -35,6 +37,9 @@ from flows.receive.module_pipeline import receive_into_module
 from flows.receive.pipeline import run_receive
 from flows.results import PublishResult, as_dict
 from flows.steps import Step
+from storage import layout
+from storage.catalog import Catalog
+from storage.root import open_root
 
 
 @functools.cache
@@ -89,7 +94,7 @@ def publish_refit(
     _tag_run(*run_tags)
     with tags(*run_tags):
         result = run_publish(str(root), source, step, keyframe, storage_options, options, PrefectRunner(), attempt)
-    _report_publish(result)
+    _report_publish(str(root), storage_options, result)
     return asdict(result)
 
 
@@ -108,7 +113,7 @@ def receive_refit(
         else:
             result = receive_into_module(str(root), receiver_id, target, step, storage_options, options, state_path,
                                          PrefectRunner())
-    _report_receive(receiver_id, result)
+    _report_receive(str(root), storage_options, receiver_id, result)
     return result
 
 
@@ -123,28 +128,68 @@ def gc_refit(root: str | Path, options: GcOptions, storage_options: dict | None 
     return asdict(report)
 
 
-def _report_publish(r: PublishResult) -> None:
+def _rename_run(name: str) -> None:
+    """Name the current flow run after what it turned out to do (e.g. the step a receive reached)."""
+    with get_client(sync_client=True) as client:
+        client.update_flow_run(get_run_context().flow_run.id, name=name)
+
+
+def _ratio(stored, full) -> str:
+    return f"{stored / full:.4f}" if stored is not None and full else "-"
+
+
+def _report_publish(root: str, storage_options: dict | None, r: PublishResult) -> None:
     s = r.summary
+    seconds = sum(r.timings.values())
     get_run_logger().info(
-        "committed step %d (%s%s): %s/%s tensors changed, %.3f%% of elements, %d of %d bytes stored",
+        "committed step %d (%s%s): %s/%s tensors changed, %.3f%% of elements, %d of %d bytes stored (%s of full) in %.2f s",
         r.step, r.kind, "" if r.base_step is None else f" against step {r.base_step}", s.get("tensors_changed"),
         s.get("tensors"), 100 * s.get("change_rate", 0.0), s.get("bytes_stored", 0), s.get("bytes_full", 0),
+        _ratio(s.get("bytes_stored"), s.get("bytes_full")), seconds,
     )
     create_table_artifact(
         [{"step": r.step, "kind": r.kind, "base": r.base_step, "attempt": r.attempt,
           "tensors changed": f"{s.get('tensors_changed')}/{s.get('tensors')}",
           "change rate %": round(100 * s.get("change_rate", 0.0), 4), "bytes stored": s.get("bytes_stored"),
-          "bytes full": s.get("bytes_full"), "seconds": round(sum(r.timings.values()), 3)}],
-        key="dcr-publish", description=f"step {r.step} committed (policy {r.policy_digest[:16]})",
+          "bytes full": s.get("bytes_full"), "stored / full": _ratio(s.get("bytes_stored"), s.get("bytes_full")),
+          "seconds": round(seconds, 3)},
+         *({"step": f"task {name}", "seconds": round(t, 3)} for name, t in r.timings.items())],
+        key="dcr-publish", description=f"step {r.step} committed (policy {r.policy_digest[:16]}); one row per task below",
+    )
+    manifest = f"{root.rstrip('/')}/{layout.manifest_key(r.step, r.attempt)}"
+    marker = f"{root.rstrip('/')}/{layout.commit_key(r.step)}"
+    create_markdown_artifact(
+        f"# Step {r.step} ({r.kind})\n\n"
+        f"- manifest: [`{manifest}`]({_link(manifest)})\n- commit marker: [`{marker}`]({_link(marker)})\n"
+        f"- base step: {r.base_step if r.base_step is not None else '-'}; attempt `{r.attempt}`; "
+        f"policy digest `{r.policy_digest}`\n"
+        f"- inspect: `dcr show {root} --step {r.step}`\n",
+        key=f"dcr-step-{r.step}", description=f"where step {r.step} lives",
     )
 
 
-def _report_receive(receiver_id: str, r: dict) -> None:
+def _link(url: str) -> str:
+    """A clickable form of an object's URL (local paths as file://)."""
+    return url if "://" in url else Path(url).resolve().as_uri()
+
+
+def _report_receive(root: str, storage_options: dict | None, receiver_id: str, r: dict) -> None:
+    _rename_run(f"receive-{receiver_id}-to-{r['step']}")
+    try:
+        latest = Catalog(open_root(root, storage_options or {})).latest_committed()
+    except DCRError:  # the report is best effort: the receive itself is done and recorded
+        latest = None
+    lag = "-" if latest is None else max(0, latest - r["step"])
     moves = ", ".join(r["moves"]) or "already there"
-    get_run_logger().info("receiver %s at step %d (%s; pulled %d bytes)", receiver_id, r["step"], moves, r["bytes_pulled"])
+    pause = r.get("pause_seconds")
+    get_run_logger().info("receiver %s at step %d (%s; pulled %d bytes; %s steps behind the latest)",
+                          receiver_id, r["step"], moves, r["bytes_pulled"], lag)
     create_table_artifact(
-        [{"receiver": receiver_id, "from": r["from_step"], "to": r["step"], "moves": moves,
-          "bytes pulled": r["bytes_pulled"], "seconds": round(sum(r["timings"].values()), 3)}],
+        [{"receiver": receiver_id, "from": r["from_step"], "to": r["step"], "latest": latest, "lag (steps)": lag,
+          "moves": moves, "bytes pulled": r["bytes_pulled"],
+          "pause window s": "-" if pause is None else round(pause, 4),
+          "seconds": round(sum(r["timings"].values()), 3)},
+         *({"receiver": f"task {name}", "seconds": round(t, 3)} for name, t in r["timings"].items())],
         key=f"dcr-receive-{_slug(receiver_id)}", description=f"receiver {receiver_id} at step {r['step']}",
     )
 

@@ -5,8 +5,21 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+class _Record:
+    """Read like the flows' dicts too: ``result["step"]``, ``result.get("summary")``, ``dict(result)``."""
+
+    def __getitem__(self, key: str):
+        return asdict(self)[key]
+
+    def get(self, key: str, default=None):
+        return asdict(self).get(key, default)
+
+    def keys(self):
+        return asdict(self).keys()
+
+
 @dataclass
-class PublishResult:
+class PublishResult(_Record):
     step: int
     kind: str
     base_step: int | None
@@ -17,7 +30,7 @@ class PublishResult:
 
 
 @dataclass
-class ReceiveResult:
+class ReceiveResult(_Record):
     step: int
     from_step: int | None
     moves: list[str]

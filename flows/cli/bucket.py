@@ -6,23 +6,27 @@ from __future__ import annotations
 import sys
 from dataclasses import asdict
 
+from dcr_core.errors import IntegrityError, UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.cli.orchestrated import run_flow
 from flows.maintenance.audit import format_rows, list_steps, verify
 from flows.maintenance.gc import GcReport, format_report, run_gc
 from flows.options import GcOptions
+from storage.catalog import Catalog
 from storage.root import open_root
 
 
 def add_arguments(name: str, p) -> None:
     add_common(p, orchestrated=name == "gc")
     if name == "verify":
-        p.add_argument("--step", type=step_arg, default=None)
-        p.add_argument("--deep", action="store_true", help="also replay every delta and check tensor digests")
+        p.add_argument("--step", type=step_arg, default=None, metavar="N", help="verify only step N (default: every committed step)")
+        p.add_argument("--deep", action="store_true", help="also replay every delta from its restart point and check tensor digests")
     elif name == "gc":
         p.add_argument(
-            "--keep-last", type=int, required=True, metavar="K",
+            "--keep-last", type=int, default=None, metavar="K",
             help="keep the newest K committed steps (and the chains to rebuild them); registered receivers' "
-            "steps and the deltas they need are always kept",
+            "steps and the deltas they need are always kept (required, except with --dry-run, which then "
+            "keeps every committed step and shows only the attempts that would go)",
         )
         p.add_argument(
             "--grace-seconds", type=float, default=3600.0,
@@ -42,18 +46,24 @@ def run(name: str, args) -> int:
         for err in report.errors:
             print(f"dcr: verify: {err}", file=sys.stderr)
         status = "FAILED" if report.errors else "ok"
+        deep = f", {len(report.replayed)} deltas replayed from their restart points" if args.deep else ""
         say(
             args,
-            f"verify {status}: {len(report.steps)} steps, {report.chunks} chunks, {report.bytes} bytes checked"
+            f"verify {status}: {len(report.steps)} steps, {report.chunks} chunks, {report.bytes} bytes checked{deep}"
             + (f", {len(report.errors)} errors" if report.errors else ""),
             asdict(report),
         )
-        return 1 if report.errors else 0
-    options = GcOptions(keep_last=args.keep_last, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
+        return IntegrityError.exit_code if report.errors else 0
+    keep_last = args.keep_last
+    if keep_last is None:
+        if not args.dry_run:
+            raise UsageError("dcr gc needs --keep-last K (or --dry-run to see what would go)")
+        keep_last = max(1, len(Catalog(open_root(args.root, so)).committed_steps()))
+    options = GcOptions(keep_last=keep_last, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
     if use_prefect(args):
         from flows.prefect_flows import gc_refit  # noqa: PLC0415 - Prefect only when asked for
 
-        data = gc_refit(args.root, options, so)
+        data = run_flow(args, gc_refit, args.root, options, so)
         report = GcReport.from_dict(data)
     else:
         report = run_gc(args.root, options, so)

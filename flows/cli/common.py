@@ -18,8 +18,9 @@ def add_common(p: argparse.ArgumentParser, orchestrated: bool = False) -> None:
     )
     if orchestrated:
         p.add_argument(
-            "--orchestrator", choices=("auto", "prefect", "none"), default=os.environ.get("DCR_ORCHESTRATOR", "auto"),
-            help="run as Prefect flows or in-process (default auto: Prefect if PREFECT_API_URL is set)",
+            "--orchestrator", choices=("none", "prefect", "auto"), default=os.environ.get("DCR_ORCHESTRATOR") or "none",
+            help="run in-process (none, the default; or $DCR_ORCHESTRATOR) or as a Prefect flow run against "
+            "PREFECT_API_URL (prefect); auto: prefect when PREFECT_API_URL is set",
         )
     p.add_argument("--io-workers", type=int, default=8, help="parallel object reads/writes (default 8)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")

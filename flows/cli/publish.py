@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict
 
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.cli.orchestrated import run_flow
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish.dcp import dcp_sources
 from flows.publish.layout_file import is_layout_file, layout_sources
@@ -17,7 +19,8 @@ from storage.local.dcp_metadata import is_dcp_dir
 def add_arguments(name: str, p) -> None:
     add_common(p, orchestrated=True)
     p.add_argument("checkpoint", help="a .safetensors file, a sharded HF directory, a DCP directory or a layout file")
-    p.add_argument("--step", type=step_arg, required=True)
+    p.add_argument("--step", type=step_arg, required=True, metavar="N",
+                   help="the step to commit: greater than the latest committed step (usually the trainer's step)")
     p.add_argument("--keyframe", action="store_true", help="store a full snapshot and start a new lineage")
     p.add_argument(
         "--dcp-prefix", default=None, metavar="PREFIX",
@@ -63,13 +66,16 @@ def run(name: str, args) -> int:
     if use_prefect(args):
         from flows.prefect_flows import publish_refit  # noqa: PLC0415 - Prefect only when asked for
 
-        res = publish_refit(args.root, source, args.step, args.keyframe, so, options)
+        res = run_flow(args, publish_refit, args.root, source, args.step, args.keyframe, so, options)
     else:
         res = asdict(run_publish(args.root, source, args.step, args.keyframe, so, options))
     s = res["summary"]
     base = "" if res["base_step"] is None else f" against step {res['base_step']}"
     if res["kind"] == "keyframe" and s.get("keyframe_reason") not in (None, "requested", "first step"):
         base = f" by keyframe policy: {s['keyframe_reason']}"
+    if res["kind"] == "delta" and s.get("tensors_changed") == 0 and not args.quiet and not args.json:
+        print(f"dcr: publish: note: the checkpoint is bit-identical to step {res['base_step']}; step {res['step']} "
+              "changes nothing (receivers move to it without pulling a chunk)", file=sys.stderr)
     say(
         args,
         f"committed step {res['step']} ({res['kind']}{base}): {s['tensors_changed']}/{s['tensors']} tensors changed, "

@@ -6,6 +6,7 @@ import sys
 
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.cli.orchestrated import run_flow
 from flows.options import ReceiveOptions
 from flows.receive.follow import follow
 from flows.receive.pipeline import run_materialize, run_receive
@@ -16,13 +17,16 @@ from storage.root import RootRef
 def add_arguments(name: str, p) -> None:
     if name == "materialize":
         add_common(p)
-        p.add_argument("--step", type=step_arg, default=None, help="default: the latest committed step")
-        p.add_argument("--out", required=True)
+        p.add_argument("--step", type=step_arg, default=None, metavar="N", help="default: the latest committed step")
+        p.add_argument("--out", required=True, metavar="PATH", help="the .safetensors file to write")
         return
     add_common(p, orchestrated=True)
-    p.add_argument("--receiver", required=True)
-    p.add_argument("--state", required=True)
-    p.add_argument("--step", type=step_arg, default=None)
+    p.add_argument("--receiver", required=True, metavar="ID",
+                   help="this receiver's id (letters, digits, '.', '_', '-'): its record in ROOT and its leases")
+    p.add_argument("--state", required=True, metavar="PATH",
+                   help="the receiver's .safetensors state file (created from the nearest keyframe if absent)")
+    p.add_argument("--step", type=step_arg, default=None, metavar="N",
+                   help="the step to bring PATH to, forward or backward (default: the latest committed step)")
     p.add_argument("--follow", action="store_true", help="keep polling ROOT and apply every newly committed step")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
     p.add_argument("--until-step", type=step_arg, default=None, help="with --follow: exit once at this step or later")
@@ -46,7 +50,7 @@ def run(name: str, args) -> int:
         from flows.prefect_flows import receive_refit  # noqa: PLC0415 - Prefect only when asked for
 
         def receive(step):
-            return receive_refit(args.root, args.receiver, args.state, step, so, options)
+            return run_flow(args, receive_refit, args.root, args.receiver, args.state, step, so, options)
     else:
         def receive(step):
             return as_dict(run_receive(args.root, args.receiver, args.state, step, so, options))

@@ -60,14 +60,18 @@ def _human(n: int | None) -> str:
 
 
 def format_rows(rows: list[StepRow]) -> str:
-    header = f"{'STEP':>8}  {'KIND':<8}  {'BASE':>6}  {'COMMITTED':<9}  {'CHANGED':>9}  {'STORED':>10}  {'FULL':>10}  {'RATE':>8}  RECEIVERS"
+    committed_col = [
+        "yes" if r.committed else f"no ({r.attempts} attempt{'s' if r.attempts != 1 else ''})" for r in rows
+    ]
+    w = max([9, *map(len, committed_col)])  # the column fits its longest cell
+    header = (f"{'STEP':>8}  {'KIND':<8}  {'BASE':>6}  {'COMMITTED':<{w}}  {'CHANGED':>9}  {'STORED':>10}  "
+              f"{'FULL':>10}  {'RATE':>8}  RECEIVERS")
     lines = [header]
-    for r in rows:
+    for r, committed in zip(rows, committed_col, strict=True):
         changed = "-" if r.tensors_changed is None else f"{r.tensors_changed}/{r.tensors}"
         rate = "-" if r.change_rate is None else f"{100 * r.change_rate:.3f}%"
-        committed = "yes" if r.committed else f"no ({r.attempts} attempt{'s' if r.attempts != 1 else ''})"
         lines.append(
-            f"{r.step:>8}  {r.kind:<8}  {'-' if r.base_step is None else r.base_step:>6}  {committed:<9}  "
+            f"{r.step:>8}  {r.kind:<8}  {'-' if r.base_step is None else r.base_step:>6}  {committed:<{w}}  "
             f"{changed:>9}  {_human(r.bytes_stored):>10}  {_human(r.bytes_full):>10}  {rate:>8}  "
             f"{','.join(r.receivers) or '-'}"
             + (f"  (+ full snapshot {_human(r.snapshot_bytes)})" if r.snapshot_bytes is not None else "")
@@ -81,6 +85,8 @@ class VerifyReport:
     chunks: int = 0
     bytes: int = 0
     errors: list[str] = field(default_factory=list)
+    deep: bool = False
+    replayed: list[int] = field(default_factory=list)  # deltas replayed from their restart point (deep)
 
 
 def _replay(root: Root, plan: reader.RefitPlan, workers: int) -> None:
@@ -97,7 +103,7 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
     With ``deep``, every delta is replayed from its restart point and checked against its tensor
     digests. Streamed: memory is one tensor plus the read window, whatever the model's size."""
     cat = Catalog(root)
-    report = VerifyReport()
+    report = VerifyReport(deep=deep)
     steps = [step] if step is not None else cat.committed_steps()
     for s in steps:
         try:
@@ -118,6 +124,7 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
                 report.bytes += sum(e.stored_bytes for e in restart.values())
             if deep and m.kind == DELTA:
                 _replay(root, reader.plan_refit(root, None, s), workers)
+                report.replayed.append(s)
         except DCRError as e:
             report.errors.append(str(e))
         except Exception as e:  # noqa: BLE001 - an unreadable object is a verification failure too

@@ -205,16 +205,61 @@ def test_deployments_from_the_one_source_run_with_typed_options_through_a_served
         served.wait(30)
 
 
-def test_cli_runs_the_prefect_flows_when_asked(prefect_api, tmp_path):
+def test_cli_runs_the_prefect_flows_only_when_asked_and_keeps_its_output_contract(prefect_api, tmp_path):
+    """With PREFECT_API_URL set, a plain ``dcr`` call still runs in-process (no flow run is made); with
+    ``--orchestrator prefect`` it makes a named, tagged run with artifacts and a summary log line, and
+    the terminal shows only the command's lines: ``-q`` prints nothing, an error is one line."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags, LogFilter, LogFilterFlowRunId
+
     from tests.support.helpers import write_safetensors
 
-    ck = tmp_path / "c.safetensors"
-    write_safetensors(ck, TinyFused.checkpoint(2))
-    env = {**os.environ, "PREFECT_API_URL": prefect_api}
-    cmd = [sys.executable, "-m", "flows.cli"]
-    out = subprocess.run(
-        cmd + ["publish", str(tmp_path / "b"), str(ck), "--step", "0", "--orchestrator", "prefect"],
-        env=env, capture_output=True, text=True, cwd=REPO,
-    )
-    assert out.returncode == 0, out.stderr
-    assert "committed step 0" in out.stdout
+    ck0, ck1 = TinyFused.checkpoint(2), None
+    ck1 = _next(ck0, 1)
+    write_safetensors(tmp_path / "c0.safetensors", ck0)
+    write_safetensors(tmp_path / "c1.safetensors", ck1)
+    root = str(tmp_path / f"b-{uuid.uuid4().hex[:8]}")
+    env = {**os.environ, "PREFECT_API_URL": prefect_api, "DCR_CACHE_DIR": str(tmp_path / "cache")}
+    env.pop("DCR_ORCHESTRATOR", None)
+
+    def dcr(*args):
+        return subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], env=env, capture_output=True,
+                              text=True, cwd=REPO, timeout=300)
+
+    def runs():
+        with get_client(sync_client=True) as client:
+            return client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"root:{root}"])))
+
+    out = dcr("publish", root, tmp_path / "c0.safetensors", "--step", 0)  # in-process despite PREFECT_API_URL
+    assert out.returncode == 0 and out.stderr == "" and "committed step 0" in out.stdout, out
+    assert runs() == []
+    out = dcr("publish", root, tmp_path / "c1.safetensors", "--step", 1, "--orchestrator", "prefect", "-q")
+    assert (out.returncode, out.stdout, out.stderr) == (0, "", ""), out
+    out = dcr("publish", root, tmp_path / "c1.safetensors", "--step", 1, "--orchestrator", "prefect")
+    assert out.returncode == 3 and out.stdout == ""
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1] == f"dcr: error: {root}: step 1 is already committed", lines
+    assert len(lines) == 2 and lines[0].startswith("dcr: prefect: flow run 'publish-step-1' failed: http"), lines
+    out = dcr("publish", root, tmp_path / "c1.safetensors", "--step", 1, "--orchestrator", "prefect", "-q")
+    assert (out.returncode, out.stdout, out.stderr.strip()) == (3, "", f"dcr: error: {root}: step 1 is already committed")
+    out = dcr("receive", root, "--receiver", "rollout-0", "--state", tmp_path / "rx.safetensors", "--orchestrator", "prefect")
+    assert out.returncode == 0 and "receiver rollout-0 at step 1" in out.stdout, out
+    assert out.stderr.startswith("dcr: prefect: flow run 'receive-rollout-0-to-1' completed: http"), out.stderr
+
+    by_name = {r.name: r for r in runs()}
+    assert {"publish-step-1", "receive-rollout-0-to-1"} <= set(by_name), sorted(by_name)
+    pub = next(r for r in runs() if r.name == "publish-step-1" and r.state.is_completed())
+    rx = by_name["receive-rollout-0-to-1"]
+    assert {"dcr", "dcr-publish", f"root:{root}", "step:1"} <= set(pub.tags)
+    assert {"dcr", "dcr-receive", f"root:{root}", "receiver:rollout-0"} <= set(rx.tags)
+    with get_client(sync_client=True) as client:
+        arts = {a.key: a for a in client.read_artifacts() if a.flow_run_id in (pub.id, rx.id)}
+        table = json.loads(arts["dcr-publish"].data)
+        assert table[0]["step"] == 1 and table[0]["tensors changed"].endswith(f"/{len(ck0)}")
+        assert table[0]["stored / full"] != "-" and any(str(r["step"]).startswith("task ") for r in table[1:])
+        assert "manifest.json" in arts["dcr-step-1"].data and "commit.json" in arts["dcr-step-1"].data
+        rx_row = json.loads(arts["dcr-receive-rollout-0"].data)[0]
+        assert (rx_row["to"], rx_row["latest"], rx_row["lag (steps)"]) == (1, 1, 0)
+        assert rx_row["bytes pulled"] > 0
+        logs = [lg.message for lg in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[pub.id])))]
+    assert any(m.startswith("committed step 1 (delta against step 0)") for m in logs), logs

@@ -88,6 +88,15 @@ def test_codec_spec_reads_manifests_written_before_the_sparse_codec():
     assert CodecSpec.from_dict({"cname": "zstd", "clevel": 3, "shuffle": "shuffle"}).name == "blosc"
 
 
+def test_sparse_codec_block_lists_only_what_the_codec_uses():
+    spec = CodecSpec(name="dcr-sparse", clevel=2)
+    assert spec.to_dict() == {"name": "dcr-sparse", "clevel": 2}
+    assert CodecSpec.from_dict(spec.to_dict()) == spec
+    # manifests written before listed Blosc's fields too: they still read
+    old = {"name": "dcr-sparse", "cname": "zstd", "clevel": 2, "shuffle": "shuffle", "blocksize": 0}
+    assert CodecSpec.from_dict(old) == spec
+
+
 def test_stock_zarr_reads_sparse_delta_arrays_through_the_installed_entry_point(tmp_path):
     root = str(tmp_path / "bucket")
     g = torch.Generator().manual_seed(0)

@@ -1,0 +1,49 @@
+"""Running a flow for a ``dcr`` command under Prefect, with the command's own output contract.
+
+The CLI runs in-process unless asked (``--orchestrator prefect`` or ``DCR_ORCHESTRATOR=prefect``):
+a ``PREFECT_API_URL`` set for workers and the UI does not change what a ``dcr`` call prints, how it
+fails or how long it takes. When asked, the flow runs against the configured API, its logs and
+tracebacks go to the API (the UI shows them), and the terminal gets what the command always
+prints: its result line (nothing under ``-q``), one ``dcr: prefect: ...`` line naming the run, and
+on failure the one-line ``dcr: error: ...`` with the error's exit code.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+
+class _NotPrefect(logging.Filter):
+    """Drops Prefect's records (flow and task run lines, tracebacks) from the terminal."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.name.startswith("prefect")
+
+
+def mute_prefect_console() -> None:
+    """Keep Prefect's records off the terminal; they still reach the API (Prefect's ``api`` handler)."""
+    from prefect.logging.handlers import PrefectConsoleHandler  # noqa: PLC0415 - Prefect only when asked for
+
+    loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if isinstance(handler, PrefectConsoleHandler) and not any(isinstance(f, _NotPrefect) for f in handler.filters):
+                handler.addFilter(_NotPrefect())
+
+
+def run_flow(args, flow, *params):
+    """``flow(*params)`` as a Prefect flow run: its result, or its exception re-raised."""
+    from prefect.client.orchestration import get_client  # noqa: PLC0415
+    from prefect.settings import PREFECT_UI_URL  # noqa: PLC0415
+
+    mute_prefect_console()
+    state = flow(*params, return_state=True)
+    run_id = state.state_details.flow_run_id
+    if not args.quiet:
+        ui = PREFECT_UI_URL.value()
+        where = f"{ui.rstrip('/')}/runs/flow-run/{run_id}" if ui else str(run_id)
+        with get_client(sync_client=True) as client:
+            name = client.read_flow_run(run_id).name
+        print(f"dcr: prefect: flow run {name!r} {state.name.lower()}: {where}", file=sys.stderr, flush=True)
+    return state.result()
