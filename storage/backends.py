@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import fsspec
 
 from dcr_core.errors import UsageError
+from storage import access
 from storage.retry import NO_RETRY, RetryPolicy
 
 DEFAULT_POOL = 32  # connections per S3 filesystem: DCR moves many chunks in parallel (botocore: 10)
@@ -47,6 +48,7 @@ class Backend:
     fs: fsspec.AbstractFileSystem
     path: str  # the ROOT's path inside ``fs``, without a trailing slash
     retry: RetryPolicy  # NO_RETRY where another layer owns retries (see storage.retry)
+    endpoint: access.Endpoint | None = None  # cloud stores: where requests go, and which setting chose it
 
     @property
     def local(self) -> bool:
@@ -61,6 +63,15 @@ def open_backend(url: str, storage_options: dict) -> Backend:
     """Open ROOT ``url`` with DCR's defaults for its backend (``storage_options`` win)."""
     protocol = protocol_of(url)
     opts = dict(storage_options)
+    endpoint = None
+    if protocol in S3:
+        endpoint = access.s3_endpoint(opts)
+        access.probe(url, endpoint, "check the network, or set AWS_ENDPOINT_URL for an S3-compatible server"
+                     if endpoint.default else "is the server running? (infra/start-s3.sh starts one here)")
+    elif protocol in GCS:
+        endpoint = access.gcs_endpoint(opts)
+        access.probe(url, endpoint, "check the network, or set STORAGE_EMULATOR_HOST for an emulator"
+                     if endpoint.default else "is the server running? (infra/start-gcs.sh starts an emulator here)")
     try:
         if protocol in GCS:
             fs, path = _open_gcs(url, opts), None
@@ -81,7 +92,7 @@ def open_backend(url: str, storage_options: dict) -> Backend:
     if path is None:
         path = fs._strip_protocol(url)
     retry = RetryPolicy() if protocol in S3 else NO_RETRY
-    return Backend(protocol, fs, path.rstrip("/") or "/", retry)
+    return Backend(protocol, fs, path.rstrip("/") or "/", retry, endpoint)
 
 
 def _open_gcs(url: str, opts: dict):

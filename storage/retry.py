@@ -122,3 +122,6 @@ class RetryPolicy:
 
 
 NO_RETRY = RetryPolicy(attempts=1)
+
+# For the modules that explain a final failure (``storage.access``): the same view of an exception.
+chain, type_names, status_and_code = _chain, _type_names, _status_and_code

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import fsspec
 
 from dcr_core.errors import IntegrityError, UnsafeKeyError, UsageError
-from storage import backends, stats
+from storage import access, backends, stats
 from storage.local import objects as local_objects
 from storage.retry import RetryPolicy
 
@@ -146,6 +146,7 @@ class Root:
         self.backend = backends.open_backend(self.url, self.storage_options)
         self.fs, self.path, self.protocol = self.backend.fs, self.backend.path, self.backend.protocol
         self.retry = retry or self.backend.retry
+        self._bucket_seen = self.backend.endpoint is None  # cloud: checked on the first empty listing
 
     def __repr__(self) -> str:
         return f"Root({self.url!r})"
@@ -157,7 +158,19 @@ class Root:
             stats.count(self.url, retries=1)
             log.info("retrying %s %s/%s after %s: %s (attempt %d)", what, self.url, key, type(e).__name__, e, attempt)
 
-        return self.retry.call(fn, on_retry)
+        try:
+            return self.retry.call(fn, on_retry)
+        except Exception as e:
+            explained = access.explain(self.url, self.protocol, self.path, self.backend.endpoint, e)
+            if explained is None:
+                raise
+            raise explained from e
+
+    def _empty_listing(self) -> None:
+        """An empty listing of a cloud ROOT: make sure the bucket exists (once per Root)."""
+        if not self._bucket_seen:
+            access.check_bucket(self.url, self.fs, self.path, self.backend.endpoint)
+            self._bucket_seen = True
 
     def full(self, key: str) -> str:
         return posixpath.join(self.path, _check_rel(key))
@@ -236,7 +249,10 @@ class Root:
                 return []
             return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
 
-        return self._call("LIST", key, ls)
+        names = self._call("LIST", key, ls)
+        if not names:
+            self._empty_listing()
+        return names
 
     def objects(self, key: str) -> list[ObjectInfo]:
         """Every object under ``key`` (recursive; [] if none), with size and modification time."""
@@ -259,7 +275,10 @@ class Root:
             return sorted((ObjectInfo(rel(f), int(i.get("size") or 0), _mtime(i)) for f, i in found.items()),
                           key=lambda o: o.key)
 
-        return self._call("LIST", key, find)
+        found = self._call("LIST", key, find)
+        if not found:
+            self._empty_listing()
+        return found
 
     def remove(self, key: str, recursive: bool = False) -> None:
         path = self.full(key)

@@ -8,7 +8,6 @@ from dataclasses import asdict
 
 from dcr_core.errors import IntegrityError, UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
-from flows.cli.orchestrated import run_flow
 from flows.maintenance.audit import format_rows, list_steps, verify
 from flows.maintenance.gc import GcReport, format_report, run_gc
 from flows.options import GcOptions
@@ -61,9 +60,9 @@ def run(name: str, args) -> int:
         keep_last = max(1, len(Catalog(open_root(args.root, so)).committed_steps()))
     options = GcOptions(keep_last=keep_last, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
     if use_prefect(args):
-        from flows.prefect_flows import gc_refit  # noqa: PLC0415 - Prefect only when asked for
+        from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
 
-        data = run_flow(args, gc_refit, args.root, options, so)
+        data = run_flow(args, "gc_refit", args.root, options, so)
         report = GcReport.from_dict(data)
     else:
         report = run_gc(args.root, options, so)

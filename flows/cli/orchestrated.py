@@ -13,6 +13,12 @@ from __future__ import annotations
 import logging
 import sys
 
+from prefect.client.orchestration import get_client
+from prefect.logging.handlers import PrefectConsoleHandler
+from prefect.settings import PREFECT_UI_URL
+
+from flows import prefect_flows
+
 
 class _NotPrefect(logging.Filter):
     """Drops Prefect's records (flow and task run lines, tracebacks) from the terminal."""
@@ -23,8 +29,6 @@ class _NotPrefect(logging.Filter):
 
 def mute_prefect_console() -> None:
     """Keep Prefect's records off the terminal; they still reach the API (Prefect's ``api`` handler)."""
-    from prefect.logging.handlers import PrefectConsoleHandler  # noqa: PLC0415 - Prefect only when asked for
-
     loggers = [logging.getLogger(), *(logging.getLogger(n) for n in list(logging.root.manager.loggerDict))]
     for logger in loggers:
         for handler in getattr(logger, "handlers", []):
@@ -32,13 +36,11 @@ def mute_prefect_console() -> None:
                 handler.addFilter(_NotPrefect())
 
 
-def run_flow(args, flow, *params):
-    """``flow(*params)`` as a Prefect flow run: its result, or its exception re-raised."""
-    from prefect.client.orchestration import get_client  # noqa: PLC0415
-    from prefect.settings import PREFECT_UI_URL  # noqa: PLC0415
-
+def run_flow(args, name: str, *params):
+    """The flow ``flows.prefect_flows.<name>`` run with ``params`` as a Prefect flow run: its result,
+    or its exception re-raised."""
     mute_prefect_console()
-    state = flow(*params, return_state=True)
+    state = getattr(prefect_flows, name)(*params, return_state=True)
     run_id = state.state_details.flow_run_id
     if not args.quiet:
         ui = PREFECT_UI_URL.value()

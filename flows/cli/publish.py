@@ -8,7 +8,6 @@ from dataclasses import asdict
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
-from flows.cli.orchestrated import run_flow
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish.dcp import dcp_sources
 from flows.publish.layout_file import is_layout_file, layout_sources
@@ -64,9 +63,9 @@ def run(name: str, args) -> int:
     options = PublishOptions(**kw)
     source = _source(args)
     if use_prefect(args):
-        from flows.prefect_flows import publish_refit  # noqa: PLC0415 - Prefect only when asked for
+        from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
 
-        res = run_flow(args, publish_refit, args.root, source, args.step, args.keyframe, so, options)
+        res = run_flow(args, "publish_refit", args.root, source, args.step, args.keyframe, so, options)
     else:
         res = asdict(run_publish(args.root, source, args.step, args.keyframe, so, options))
     s = res["summary"]

@@ -6,7 +6,6 @@ import sys
 
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
-from flows.cli.orchestrated import run_flow
 from flows.options import ReceiveOptions
 from flows.receive.follow import follow
 from flows.receive.pipeline import run_materialize, run_receive
@@ -47,10 +46,10 @@ def run(name: str, args) -> int:
         return 0
     options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place, lease_seconds=args.lease_seconds)
     if use_prefect(args):
-        from flows.prefect_flows import receive_refit  # noqa: PLC0415 - Prefect only when asked for
+        from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
 
         def receive(step):
-            return run_flow(args, receive_refit, args.root, args.receiver, args.state, step, so, options)
+            return run_flow(args, "receive_refit", args.root, args.receiver, args.state, step, so, options)
     else:
         def receive(step):
             return as_dict(run_receive(args.root, args.receiver, args.state, step, so, options))

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UntrustedError
 from flows.poll import poll
+from storage.access import StoreUnreachableError
 from storage.catalog import Catalog
 from storage.local import state
 from storage.retry import is_transient
@@ -28,7 +29,8 @@ MAX_BACKOFF = 60.0
 def worth_retrying(e: BaseException) -> bool:
     if isinstance(e, (StateMismatchError, UntrustedError)):
         return False  # a state that lies, a forged or foreign marker, a link: someone must look
-    return isinstance(e, (IntegrityError, StepNotFoundError)) or is_transient(e)
+    # an endpoint down (or refusing access) after the storage layer's retries: it may come back
+    return isinstance(e, (IntegrityError, StepNotFoundError, StoreUnreachableError)) or is_transient(e)
 
 
 def follow(

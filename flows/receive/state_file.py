@@ -15,7 +15,7 @@ import os
 from dataclasses import dataclass
 
 from dcr_core import events
-from dcr_core.errors import StepVanishedError
+from dcr_core.errors import StateMismatchError, StepVanishedError
 from flows.options import ReceiveOptions
 from flows.receive import in_place
 from storage import layout, leases, reader
@@ -43,9 +43,29 @@ def plan_receive(root: RootRef, state_path: str, step: int | None, fresh: bool =
     """Plan bringing the state file (its claimed step; nothing with ``fresh``) to ``step``."""
     r = open_root(root)
     current = None if fresh else state.peek_step(state_path)
+    if not fresh:
+        check_origin(Catalog(r), state_path)
     plan = reader.plan_refit(r, current, step, where=state_path)
     events.reached("receive.planned", target=plan.target_step, moves=len(plan.moves))
     return plan
+
+
+def check_origin(cat: Catalog, state_path: str) -> None:
+    """Refuse, naming both, a state file written from another ROOT whose steps this ROOT does not hold
+    (the same weights under another URL, a mirror, pass)."""
+    origin = state.peek_origin(state_path)
+    if origin is None:
+        return
+    held, policy, origin_root = origin
+    if origin_root is None or origin_root == cat.root.url:
+        return  # this ROOT's own state: the held-state checks judge it
+    marker = cat.marker(held)
+    if marker is not None and marker.policy_digest == policy:
+        return
+    what = ("which has no committed step " + str(held)) if marker is None else (
+        f"whose step {held} holds other weights (policy digest {marker.policy_digest[:16]}, the file's {str(policy)[:16]})")
+    raise StateMismatchError(f"{state_path}: holds step {held} of {origin_root}, not of {cat.root.url}, {what}; "
+                             "move it away or give another --state")
 
 
 def take_leases(root: RootRef, receiver_id: str, plan: RefitPlan, ttl: float) -> list[int]:

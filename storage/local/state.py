@@ -59,6 +59,15 @@ def peek_step(path: str) -> int | None:
         return claimed_step(ck.metadata, path)
 
 
+def peek_origin(path: str) -> tuple[int, str | None, str | None] | None:
+    """(step, policy digest, ROOT URL) a state file's metadata records, or None when the file does not
+    exist or a cut-off in-place patch is pending (its roll back decides what it holds)."""
+    if not os.path.exists(path) or journal.read_from_step(path) is not None:
+        return None
+    with SafetensorsCheckpoint(path) as ck:
+        return claimed_step(ck.metadata, path), ck.metadata.get(POLICY), ck.metadata.get(ROOT)
+
+
 def check_path(path: str | os.PathLike) -> str:
     """The file a state (or ``dcr materialize --out``) path names. A symbolic link names its target:
     the target is refitted, rewritten or patched alike, and the link is kept. Anything but a regular

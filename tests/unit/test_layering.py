@@ -19,7 +19,7 @@ PACKAGES = ("dcr_core", "storage", "flows")
 LAZY_OK = {
     "gcsfs.core",  # storage.backends: only GCS ROOTs
     "torch.distributed.tensor", "torch.distributed.tensor._utils",  # flows.publish.shards: only FSDP2 (DTensor) callers
-    "flows.prefect_flows",  # flows.cli: Prefect only with --orchestrator prefect / PREFECT_API_URL
+    "flows.cli.orchestrated",  # flows.cli: Prefect only with --orchestrator prefect
     "ctypes",  # flows.cli: only on Linux
 }
 # Which top-level layers each layer may import (its own included).

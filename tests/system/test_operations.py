@@ -1,0 +1,151 @@
+"""``dcr`` as an operator meets it: cloud stores that are down or misconfigured, a state file from
+another ROOT, what ``verify``, ``gc --dry-run`` and ``ls`` say, a publish that changes nothing.
+Each case runs the real command in a fresh process and checks the one line it prints."""
+
+from __future__ import annotations
+
+import socket
+import time
+import uuid
+
+import pytest
+
+from flows import run_publish
+from flows.results import PublishResult
+from storage import layout
+from tests.support.cli import copy_tree, dcr, publish_chain
+from tests.support.helpers import write_safetensors
+
+
+@pytest.fixture(scope="module")
+def _made(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ops")
+    publish_chain(d, steps=3)
+    return d
+
+
+@pytest.fixture
+def made(_made, tmp_path):
+    return copy_tree(_made, tmp_path)
+
+
+def _dead_port() -> int:
+    with socket.socket() as s:  # bound, never listening: connections are refused
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _one_line(out, code: int, *parts: str) -> str:
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == code and len(lines) == 1, (out.returncode, out.stdout, out.stderr)
+    for part in parts:
+        assert part in lines[0], lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("scheme", ["s3", "gs"])
+def test_an_endpoint_that_is_down_fails_within_seconds_naming_it_and_the_setting(scheme, tmp_path):
+    url = f"http://127.0.0.1:{_dead_port()}"
+    var = "AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"
+    env = {var: url, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
+           "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
+    for args in (("ls", f"{scheme}://bucket/run"),
+                 ("receive", f"{scheme}://bucket/run", "--receiver", "r", "--state", tmp_path / "s.safetensors")):
+        t0 = time.monotonic()
+        out = dcr(*args, env=env)
+        took = time.monotonic() - t0
+        _one_line(out, 1, f"{scheme}://bucket/run: cannot reach {url} ({var})", "is the server running?")
+        assert took < 10, f"{args[0]} took {took:.1f} s to fail"  # the clients' own retry loops: 30-50 s
+    assert not (tmp_path / "s.safetensors").exists()
+
+
+@pytest.mark.backend
+def test_s3_without_credentials_or_bucket_says_what_to_set(s3_server, tmp_path):
+    ck = tmp_path / "c.safetensors"
+    write_safetensors(ck, {"w": __import__("torch").ones(3)})
+    missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
+    for args in (("ls", missing), ("publish", missing, ck, "--step", 0)):
+        _one_line(dcr(*args), 2, f"{missing}: bucket '{missing[5:].split('/')[0]}' does not exist at {s3_server} "
+                  "(AWS_ENDPOINT_URL)")
+    env = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
+           "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_EC2_METADATA_DISABLED": "true"}
+    out = dcr("ls", "s3://dcr-test/run", env=env)
+    _one_line(out, 2, "s3://dcr-test/run: no AWS credentials found; set AWS_ACCESS_KEY_ID")
+
+
+@pytest.mark.backend
+def test_gcs_bucket_that_does_not_exist_is_named(gcs_server):
+    missing = f"gs://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
+    _one_line(dcr("ls", missing), 2, f"bucket '{missing[5:].split('/')[0]}' does not exist at {gcs_server}")
+
+
+def test_a_state_file_of_another_root_is_refused_naming_both(made, tmp_path):
+    state = tmp_path / "s.safetensors"
+    dcr("receive", made / "bucket", "--receiver", "r", "--state", state, check=0)
+    before = state.read_bytes()
+    other = tmp_path / "other"
+    dcr("publish", other, made / "c1.safetensors", "--step", 0, check=0)  # other weights at step 0 only
+    out = dcr("receive", other, "--receiver", "r", "--state", state)
+    _one_line(out, 5, f"{state}: holds step 2 of {made / 'bucket'}, not of {other}, which has no committed step 2")
+    assert state.read_bytes() == before
+    dcr("publish", other, made / "c2.safetensors", "--step", 2, "--keyframe", check=0)  # the same weights: a mirror
+    assert "already there" in dcr("receive", other, "--receiver", "r", "--state", state, check=0).stdout
+    third = tmp_path / "third"
+    dcr("publish", third, made / "c0.safetensors", "--step", 2, check=0)  # step 2, other weights
+    _one_line(dcr("receive", third, "--receiver", "r", "--state", state), 5,
+              f"not of {third}, whose step 2 holds other weights")
+
+
+def test_verify_deep_says_what_it_replayed_and_integrity_errors_exit_5(made):
+    root = made / "bucket"
+    plain = dcr("verify", root, check=0).stdout
+    deep = dcr("verify", root, "--deep", check=0).stdout
+    assert "replayed" not in plain and "2 deltas replayed from their restart points" in deep, (plain, deep)
+    chunk = next(p for p in (root / layout.step_dir(1)).rglob("c/*/*") if p.is_file())
+    chunk.write_bytes(chunk.read_bytes()[:-1] + bytes([chunk.read_bytes()[-1] ^ 1]))
+    out = dcr("verify", root)
+    assert out.returncode == 5 and str(chunk.relative_to(root)) in out.stderr
+
+
+def test_gc_dry_run_needs_no_keep_last_and_a_real_gc_does(made):
+    root = made / "bucket"
+    out = dcr("gc", root, "--dry-run", check=0).stdout
+    assert out.startswith("gc (dry run): would delete 0 steps") and "kept 3 steps" in out, out
+    _one_line(dcr("gc", root), 2, "needs --keep-last K")
+
+
+def test_ls_keeps_its_columns_with_uncommitted_steps(made):
+    root = made / "bucket"
+    for step, attempts in ((5, 1), (6, 12)):
+        for i in range(attempts):
+            (root / layout.attempts_dir(step) / f"{i:032x}").mkdir(parents=True)
+    lines = dcr("ls", root, check=0).stdout.splitlines()
+    end = lines[0].index("CHANGED") + len("CHANGED")  # right-aligned columns end where their header does
+    for line in lines[1:]:
+        assert line[end - 1] != " " and line[end] == " ", (lines[0], line)
+    assert "no (12 attempts)" in lines[-1] and "no (1 attempt)" in lines[-2]
+
+
+def test_publishing_an_identical_checkpoint_says_so(made):
+    root = made / "bucket"
+    out = dcr("publish", root, made / "c2.safetensors", "--step", 3, check=0)
+    assert "0/3 tensors changed" in out.stdout
+    assert out.stderr.strip() == ("dcr: publish: note: the checkpoint is bit-identical to step 2; step 3 changes "
+                                  "nothing (receivers move to it without pulling a chunk)")
+    assert dcr("publish", root, made / "c2.safetensors", "--step", 4, "-q", check=0).stderr == ""
+
+
+def test_publish_results_read_the_same_from_the_flow_and_from_python(made):
+    res = run_publish(str(made / "bucket"), str(made / "c0.safetensors"), 9)
+    assert isinstance(res, PublishResult)
+    assert res["step"] == res.step == 9 and res.get("kind") == "delta" and "summary" in dict(res)
+
+
+def test_every_argument_has_help():
+    from flows.cli import COMMANDS, build_parser
+
+    for command in COMMANDS:
+        parser = build_parser(command)
+        sub = next(a for a in parser._actions if a.dest == "command").choices[command]
+        for action in sub._actions:
+            assert action.help, f"dcr {command}: {action.dest} has no help text"
