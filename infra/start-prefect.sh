@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
 # Start a local Prefect API server on 127.0.0.1 for development; prints the PREFECT_API_URL to export.
-# Usage: infra/start-prefect.sh [PORT]   (state under ${PREFECT_HOME:-.prefect})
+# Usage: infra/start-prefect.sh [PORT]   (state under ${PREFECT_HOME:-.prefect}; stop it: kill "$(cat .prefect/server.pid)")
+# Uses the project's Python (DCR_PYTHON, else .venv); exits non-zero, with the server's log, if it
+# does not come up. Telemetry is off: nothing is sent anywhere.
 set -euo pipefail
+source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
 PORT="${1:-4200}"
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 mkdir -p "$PREFECT_HOME"
-prefect server start --host 127.0.0.1 --port "$PORT" >"$PREFECT_HOME/server.log" 2>&1 &
-echo $! >"$PREFECT_HOME/server.pid"
-for _ in $(seq 1 90); do
-  if curl -sf "http://127.0.0.1:$PORT/api/health" >/dev/null; then
-    echo "export PREFECT_API_URL=http://127.0.0.1:$PORT/api"
-    exit 0
-  fi
-  sleep 1
-done
-echo "prefect server did not become healthy; see $PREFECT_HOME/server.log" >&2
-exit 1
+PY="$(find_python prefect)"
+port_free "$PY" "$PORT"
+LOG="$PREFECT_HOME/server.log"
+"$PY" -m prefect server start --host 127.0.0.1 --port "$PORT" >"$LOG" 2>&1 &
+PID=$!
+echo "$PID" >"$PREFECT_HOME/server.pid"
+wait_healthy "$PY" "$PID" "http://127.0.0.1:$PORT/api/health" "$LOG" 90
+echo "export PREFECT_API_URL=http://127.0.0.1:$PORT/api"
