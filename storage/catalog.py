@@ -14,6 +14,7 @@ content-addressed, so a cached manifest is exactly the bytes the marker binds.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -21,13 +22,18 @@ from collections import OrderedDict
 import blake3
 
 from dcr_core.chain import DELTA, StepInfo
-from dcr_core.errors import IntegrityError, StepNotFoundError, UntrustedError
+from dcr_core.errors import IntegrityError, StepNotFoundError, UntrustedError, UsageError
 from storage import layout, run, signing
 from storage.manifest import MAX_MANIFEST_BYTES, Manifest
 from storage.marker import MAX_MARKER_BYTES, CommitMarker
 from storage.root import Root
 
+log = logging.getLogger("dcr.catalog")
+
 MANIFEST_CACHE_SIZE = 64
+
+
+MAX_RECORD_BYTES = 64 << 10  # a receiver record or position: a few hundred bytes
 
 
 def utc_now() -> str:
@@ -198,6 +204,49 @@ class Catalog:
         return [n[: -len(".json")] for n in self.root.listdir(layout.receivers_dir(step)) if n.endswith(".json")]
 
     def record_receiver(self, step: int, receiver_id: str, record: dict) -> None:
-        record = {"committed_at": utc_now(), **record}
-        data = json.dumps({"receiver": receiver_id, "step": step, **record}, indent=1).encode() + b"\n"
+        """The receiver's commit of ``step`` (``steps/N/receivers/<id>.json``: its history, one record per
+        step it reached, kept as long as the step) and where it is now (``receivers/<id>.json``)."""
+        record = {"receiver": receiver_id, "step": step, "committed_at": utc_now(), **record}
+        data = json.dumps(record, indent=1).encode() + b"\n"
         self.root.write(layout.receiver_key(step, receiver_id), data)
+        self.root.write(layout.position_key(receiver_id), data)
+
+    def _record(self, key: str) -> dict | None:
+        try:
+            doc = json.loads(self.root.read(key, limit=MAX_RECORD_BYTES))
+        except FileNotFoundError:
+            return None
+        except (ValueError, IntegrityError) as e:  # a record is what receivers say of themselves: shown, not trusted
+            log.warning("%s/%s: unreadable receiver record (%s)", self.root.url, key, e)
+            return None
+        if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
+            log.warning("%s/%s: not a receiver record", self.root.url, key)
+            return None
+        return doc
+
+    def receiver_record(self, step: int, receiver_id: str) -> dict | None:
+        return self._record(layout.receiver_key(step, receiver_id))
+
+    def position(self, receiver_id: str) -> dict | None:
+        """Where ``receiver_id`` is now: its latest record (None if it never recorded one here)."""
+        return self._record(layout.position_key(receiver_id))
+
+    def positions(self, recorded: dict[int, list[str]] | None = None) -> dict[str, dict]:
+        """Every receiver's latest record. Receivers that recorded commits before positions existed
+        are placed at the highest step they recorded (``recorded``: step -> receivers, if listed already)."""
+        out = {}
+        for name in self.root.listdir(layout.POSITIONS_DIR):
+            rid = name.removesuffix(".json")
+            try:
+                doc = self.position(layout.check_receiver(rid)) if name.endswith(".json") else None
+            except UsageError:
+                doc = None  # not a receiver's file: nothing DCR wrote
+            if doc is not None:
+                out[rid] = doc
+        if recorded is None:
+            recorded = {step: self.receivers(step) for step in self.listed_steps()}
+        for step in sorted(recorded, reverse=True):
+            for rid in recorded[step]:
+                if rid not in out:
+                    out[rid] = self.receiver_record(step, rid) or {"receiver": rid, "step": step}
+        return out

@@ -155,6 +155,13 @@ def receiver_key(step: int, receiver_id: str) -> str:
     return f"{receivers_dir(step)}/{check_receiver(receiver_id)}.json"
 
 
+POSITIONS_DIR = "receivers"  # receivers/<id>.json: where each receiver is now
+
+
+def position_key(receiver_id: str) -> str:
+    return f"{POSITIONS_DIR}/{check_receiver(receiver_id)}.json"
+
+
 def array_segment(name: str) -> str:
     """The Zarr array name for a tensor: the tensor name, percent-escaped outside [A-Za-z0-9._-]."""
     out = []

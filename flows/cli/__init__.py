@@ -27,6 +27,8 @@ COMMANDS = {
     "materialize": ("flows.cli.receive", "write the full checkpoint of step N"),
     "ls": ("flows.cli.bucket", "one row per step"),
     "verify": ("flows.cli.bucket", "re-read stored payloads and check their digests"),
+    "show": ("flows.cli.bucket", "one step, tensor by tensor: encoding, changed elements, bytes, chunks, digests"),
+    "status": ("flows.cli.bucket", "where each receiver is, its lag behind the latest step, and how it got there"),
     "gc": ("flows.cli.bucket", "delete steps and attempts that retention no longer needs"),
     "serve": ("flows.cli.serve", "serve the Prefect deployments of infra/prefect.yaml from this process"),
 }

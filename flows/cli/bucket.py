@@ -1,5 +1,5 @@
-"""The commands that only read (or tidy) the bucket: ``dcr ls``, ``dcr verify``, ``dcr gc``.
-None of them imports torch."""
+"""The commands that only read (or tidy) the bucket: ``dcr ls``, ``dcr show``, ``dcr status``,
+``dcr verify``, ``dcr gc``. None of them imports torch."""
 
 from __future__ import annotations
 
@@ -10,14 +10,22 @@ from dcr_core.errors import IntegrityError, UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
 from flows.maintenance.audit import format_rows, list_steps, verify
 from flows.maintenance.gc import GcReport, format_report, run_gc
+from flows.maintenance.inspect import format_history, format_status, format_step, receiver_history, receiver_status, show_step
 from flows.options import GcOptions
+from storage import layout
 from storage.catalog import Catalog
 from storage.root import open_root
 
 
 def add_arguments(name: str, p) -> None:
     add_common(p, orchestrated=name == "gc")
-    if name == "verify":
+    if name == "show":
+        p.add_argument("--step", type=step_arg, required=True, metavar="N", help="the committed step to show")
+        p.add_argument("--digests", action="store_true", help="also print each tensor's digest")
+    elif name == "status":
+        p.add_argument("--receiver", default=None, metavar="ID",
+                       help="show this receiver's history instead: every refit it recorded on steps ROOT still holds")
+    elif name == "verify":
         p.add_argument("--step", type=step_arg, default=None, metavar="N", help="verify only step N (default: every committed step)")
         p.add_argument("--deep", action="store_true", help="also replay every delta from its restart point and check tensor digests")
     elif name == "gc":
@@ -39,6 +47,19 @@ def run(name: str, args) -> int:
     if name == "ls":
         rows = list_steps(open_root(args.root, so))
         say(args, format_rows(rows), [asdict(r) for r in rows])
+        return 0
+    if name == "show":
+        view = show_step(open_root(args.root, so), args.step)
+        say(args, format_step(view, args.digests), asdict(view))
+        return 0
+    if name == "status":
+        root = open_root(args.root, so)
+        if args.receiver is not None:
+            records = receiver_history(root, layout.check_receiver(args.receiver))
+            say(args, format_history(args.receiver, records), records)
+            return 0
+        latest, rows = receiver_status(root)
+        say(args, format_status(latest, rows), {"latest": latest, "receivers": [asdict(r) for r in rows]})
         return 0
     if name == "verify":
         report = verify(open_root(args.root, so), args.step, deep=args.deep, workers=args.io_workers)

@@ -23,15 +23,18 @@ class StepRow:
     bytes_stored: int | None = None
     bytes_full: int | None = None
     change_rate: float | None = None
-    receivers: list[str] = field(default_factory=list)
+    receivers: list[str] = field(default_factory=list)  # every receiver that committed the step
     attempts: int = 0
     snapshot_bytes: int | None = None  # a delta that also stores a full copy (a restart point)
+    receivers_now: list[str] = field(default_factory=list)  # those of them still at this step
 
 
 def list_steps(root: Root) -> list[StepRow]:
     cat = Catalog(root)
+    recorded = {step: cat.receivers(step) for step in cat.listed_steps()}
+    where = {rid: rec["step"] for rid, rec in cat.positions(recorded).items()}
     rows = []
-    for step in cat.listed_steps():
+    for step in recorded:
         marker = cat.marker(step)
         attempts = len(root.listdir(layout.attempts_dir(step)))
         if marker is None:
@@ -43,13 +46,15 @@ def list_steps(root: Root) -> list[StepRow]:
                 step, True, marker.kind, marker.base_step,
                 s.get("tensors_changed"), s.get("tensors"), s.get("bytes_stored"), s.get("bytes_full"),
                 s.get("change_rate") if marker.kind == DELTA else None,
-                cat.receivers(step), attempts, s.get("snapshot_bytes"),
+                recorded[step], attempts, s.get("snapshot_bytes"),
             )
         )
+        rows[-1].receivers_now = [r for r in rows[-1].receivers if where.get(r) == step]
     return rows
 
 
-def _human(n: int | None) -> str:
+def human_bytes(n: int | None) -> str:
+    """``n`` bytes for people: 512 B, 3.1 MiB (``-`` for None)."""
     if n is None:
         return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -72,11 +77,18 @@ def format_rows(rows: list[StepRow]) -> str:
         rate = "-" if r.change_rate is None else f"{100 * r.change_rate:.3f}%"
         lines.append(
             f"{r.step:>8}  {r.kind:<8}  {'-' if r.base_step is None else r.base_step:>6}  {committed:<{w}}  "
-            f"{changed:>9}  {_human(r.bytes_stored):>10}  {_human(r.bytes_full):>10}  {rate:>8}  "
-            f"{','.join(r.receivers) or '-'}"
-            + (f"  (+ full snapshot {_human(r.snapshot_bytes)})" if r.snapshot_bytes is not None else "")
+            f"{changed:>9}  {human_bytes(r.bytes_stored):>10}  {human_bytes(r.bytes_full):>10}  {rate:>8}  "
+            f"{_receivers(r)}"
+            + (f"  (+ full snapshot {human_bytes(r.snapshot_bytes)})" if r.snapshot_bytes is not None else "")
         )
     return "\n".join(lines)
+
+
+def _receivers(r: StepRow) -> str:
+    """Receivers at the step now, then those that committed it and moved on."""
+    moved = [x for x in r.receivers if x not in r.receivers_now]
+    return (",".join(r.receivers_now) + (" " if r.receivers_now and moved else "")
+            + (f"(moved on: {','.join(moved)})" if moved else "")) or "-"
 
 
 @dataclass

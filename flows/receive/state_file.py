@@ -70,7 +70,11 @@ def check_origin(cat: Catalog, state_path: str) -> None:
 
 def take_leases(root: RootRef, receiver_id: str, plan: RefitPlan, ttl: float) -> list[int]:
     """Lease every step the plan reads (``storage.leases``), then check each is still committed: a
-    gc that planned before the leases existed may have deleted one (``StepVanishedError``: plan again)."""
+    gc that planned before the leases existed may have deleted one (``StepVanishedError``: plan again).
+    A plan with no move reads no stored chunk (the held state is checked against a manifest already
+    read): it leases nothing, so a receiver polling an idle ROOT writes nothing."""
+    if not plan.moves:
+        return []
     r = open_root(root)
     steps = sorted(plan.steps)
     if r.backend.local:  # a link in place of receivers/ fails now, not after the refit (stores have no links)
@@ -189,9 +193,21 @@ def verify_held_state(plan: RefitPlan, state_path: str) -> None:
         ck.close()
 
 
-def record_receiver_commit(root: RootRef, receiver_id: str, step: int, record: dict) -> None:
-    Catalog(open_root(root)).record_receiver(step, receiver_id, {"committed_at": utc_now(), **record})
+def record_receiver_commit(root: RootRef, receiver_id: str, step: int, record: dict) -> bool:
+    """Record the receiver's commit of ``step`` and its position; True if written. A refit that
+    moved nothing writes nothing when the receiver's position already says this step (a scheduled
+    receiver polling an idle ROOT costs one GET, not a PUT, and keeps what its last refit did)."""
+    cat = Catalog(open_root(root))
+    written = False
+    if record.get("moves") or not _already_recorded(cat.position(receiver_id), step, record.get("policy_digest")):
+        cat.record_receiver(step, receiver_id, {"committed_at": utc_now(), **record})
+        written = True
     events.reached("receive.recorded", step=step, receiver=receiver_id)
+    return written
+
+
+def _already_recorded(position: dict | None, step: int, policy: str | None) -> bool:
+    return position is not None and position.get("step") == step and position.get("policy_digest") == policy
 
 
 def check_path(path) -> str:

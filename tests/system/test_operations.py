@@ -4,6 +4,7 @@ Each case runs the real command in a fresh process and checks the one line it pr
 
 from __future__ import annotations
 
+import json
 import socket
 import time
 import uuid
@@ -149,3 +150,48 @@ def test_every_argument_has_help():
         sub = next(a for a in parser._actions if a.dest == "command").choices[command]
         for action in sub._actions:
             assert action.help, f"dcr {command}: {action.dest} has no help text"
+
+
+def test_receiver_positions_history_and_idle_polls_that_write_nothing(made, tmp_path):
+    from tests.support.helpers import tree_snapshot
+
+    root = made / "bucket"
+    r0, r1 = tmp_path / "r0.safetensors", tmp_path / "r1.safetensors"
+    dcr("receive", root, "--receiver", "r0", "--state", r0, "--step", 0, check=0)
+    dcr("receive", root, "--receiver", "r0", "--state", r0, "--step", 2, check=0)
+    dcr("receive", root, "--receiver", "r1", "--state", r1, "--step", 1, check=0)
+    before = tree_snapshot(root)
+    for _ in range(2):  # idle polls: nothing to do, nothing written (no record, no lease)
+        assert "already there" in dcr("receive", root, "--receiver", "r0", "--state", r0, check=0).stdout
+    assert tree_snapshot(root) == before
+
+    rows = {line.split()[0]: line for line in dcr("ls", root, check=0).stdout.splitlines()[1:]}
+    assert rows["0"].endswith("(moved on: r0)") and rows["1"].endswith("  r1") and rows["2"].endswith("  r0"), rows
+    status = dcr("status", root, check=0).stdout.splitlines()
+    assert status[0] == "latest committed step: 2"
+    lines = {line.split()[0]: line for line in status[2:]}
+    assert lines["r0"].split()[1:4] == ["2", "0", "0"] and lines["r0"].endswith("forward:1, forward:2"), lines
+    assert lines["r1"].split()[1:3] == ["1", "1"], lines  # one committed step behind
+    recs = json.loads(dcr("status", root, "--receiver", "r0", "--json", check=0).stdout)
+    assert [(r["from_step"], r["step"]) for r in recs] == [(None, 0), (0, 2)]
+    assert recs[1]["moves"] == ["forward:1", "forward:2"] and recs[1]["bytes_pulled"] > 0
+
+    dcr("publish", root, made / "c0.safetensors", "--step", 3, check=0)  # a rollback publish: lag 1 now
+    lag = {line.split()[0]: line.split()[2] for line in dcr("status", root, check=0).stdout.splitlines()[2:]}
+    assert lag == {"r0": "1", "r1": "2"}
+
+
+def test_show_lists_every_tensor_of_a_step(made):
+    root = made / "bucket"
+    out = dcr("show", root, "--step", 1, "--digests", check=0).stdout
+    assert out.startswith("step 1: delta against step 0")
+    table = out.split("\n\n")[1].splitlines()
+    assert table[0].split()[:4] == ["TENSOR", "DTYPE", "SHAPE", "ENCODING"] and table[0].endswith("DIGEST")
+    names = {line.split()[0] for line in table[1:]}
+    assert names == {"w", "b", "step"}
+    view = json.loads(dcr("show", root, "--step", 1, "--json", check=0).stdout)
+    manifest = json.loads(next((root / layout.attempts_dir(1)).rglob("manifest.json")).read_text())
+    for t in view["tensors"]:
+        m = manifest["tensors"][t["name"]]
+        assert (t["digest"], t["encoding"], t["changed"]) == (m["digest"], m["encoding"], m["changed_elements"])
+    _one_line(dcr("show", root, "--step", 9), 4, "not committed")

@@ -1,0 +1,166 @@
+"""``dcr show ROOT --step N`` and ``dcr status ROOT``: one step tensor by tensor, and where each
+receiver is and how it got there. Read-only; no torch."""
+
+from __future__ import annotations
+
+import calendar
+import time
+from dataclasses import dataclass, field
+
+from flows.maintenance.audit import human_bytes
+from storage.catalog import Catalog
+from storage.root import Root
+
+
+@dataclass
+class TensorRow:
+    name: str
+    dtype: str
+    shape: list[int]
+    encoding: str
+    changed: int
+    elements: int
+    bytes_full: int
+    bytes_stored: int
+    chunks_stored: int
+    chunks: int
+    digest: str
+    base_digest: str | None
+
+
+@dataclass
+class StepView:
+    step: int
+    kind: str
+    base_step: int | None
+    attempt: str
+    policy_digest: str
+    committed_at: str
+    codec: dict
+    summary: dict
+    tensors: list[TensorRow] = field(default_factory=list)
+    snapshot_bytes: int | None = None
+    receivers: list[str] = field(default_factory=list)
+
+
+def show_step(root: Root, step: int) -> StepView:
+    cat = Catalog(root)
+    marker = cat.require_marker(step)
+    m = cat.manifest(step)
+    rows = [
+        TensorRow(e.name, e.dtype, list(e.shape), e.encoding.value, e.changed, e.numel, e.nbytes, e.stored_bytes,
+                  e.n_stored, e.grid.n_chunks, e.digest, e.base_digest)
+        for e in m.tensors.values()
+    ]
+    snapshot = sum(e.stored_bytes for e in m.snapshot.values()) if m.snapshot else None
+    return StepView(step, m.kind, m.base_step, marker.attempt, m.policy_digest, marker.committed_at, m.codec.to_dict(),
+                    dict(marker.summary), rows, snapshot, cat.receivers(step))
+
+
+def format_step(v: StepView, digests: bool = False) -> str:
+    s = v.summary
+    base = "" if v.base_step is None else f" against step {v.base_step}"
+    lines = [
+        f"step {v.step}: {v.kind}{base}, committed {v.committed_at}, attempt {v.attempt}",
+        f"policy digest {v.policy_digest}; codec {v.codec}",
+        f"{s.get('tensors_changed')}/{s.get('tensors')} tensors changed, {s.get('elements_changed', '-')} of "
+        f"{s.get('elements', '-')} elements; stored {human_bytes(s.get('bytes_stored'))} of "
+        f"{human_bytes(s.get('bytes_full'))}"
+        + (f" (+ full snapshot {human_bytes(v.snapshot_bytes)}: a restart point)" if v.snapshot_bytes is not None else ""),
+        "",
+    ]
+    w = max([6, *(len(t.name) for t in v.tensors)])
+    header = (f"{'TENSOR':<{w}}  {'DTYPE':<8}  {'SHAPE':<16}  {'ENCODING':<10}  {'CHANGED':>12}  {'RATE':>8}  "
+              f"{'STORED':>10}  {'FULL':>10}  {'CHUNKS':>9}")
+    lines.append(header + ("  DIGEST" if digests else ""))
+    for t in v.tensors:
+        rate = f"{100 * t.changed / t.elements:.3f}%" if t.elements else "-"
+        shape = "x".join(map(str, t.shape)) or "()"
+        line = (f"{t.name:<{w}}  {t.dtype:<8}  {shape:<16}  {t.encoding:<10}  {t.changed:>12}  {rate:>8}  "
+                f"{human_bytes(t.bytes_stored):>10}  {human_bytes(t.bytes_full):>10}  {f'{t.chunks_stored}/{t.chunks}':>9}")
+        lines.append(line + (f"  {t.digest}" if digests else ""))
+    lines.append("")
+    lines.append("receivers that committed it: " + (", ".join(v.receivers) or "-"))
+    return "\n".join(lines)
+
+
+@dataclass
+class ReceiverRow:
+    receiver: str
+    step: int
+    lag: int | None  # committed steps behind the latest (None: ROOT holds no committed step)
+    from_step: int | None
+    moves: list[str]
+    bytes_pulled: int | None
+    committed_at: str | None
+    step_committed: bool  # False: gc deleted the step it holds (its next refit restarts from a restart point)
+
+
+def _age(stamp: str | None, now: float) -> str:
+    if not stamp:
+        return "-"
+    try:
+        t = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
+    except ValueError:
+        return stamp
+    sec = max(0, int(now - t))
+    for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
+        if sec >= n:
+            return f"{sec // n}{unit} ago"
+    return f"{sec}s ago"
+
+
+def receiver_status(root: Root) -> tuple[int | None, list[ReceiverRow]]:
+    """The latest committed step, and each receiver's position (lag counted in committed steps)."""
+    cat = Catalog(root)
+    committed = cat.committed_steps()
+    latest = committed[-1] if committed else None
+    rows = []
+    for rid, rec in sorted(cat.positions().items()):
+        step = rec["step"]
+        lag = None if latest is None else sum(1 for s in committed if s > step)
+        rows.append(ReceiverRow(rid, step, lag, rec.get("from_step"), list(rec.get("moves") or []),
+                                rec.get("bytes_pulled"), rec.get("committed_at"), step in committed))
+    return latest, rows
+
+
+def format_status(latest: int | None, rows: list[ReceiverRow], now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    lines = [f"latest committed step: {'-' if latest is None else latest}"]
+    if not rows:
+        return "\n".join([*lines, "no receiver has recorded a commit"])
+    w = max([8, *(len(r.receiver) for r in rows)])
+    lines.append(f"{'RECEIVER':<{w}}  {'STEP':>8}  {'LAG':>5}  {'FROM':>8}  {'PULLED':>10}  {'UPDATED':>10}  LAST REFIT")
+    for r in rows:
+        held = f"{r.step}" + ("" if r.step_committed else "*")
+        lines.append(
+            f"{r.receiver:<{w}}  {held:>8}  {'-' if r.lag is None else r.lag:>5}  "
+            f"{'-' if r.from_step is None else r.from_step:>8}  {human_bytes(r.bytes_pulled):>10}  "
+            f"{_age(r.committed_at, now):>10}  {', '.join(r.moves) or 'no move'}"
+        )
+    if any(not r.step_committed for r in rows):
+        lines.append("* no longer committed (deleted by gc): the receiver's next refit restarts from a restart point")
+    return "\n".join(lines)
+
+
+def receiver_history(root: Root, receiver_id: str) -> list[dict]:
+    """Every record ``receiver_id`` left on steps ROOT still holds, oldest first: how it got where it is."""
+    cat = Catalog(root)
+    out = []
+    for step in cat.listed_steps():
+        if receiver_id in cat.receivers(step):
+            rec = cat.receiver_record(step, receiver_id)
+            if rec is not None:
+                out.append(rec)
+    return sorted(out, key=lambda r: (str(r.get("committed_at", "")), r["step"]))
+
+
+def format_history(receiver_id: str, records: list[dict]) -> str:
+    if not records:
+        return f"receiver {receiver_id}: no record on any step ROOT holds"
+    lines = [f"receiver {receiver_id}: {len(records)} refits recorded on steps ROOT still holds (oldest first)",
+             f"{'WHEN':<20}  {'FROM':>8}  {'TO':>8}  {'PULLED':>10}  MOVES"]
+    for r in records:
+        lines.append(f"{str(r.get('committed_at', '-')):<20}  {'-' if r.get('from_step') is None else r['from_step']:>8}  {r['step']:>8}  "
+                     f"{human_bytes(r.get('bytes_pulled')):>10}  {', '.join(r.get('moves') or []) or 'no move'}")
+    return "\n".join(lines)
