@@ -8,11 +8,13 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
 .PHONY: install demo test test-backends test-slow lint fault-matrix race bench clean
 
-$(VENV)/.installed: pyproject.toml bench/pyproject.toml
+$(VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# torch first and exactly pinned: the CPU build from the local wheel cache (see README for GPUs)
 	$(PY) -m pip install -q "torch==2.13.0"
+	# the dcr.sparse zarr codec: its own small package (numpy, numcodecs, zarr), a dependency of dcr
+	$(PY) -m pip install -q -e ./codec
 	$(PY) -m pip install -q -e ".[test]"
 	# the benchmark, the demo and their models: a separate package (not in the runtime wheel)
 	$(PY) -m pip install -q --no-deps -e ./bench

@@ -2,7 +2,8 @@
 
 - ``dcr-sparse`` (``dcr_core.sparse``): gap-coded positions and byte planes under zstd, close to
   the entropy bound of sparse XOR masks. Stock zarr reads it once this project is installed (the
-  Zarr codec ``dcr.sparse`` is registered through the ``zarr.codecs`` entry point).
+  Zarr codec ``dcr.sparse`` is registered through the ``zarr.codecs`` entry point of the
+  ``dcr-zarr-codec`` package, ``codec/``).
 - ``blosc`` (zstd inside, byte or bit shuffle): a standard Zarr v3 codec that stock zarr reads with
   no project code at all; the default for keyframes, and the audit-friendly choice for deltas
   (about 1.6x the bytes of ``dcr-sparse`` on real AdamW deltas).

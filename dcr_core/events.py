@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 POINTS = frozenset({
+    # progress of long work: the bytes a run will handle, then each tensor handled (raw bytes)
+    "work.planned", "tensor.done",
     # publisher
     "chunk.stored", "chunk.fetched",
     "publish.planned", "publish.tensors-stored", "publish.manifest-written",

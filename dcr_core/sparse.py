@@ -1,164 +1,24 @@
-"""The sparse XOR-mask codec: gap-coded positions and byte planes, each entropy-coded with zstd.
+"""The sparse XOR-mask codec, with DCR's errors.
 
-An XOR mask of an RL update is mostly zero: a few percent of elements change, by a few ulps. Its
-information is where the changes are (positions) and what they are (values). This codec stores
-exactly those, in forms zstd models well:
-- positions as gaps (``p[i] - p[i-1] - 1``), as uint32 split into 4 byte planes: the high planes
-  are nearly all zero and cost almost nothing, the low plane carries the geometric gap law;
-- the non-zero XOR values split into byte planes (low mantissa bytes, then sign/exponent bytes).
-Dense chunks (more than ``DENSE_ABOVE`` of elements non-zero) store all values as byte planes.
-
-Frame: ``b"DCRS"``, version, mode (0 sparse, 1 dense), itemsize, 0, n (u64), k (u64), then one or
-two sections of ``u64 length + zstd frame``. Decoding checks every size against the frame and the
-caller's expected element count before allocating.
+The format has one implementation, in the ``dcr-zarr-codec`` package (``codec/``), so stock zarr
+and DCR read the same frames; it raises ``SparseFrameError``, which DCR reports as the
+``IntegrityError`` it is (a stored chunk that does not decode).
 """
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
-from numcodecs import Zstd
+from dcr_zarr_codec import sparse as _frame
+from dcr_zarr_codec.sparse import _HEAD, DENSE, DENSE_ABOVE, MAGIC, SPARSE, VERSION, SparseFrameError, encode_sparse, nonzero
 
 from dcr_core.errors import IntegrityError
 
-MAGIC = b"DCRS"
-VERSION = 1
-SPARSE, DENSE = 0, 1
-DENSE_ABOVE = 0.25
-_HEAD = struct.Struct("<4sBBBBQQ")
-
-
-def _planes(a: np.ndarray) -> np.ndarray:
-    """``a``'s bytes regrouped plane by plane (all first bytes, then all second bytes, ...)."""
-    if a.dtype.itemsize == 1:
-        return a.view(np.uint8)
-    # Plane j is ``a >> 8j`` cut to its low byte (a truncating cast): faster than a transposed copy.
-    out = np.empty((a.dtype.itemsize, a.size), dtype=np.uint8)
-    out[0] = a
-    shifted = np.empty_like(a)
-    for j in range(1, a.dtype.itemsize):
-        out[j] = np.right_shift(a, 8 * j, out=shifted)
-    return out
-
-
-def _unplanes(data: bytes, dtype: np.dtype, count: int) -> np.ndarray:
-    u8 = np.frombuffer(data, dtype=np.uint8)
-    if dtype.itemsize == 1:
-        return u8.copy()
-    return np.ascontiguousarray(u8.reshape(dtype.itemsize, count).T).view(dtype).reshape(count)
-
-
-def _section(payload: np.ndarray, level: int) -> bytes:
-    frame = Zstd(level=level).encode(payload) if payload.size else b""
-    return struct.pack("<Q", len(frame)) + bytes(frame)
-
-
-def _word_hits(mask: np.ndarray) -> tuple[np.ndarray, int, int]:
-    """Which 64-bit words of a flat contiguous ``mask`` are non-zero (booleans), log2 of the
-    elements per word, and how many elements the whole words hold."""
-    shift = (8 // mask.dtype.itemsize).bit_length() - 1
-    whole = mask.size >> shift << shift
-    return mask[:whole].view(np.uint64) != 0, shift, whole
-
-
-def _changes(mask: np.ndarray, word_hits: np.ndarray, shift: int, whole: int) -> tuple[np.ndarray, np.ndarray]:
-    """Positions (ascending) and values of the non-zero elements of a flat contiguous ``mask``.
-
-    ``np.flatnonzero`` on a wide integer array tests element by element. Here only the non-zero
-    64-bit words are gathered, and only their elements are tested (as booleans, which numpy scans
-    fast). Elements after the last whole word are tested apart.
-    """
-    hit_words = np.flatnonzero(word_hits)
-    inside = mask[:whole].view(np.uint64)[hit_words].view(mask.dtype)
-    if shift:
-        hit = np.flatnonzero(inside != 0)
-        positions = (hit_words[hit >> shift] << shift) | (hit & ((1 << shift) - 1))
-        values = inside[hit]
-    else:  # one element per word: the non-zero words are the changes
-        positions, values = hit_words, inside
-    if whole < mask.size:
-        tail = np.flatnonzero(mask[whole:])
-        positions = np.concatenate([positions, tail + whole])
-        values = np.concatenate([values, mask[whole:][tail]])
-    return positions, values
-
-
-def nonzero(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Positions (ascending) and values of the non-zero elements of a flat mask, found through its
-    64-bit words (several times faster than ``np.flatnonzero`` on sparse masks)."""
-    mask = np.ascontiguousarray(mask).reshape(-1)
-    return _changes(mask, *_word_hits(mask))
-
-
-def encode_sparse(mask: np.ndarray, level: int = 3) -> bytes:
-    """Encode one chunk of raw bits (any unsigned dtype, flat)."""
-    mask = np.ascontiguousarray(mask).reshape(-1)
-    n = mask.size
-    if n >= 1 << 32:
-        raise ValueError("a chunk holds fewer than 2^32 elements")
-    word_hits, shift, whole = _word_hits(mask)
-    at_most = (int(np.count_nonzero(word_hits)) << shift) + n - whole  # elements in non-zero words
-    if n and at_most / n > DENSE_ABOVE:  # only then can the chunk be dense: count exactly
-        k = int(np.count_nonzero(mask))
-        if k / n > DENSE_ABOVE:
-            head = _HEAD.pack(MAGIC, VERSION, DENSE, mask.dtype.itemsize, 0, n, k)
-            return head + _section(_planes(mask), level)
-    positions, values = _changes(mask, word_hits, shift, whole)
-    k = positions.size
-    gaps = np.empty(k, dtype=np.uint32)
-    if k:
-        gaps[0] = positions[0]
-        np.subtract(positions[1:], positions[:-1], out=gaps[1:], casting="unsafe")
-        gaps[1:] -= np.uint32(1)
-    head = _HEAD.pack(MAGIC, VERSION, SPARSE, mask.dtype.itemsize, 0, n, k)
-    return head + _section(_planes(gaps), level) + _section(_planes(values), level)
-
-
-def _read_section(data: bytes, offset: int, expect: int) -> tuple[bytes, int]:
-    if offset + 8 > len(data):
-        raise IntegrityError("sparse frame is truncated")
-    (length,) = struct.unpack_from("<Q", data, offset)
-    offset += 8
-    if offset + length > len(data):
-        raise IntegrityError("sparse frame is truncated")
-    if expect == 0:
-        if length:
-            raise IntegrityError("sparse frame has data where none is expected")
-        return b"", offset
-    try:
-        out = np.empty(expect, dtype=np.uint8)
-        Zstd().decode(data[offset : offset + length], out=out)
-    except Exception as e:  # noqa: BLE001 - not zstd, or a different size than the header says
-        raise IntegrityError(f"sparse frame section does not decode to {expect} bytes ({e})") from None
-    return out.tobytes(), offset + length
+__all__ = ["_HEAD", "DENSE", "DENSE_ABOVE", "MAGIC", "SPARSE", "VERSION", "decode_sparse", "encode_sparse", "nonzero"]
 
 
 def decode_sparse(data: bytes, storage: np.dtype, n: int) -> np.ndarray:
-    """Decode one chunk into exactly ``n`` elements of ``storage``, refusing anything else."""
-    data = bytes(data)
-    if len(data) < _HEAD.size:
-        raise IntegrityError("chunk is too short to be a sparse frame")
-    magic, version, mode, itemsize, _, n_frame, k = _HEAD.unpack_from(data)
-    if magic != MAGIC or version != VERSION or mode not in (SPARSE, DENSE):
-        raise IntegrityError("chunk is not a DCR sparse frame (bad magic, version or mode)")
-    storage = np.dtype(storage)
-    if itemsize != storage.itemsize or n_frame != n or k > n:
-        raise IntegrityError(f"sparse frame holds {n_frame} x {itemsize} B (k={k}), expected {n} x {storage.itemsize} B")
-    off = _HEAD.size
-    if mode == DENSE:
-        raw, off = _read_section(data, off, n * itemsize)
-        out = _unplanes(raw, storage, n) if n else np.zeros(0, dtype=storage)
-    else:
-        raw_gaps, off = _read_section(data, off, 4 * k)
-        raw_vals, off = _read_section(data, off, k * itemsize)
-        out = np.zeros(n, dtype=storage)
-        if k:
-            gaps = _unplanes(raw_gaps, np.dtype("<u4"), k).astype(np.int64)
-            positions = np.cumsum(gaps + 1) - 1
-            if positions[-1] >= n:
-                raise IntegrityError("sparse frame has a position outside the chunk")
-            out[positions] = _unplanes(raw_vals, storage, k)
-    if off != len(data):
-        raise IntegrityError("sparse frame has trailing bytes")
-    return out
+    """Exactly ``n`` elements of ``storage`` from one frame; ``IntegrityError`` if it is not one."""
+    try:
+        return _frame.decode_sparse(data, storage, n)
+    except SparseFrameError as e:
+        raise IntegrityError(str(e)) from None

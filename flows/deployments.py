@@ -1,8 +1,16 @@
-"""The deployments of ``infra/prefect.yaml`` as Prefect objects, so one process can serve them
-(``dcr serve``) from the same file ``prefect deploy`` applies to a work pool: one source.
+"""The deployments of ``infra/prefect.yaml``: served from one process (``dcr serve``), or applied
+to a work pool by ``prefect deploy``, from the same file.
 
 ``{{ $NAME }}`` values are taken from the environment, as ``prefect deploy`` does; an unset
 variable is an error naming it (an empty parameter would only fail later, in every run).
+
+``flows.deploy_check.check_deployment`` is the file's build step: ``prefect deploy`` runs it before it creates or
+updates each deployment, so a deployment is either valid or refused at deploy time (an unset or
+malformed setting stops the deploy, naming it), and the runs an earlier deploy already scheduled
+(late ones included, which the server keeps on an update) are deleted: no run keeps old parameters.
+
+``dcr serve`` names its deployments ``serve-<name>`` so that a work pool's deployments (from
+``prefect deploy``) and a served process never overwrite each other.
 """
 
 from __future__ import annotations
@@ -15,6 +23,8 @@ from pathlib import Path
 import yaml
 
 from dcr_core.errors import UsageError
+from storage import layout
+from storage.root import check_root_url
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "infra" / "prefect.yaml"
 _TEMPLATE = re.compile(r"\{\{\s*\$([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
@@ -53,20 +63,41 @@ def specs(path: str | os.PathLike = DEFAULT_FILE) -> list[dict]:
     return doc["deployments"]
 
 
+SERVE_PREFIX = "serve-"
+
+
 def deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] | None = None) -> list:
-    """``RunnerDeployment`` objects of the file's deployments (all, or those in ``names``)."""
+    """``RunnerDeployment`` objects of the file's deployments (all, or those in ``names``), named
+    ``serve-<name>``: what ``dcr serve`` serves."""
     out = []
     for spec in specs(path):
         if names and spec["name"] not in names:
             continue
         used: set[str] = set()
         params = _fill(spec.get("parameters") or {}, used)
+        check_values(used)
         interval = next((s["interval"] for s in spec.get("schedules") or [] if "interval" in s), None)
         out.append(_flow(spec["entrypoint"]).to_deployment(
-            name=spec["name"], parameters=params, interval=interval, description=spec.get("description"),
+            name=SERVE_PREFIX + spec["name"], parameters=params, interval=interval, description=spec.get("description"),
             tags=spec.get("tags"), concurrency_limit=spec.get("concurrency_limit"),
         ))
     missing = set(names or []) - {d.name for d in out}
     if missing:
         raise UsageError(f"{path}: no deployment named {sorted(missing)[0]!r}")
     return out
+
+
+def check_values(names) -> None:
+    """The DCR settings among ``names`` (environment variables), each set and well-formed."""
+    for name in sorted(names):
+        value = os.environ.get(name, "").strip()
+        if not value:
+            raise UsageError(f"{name} is not set; the deployment needs it (README, \"Deployments\")")
+        if name == "DCR_ROOT":
+            check_root_url(value)
+        elif name == "DCR_RECEIVER_ID":
+            layout.check_receiver(value)
+        elif name == "DCR_RECEIVER_STATE" and not os.path.isabs(value):
+            raise UsageError(f"DCR_RECEIVER_STATE={value!r} must be an absolute path (runs start in DCR_PROJECT_DIR)")
+        elif name == "DCR_PROJECT_DIR" and not os.path.isfile(os.path.join(value, "infra", "prefect.yaml")):
+            raise UsageError(f"DCR_PROJECT_DIR={value!r} is not a DCR checkout (no infra/prefect.yaml there)")

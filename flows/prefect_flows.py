@@ -2,8 +2,8 @@
 
 Each flow runs the same pipeline as the in-process form (``flows.publish.pipeline`` and friends)
 with ``PrefectRunner``: every step of the step table becomes a Prefect task, so the Prefect API
-shows each step's state, duration and (with result persistence on: Prefect's
-``PREFECT_RESULTS_PERSIST_BY_DEFAULT=true``) its JSON result. Tasks take and return references
+shows each step's state, duration and its persisted JSON result (Prefect's result storage,
+``PREFECT_LOCAL_STORAGE_PATH`` by default). Tasks take and return references
 (``flows.steps``), never tensors or open files; the flows' options are the typed models of
 ``flows.options`` (deployments pass them as mappings, validated by Prefect). Runs are named
 (``publish-step-12``, ``receive-rollout-0-to-12``: renamed to the step it reached, ``gc-keep-5``), tagged (``dcr``, the kind of
@@ -46,7 +46,7 @@ from storage.root import open_root
 def _task(step: Step):
     # The default cache policy only keys the (optional) persisted result: ``refresh_cache`` runs
     # every task every time. NO_CACHE would silently turn persistence off.
-    return task(step.fn, name=step.name, refresh_cache=True, result_serializer="json", retries=0)
+    return task(step.fn, name=step.name, refresh_cache=True, result_serializer="json", persist_result=True, retries=0)
 
 
 class PrefectRunner:
@@ -82,7 +82,7 @@ def _gc_name() -> str:
     return f"gc-keep-{keep}"
 
 
-@flow(name="dcr-publish-refit", flow_run_name=_publish_name, log_prints=True, result_serializer="json")
+@flow(name="dcr-publish-refit", flow_run_name=_publish_name, log_prints=True, result_serializer="json", persist_result=True)
 def publish_refit(
     root: str | Path, source: Any, step: int, keyframe: bool = False, storage_options: dict | None = None,
     options: PublishOptions | None = None, attempt: str | None = None,
@@ -98,7 +98,7 @@ def publish_refit(
     return asdict(result)
 
 
-@flow(name="dcr-receive-refit", flow_run_name=_receive_name, log_prints=True, result_serializer="json")
+@flow(name="dcr-receive-refit", flow_run_name=_receive_name, log_prints=True, result_serializer="json", persist_result=True)
 def receive_refit(
     root: str | Path, receiver_id: str, target: Any, step: int | None = None, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, state_path: str | None = None,
@@ -117,7 +117,7 @@ def receive_refit(
     return result
 
 
-@flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True, result_serializer="json")
+@flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True, result_serializer="json", persist_result=True)
 def gc_refit(root: str | Path, options: GcOptions, storage_options: dict | None = None) -> dict:
     """Delete the steps retention no longer keeps and attempts that can never commit (``dcr gc``)."""
     run_tags = ("dcr", "dcr-gc", f"root:{root}")

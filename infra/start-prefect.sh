@@ -5,7 +5,7 @@
 # does not come up. Telemetry is off: nothing is sent anywhere.
 set -euo pipefail
 source "$(dirname "${BASH_SOURCE[0]}")/lib.sh"
-PORT="${1:-4200}"
+PORT="${1:-${DCR_PREFECT_PORT:-4200}}"
 export PREFECT_HOME="${PREFECT_HOME:-$PWD/.prefect}"
 export PREFECT_SERVER_ANALYTICS_ENABLED=false
 mkdir -p "$PREFECT_HOME"

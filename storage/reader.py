@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dcr_core import events
 from dcr_core.chain import Direction, Move, plan_direct, plan_path
 from dcr_core.delta import apply_chunk
 from dcr_core.dtypes import DTYPES
@@ -205,6 +206,7 @@ def refit_tensors(
                 pulled += e.stored_bytes
             if not e_target.matches(bits):
                 raise result_mismatch(plan.target_step, name)
+            events.reached("tensor.done", name=name, nbytes=bits.nbytes)
             yield name, bits, pulled
         if next(stream, None) is not None:
             raise StateMismatchError("more chunks fetched than applied")  # pragma: no cover - invariant

@@ -13,7 +13,7 @@ import json
 from dcr_core.codec import CodecSpec
 from dcr_core.dtypes import DTYPES
 
-SPARSE_CODEC = "dcr.sparse"  # registered with zarr by storage.zarr_codec (entry point zarr.codecs)
+SPARSE_CODEC = "dcr.sparse"  # registered with zarr by the dcr-zarr-codec package (entry point zarr.codecs)
 _ZARR_DTYPE = {8: "uint8", 16: "uint16", 32: "uint32", 64: "uint64"}
 
 

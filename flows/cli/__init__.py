@@ -29,6 +29,7 @@ COMMANDS = {
     "verify": ("flows.cli.bucket", "re-read stored payloads and check their digests"),
     "show": ("flows.cli.bucket", "one step, tensor by tensor: encoding, changed elements, bytes, chunks, digests"),
     "status": ("flows.cli.bucket", "where each receiver is, its lag behind the latest step, and how it got there"),
+    "report": ("flows.cli.report", "a static HTML page (and PNGs) of the run: bytes, change rate, receivers' lag"),
     "gc": ("flows.cli.bucket", "delete steps and attempts that retention no longer needs"),
     "serve": ("flows.cli.serve", "serve the Prefect deployments of infra/prefect.yaml from this process"),
 }

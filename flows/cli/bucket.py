@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from dcr_core.errors import IntegrityError, UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.cli.progress import shown
 from flows.maintenance.audit import format_rows, list_steps, verify
 from flows.maintenance.gc import GcReport, format_report, run_gc
 from flows.maintenance.inspect import format_history, format_status, format_step, receiver_history, receiver_status, show_step
@@ -62,7 +63,8 @@ def run(name: str, args) -> int:
         say(args, format_status(latest, rows), {"latest": latest, "receivers": [asdict(r) for r in rows]})
         return 0
     if name == "verify":
-        report = verify(open_root(args.root, so), args.step, deep=args.deep, workers=args.io_workers)
+        with shown(args, "verify"):
+            report = verify(open_root(args.root, so), args.step, deep=args.deep, workers=args.io_workers)
         for err in report.errors:
             print(f"dcr: verify: {err}", file=sys.stderr)
         status = "FAILED" if report.errors else "ok"

@@ -8,6 +8,7 @@ from dataclasses import asdict
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.cli.progress import shown
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish.dcp import dcp_sources
 from flows.publish.layout_file import is_layout_file, layout_sources
@@ -62,12 +63,8 @@ def run(name: str, args) -> int:
         kw["chunk_bytes"] = args.chunk_bytes
     options = PublishOptions(**kw)
     source = _source(args)
-    if use_prefect(args):
-        from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
-
-        res = run_flow(args, "publish_refit", args.root, source, args.step, args.keyframe, so, options)
-    else:
-        res = asdict(run_publish(args.root, source, args.step, args.keyframe, so, options))
+    with shown(args, f"publish step {args.step}"):
+        res = _publish(args, source, so, options)
     s = res["summary"]
     base = "" if res["base_step"] is None else f" against step {res['base_step']}"
     if res["kind"] == "keyframe" and s.get("keyframe_reason") not in (None, "requested", "first step"):
@@ -82,3 +79,11 @@ def run(name: str, args) -> int:
         res,
     )
     return 0
+
+
+def _publish(args, source, so, options) -> dict:
+    if use_prefect(args):
+        from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
+
+        return run_flow(args, "publish_refit", args.root, source, args.step, args.keyframe, so, options)
+    return asdict(run_publish(args.root, source, args.step, args.keyframe, so, options))

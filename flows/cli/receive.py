@@ -6,6 +6,7 @@ import sys
 
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.cli.progress import shown
 from flows.options import ReceiveOptions
 from flows.receive.follow import follow
 from flows.receive.pipeline import run_materialize, run_receive
@@ -41,18 +42,23 @@ def add_arguments(name: str, p) -> None:
 def run(name: str, args) -> int:
     so = storage_options(args)
     if name == "materialize":
-        res = as_dict(run_materialize(args.root, args.step, args.out, so, ReceiveOptions(io_workers=args.io_workers)))
+        with shown(args, "materialize"):
+            res = as_dict(run_materialize(args.root, args.step, args.out, so, ReceiveOptions(io_workers=args.io_workers)))
         say(args, f"wrote step {res['step']} to {args.out}", res)
         return 0
     options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place, lease_seconds=args.lease_seconds)
     if use_prefect(args):
         from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
 
-        def receive(step):
+        def receive_now(step):
             return run_flow(args, "receive_refit", args.root, args.receiver, args.state, step, so, options)
     else:
-        def receive(step):
+        def receive_now(step):
             return as_dict(run_receive(args.root, args.receiver, args.state, step, so, options))
+
+    def receive(step):
+        with shown(args, f"receive {args.receiver}"):
+            return receive_now(step)
 
     def report(res: dict) -> None:
         how = ", ".join(res["moves"]) or "already there"

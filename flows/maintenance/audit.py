@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dcr_core import events
 from dcr_core.chain import DELTA, Direction, Move
 from dcr_core.errors import DCRError, IntegrityError
 from storage import layout, reader
@@ -108,6 +109,22 @@ def _replay(root: Root, plan: reader.RefitPlan, workers: int) -> None:
         pass
 
 
+def _rebuilt_bytes(cat: Catalog, steps: list[int], deep: bool) -> int:
+    """The raw bytes ``verify`` rebuilds (restart points, and deltas replayed with ``deep``): its
+    progress total. Steps that cannot be read count nothing here; the loop reports them."""
+    total = 0
+    for s in steps:
+        try:
+            m = cat.manifest(s)
+        except DCRError:
+            continue
+        restart = m.restart_entries()
+        total += sum(e.nbytes for e in (restart or {}).values())
+        if deep and m.kind == DELTA:
+            total += sum(e.nbytes for e in m.tensors.values())
+    return total
+
+
 def verify(root: Root, step: int | None = None, deep: bool = False, workers: int = 8) -> VerifyReport:
     """Re-read every stored chunk of the chosen steps and check it against its manifest.
 
@@ -117,6 +134,7 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
     cat = Catalog(root)
     report = VerifyReport(deep=deep)
     steps = [step] if step is not None else cat.committed_steps()
+    events.reached("work.planned", what="verify", nbytes=_rebuilt_bytes(cat, steps, deep))
     for s in steps:
         try:
             marker = cat.require_marker(s)

@@ -88,6 +88,7 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
                 "base_digest": None if base is None else base_entries[name].digest, "changed": changed,
             }
             pending.append((meta, w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs), chunk_futs))
+            events.reached("tensor.done", name=name, nbytes=new.nbytes)
         entries = {}
         for meta, array_fut, chunk_futs in pending:
             table = _chunk_table(chunk_futs)

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dcr_core import sparse
+from dcr_core import events, sparse
 from dcr_core.delta import Encoding, apply_chunk
 from dcr_core.digest import TensorHasher
 from dcr_core.dtypes import DTYPES
@@ -185,6 +185,7 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
                         scratch = np.empty(max(e.nbytes for e in target.tensors.values()), np.uint8)
                     changes = _applied_on_copy(held_bits, entries, e_target, stream, scratch)
                 pulled += sum(e.stored_bytes for e in entries)
+                events.reached("tensor.done", name=name, nbytes=e_target.nbytes)
                 if changes is False:  # the result does not match step N's digest
                     if not held.tensors[name].matches(held_bits):
                         raise reader.held_mismatch(state_path, name, held.step)

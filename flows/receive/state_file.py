@@ -47,6 +47,9 @@ def plan_receive(root: RootRef, state_path: str, step: int | None, fresh: bool =
         check_origin(Catalog(r), state_path)
     plan = reader.plan_refit(r, current, step, where=state_path)
     events.reached("receive.planned", target=plan.target_step, moves=len(plan.moves))
+    if plan.moves:
+        target = reader.manifests(plan, r)[plan.target_step]
+        events.reached("work.planned", what="refit", nbytes=sum(e.nbytes for e in target.tensors.values()))
     return plan
 
 

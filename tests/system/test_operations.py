@@ -5,6 +5,7 @@ Each case runs the real command in a fresh process and checks the one line it pr
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import uuid
@@ -195,3 +196,51 @@ def test_show_lists_every_tensor_of_a_step(made):
         m = manifest["tensors"][t["name"]]
         assert (t["digest"], t["encoding"], t["changed"]) == (m["digest"], m["encoding"], m["changed_elements"])
     _one_line(dcr("show", root, "--step", 9), 4, "not committed")
+
+
+def _on_a_terminal(*args) -> tuple[int, str, str]:
+    """``dcr ARGS`` with stderr on a pseudo-terminal (stdout piped): (exit code, stdout, terminal output)."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import termios
+    import sys
+
+    from tests.support.cli import REPO
+
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))  # a terminal 120 columns wide
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *map(str, args)], stdout=subprocess.PIPE,
+                            stderr=slave, cwd=REPO, env={**os.environ, "DCR_ORCHESTRATOR": "none", "COLUMNS": "120"})
+    os.close(slave)
+    chunks = []
+    while True:
+        try:
+            data = os.read(master, 65536)
+        except OSError:  # EIO: the child closed the terminal
+            break
+        if not data:
+            break
+        chunks.append(data)
+    out = proc.stdout.read().decode()
+    proc.wait(60)
+    os.close(master)
+    return proc.returncode, out, b"".join(chunks).decode(errors="replace")
+
+
+def test_long_commands_show_progress_on_a_terminal_and_stay_quiet_otherwise(made, tmp_path):
+    root = made / "bucket"
+    rc, out, term = _on_a_terminal("publish", root, made / "c0.safetensors", "--step", 3)
+    assert rc == 0 and out.startswith("committed step 3"), (out, term)
+    assert "publish step 3" in term and "/" in term and "B/s" in term, term  # bytes of the total, rate, ETA
+    rc, out, term = _on_a_terminal("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors")
+    assert rc == 0 and "receive r" in term and "B/s" in term, term
+    rc, out, term = _on_a_terminal("verify", root, "--deep")
+    assert rc == 0 and "verify" in term and "B/s" in term, term
+    rc, out, term = _on_a_terminal("publish", root, made / "c1.safetensors", "--step", 4, "-q")
+    assert (rc, out, term) == (0, "", ""), term  # -q: nothing at all
+    rc, out, term = _on_a_terminal("verify", root, "--json")
+    assert rc == 0 and term == "" and json.loads(out)["errors"] == []
+    piped = dcr("publish", root, made / "c2.safetensors", "--step", 5)  # not a terminal: no bar
+    assert piped.returncode == 0 and piped.stderr == ""

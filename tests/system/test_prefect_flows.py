@@ -149,7 +149,7 @@ def test_task_results_are_serializable_references_persisted_as_json(prefect_sett
     assert not not_json, f"results not stored as JSON: {not_json[:3]}"
 
 
-def test_deployments_from_the_one_source_run_with_typed_options_through_a_served_process(prefect_api, tmp_path):
+def test_deployments_from_the_one_source_run_with_typed_options_through_a_served_process(prefect_settings, tmp_path):
     """``dcr serve`` serves infra/prefect.yaml; runs of its deployments get their options as
     mappings (as a deployment or the UI passes them), validated into the typed models; the server
     refuses a run with bad options against the flow's parameter schema before anything runs."""
@@ -167,7 +167,7 @@ def test_deployments_from_the_one_source_run_with_typed_options_through_a_served
     ck1 = _next(ck0, 1)
     write_safetensors(tmp_path / "c0.safetensors", ck0)
     write_safetensors(tmp_path / "c1.safetensors", ck1)
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "DCR_ROOT": root, "DCR_RECEIVER_ID": "rx",
+    env = {**os.environ, "PREFECT_API_URL": prefect_settings, "DCR_ROOT": root, "DCR_RECEIVER_ID": "rx",
            "DCR_RECEIVER_STATE": state, "DCR_GC_KEEP_LAST": "3", "DCR_CACHE_DIR": str(tmp_path / "cache"),
            "PREFECT_RUNNER_POLL_FREQUENCY": "1"}
     served = subprocess.Popen([sys.executable, "-m", "flows.cli", "serve"], env=env, cwd=REPO,
@@ -176,24 +176,24 @@ def test_deployments_from_the_one_source_run_with_typed_options_through_a_served
         with get_client(sync_client=True) as client:
             for _ in range(120):
                 try:
-                    client.read_deployment_by_name("dcr-gc/gc")
+                    client.read_deployment_by_name("dcr-gc/serve-gc")
                     break
                 except Exception:  # noqa: BLE001 - not registered yet
                     time.sleep(0.5)
-        run = run_deployment("dcr-publish-refit/publisher", parameters={
+        run = run_deployment("dcr-publish-refit/serve-publisher", parameters={
             "source": str(tmp_path / "c0.safetensors"), "step": 0, "options": {"chunk_bytes": 4096, "io_workers": 2},
         }, timeout=180, poll_interval=1)
         assert run.state.is_completed(), run.state
         assert run.name == "publish-step-0"
         assert Catalog(Root(root)).manifest(0).chunk_bytes == 4096, "the run's options reached the publisher"
         with pytest.raises(PrefectHTTPStatusError, match="options.io_workers"):  # refused: no run is created
-            run_deployment("dcr-publish-refit/publisher", parameters={
+            run_deployment("dcr-publish-refit/serve-publisher", parameters={
                 "source": str(tmp_path / "c1.safetensors"), "step": 1, "options": {"io_workers": 0},
             }, timeout=180, poll_interval=1)
         assert Catalog(Root(root)).latest_committed() == 0
-        assert run_deployment("dcr-publish-refit/publisher", parameters={
+        assert run_deployment("dcr-publish-refit/serve-publisher", parameters={
             "source": str(tmp_path / "c1.safetensors"), "step": 1}, timeout=180, poll_interval=1).state.is_completed()
-        rx = run_deployment("dcr-receive-refit/receiver", timeout=180, poll_interval=1)
+        rx = run_deployment("dcr-receive-refit/serve-receiver", timeout=180, poll_interval=1)
         assert rx.state.is_completed(), rx.state
         assert_bits_equal(load_file(state), ck1)
         assert "rx" in Catalog(Root(root)).receivers(1)
@@ -205,7 +205,7 @@ def test_deployments_from_the_one_source_run_with_typed_options_through_a_served
         served.wait(30)
 
 
-def test_cli_runs_the_prefect_flows_only_when_asked_and_keeps_its_output_contract(prefect_api, tmp_path):
+def test_cli_runs_the_prefect_flows_only_when_asked_and_keeps_its_output_contract(prefect_settings, tmp_path):
     """With PREFECT_API_URL set, a plain ``dcr`` call still runs in-process (no flow run is made); with
     ``--orchestrator prefect`` it makes a named, tagged run with artifacts and a summary log line, and
     the terminal shows only the command's lines: ``-q`` prints nothing, an error is one line."""
@@ -219,7 +219,7 @@ def test_cli_runs_the_prefect_flows_only_when_asked_and_keeps_its_output_contrac
     write_safetensors(tmp_path / "c0.safetensors", ck0)
     write_safetensors(tmp_path / "c1.safetensors", ck1)
     root = str(tmp_path / f"b-{uuid.uuid4().hex[:8]}")
-    env = {**os.environ, "PREFECT_API_URL": prefect_api, "DCR_CACHE_DIR": str(tmp_path / "cache")}
+    env = {**os.environ, "PREFECT_API_URL": prefect_settings, "DCR_CACHE_DIR": str(tmp_path / "cache")}
     env.pop("DCR_ORCHESTRATOR", None)
 
     def dcr(*args):

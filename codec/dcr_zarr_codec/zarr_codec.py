@@ -1,6 +1,6 @@
 """The ``dcr.sparse`` Zarr v3 codec, so stock zarr reads DCR's sparse delta arrays.
 
-Registered through the ``zarr.codecs`` entry point of this package (``pip install`` it and
+Registered through this package's ``zarr.codecs`` entry point (``pip install dcr-zarr-codec`` and
 ``zarr.open_group(...)`` just works); importing this module also registers it directly.
 """
 
@@ -14,8 +14,9 @@ from zarr.abc.codec import BytesBytesCodec
 from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec
 
-from dcr_core.sparse import decode_sparse, encode_sparse
-from storage.zarr_meta import SPARSE_CODEC
+from dcr_zarr_codec.sparse import decode_sparse, encode_sparse
+
+SPARSE_CODEC = "dcr.sparse"  # the codec's name in zarr.json
 
 
 @dataclass(frozen=True)
