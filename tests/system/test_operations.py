@@ -204,8 +204,8 @@ def _on_a_terminal(*args) -> tuple[int, str, str]:
     import pty
     import struct
     import subprocess
-    import termios
     import sys
+    import termios
 
     from tests.support.cli import REPO
 
