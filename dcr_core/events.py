@@ -124,6 +124,11 @@ def listening(listener: Listener) -> Iterator[Listener]:
             _refresh()
 
 
+def listened() -> bool:
+    """Whether a listener is attached (work done only for listeners can be skipped otherwise)."""
+    return bool(_listeners)
+
+
 def reached(point: str, **fields) -> None:
     """Report that this process reached ``point``: tell the listeners, then act on its failpoint."""
     if not _active:

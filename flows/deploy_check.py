@@ -35,14 +35,20 @@ def check_deployment(deployment: str, needs: list[str]) -> dict:
             existing = client.read_deployment_by_name(deployment)
         except ObjectNotFound:
             return {"stale_runs_deleted": 0}
-        runs = client.read_flow_runs(
-            deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[existing.id])),
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))),
-        )
-        for run in runs:
-            if run.run_count == 0:
-                client.delete_flow_run(run.id)
-                deleted += 1
+        seen: set = set()
+        while True:  # page by page (the server returns at most 200 runs per read)
+            runs = [r for r in client.read_flow_runs(
+                deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[existing.id])),
+                flow_run_filter=FlowRunFilter(state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED]))),
+                limit=200,
+            ) if r.id not in seen]
+            if not runs:
+                break
+            for run in runs:
+                seen.add(run.id)
+                if run.run_count == 0:
+                    client.delete_flow_run(run.id)
+                    deleted += 1
     if deleted:
         print(f"{deployment}: deleted {deleted} scheduled runs of the previous deploy (they carried its parameters)")
     return {"stale_runs_deleted": deleted}

@@ -71,7 +71,7 @@ def deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] | None 
     ``serve-<name>``: what ``dcr serve`` serves."""
     out = []
     for spec in specs(path):
-        if names and spec["name"] not in names:
+        if names and spec["name"] not in {n.removeprefix(SERVE_PREFIX) for n in names}:
             continue
         used: set[str] = set()
         params = _fill(spec.get("parameters") or {}, used)
@@ -81,7 +81,7 @@ def deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] | None 
             name=SERVE_PREFIX + spec["name"], parameters=params, interval=interval, description=spec.get("description"),
             tags=spec.get("tags"), concurrency_limit=spec.get("concurrency_limit"),
         ))
-    missing = set(names or []) - {d.name for d in out}
+    missing = {n.removeprefix(SERVE_PREFIX) for n in names or []} - {spec["name"] for spec in specs(path)}
     if missing:
         raise UsageError(f"{path}: no deployment named {sorted(missing)[0]!r}")
     return out

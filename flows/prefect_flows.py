@@ -18,6 +18,7 @@ change. A flow run that failed can simply be run again.
 from __future__ import annotations
 
 import functools
+import logging
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -94,7 +95,7 @@ def publish_refit(
     _tag_run(*run_tags)
     with tags(*run_tags):
         result = run_publish(str(root), source, step, keyframe, storage_options, options, PrefectRunner(), attempt)
-    _report_publish(str(root), storage_options, result)
+    _best_effort(_report_publish, str(root), storage_options, result)
     return asdict(result)
 
 
@@ -113,7 +114,7 @@ def receive_refit(
         else:
             result = receive_into_module(str(root), receiver_id, target, step, storage_options, options, state_path,
                                          PrefectRunner())
-    _report_receive(str(root), storage_options, receiver_id, result)
+    _best_effort(_report_receive, str(root), storage_options, receiver_id, result)
     return result
 
 
@@ -124,8 +125,17 @@ def gc_refit(root: str | Path, options: GcOptions, storage_options: dict | None 
     _tag_run(*run_tags)
     with tags(*run_tags):
         report = run_gc(str(root), options, storage_options, PrefectRunner())
-    _report_gc(report)
+    _best_effort(_report_gc, report)
     return asdict(report)
+
+
+def _best_effort(report, *args) -> None:
+    """Artifacts, the summary line and the run's final name come after the work is done (a step
+    committed, a receive recorded): a Prefect API hiccup there must not fail the run."""
+    try:
+        report(*args)
+    except Exception as e:  # noqa: BLE001 - reported, never raised
+        logging.getLogger("dcr.prefect").warning("could not report the run to Prefect: %s: %s", type(e).__name__, e)
 
 
 def _rename_run(name: str) -> None:

@@ -17,6 +17,12 @@ class _Record:
     def keys(self):
         return asdict(self).keys()
 
+    def __contains__(self, key: object) -> bool:
+        return key in asdict(self)
+
+    def __iter__(self):
+        return iter(asdict(self))
+
 
 @dataclass
 class PublishResult(_Record):

@@ -9,6 +9,9 @@ die() { echo "$(basename "$0"): error: $*" >&2; exit 1; }
 # find_python MODULE: prints the interpreter that can import MODULE, or fails naming what to do.
 find_python() {
   local module="$1" candidate
+  if [ -n "${DCR_PYTHON:-}" ] && [ ! -x "$DCR_PYTHON" ]; then
+    die "DCR_PYTHON=$DCR_PYTHON is not an executable Python"
+  fi
   for candidate in "${DCR_PYTHON:-}" "$REPO/.venv/bin/python" "$(command -v python3 2>/dev/null || true)"; do
     [ -n "$candidate" ] && [ -x "$candidate" ] || continue
     if "$candidate" -c "import $module" 2>/dev/null; then

@@ -2,10 +2,11 @@
 
 Two things, both about the store behind ROOT rather than the data in it:
 
-- ``probe(endpoint)``: one TCP connection to the endpoint (3 s at most) when a cloud ROOT is first
-  opened in a process. An endpoint that is down or unknown then fails the command in about a
-  second, instead of after the client's own retry loop (gcsfs retries a refused connection six
-  times over half a minute). Skipped when a proxy is configured: the proxy decides then.
+- ``probe(endpoint)``: when a cloud ROOT is first opened in a process, one TCP connection to an
+  endpoint the user set (3 s at most), or a name lookup of the cloud's own endpoint. An emulator
+  that is not running or a host that does not resolve then fails the command in about a second,
+  instead of after the client's own retry loop (gcsfs retries a refused connection six times over
+  half a minute). Skipped when a proxy is configured: the proxy decides then.
 - ``explain(...)``: the backend's exception, once retries are over, as a one-line DCR error that
   names the ROOT, the bucket or endpoint, and the setting to fix: no credentials, a bucket that
   does not exist, access denied, an endpoint that does not answer. Exit codes stay the documented
@@ -79,8 +80,11 @@ _LOCK = threading.Lock()
 
 
 def probe(root_url: str, endpoint: Endpoint, hint: str) -> None:
-    """Fail fast (``StoreUnreachableError``) if ``endpoint`` takes no TCP connection. Once per
-    endpoint and process when it answers; every time while it does not."""
+    """Fail fast (``StoreUnreachableError``) if ``endpoint`` cannot answer: an endpoint the user set
+    (an emulator, an S3-compatible server) must take a TCP connection; the cloud's own endpoint
+    must resolve (a host that has no address cannot work; whether it is routable is the client's
+    business: VPC endpoints, regions from ~/.aws/config). Once per endpoint and process when it
+    answers; every time while it does not."""
     if any(os.environ.get(p) for p in _PROXIES):
         return
     target = endpoint.host_port
@@ -89,9 +93,12 @@ def probe(root_url: str, endpoint: Endpoint, hint: str) -> None:
             return
     t0 = time.monotonic()
     try:
-        socket.create_connection(target, timeout=PROBE_TIMEOUT).close()
+        if endpoint.default:
+            socket.getaddrinfo(target[0], target[1], type=socket.SOCK_STREAM)
+        else:
+            socket.create_connection(target, timeout=PROBE_TIMEOUT).close()
     except OSError as e:
-        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or type(e).__name__)
+        why = "timed out" if isinstance(e, TimeoutError) else (e.strerror or str(e) or type(e).__name__)
         raise StoreUnreachableError(
             f"{root_url}: cannot reach {endpoint}: {why} after {time.monotonic() - t0:.1f} s; {hint}"
         ) from None
@@ -114,8 +121,11 @@ def _codes(exc: BaseException) -> tuple[set[int], set[str]]:
     return statuses, codes
 
 
-def _text(exc: BaseException) -> str:
-    return " ".join(str(e) for e in retry.chain(exc)).lower()
+def _no_such_bucket(exc: BaseException, codes: set[str]) -> bool:
+    """S3's NoSuchBucket (by its error code, or s3fs's message for it); never a path that happens to
+    contain the words."""
+    return "NoSuchBucket" in codes or any(str(e).startswith("The specified bucket does not exist")
+                                          for e in retry.chain(exc))
 
 
 def bucket_of(path: str) -> str:
@@ -127,8 +137,10 @@ def explain(root_url: str, protocol: str, path: str, endpoint: Endpoint | None, 
     not about reaching or using the store (the caller re-raises it as it is)."""
     if isinstance(exc, DCRError) or endpoint is None:
         return None
-    names, (statuses, codes), text = _names(exc), _codes(exc), _text(exc)
+    names, (statuses, codes) = _names(exc), _codes(exc)
     bucket = bucket_of(path)
+    if isinstance(exc, FileNotFoundError) and not _no_such_bucket(exc, codes):
+        return None  # a missing object: callers decide what that means (no marker yet, ...)
     s3 = protocol in ("s3", "s3a")
     if names & {"botocore.exceptions.NoCredentialsError", "botocore.exceptions.PartialCredentialsError"}:
         return StoreConfigError(
@@ -139,12 +151,13 @@ def explain(root_url: str, protocol: str, path: str, endpoint: Endpoint | None, 
         return StoreConfigError(
             f"{root_url}: no usable Google credentials; set GOOGLE_APPLICATION_CREDENTIALS to a service account key "
             "file (or run `gcloud auth application-default login`), or STORAGE_EMULATOR_HOST for an emulator")
-    if "NoSuchBucket" in codes or "bucket does not exist" in text or "bucket not found" in text:
+    if _no_such_bucket(exc, codes):
         return StoreConfigError(
             f"{root_url}: bucket {bucket!r} does not exist at {endpoint}; create it (infra/start-s3.sh and "
             "infra/start-gcs.sh create one for local servers) or fix ROOT")
     denied = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "ExpiredToken"}
-    if codes & denied or 403 in statuses or 401 in statuses or "builtins.PermissionError" in names or "forbidden" in text:
+    forbidden = str(exc).startswith("Forbidden:")  # gcsfs's 403, as an OSError whose message starts so
+    if codes & denied or 403 in statuses or 401 in statuses or "builtins.PermissionError" in names or forbidden:
         code = sorted(codes & denied)[0] if codes & denied else "access denied"
         return StoreUnreachableError(
             f"{root_url}: {code} at {endpoint}; check the credentials and that they grant what README "
@@ -155,19 +168,23 @@ def explain(root_url: str, protocol: str, path: str, endpoint: Endpoint | None, 
     return None
 
 
-def check_bucket(root_url: str, fs, path: str, endpoint: Endpoint) -> None:
-    """Called when a listing under ROOT came back empty: an empty ROOT is fine, a missing bucket is a
-    ``StoreConfigError`` (fsspec lists a missing bucket as empty on some backends)."""
-    bucket = bucket_of(path)
+def check_bucket(root_url: str, fs, protocol: str, path: str, endpoint: Endpoint) -> None:
+    """Called when a listing under ROOT came back empty (fsspec lists a missing bucket as empty): one
+    object listing of at most one key under ``path``, the permission every reader has. A bucket that
+    does not exist is a ``StoreConfigError``; any other answer (the bucket is there, or the check
+    itself fails) leaves the empty listing as it is: nothing is claimed that was not seen."""
+    bucket, _, key = path.lstrip("/").partition("/")
+    prefix = key.rstrip("/") + "/" if key else ""
     try:
-        fs.invalidate_cache(bucket)
-        found = fs.exists(bucket)
-    except Exception as e:  # noqa: BLE001 - a failing check must not hide the listing's own result
-        err = explain(root_url, "s3" if "s3" in type(fs).__module__ else "gs", path, endpoint, e)
-        if err is not None:
-            raise err from None
-        return
-    if not found:
+        if protocol in ("s3", "s3a"):
+            fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
+        else:
+            fs.call("GET", "b/{}/o", bucket, prefix=prefix, maxResults=1, json_out=True)
+    except FileNotFoundError as e:  # s3fs: NoSuchBucket; gcsfs: 404 on the bucket's object list
+        if protocol in ("s3", "s3a") and not _no_such_bucket(e, _codes(e)[1]):
+            return
         raise StoreConfigError(
             f"{root_url}: bucket {bucket!r} does not exist at {endpoint}; create it (infra/start-s3.sh and "
-            "infra/start-gcs.sh create one for local servers) or fix ROOT")
+            "infra/start-gcs.sh create one for local servers) or fix ROOT") from None
+    except Exception:  # noqa: BLE001 - no verdict: the listing's own (empty) result stands
+        return

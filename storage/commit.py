@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from dcr_core.errors import StepConflictError
+from dcr_core.errors import DCRError, StepConflictError
 from storage import layout, run, signing
 from storage.catalog import Catalog
 from storage.marker import CommitMarker
@@ -68,5 +68,5 @@ def discard_attempt(root: Root, step: int, attempt: str) -> None:
     ``dcr gc`` collects it)."""
     try:
         root.remove(layout.attempt_dir(step, attempt), recursive=True)
-    except (OSError, ValueError) as e:  # a publisher may lack delete permission (see the README)
+    except (OSError, ValueError, DCRError) as e:  # a publisher may lack delete permission (see the README)
         log.info("could not remove the losing attempt %s of step %d (%s); dcr gc will", attempt, step, e)

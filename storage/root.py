@@ -50,6 +50,23 @@ def check_root_url(url: str) -> str:
     return url
 
 
+def same_root(a: str, b: str) -> bool:
+    """Whether two ROOT spellings name the same place: ``./bucket``, ``bucket/`` and
+    ``file:///abs/bucket`` alike; ``s3a://`` as ``s3://``, ``gcs://`` as ``gs://``."""
+    return _canonical(a) == _canonical(b)
+
+
+def _canonical(url: str) -> str:
+    url = url.strip()
+    if url.startswith("file://"):
+        url = url[len("file://"):]
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return os.path.abspath(url)
+    scheme = {"s3a": "s3", "gcs": "gs"}.get(scheme.lower(), scheme.lower())
+    return f"{scheme}://{rest.rstrip('/')}"
+
+
 @dataclass(frozen=True)
 class RootRef:
     """A ROOT by reference: what a task receives instead of an open filesystem (serializable)."""
@@ -166,10 +183,10 @@ class Root:
                 raise
             raise explained from e
 
-    def _empty_listing(self) -> None:
+    def _empty_listing(self, key: str) -> None:
         """An empty listing of a cloud ROOT: make sure the bucket exists (once per Root)."""
         if not self._bucket_seen:
-            access.check_bucket(self.url, self.fs, self.path, self.backend.endpoint)
+            access.check_bucket(self.url, self.fs, self.protocol, self.full(key), self.backend.endpoint)
             self._bucket_seen = True
 
     def full(self, key: str) -> str:
@@ -251,7 +268,7 @@ class Root:
 
         names = self._call("LIST", key, ls)
         if not names:
-            self._empty_listing()
+            self._empty_listing(key)
         return names
 
     def objects(self, key: str) -> list[ObjectInfo]:
@@ -277,7 +294,7 @@ class Root:
 
         found = self._call("LIST", key, find)
         if not found:
-            self._empty_listing()
+            self._empty_listing(key)
         return found
 
     def remove(self, key: str, recursive: bool = False) -> None:

@@ -44,6 +44,8 @@ def storage_options(args) -> dict:
 
 
 def use_prefect(args) -> bool:
+    if args.orchestrator not in ("none", "prefect", "auto"):  # from $DCR_ORCHESTRATOR: argparse checks only given values
+        raise UsageError(f"DCR_ORCHESTRATOR={args.orchestrator!r} must be none, prefect or auto")
     if args.orchestrator == "prefect":
         return True
     return args.orchestrator == "auto" and bool(os.environ.get("PREFECT_API_URL"))

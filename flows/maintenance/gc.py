@@ -11,7 +11,8 @@ What is deleted (see ``dcr_core.retention`` for which committed steps are kept):
 A crash at any point of a ``gc`` leaves the bucket consistent: a step is either fully visible
 (marker and data) or invisible (no marker); running ``gc`` again finishes the job.
 
-Receivers: a step a receiver registered (``receivers/<id>.json``) is kept, with the deltas it needs
+Receivers: a step a receiver registered (``steps/N/receivers/<id>.json``: the highest one each
+receiver recorded) is kept, with the deltas it needs
 to reach the latest one. A step a receiver is reading is leased (``storage.leases``): gc keeps it
 while the lease is live, looks again right before deleting the marker (spared), and once more after
 (a receiver that leased it and saw the marker in between reads on: the marker is gone, the data

@@ -143,16 +143,23 @@ def format_status(latest: int | None, rows: list[ReceiverRow], now: float | None
     return "\n".join(lines)
 
 
-def receiver_history(root: Root, receiver_id: str) -> list[dict]:
-    """Every record ``receiver_id`` left on steps ROOT still holds, oldest first: how it got where it is."""
+def histories(root: Root, only: str | None = None) -> dict[str, list[dict]]:
+    """Every record each receiver (or ``only`` this one) left on steps ROOT still holds, oldest
+    first: how it got where it is. One listing per step, one read per record."""
     cat = Catalog(root)
-    out = []
+    out: dict[str, list[dict]] = {}
     for step in cat.listed_steps():
-        if receiver_id in cat.receivers(step):
-            rec = cat.receiver_record(step, receiver_id)
+        for rid in cat.receivers(step):
+            if only is not None and rid != only:
+                continue
+            rec = cat.receiver_record(step, rid)
             if rec is not None:
-                out.append(rec)
-    return sorted(out, key=lambda r: (str(r.get("committed_at", "")), r["step"]))
+                out.setdefault(rid, []).append(rec)
+    return {rid: sorted(recs, key=lambda r: (str(r.get("committed_at", "")), r["step"])) for rid, recs in out.items()}
+
+
+def receiver_history(root: Root, receiver_id: str) -> list[dict]:
+    return histories(root, receiver_id).get(receiver_id, [])
 
 
 def format_history(receiver_id: str, records: list[dict]) -> str:

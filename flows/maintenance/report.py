@@ -9,7 +9,7 @@ import time
 from dataclasses import dataclass, field
 
 from dcr_core.chain import DELTA, KEYFRAME
-from flows.maintenance.inspect import receiver_history
+from flows.maintenance.inspect import histories
 from storage.catalog import Catalog
 from storage.root import Root
 
@@ -91,8 +91,10 @@ def build_report(root: Root) -> RunReport:
     commits = [(epoch(p.committed_at), p.step) for p in report.steps]
     positions = cat.positions()
     report.positions = {rid: rec["step"] for rid, rec in positions.items()}
+    records = histories(root)
+    stamps = {p.step: p.committed_at for p in report.steps}
     for rid in sorted(positions):
-        report.receivers[rid] = lag_timeline(commits, receiver_history(root, rid), {p.step: p.committed_at for p in report.steps})
+        report.receivers[rid] = lag_timeline(commits, records.get(rid, []), stamps)
     return report
 
 

@@ -128,7 +128,8 @@ def plan_publish(
     # Why a step is a keyframe, recorded in its marker ("requested" for ranks, whose plans do not say).
     reason = ("requested" if sharded else "first step") if latest is None else "requested" if keyframe else ""
     events.reached("publish.planned", step=step, rank=rank)
-    events.reached("work.planned", what="publish", nbytes=sum(i.nbytes for i in infos.values()))
+    if not sharded:  # ranks report no tensor.done (their shards are not canonical tensors): no total either
+        events.reached("work.planned", what="publish", nbytes=sum(i.nbytes for i in infos.values()))
     if reason:
         return PublishPlan(root, step, KEYFRAME, None, None, attempt, dict(infos), options, source_name,
                            reason, rank=rank, world=world)

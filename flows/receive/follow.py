@@ -39,11 +39,9 @@ def follow(
 ) -> Iterator[dict]:
     """Yield ``receive(step)`` for every committed step newer than the state; stop once the state
     holds ``until_step`` or later (None: follow for good). ``warn`` hears every failure retried."""
-    r = open_root(root)
-
     def newer() -> int | None:
         held = state.peek_step(state_path)
-        latest = Catalog(r).latest_committed()
+        latest = Catalog(open_root(root)).latest_committed()  # opened on first use: an endpoint down now is retried
         return latest if latest is not None and (held is None or latest > held) else None
 
     backoff = interval

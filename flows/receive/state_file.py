@@ -23,7 +23,7 @@ from storage.catalog import Catalog, utc_now
 from storage.local import journal, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
 from storage.reader import RefitPlan
-from storage.root import RootRef, open_root
+from storage.root import RootRef, open_root, same_root
 
 log = logging.getLogger("dcr.receive")
 
@@ -60,7 +60,7 @@ def check_origin(cat: Catalog, state_path: str) -> None:
     if origin is None:
         return
     held, policy, origin_root = origin
-    if origin_root is None or origin_root == cat.root.url:
+    if origin_root is None or same_root(origin_root, cat.root.url):
         return  # this ROOT's own state: the held-state checks judge it
     marker = cat.marker(held)
     if marker is not None and marker.policy_digest == policy:
@@ -202,11 +202,21 @@ def record_receiver_commit(root: RootRef, receiver_id: str, step: int, record: d
     receiver polling an idle ROOT costs one GET, not a PUT, and keeps what its last refit did)."""
     cat = Catalog(open_root(root))
     written = False
-    if record.get("moves") or not _already_recorded(cat.position(receiver_id), step, record.get("policy_digest")):
+    if record.get("moves") or not _already_recorded(_position(cat, receiver_id), step, record.get("policy_digest")):
         cat.record_receiver(step, receiver_id, {"committed_at": utc_now(), **record})
         written = True
     events.reached("receive.recorded", step=step, receiver=receiver_id)
     return written
+
+
+def _position(cat: Catalog, receiver_id: str) -> dict | None:
+    """The receiver's position, or None when it cannot be read (a role allowed to write it but not to
+    read it back: the commit is then simply recorded again)."""
+    try:
+        return cat.position(receiver_id)
+    except Exception as e:  # noqa: BLE001 - any failure only costs one more PUT
+        log.info("%s: cannot read receiver %s's position (%s); recording the commit", cat.root.url, receiver_id, e)
+        return None
 
 
 def _already_recorded(position: dict | None, step: int, policy: str | None) -> bool:

@@ -76,9 +76,13 @@ def test_s3_without_credentials_or_bucket_says_what_to_set(s3_server, tmp_path):
 
 
 @pytest.mark.backend
-def test_gcs_bucket_that_does_not_exist_is_named(gcs_server):
+def test_gcs_bucket_that_does_not_exist_is_named(gcs_server, made):
     missing = f"gs://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
     _one_line(dcr("ls", missing), 2, f"bucket '{missing[5:].split('/')[0]}' does not exist at {gcs_server}")
+    # a path that reads like an error is only a path: a new ROOT there is empty, then published to
+    odd = f"gs://dcr-test/forbidden-{uuid.uuid4().hex[:6]}/the bucket does not exist"
+    assert dcr("ls", odd, check=0).stdout.startswith("    STEP")
+    dcr("publish", odd, made / "c0.safetensors", "--step", 0, check=0)
 
 
 def test_a_state_file_of_another_root_is_refused_naming_both(made, tmp_path):
@@ -244,3 +248,80 @@ def test_long_commands_show_progress_on_a_terminal_and_stay_quiet_otherwise(made
     assert rc == 0 and term == "" and json.loads(out)["errors"] == []
     piped = dcr("publish", root, made / "c2.safetensors", "--step", 5)  # not a terminal: no bar
     assert piped.returncode == 0 and piped.stderr == ""
+
+
+def test_serve_selects_deployments_by_their_file_names(tmp_path, monkeypatch):
+    from dcr_core.errors import UsageError
+    from flows.deployments import deployments
+
+    for k, v in {"DCR_ROOT": str(tmp_path / "b"), "DCR_RECEIVER_ID": "r0",
+                 "DCR_RECEIVER_STATE": str(tmp_path / "r0.safetensors")}.items():
+        monkeypatch.setenv(k, v)
+    assert [d.name for d in deployments(names=["receiver"])] == ["serve-receiver"]
+    assert [d.name for d in deployments(names=["serve-gc", "publisher"])] == ["serve-publisher", "serve-gc"]
+    with pytest.raises(UsageError, match="no deployment named 'nope'"):
+        deployments(names=["nope"])
+    monkeypatch.setenv("DCR_RECEIVER_STATE", "relative.safetensors")
+    with pytest.raises(UsageError, match="must be an absolute path"):
+        deployments(names=["receiver"])
+
+
+def test_an_unreadable_position_only_costs_a_write(made, tmp_path, monkeypatch):
+    from flows.receive import state_file
+    from storage.access import StoreUnreachableError
+    from storage.catalog import Catalog
+    from storage.root import RootRef
+
+    root = made / "bucket"
+    dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", check=0)
+
+    def denied(self, receiver_id):
+        raise StoreUnreachableError("AccessDenied")
+
+    monkeypatch.setattr(Catalog, "position", denied)  # a role that may write its position, not read it
+    key = root / layout.position_key("r")
+    key.unlink()
+    assert state_file.record_receiver_commit(RootRef(str(root)), "r", 2, {"moves": [], "policy_digest": "x"})
+    assert json.loads(key.read_text())["step"] == 2
+
+
+def test_a_follower_started_while_the_endpoint_is_down_keeps_trying(tmp_path, monkeypatch):
+    from flows.receive.follow import follow
+    from storage.root import RootRef
+
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_dead_port()}")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    warned = []
+
+    class Enough(BaseException):
+        pass
+
+    def warn(message):
+        warned.append(message)
+        if len(warned) == 2:
+            raise Enough
+
+    with pytest.raises(Enough):
+        for _ in follow(RootRef("s3://bucket/run"), str(tmp_path / "s.safetensors"), lambda step: {}, interval=0.01,
+                        warn=warn):
+            pass
+    assert all(m.startswith("StoreUnreachableError: s3://bucket/run: cannot reach") for m in warned), warned
+
+
+def test_error_hints_never_read_object_paths(tmp_path):
+    from storage.access import Endpoint, StoreConfigError, explain
+    from storage.root import same_root
+
+    ep = Endpoint("http://127.0.0.1:1", "STORAGE_EMULATOR_HOST")
+    missing = FileNotFoundError("b/dcr/o/forbidden-zone%2Fthe bucket does not exist%2Frun.json")
+    assert explain("gs://dcr/forbidden-zone", "gs", "dcr/forbidden-zone", ep, missing) is None
+    no_bucket = FileNotFoundError("The specified bucket does not exist")
+    assert isinstance(explain("s3://x/run", "s3", "x/run", ep, no_bucket), StoreConfigError)
+    assert same_root("bucket", f"file://{os.path.abspath('bucket')}/") and same_root("s3a://b/run/", "s3://b/run")
+    assert not same_root("s3://b/run", "s3://b/run2")
+
+
+def test_a_bad_orchestrator_setting_is_refused(made, tmp_path):
+    out = dcr("publish", made / "bucket", made / "c0.safetensors", "--step", 7, env={"DCR_ORCHESTRATOR": "Prefect"})
+    _one_line(out, 2, "DCR_ORCHESTRATOR='Prefect' must be none, prefect or auto")
