@@ -28,6 +28,8 @@ FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-
 @pytest.fixture
 def chromium():
     if CHROMIUM is None:
+        if os.environ.get("DCR_NO_CHROMIUM"):
+            pytest.skip(f"chromium could not be installed: {os.environ['DCR_NO_CHROMIUM']}")
         if os.environ.get("CI"):
             pytest.fail("chromium is not installed; .ci/run installs Debian's chromium package")
         pytest.skip("needs chromium (Debian package chromium)")
