@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -23,6 +22,7 @@ from safetensors.torch import load_file
 
 from tests.support.cli import REPO, evolve, small_checkpoint
 from tests.support.helpers import assert_bits_equal, write_safetensors
+from tests.support.procs import stop, stop_from_file
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
@@ -37,34 +37,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    for _ in range(50):
-        try:
-            os.killpg(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    os.killpg(pid, signal.SIGKILL)
-
-
-def _kill(pid: int) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.kill(pid, sig)
-        except ProcessLookupError:
-            return
-        for _ in range(50):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.1)
 
 
 def test_the_readme_deployment_section_works_as_written(tmp_path):
@@ -143,8 +115,8 @@ def test_the_readme_deployment_section_works_as_written(tmp_path):
             assert all(r.parameters["target"] == str(moved) for r in pending), [r.parameters for r in pending]
     finally:
         if worker is not None:
-            _kill_group(worker)
-        _kill_group(proc.pid)
+            stop(worker, group=True)
+        stop(proc.pid, group=True)
         pid_file = tmp_path / "prefect" / "server.pid"
         if pid_file.exists():
-            _kill(int(pid_file.read_text()))
+            stop_from_file(pid_file)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import shlex
-import signal
 import socket
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import time
 import pytest
 
 from tests.support.cli import REPO, dcr
+from tests.support.procs import stop_from_file
 
 VENV_PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 
@@ -42,19 +42,6 @@ def _exports(stdout: str) -> dict:
     return dict(item.split("=", 1) for item in shlex.split(line)[1:])
 
 
-def _stop(pid_file) -> None:
-    with open(pid_file) as f:
-        pid = int(f.read())
-    os.kill(pid, signal.SIGTERM)
-    for _ in range(100):
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
-
-
 @pytest.mark.parametrize("name, scheme, pid_name", [("start-s3.sh", "s3", "dcr-moto"), ("start-gcs.sh", "gs", "dcr-gcs")])
 def test_object_store_scripts_start_from_a_clean_path_and_print_what_works(name, scheme, pid_name, tmp_path):
     port = _port()
@@ -71,7 +58,7 @@ def test_object_store_scripts_start_from_a_clean_path_and_print_what_works(name,
         again = _script(name, port, env=_clean_env(tmp_path), timeout=30)  # the port is taken now
         assert again.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in again.stderr, again
     finally:
-        _stop(pid_file)
+        stop_from_file(pid_file)
 
 
 def test_scripts_fail_at_once_without_an_environment_that_has_the_server(tmp_path):
@@ -99,4 +86,4 @@ def test_prefect_script_starts_a_server_from_a_clean_path(tmp_path):
 
         assert urllib.request.urlopen(f"{url}/health", timeout=5).status == 200
     finally:
-        _stop(tmp_path / "ph" / "server.pid")
+        stop_from_file(tmp_path / "ph" / "server.pid")
