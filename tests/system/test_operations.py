@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import subprocess
 import time
 import uuid
 
@@ -325,3 +326,13 @@ def test_error_hints_never_read_object_paths(tmp_path):
 def test_a_bad_orchestrator_setting_is_refused(made, tmp_path):
     out = dcr("publish", made / "bucket", made / "c0.safetensors", "--step", 7, env={"DCR_ORCHESTRATOR": "Prefect"})
     _one_line(out, 2, "DCR_ORCHESTRATOR='Prefect' must be none, prefect or auto")
+
+
+def test_read_only_commands_take_no_orchestrator_and_prefect_state_is_not_tracked(made):
+    for command, *more in (("ls",), ("verify",), ("show", "--step", "1"), ("status",)):
+        out = dcr(command, made / "bucket", *more, "--orchestrator", "prefect")
+        assert out.returncode == 2 and "unrecognized arguments: --orchestrator" in out.stderr, (command, out.stderr)
+    from tests.support.cli import REPO
+
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".prefect/prefect.db"], cwd=REPO)
+    assert ignored.returncode == 0, ".prefect/ (infra/start-prefect.sh's state) must be ignored by git"
