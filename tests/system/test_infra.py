@@ -74,6 +74,7 @@ def test_scripts_fail_at_once_without_an_environment_that_has_the_server(tmp_pat
 
 
 @pytest.mark.prefect
+@pytest.mark.slow  # a Prefect server start: about 10 s
 def test_prefect_script_starts_a_server_from_a_clean_path(tmp_path):
     port = _port()
     out = _script("start-prefect.sh", port, env=_clean_env(tmp_path, PREFECT_HOME=str(tmp_path / "ph")), cwd=tmp_path,

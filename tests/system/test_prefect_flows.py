@@ -205,6 +205,7 @@ def test_deployments_from_the_one_source_run_with_typed_options_through_a_served
         served.wait(30)
 
 
+@pytest.mark.slow  # five CLI processes importing Prefect: about 20 s
 def test_cli_runs_the_prefect_flows_only_when_asked_and_keeps_its_output_contract(prefect_settings, tmp_path):
     """With PREFECT_API_URL set, a plain ``dcr`` call still runs in-process (no flow run is made); with
     ``--orchestrator prefect`` it makes a named, tagged run with artifacts and a summary log line, and
