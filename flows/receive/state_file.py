@@ -42,23 +42,24 @@ class Staged:
 def plan_receive(root: RootRef, state_path: str, step: int | None, fresh: bool = False) -> RefitPlan:
     """Plan bringing the state file (its claimed step; nothing with ``fresh``) to ``step``."""
     r = open_root(root)
-    current = None if fresh else state.peek_step(state_path)
+    current = None
     if not fresh:
-        check_origin(Catalog(r), state_path)
+        origin = state.peek_origin(state_path)  # None: no file, or a cut-off patch (its roll back decides)
+        if origin is not None:
+            check_origin(Catalog(r), state_path, origin)
+        current = origin[0] if origin is not None else state.peek_step(state_path)
     plan = reader.plan_refit(r, current, step, where=state_path)
     events.reached("receive.planned", target=plan.target_step, moves=len(plan.moves))
-    if plan.moves:
+    if plan.moves and events.listened():  # a progress bar's total
         target = reader.manifests(plan, r)[plan.target_step]
         events.reached("work.planned", what="refit", nbytes=sum(e.nbytes for e in target.tensors.values()))
     return plan
 
 
-def check_origin(cat: Catalog, state_path: str) -> None:
+def check_origin(cat: Catalog, state_path: str, origin: tuple[int, str | None, str | None]) -> None:
     """Refuse, naming both, a state file written from another ROOT whose steps this ROOT does not hold
-    (the same weights under another URL, a mirror, pass)."""
-    origin = state.peek_origin(state_path)
-    if origin is None:
-        return
+    (the same weights under another URL, a mirror, pass). ``origin``: what the file's header records
+    (``storage.local.state.peek_origin``)."""
     held, policy, origin_root = origin
     if origin_root is None or same_root(origin_root, cat.root.url):
         return  # this ROOT's own state: the held-state checks judge it
