@@ -45,7 +45,10 @@ def run_flow(args, name: str, *params):
     if not args.quiet:
         ui = PREFECT_UI_URL.value()
         where = f"{ui.rstrip('/')}/runs/flow-run/{run_id}" if ui else str(run_id)
-        with get_client(sync_client=True) as client:
-            name = client.read_flow_run(run_id).name
+        try:
+            with get_client(sync_client=True) as client:
+                name = client.read_flow_run(run_id).name
+        except Exception:  # noqa: BLE001 - the run is over; its name is only for this line
+            name = str(run_id)
         print(f"dcr: prefect: flow run {name!r} {state.name.lower()}: {where}", file=sys.stderr, flush=True)
     return state.result()
