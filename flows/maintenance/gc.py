@@ -12,7 +12,7 @@ A crash at any point of a ``gc`` leaves the bucket consistent: a step is either 
 (marker and data) or invisible (no marker); running ``gc`` again finishes the job.
 
 Receivers: a step a receiver registered (``steps/N/receivers/<id>.json``: the highest one each
-receiver recorded) is kept, with the deltas it needs
+receiver recorded) and the step each receiver is at now (``receivers/<id>.json``) are kept, with the deltas it needs
 to reach the latest one. A step a receiver is reading is leased (``storage.leases``): gc keeps it
 while the lease is live, looks again right before deleting the marker (spared), and once more after
 (a receiver that leased it and saw the marker in between reads on: the marker is gone, the data
@@ -93,6 +93,16 @@ def registered_receivers(cat: Catalog, steps: list[int], unreadable: dict[int, s
     return held
 
 
+def _positions(cat: Catalog, refused: list[str]) -> dict[str, int]:
+    """Each receiver's position (``receivers/<id>.json``). Best effort: the highest step each
+    recorded is kept anyway; a position that cannot be read only protects less extra."""
+    try:
+        return {rid: rec["step"] for rid, rec in cat.positions({}).items()}
+    except DCRError as e:
+        refused.append(f"{layout.POSITIONS_DIR}/: {e}; receivers' positions not read")
+        return {}
+
+
 def plan_gc(root: RootRef, options: GcOptions, now: float | None = None) -> GcPlan:
     """What a ``gc`` would delete (reads markers and listings only; writes nothing)."""
     now = time.time() if now is None else now
@@ -113,9 +123,11 @@ def plan_gc(root: RootRef, options: GcOptions, now: float | None = None) -> GcPl
     unreadable: dict[int, str] = {}
     receivers = registered_receivers(cat, committed, unreadable)
     refused += [f"{e}; step {s} kept" for s, e in sorted(unreadable.items())]
+    at_now = _positions(cat, refused)  # where receivers are now (one that moved back is below its highest)
     # leases on marker-less steps too: a step whose marker gc deleted while a receiver was reading it
     leased = {s: who for s in listed if (who := _leases(root, s, now, refused))}
-    keep = steps_to_keep(infos, keep_last, receivers) | set(leased) | set(unreadable)
+    keep = (steps_to_keep(infos, keep_last, receivers) | steps_to_keep(infos, keep_last, at_now)
+            | set(leased) | set(unreadable))
     doomed = steps_to_delete(committed, keep)
     plan = GcPlan(sorted(keep), doomed, [], receivers, leased=leased, refused=refused)
     for s in doomed:

@@ -277,8 +277,9 @@ def test_a_live_module_whose_plan_loses_steps_to_gc_plans_again(tmp_path, monkey
     mod = VllmLlama(cfg, 0, 1)
     mirror = str(tmp_path / "mirror.safetensors")
     receive_into_module(root, "m", mod, 1, state_path=mirror)
-    for s in range(5):  # forget the record: gc keeps nothing for this receiver
+    for s in range(5):  # forget the records and the position: gc keeps nothing for this receiver
         shutil.rmtree(Path(root) / layout.receivers_dir(s), ignore_errors=True)
+    (Path(root) / layout.position_key("m")).unlink()
     deleted = []
 
     def plan_then_gc(real, *args, **kwargs):

@@ -336,3 +336,13 @@ def test_read_only_commands_take_no_orchestrator_and_prefect_state_is_not_tracke
 
     ignored = subprocess.run(["git", "check-ignore", "-q", ".prefect/prefect.db"], cwd=REPO)
     assert ignored.returncode == 0, ".prefect/ (infra/start-prefect.sh's state) must be ignored by git"
+
+
+def test_gc_keeps_the_step_a_receiver_moved_back_to(made, tmp_path):
+    root, state = made / "bucket", tmp_path / "r.safetensors"
+    dcr("receive", root, "--receiver", "r", "--state", state, check=0)  # step 2: its highest record
+    dcr("receive", root, "--receiver", "r", "--state", state, "--step", 1, check=0)  # back to 1: its position
+    dcr("publish", root, made / "c0.safetensors", "--step", 3, "--keyframe", check=0)  # a new lineage
+    report = json.loads(dcr("gc", root, "--keep-last", 1, "--grace-seconds", 0, "--json", check=0).stdout)
+    assert report["deleted_steps"] == [0] and report["plan"]["keep"] == [1, 2, 3], report
+    assert "already there" in dcr("receive", root, "--receiver", "r", "--state", state, "--step", 1, check=0).stdout
