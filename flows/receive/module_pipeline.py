@@ -6,11 +6,11 @@ from __future__ import annotations
 import logging
 import os
 
-from dcr_core.errors import IntegrityError, StepVanishedError, UsageError
+from dcr_core.errors import UsageError
 from flows import refs
 from flows.options import ReceiveOptions
 from flows.receive import module, placement, state_file
-from flows.receive.pipeline import MAX_REPLANS, check_arguments
+from flows.receive.pipeline import check_arguments, with_replans
 from flows.results import ReceiveResult, as_dict
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from storage.reader import RefitPlan, manifests
@@ -49,20 +49,17 @@ def receive_into_module(
     with refs.holding(target, "module") as mod:
         leased: list[int] = []
         try:
-            for attempt in range(1, MAX_REPLANS + 1):
-                plan = tasks.plan_module_refit(ref, mod, step)
-                try:
-                    leased = tasks.take_leases(ref, receiver_id, plan, options.lease_seconds)
-                    info = _refit(tasks, plan, mod, mirror, options, target)
-                    break
-                except (StepVanishedError, IntegrityError) as e:
-                    if leased:
-                        tasks.release_leases(ref, receiver_id, leased)
-                        leased = []
-                    if attempt == MAX_REPLANS or not (isinstance(e, StepVanishedError) or state_file.vanished(plan)):
-                        raise
-                    log.warning("%s: a step of the refit was deleted meanwhile (gc); planning again",
-                                type(target).__name__)
+            def refit(p: RefitPlan) -> dict:
+                leased[:] = tasks.take_leases(ref, receiver_id, p, options.lease_seconds)
+                return _refit(tasks, p, mod, mirror, options, target)
+
+            def release() -> None:
+                if leased:
+                    tasks.release_leases(ref, receiver_id, list(leased))
+                    leased.clear()
+
+            plan, info = with_replans(lambda: tasks.plan_module_refit(ref, mod, step), refit, release,
+                                      type(target).__name__)
             policy = manifests(plan)[plan.target_step].policy_digest
             module.set_held(target, {"root": ref.url, "step": plan.target_step, "policy_digest": policy,
                                      "fingerprint": placement.fingerprint(target)})

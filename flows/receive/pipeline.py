@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 from dcr_core.errors import IntegrityError, StateMismatchError, StepVanishedError, UsageError
 from flows.options import ReceiveOptions
@@ -20,10 +22,11 @@ from flows.results import ReceiveResult
 from flows.steps import InProcess, Runner, Step, StepTable
 from storage import layout
 from storage.local import journal, state
-from storage.reader import manifests
+from storage.reader import RefitPlan, manifests
 from storage.root import RootRef
 
 log = logging.getLogger("dcr.receive")
+T = TypeVar("T")
 
 STATE_STEPS = StepTable(
     Step("resolve-chain", state_file.plan_receive),
@@ -35,6 +38,23 @@ STATE_STEPS = StepTable(
     Step("release-leases", state_file.release_leases),
 )
 MAX_REPLANS = 3  # a step deleted under a refit (gc): plan again, this many times at most
+
+
+def with_replans(plan: Callable[[], RefitPlan], run: Callable[[RefitPlan], T], undo: Callable[[], None],
+                 where: str) -> tuple[RefitPlan, T]:
+    """``plan()``, then ``run(plan)``; when a step the plan reads was deleted meanwhile (gc), ``undo()``
+    (release what ``run`` leased) and plan again, ``MAX_REPLANS`` times at most. Both receive
+    pipelines (state file and live module) refit through this one loop."""
+    for attempt in range(1, MAX_REPLANS + 1):
+        p = plan()
+        try:
+            return p, run(p)
+        except (StepVanishedError, IntegrityError) as e:
+            undo()
+            if attempt == MAX_REPLANS or not (isinstance(e, StepVanishedError) or state_file.vanished(p)):
+                raise
+            log.warning("%s: a step of the refit was deleted meanwhile (gc); planning again", where)
+    raise AssertionError("unreachable")
 
 
 def check_arguments(receiver_id: str | None, step: int | None, options) -> ReceiveOptions:
@@ -66,20 +86,18 @@ def run_receive(
             log.warning("%s: rolled back an interrupted in-place refit", state_path)
         leased: list[int] = []
         try:
-            for attempt in range(1, MAX_REPLANS + 1):
-                plan = tasks.plan_receive(ref, state_path, step, fresh)
-                try:
-                    if record:
-                        leased = tasks.take_leases(ref, receiver_id, plan, options.lease_seconds)
-                    staged = tasks.stage_refit(plan, state_path, options) if plan.moves else None
-                    break
-                except (StepVanishedError, IntegrityError) as e:
-                    if leased:
-                        tasks.release_leases(ref, receiver_id, leased)
-                        leased = []
-                    if attempt == MAX_REPLANS or not (isinstance(e, StepVanishedError) or state_file.vanished(plan)):
-                        raise
-                    log.warning("%s: a step of the refit was deleted meanwhile (gc); planning again", state_path)
+            def stage(p: RefitPlan):
+                if record:
+                    leased[:] = tasks.take_leases(ref, receiver_id, p, options.lease_seconds)
+                return tasks.stage_refit(p, state_path, options) if p.moves else None
+
+            def release() -> None:
+                if leased:
+                    tasks.release_leases(ref, receiver_id, list(leased))
+                    leased.clear()
+
+            plan, staged = with_replans(lambda: tasks.plan_receive(ref, state_path, step, fresh), stage, release,
+                                        state_path)
             pulled = 0
             if staged is not None:
                 tasks.install_state(staged)
