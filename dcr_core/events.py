@@ -41,6 +41,8 @@ POINTS = frozenset({
     "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patch-written",
     "receive.patched", "receive.replaced",
     "receive.recorded",
+    # receiver (a vLLM engine): each tensor handed to vLLM's reload, then the reload done
+    "receive.engine-tensor", "receive.engine-reloaded",
     # maintenance
     "gc.planned", "gc.leases-checked", "gc.marker-deleted", "gc.step-deleted",
 })

@@ -36,6 +36,7 @@ from flows.options import GcOptions, PublishOptions, ReceiveOptions
 from flows.publish.pipeline import run_publish
 from flows.receive.module_pipeline import receive_into_module
 from flows.receive.pipeline import run_receive
+from flows.receive.vllm_refit import refit_engine
 from flows.results import PublishResult, as_dict
 from flows.steps import Step
 from storage import layout
@@ -105,12 +106,15 @@ def receive_refit(
     options: ReceiveOptions | None = None, state_path: str | None = None,
 ) -> dict:
     """Bring ``target`` to ``step`` (default: the latest): a state file path (what deployments
-    pass), or a live module with ``load_weights`` (``state_path``: its partial mirror)."""
+    pass), a running vLLM engine started with DCR's worker extension (``state_path``: each worker's
+    mirror), or a live module with ``load_weights`` (``state_path``: its partial mirror)."""
     run_tags = ("dcr", "dcr-receive", f"root:{root}", f"receiver:{receiver_id}")
     _tag_run(*run_tags)
     with tags(*run_tags):
         if isinstance(target, (str, Path)):
             result = as_dict(run_receive(str(root), receiver_id, target, step, storage_options, options, PrefectRunner()))
+        elif callable(getattr(target, "collective_rpc", None)):
+            result = refit_engine(target, str(root), receiver_id, step, storage_options, options, state_path, PrefectRunner())
         else:
             result = receive_into_module(str(root), receiver_id, target, step, storage_options, options, state_path,
                                          PrefectRunner())

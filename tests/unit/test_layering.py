@@ -21,6 +21,8 @@ LAZY_OK = {
     "torch.distributed.tensor", "torch.distributed.tensor._utils",  # flows.publish.shards: only FSDP2 (DTensor) callers
     "flows.cli.orchestrated",  # flows.cli: Prefect only with --orchestrator prefect
     "ctypes",  # flows.cli: only on Linux
+    # flows.receive.vllm_worker and vllm_fixups: only inside a vLLM worker
+    "vllm.config", "vllm.model_executor.model_loader.reload", "vllm.model_executor.layers.attention",
 }
 # Which top-level layers each layer may import (its own included).
 ALLOWED = {"dcr_core": {"dcr_core"}, "storage": {"dcr_core", "storage"}, "flows": {"dcr_core", "storage", "flows"}}

