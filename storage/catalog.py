@@ -76,7 +76,7 @@ class Catalog:
 
     def __init__(self, root: Root):
         self.root = root
-        self.key = signing.signing_key()  # markers must be signed with it when set
+        self.key = signing.verify_key()  # markers must be signed with it when set
         self._markers: dict[int, CommitMarker] = {}
         self._run: run.Run | None | bool = False  # False: not read yet
 
@@ -119,7 +119,10 @@ class Catalog:
         if self.key is not None:
             if marker.signature is None:
                 raise UntrustedError(f"{where}: commit marker is not signed, and a signing key is configured")
-            if not signing.verify(self.key, marker.body(), marker.signature):
+            if marker.signature_algorithm != self.key.algorithm:
+                raise UntrustedError(f"{where}: commit marker is signed with {marker.signature_algorithm}, and this "
+                                     f"reader verifies {self.key.algorithm} signatures ({self.key.source})")
+            if not self.key.verify(marker.body(), marker.signature):
                 raise UntrustedError(f"{where}: commit marker signature does not match (tampered, or another key)")
         self._check_run(marker, step, where)
         return marker

@@ -43,9 +43,9 @@ def commit_marker(root: Root, marker: CommitMarker) -> CommitMarker:
             f"{root.url}: step {latest} was committed while step {marker.step} was being published; nothing committed"
         )
     marker = dataclasses.replace(marker, run=run.ensure(root, marker.step).run_id)
-    key = signing.signing_key()
+    key = signing.publisher_key()
     if key is not None:
-        marker = dataclasses.replace(marker, signature=signing.sign(key, marker.body()))
+        marker = dataclasses.replace(marker, signature=key.sign(marker.body()), signature_algorithm=key.algorithm)
     if root.create_if_absent(layout.commit_key(marker.step), marker.to_json()):
         return marker
     winner = Catalog(root).marker(marker.step)

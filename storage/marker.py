@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass, field
 
 from dcr_core.chain import DELTA, KEYFRAME
-from storage import layout
+from storage import layout, signing
 from storage.fields import fail, parse_attempt, parse_digest, parse_int, parse_run_id
 
 SCHEMA_VERSION = 1
@@ -31,8 +31,9 @@ class CommitMarker:
     policy_digest: str
     committed_at: str
     summary: dict = field(default_factory=dict)
-    signature: str | None = None  # HMAC of body() when the publisher has a signing key
+    signature: str | None = None  # of body(), when the publisher has a signing key (storage.signing)
     run: str | None = None  # the ROOT's run id (``storage.run``); None in markers written before runs
+    signature_algorithm: str = signing.HMAC_SHA256
 
     @property
     def manifest_key(self) -> str:
@@ -41,7 +42,7 @@ class CommitMarker:
     def to_json(self) -> bytes:
         d = self.body()
         if self.signature is not None:
-            d["signature"] = {"algorithm": "hmac-sha256", "value": self.signature}
+            d["signature"] = {"algorithm": self.signature_algorithm, "value": self.signature}
         return json.dumps(d, indent=1).encode() + b"\n"
 
     def body(self) -> dict:
@@ -81,11 +82,13 @@ class CommitMarker:
         base = d.get("base_step")
         sig = d.get("signature")
         if sig is not None and not (
-            isinstance(sig, dict) and sig.get("algorithm") == "hmac-sha256" and isinstance(sig.get("value"), str)
+            isinstance(sig, dict) and sig.get("algorithm") in signing.ALGORITHMS and isinstance(sig.get("value"), str)
+            and len(sig["value"]) <= 1024
         ):
             raise fail(where, "malformed signature")
         return cls(
             signature=None if sig is None else sig["value"],
+            signature_algorithm=signing.HMAC_SHA256 if sig is None else sig["algorithm"],
             step=step,
             attempt=attempt,
             manifest_digest=parse_digest(d.get("manifest_digest"), where),

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 
 from flows.receive.vllm_refit import EXTENSION
 
@@ -40,6 +41,16 @@ def start(model_dir: str, tensor_parallel: int = 1, max_model_len: int = 256, ex
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                max_model_len=max_model_len, gpu_memory_utilization=0.1, tensor_parallel_size=tensor_parallel,
                seed=0, worker_extension_cls=EXTENSION if extension else None, **kwargs)
+
+
+@contextmanager
+def serving(model_dir: str, tensor_parallel: int = 1, **kwargs) -> Iterator:
+    """``start`` ... ``stop``, as a context manager."""
+    llm = start(model_dir, tensor_parallel, **kwargs)
+    try:
+        yield llm
+    finally:
+        stop(llm)
 
 
 def generate(llm, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 16) -> list[list[int]]:

@@ -71,13 +71,11 @@ def run_model(kind: str, size: str, base: str, lr: float, steps: int = 2, batch:
         run_materialize(root, step, os.path.join(d, "model.safetensors"))
         return d
 
-    ref = vllm_engine.start(model_dir(2))
-    ref_dump, ref_tokens = ref.collective_rpc("dcr_dump"), vllm_engine.generate(ref)
-    vllm_engine.stop(ref)
+    with vllm_engine.serving(model_dir(2)) as ref:
+        ref_dump, ref_tokens = ref.collective_rpc("dcr_dump"), vllm_engine.generate(ref)
 
-    llm = vllm_engine.start(model_dir(0))
     mirror = os.path.join(base, "mirror.safetensors")
-    try:
+    with vllm_engine.serving(model_dir(0)) as llm:
         before = _throughput(llm, batch, tokens)
         first = refit_engine(llm, root, "bench", step=1, state_path=mirror)
         t0 = time.perf_counter()
@@ -91,8 +89,6 @@ def run_model(kind: str, size: str, base: str, lr: float, steps: int = 2, batch:
         after = _throughput(llm, batch, tokens)
         dump = llm.collective_rpc("dcr_dump")
         tokens_equal = vllm_engine.generate(llm) == ref_tokens
-    finally:
-        vllm_engine.stop(llm)
     differ = sorted(n for n in dump[0] if dump[0][n] != ref_dump[0].get(n)) + sorted(set(ref_dump[0]) - set(dump[0]))
     return {
         "model": f"{kind}:{size}", "parameters": params, "lr": lr, "checkpoint_bytes": full_bytes,

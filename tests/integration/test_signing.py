@@ -106,3 +106,101 @@ def test_a_rolled_back_root_is_refused_and_the_held_state_is_kept(signed, tmp_pa
         with pytest.raises(StateMismatchError, match="not committed"):
             run_receive(root, "r", str(state), step)
     assert file_bytes(state) == before
+
+
+# -- Ed25519: publishers hold the private key, receivers only the public one -----------------------
+
+
+@pytest.fixture
+def ed25519(tmp_path, monkeypatch):
+    from storage import signing
+
+    signing.keygen(tmp_path / "key")
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    root = str(tmp_path / "bucket")
+    cks = _chain(3)
+    _publish(root, cks, tmp_path)
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))  # from here on: a receiver
+    return root, cks
+
+
+def test_ed25519_signed_steps_refit_exactly_with_only_the_public_key(ed25519, tmp_path):
+    root, cks = ed25519
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state))
+    assert_bits_equal(load_file(state), cks[2])
+    sig = json.load(open(_marker(root, 2)))["signature"]
+    assert sig["algorithm"] == "ed25519" and len(bytes.fromhex(sig["value"])) == 64
+
+
+@pytest.mark.parametrize("how", ["edited", "unsigned", "hmac", "another-pair", "replayed"])
+def test_a_receiver_with_the_public_key_refuses_what_the_private_key_did_not_sign(ed25519, tmp_path, how):
+    from storage import signing
+
+    root, cks = ed25519
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state), 1)
+    before = file_bytes(state)
+    path = _marker(root, 2)
+    d = json.load(open(path))
+    body = {k: v for k, v in d.items() if k != "signature"}
+    if how == "edited":
+        d["summary"]["bytes_stored"] = 1
+    elif how == "unsigned":
+        del d["signature"]
+    elif how == "hmac":  # someone with an HMAC secret (or none) cannot stand in for the key pair
+        d["signature"] = {"algorithm": "hmac-sha256", "value": signing.Key("hmac-sha256", "x", secret=b"s").sign(body)}
+    elif how == "another-pair":
+        other = signing.keygen(tmp_path / "other")
+        d["signature"] = {"algorithm": "ed25519", "value": other.sign(body)}
+    elif how == "replayed":  # step 1's marker, signed, under step 2
+        d = json.load(open(_marker(root, 1)))
+        d["step"] = 2
+    json.dump(d, open(path, "w"))
+    with pytest.raises(IntegrityError) as ei:
+        run_receive(root, "r", str(state), 2)
+    assert len(str(ei.value).splitlines()) == 1 and "commit.json" in str(ei.value)
+    assert file_bytes(state) == before
+
+
+def test_keys_of_the_wrong_kind_are_refused_by_name(tmp_path, monkeypatch):
+    from dcr_core.errors import UsageError
+    from storage import signing
+
+    signing.keygen(tmp_path / "a")
+    signing.keygen(tmp_path / "b")
+    cases = [  # environment -> (function, what the one-line error says)
+        ({"DCR_SIGNING_KEY_FILE": "a.pub"}, signing.signing_key, "holds a public key"),
+        ({"DCR_VERIFY_KEY_FILE": "a"}, signing.verify_key, "holds a private key"),
+        ({"DCR_VERIFY_KEY_FILE": "secret"}, signing.verify_key, "not an Ed25519 public key"),
+        ({"DCR_VERIFY_KEY_FILE": "a.pub", "DCR_SIGNING_KEY_FILE": "b"}, signing.verify_key, "not one key pair"),
+        ({"DCR_VERIFY_KEY_FILE": "a.pub"}, signing.publisher_key, "no signing key"),
+        ({"DCR_VERIFY_KEY_FILE": "missing"}, signing.verify_key, "cannot read the verify key"),
+    ]
+    (tmp_path / "secret").write_text("an hmac secret\n")
+    for env, fn, message in cases:
+        with monkeypatch.context() as m:
+            for var in ("DCR_SIGNING_KEY", "DCR_SIGNING_KEY_FILE", "DCR_VERIFY_KEY_FILE"):
+                m.delenv(var, raising=False)
+            for var, name in env.items():
+                m.setenv(var, str(tmp_path / name))
+            with pytest.raises(UsageError, match=message):
+                fn()
+    with monkeypatch.context() as m:  # a matching pair on one machine is fine: verify with the public key
+        m.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "a"))
+        m.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "a.pub"))
+        assert signing.verify_key().fingerprint == signing.signing_key().fingerprint
+
+
+def test_keygen_writes_a_private_key_only_its_owner_reads_and_never_overwrites(tmp_path):
+    from tests.support.cli import dcr
+
+    out = dcr("keygen", tmp_path / "k", check=0)
+    assert "ed25519:" in out.stdout
+    assert (tmp_path / "k").stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "k").read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
+    assert (tmp_path / "k.pub").read_bytes().startswith(b"-----BEGIN PUBLIC KEY-----")
+    before = (tmp_path / "k").read_bytes()
+    out = dcr("keygen", tmp_path / "k", check=2)
+    assert "never overwrites" in out.stderr and (tmp_path / "k").read_bytes() == before

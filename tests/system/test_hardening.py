@@ -25,7 +25,7 @@ from flows import run_publish
 from flows.options import PublishOptions
 from storage import layout
 from storage.marker import CommitMarker
-from storage.signing import sign
+from storage.signing import HMAC_SHA256, Key
 from tests.support.cli import copy_tree, dcr, dcr_peak_rss, publish_chain
 from tests.support.helpers import assert_bits_equal, tree_snapshot, write_safetensors
 
@@ -318,7 +318,7 @@ def test_a_root_written_before_runs_existed_stays_readable_and_gains_a_run(bucke
     for s in range(4):  # strip the run and sign again, as an older publisher would have
         path = root / layout.commit_key(s)
         m = dataclasses.replace(CommitMarker.from_json(path.read_bytes(), str(path), s), run=None)
-        path.write_bytes(dataclasses.replace(m, signature=sign(KEY.encode(), m.body())).to_json())
+        path.write_bytes(dataclasses.replace(m, signature=Key(HMAC_SHA256, "test", secret=KEY.encode()).sign(m.body())).to_json())
         assert b'"run"' not in path.read_bytes()
     state = tmp_path / "s.safetensors"
     dcr("receive", root, "--receiver", "r", "--state", state, "--step", 2, env=env, check=0)

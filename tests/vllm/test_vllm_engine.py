@@ -54,11 +54,8 @@ class Trained:
     def reference(self, step: int, tp: int = 1):
         key = (step, tp)
         if key not in self.refs:
-            llm = vllm_engine.start(self.model_dir(step), tensor_parallel=tp)
-            try:
+            with vllm_engine.serving(self.model_dir(step), tensor_parallel=tp) as llm:
                 self.refs[key] = (llm.collective_rpc("dcr_dump"), vllm_engine.generate(llm))
-            finally:
-                vllm_engine.stop(llm)
         return self.refs[key]
 
 
@@ -95,8 +92,7 @@ def _assert_same_engine(llm, ref) -> None:
 
 def test_refits_of_a_running_engine_equal_a_fresh_engine_after_every_step(trained, tmp_path):
     refs = {s: trained.reference(s) for s in range(1, STEPS + 1)}
-    llm = vllm_engine.start(trained.model_dir(0))
-    try:
+    with vllm_engine.serving(trained.model_dir(0)) as llm:
         mirror = str(tmp_path / "mirror.safetensors")
         first = refit_engine(llm, trained.root, "rollout", step=1, state_path=mirror)
         assert first["mode"] == "full" and first["step"] == 1  # an engine DCR has not loaded: every tensor
@@ -114,8 +110,6 @@ def test_refits_of_a_running_engine_equal_a_fresh_engine_after_every_step(traine
         same = refit_engine(llm, trained.root, "rollout", step=1, state_path=mirror)
         assert (same["mode"], same["bytes_pulled"], same["reloaded_tensors"]) == ("current", 0, 0)
         assert Catalog(open_root(trained.root)).position("rollout")["step"] == 1
-    finally:
-        vllm_engine.stop(llm)
 
 
 def test_a_refit_that_touches_some_layers_reloads_only_those_layers_and_whole(llama, tmp_path):
@@ -126,23 +120,19 @@ def test_a_refit_that_touches_some_layers_reloads_only_those_layers_and_whole(ll
     ck["model.layers.1.input_layernorm.weight"].view(-1)[3] *= -1
     run_publish(llama.root, ck, STEPS + 1, options=PublishOptions(chunk_bytes=16384))
     ref = llama.reference(STEPS + 1)
-    llm = vllm_engine.start(llama.model_dir(STEPS))
-    try:
+    with vllm_engine.serving(llama.model_dir(STEPS)) as llm:
         mirror = str(tmp_path / "mirror.safetensors")
         refit_engine(llm, llama.root, "partial", step=STEPS, state_path=mirror)
         r = refit_engine(llm, llama.root, "partial", step=STEPS + 1, state_path=mirror)
         worker = r["workers"][0]
         assert (r["mode"], worker["changed_tensors"], r["reloaded_tensors"]) == ("delta", 2, 4), r  # q, k, v + norm
         _assert_same_engine(llm, ref)
-    finally:
-        vllm_engine.stop(llm)
 
 
 def test_a_failed_reload_leaves_the_engine_serving_the_old_step_and_a_retry_succeeds(llama, tmp_path):
     ref1, ref2 = llama.reference(1), llama.reference(2)
-    llm = vllm_engine.start(llama.model_dir(0))
     mirror = str(tmp_path / "mirror.safetensors")
-    try:
+    with vllm_engine.serving(llama.model_dir(0)) as llm:
         refit_engine(llm, llama.root, "faults", step=1, state_path=mirror)
         _assert_same_engine(llm, ref1)
         reached = []
@@ -176,15 +166,12 @@ def test_a_failed_reload_leaves_the_engine_serving_the_old_step_and_a_retry_succ
         r = refit_engine(llm, llama.root, "faults", step=2, state_path=mirror)  # the retry
         assert (r["mode"], r["from_step"]) == ("delta", 1)
         _assert_same_engine(llm, ref2)
-    finally:
-        vllm_engine.stop(llm)
 
 
 def test_a_step_that_fails_verification_never_reaches_the_engine(llama, tmp_path):
     ref1, ref3 = llama.reference(1), llama.reference(3)
-    llm = vllm_engine.start(llama.model_dir(0))
     mirror = str(tmp_path / "mirror.safetensors")
-    try:
+    with vllm_engine.serving(llama.model_dir(0)) as llm:
         refit_engine(llm, llama.root, "verify", step=1, state_path=mirror)
         chunks = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(llama.root, "steps", f"{2:012d}"))
                   for f in fs if "/c/" in os.path.join(d, f) and "data.zarr" in d]
@@ -203,15 +190,12 @@ def test_a_step_that_fails_verification_never_reaches_the_engine(llama, tmp_path
         r = refit_engine(llm, llama.root, "verify", step=3, state_path=mirror)
         assert (r["mode"], r["from_step"]) == ("delta", 1)
         _assert_same_engine(llm, ref3)
-    finally:
-        vllm_engine.stop(llm)
 
 
 def test_the_engine_serves_while_a_step_is_fetched_and_pauses_only_to_apply(llama, tmp_path):
     ref0, ref2 = (llama.reference(0), llama.reference(2))
-    llm = vllm_engine.start(llama.model_dir(0))
     mirror = str(tmp_path / "mirror.safetensors")
-    try:
+    with vllm_engine.serving(llama.model_dir(0)) as llm:
         refit_engine(llm, llama.root, "bg", step=0, state_path=mirror)  # the engine becomes known (full reload)
         started = prepare_refit(llm, llama.root, "bg", step=2, state_path=mirror, background=True)
         assert started[0]["preparing"]
@@ -221,15 +205,12 @@ def test_the_engine_serves_while_a_step_is_fetched_and_pauses_only_to_apply(llam
         _assert_same_engine(llm, ref2)
         assert llm.collective_rpc("dcr_wait")[0]["held"]["step"] == 2  # the record, written in the background
         assert Catalog(open_root(llama.root)).position("bg")["step"] == 2
-    finally:
-        vllm_engine.stop(llm)
 
 
 def test_an_engine_changed_behind_dcrs_back_is_reloaded_whole(llama, tmp_path):
     ref2 = llama.reference(2)
-    llm = vllm_engine.start(llama.model_dir(0))
     mirror = str(tmp_path / "mirror.safetensors")
-    try:
+    with vllm_engine.serving(llama.model_dir(0)) as llm:
         refit_engine(llm, llama.root, "drift", step=1, state_path=mirror)
 
         def reload_step0(worker, path=os.path.join(llama.model_dir(0), "model.safetensors")):
@@ -241,15 +222,12 @@ def test_an_engine_changed_behind_dcrs_back_is_reloaded_whole(llama, tmp_path):
         r = refit_engine(llm, llama.root, "drift", step=2, state_path=mirror)
         assert r["mode"] == "full"
         _assert_same_engine(llm, ref2)
-    finally:
-        vllm_engine.stop(llm)
 
 
 def test_tensor_parallel_2_refits_equal_a_fresh_tensor_parallel_engine(llama, tmp_path):
     ref1, ref2 = llama.reference(1, tp=2), llama.reference(2, tp=2)
-    llm = vllm_engine.start(llama.model_dir(0), tensor_parallel=2)
     mirror = str(tmp_path / "mirror.safetensors")
-    try:
+    with vllm_engine.serving(llama.model_dir(0), tensor_parallel=2) as llm:
         r1 = refit_engine(llm, llama.root, "tp", step=1, state_path=mirror)
         assert [w["receiver"] for w in r1["workers"]] == ["tp-rank0", "tp-rank1"]
         _assert_same_engine(llm, ref1)
@@ -258,8 +236,6 @@ def test_tensor_parallel_2_refits_equal_a_fresh_tensor_parallel_engine(llama, tm
         _assert_same_engine(llm, ref2)
         positions = Catalog(open_root(llama.root))
         assert positions.position("tp-rank0")["step"] == positions.position("tp-rank1")["step"] == 2
-    finally:
-        vllm_engine.stop(llm)
 
 
 @pytest.mark.prefect
@@ -269,15 +245,12 @@ def test_the_receive_flow_refits_an_engine_as_prefect_tasks(llama, prefect_api, 
     from flows import receive_refit
 
     ref2 = llama.reference(2)
-    llm = vllm_engine.start(llama.model_dir(0))
-    try:
+    with vllm_engine.serving(llama.model_dir(0)) as llm:
         with temporary_settings({PREFECT_API_URL: prefect_api}):
             r = receive_refit(llama.root, "flow", llm, step=2, state_path=str(tmp_path / "mirror.safetensors"))
         assert r["step"] == 2 and set(r["timings"]) == {"prepare-on-workers", "apply-on-workers", "reset-prefix-cache",
                                                       "await-receiver-commit"}
         _assert_same_engine(llm, ref2)
-    finally:
-        vllm_engine.stop(llm)
 
 
 def test_training_changed_a_realistic_fraction_of_the_weights(trained):
@@ -286,3 +259,16 @@ def test_training_changed_a_realistic_fraction_of_the_weights(trained):
     changed = sum(int((a[n].view(-1).view(torch.int16) != b[n].view(-1).view(torch.int16)).sum()) for n in a)
     total = sum(t.numel() for t in a.values())
     assert 0.001 < changed / total < 0.9, changed / total
+
+
+def test_the_contract_form_collective_rpc_dcr_receive_with_the_root_alone(llama):
+    """``llm.collective_rpc("dcr_receive", args=(root,))``: receiver ``vllm``, the latest step, the
+    mirror under DCR_CACHE_DIR."""
+    ref = llama.reference(STEPS)
+    with vllm_engine.serving(llama.model_dir(0)) as llm:
+        (r,) = llm.collective_rpc("dcr_receive", args=(llama.root,))
+        llm.reset_prefix_cache()
+        assert (r["receiver"], r["to_step"], r["mode"]) == ("vllm", STEPS, "full")
+        _assert_same_engine(llm, ref)
+        llm.collective_rpc("dcr_wait")
+        assert Catalog(open_root(llama.root)).position("vllm")["step"] == STEPS
