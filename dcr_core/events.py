@@ -43,6 +43,8 @@ POINTS = frozenset({
     "receive.recorded",
     # receiver (a vLLM engine): each tensor handed to vLLM's reload, then the reload done
     "receive.engine-tensor", "receive.engine-reloaded",
+    # a mirror: each object copied downstream, a step's payload complete, its marker copied
+    "mirror.object-copied", "mirror.payload-copied", "mirror.committed",
     # maintenance
     "gc.planned", "gc.leases-checked", "gc.marker-deleted", "gc.step-deleted",
 })

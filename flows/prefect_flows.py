@@ -32,6 +32,7 @@ from prefect.runtime import flow_run
 
 from dcr_core.errors import DCRError
 from flows.maintenance.gc import GcReport, run_gc
+from flows.maintenance.mirror import run_mirror
 from flows.options import GcOptions, PublishOptions, ReceiveOptions
 from flows.publish.pipeline import run_publish
 from flows.receive.module_pipeline import receive_into_module
@@ -78,6 +79,11 @@ def _receive_name() -> str:
     return f"receive-{p['receiver_id']}-to-{'latest' if p.get('step') is None else p['step']}"
 
 
+def _mirror_name() -> str:
+    p = flow_run.parameters
+    return f"mirror-{'all' if p.get('step') is None else 'step-' + str(p['step'])}"
+
+
 def _gc_name() -> str:
     options = flow_run.parameters["options"]
     keep = options.keep_last if isinstance(options, GcOptions) else options.get("keep_last")
@@ -120,6 +126,19 @@ def receive_refit(
                                          PrefectRunner())
     _best_effort(_report_receive, str(root), storage_options, receiver_id, result)
     return result
+
+
+@flow(name="dcr-mirror", flow_run_name=_mirror_name, log_prints=True, result_serializer="json", persist_result=True)
+def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_options: dict | None = None,
+                 dst_storage_options: dict | None = None) -> dict:
+    """Copy committed steps (``step``, or all) from ROOT ``src`` to ROOT ``dst`` (``dcr mirror``)."""
+    run_tags = ("dcr", "dcr-mirror", f"root:{src}", f"mirror:{dst}")
+    _tag_run(*run_tags)
+    with tags(*run_tags):
+        result = run_mirror(str(src), str(dst), step, src_storage_options, dst_storage_options, PrefectRunner())
+    get_run_logger().info("mirrored steps %s to %s (%d objects, %d bytes); already there: %d", result.copied_steps, dst,
+                          result.objects_copied, result.bytes_copied, len(result.present_steps))
+    return asdict(result)
 
 
 @flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True, result_serializer="json", persist_result=True)

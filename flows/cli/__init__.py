@@ -32,6 +32,7 @@ COMMANDS = {
     "report": ("flows.cli.report", "a static HTML page (and PNGs) of the run: bytes, change rate, receivers' lag"),
     "gc": ("flows.cli.bucket", "delete steps and attempts that retention no longer needs"),
     "serve": ("flows.cli.serve", "serve the Prefect deployments of infra/prefect.yaml from this process"),
+    "mirror": ("flows.cli.mirror", "copy committed steps from ROOT to another ROOT (a relay tree): payload first, marker last"),
     "keygen": ("flows.cli.keys", "write an Ed25519 key pair for signed commits: PATH (private), PATH.pub (public)"),
 }
 PLUGIN_GROUP = "dcr.commands"

@@ -264,3 +264,22 @@ def test_cli_runs_the_prefect_flows_only_when_asked_and_keeps_its_output_contrac
         assert rx_row["bytes pulled"] > 0
         logs = [lg.message for lg in client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[pub.id])))]
     assert any(m.startswith("committed step 1 (delta against step 0)") for m in logs), logs
+
+
+def test_the_mirror_flow_copies_committed_steps_as_one_task_per_step(prefect_settings, tmp_path):
+    from safetensors.torch import load_file
+
+    from flows import mirror_refit, run_publish, run_receive
+
+    g = torch.Generator().manual_seed(0)
+    cks = [{"w": torch.randn(64, 32, generator=g).bfloat16()}]
+    cks.append({"w": cks[0]["w"].clone()})
+    cks[1]["w"].view(-1).view(torch.int16)[::5] ^= 1
+    src, dst = str(tmp_path / "origin"), str(tmp_path / "mirror")
+    for s, ck in enumerate(cks):
+        run_publish(src, ck, s)
+    r = mirror_refit(src, dst)
+    assert r["copied_steps"] == [0, 1] and r["bytes_copied"] > 0
+    state = tmp_path / "s.safetensors"
+    run_receive(dst, "r", str(state))
+    assert_bits_equal(load_file(state), cks[1])

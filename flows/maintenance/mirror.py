@@ -1,0 +1,132 @@
+"""``dcr mirror SRC DST``: copy committed steps from an upstream ROOT to a downstream ROOT.
+
+A mirror is a ROOT like any other: receivers refit from it exactly as from the origin, and a
+mirror of a mirror makes a tree. For each step it copies (every step committed upstream and not
+yet downstream, ascending; or ``--step N``):
+
+1. the upstream commit marker is read and checked (its signature, with ``DCR_VERIFY_KEY_FILE`` or
+   a signing key configured; its run), and the manifest it names (against the marker's digest);
+2. ``run.json`` is copied if the downstream ROOT has none (the same run); a downstream ROOT of
+   another run is refused;
+3. every object of the committed attempt (manifest, Zarr metadata, chunks, snapshots, rank parts)
+   is copied, byte for byte, unless downstream already holds it with the same size: only the
+   attempt the marker names, never a losing or uncommitted one;
+4. the marker is copied last, byte for byte (so its signature is the origin's), created only if
+   absent. A downstream marker naming another attempt is refused.
+
+A crash anywhere before 4 leaves the step invisible downstream (no marker); a rerun copies what is
+missing and commits. Receivers verify everything they pull from a mirror against the origin's
+signature and digests, as from the origin. Not done: copying chunks as an upstream attempt is
+being written (streaming), receivers' fallback ROOTs, keeping upstream steps that a mirror still
+needs from upstream gc (a mirror records no position upstream), and a deployment in
+``infra/prefect.yaml`` (``mirror_refit`` is a Prefect flow: ``plan-mirror``, one ``copy-step`` task
+per step).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass, field
+
+from dcr_core import events
+from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError
+from flows.steps import InProcess, Runner, Step, StepTable
+from storage import layout
+from storage.catalog import Catalog
+from storage.marker import CommitMarker
+from storage.root import Root, RootRef, open_root
+
+log = logging.getLogger("dcr.mirror")
+
+
+@dataclass
+class MirrorResult:
+    copied_steps: list[int] = field(default_factory=list)
+    present_steps: list[int] = field(default_factory=list)  # already committed downstream
+    objects_copied: int = 0
+    bytes_copied: int = 0
+
+
+def _copy_run(src: Root, dst: Root) -> None:
+    data = src.read(layout.RUN) if src.exists(layout.RUN) else None
+    if data is None:
+        return  # a ROOT from before runs: its markers name none
+    if dst.create_if_absent(layout.RUN, data):
+        return
+    held = dst.read(layout.RUN)
+    if held != data:
+        raise StepConflictError(f"{dst.url}/{layout.RUN}: another run than {src.url}'s; a mirror holds one run "
+                                "(give it an empty ROOT)")
+
+
+def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult) -> None:
+    """Copy committed step ``step`` of ``src`` to ``dst`` (see the module docstring)."""
+    scat, dcat = Catalog(src), Catalog(dst)
+    marker = scat.require_marker(step)
+    scat.manifest(step)  # read and checked against the marker's digest
+    present = dcat.marker(step)
+    if present is not None:
+        if present.attempt != marker.attempt or present.manifest_digest != marker.manifest_digest:
+            raise StepConflictError(f"{dst.url}: step {step} holds attempt {present.attempt}, upstream committed "
+                                    f"{marker.attempt}; a mirror never replaces a committed step")
+        result.present_steps.append(step)
+        return
+    raw = src.read(layout.commit_key(step))
+    copied = CommitMarker.from_json(raw, f"{src.url}/{layout.commit_key(step)}", step)
+    if (copied.attempt, copied.manifest_digest, copied.signature) != (marker.attempt, marker.manifest_digest,
+                                                                      marker.signature):
+        raise IntegrityError(f"{src.url}/{layout.commit_key(step)}: changed while it was mirrored")
+    _copy_run(src, dst)
+    prefix = layout.attempt_dir(step, marker.attempt)
+    have = {o.key: o.size for o in dst.objects(prefix)}
+    for obj in src.objects(prefix):
+        if have.get(obj.key) == obj.size:
+            continue
+        data = src.read(obj.key)
+        dst.write(obj.key, data)
+        result.objects_copied += 1
+        result.bytes_copied += len(data)
+        events.reached("mirror.object-copied", key=obj.key, nbytes=len(data))
+    events.reached("mirror.payload-copied", step=step)
+    if not dst.create_if_absent(layout.commit_key(step), raw):
+        winner = Catalog(dst).marker(step)
+        if winner is None or winner.attempt != marker.attempt:
+            raise StepConflictError(f"{dst.url}: step {step} was committed by someone else while it was mirrored")
+    events.reached("mirror.committed", step=step)
+    result.copied_steps.append(step)
+
+
+def plan_mirror(src: RootRef, step: int | None) -> list[int]:
+    """The steps to mirror: ``step``, or every step committed upstream (ascending)."""
+    if step is not None:
+        return [layout.check_step(step)]
+    steps = Catalog(open_root(src)).committed_steps()
+    if not steps:
+        raise StepNotFoundError(f"{src.url}: no committed step to mirror")
+    return steps
+
+
+def copy_step(src: RootRef, dst: RootRef, step: int) -> dict:
+    """One step (a task): copied, or found already there (checked: the same attempt)."""
+    result = MirrorResult()
+    mirror_step(open_root(src), open_root(dst), step, result)
+    return asdict(result)
+
+
+MIRROR_STEPS = StepTable(Step("plan-mirror", plan_mirror), Step("copy-step", copy_step))
+
+
+def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | None = None,
+               dst_options: dict | None = None, runner: Runner | None = None) -> MirrorResult:
+    """Copy ``step`` (default: every committed step upstream; those downstream already has are
+    checked, not copied) from ROOT ``src`` to ``dst``, each with its own storage options."""
+    s, d = RootRef(src, dict(src_options or {})), RootRef(dst, dict(dst_options or {}))
+    tasks = MIRROR_STEPS.bind(runner or InProcess())
+    result = MirrorResult()
+    for st in tasks.plan_mirror(s, step):
+        one = tasks.copy_step(s, d, st)
+        result.copied_steps += one["copied_steps"]
+        result.present_steps += one["present_steps"]
+        result.objects_copied += one["objects_copied"]
+        result.bytes_copied += one["bytes_copied"]
+    return result

@@ -1,0 +1,187 @@
+"""``dcr mirror``: committed steps copied to another ROOT (and on to a third), byte for byte, marker
+last; receivers refit from a mirror as from the origin, checked against the origin's signature."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+
+import pytest
+from safetensors.torch import load_file
+
+from dcr_core import events
+from dcr_core.errors import IntegrityError, StepConflictError
+from flows import run_publish, run_receive
+from flows.maintenance.mirror import run_mirror
+from flows.options import PublishOptions
+from storage import layout
+from tests.support.cli import dcr
+from tests.support.helpers import assert_bits_equal, file_bytes, nasty_checkpoint, next_step, tree_snapshot
+from tests.support.kill import kill_at
+
+
+def _chain(n: int) -> list[dict]:
+    cks = [nasty_checkpoint(seed=3)]
+    for s in range(1, n):
+        cks.append(next_step(cks[-1], seed=s))
+    return cks
+
+
+def _publish(root: str, cks: list[dict], tmp_path) -> None:
+    for s, ck in enumerate(cks):
+        run_publish(root, ck, s, options=PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path / "pub")))
+
+
+def _attempt_files(root: str, step: int) -> dict[str, bytes]:
+    marker = json.load(open(os.path.join(root, layout.commit_key(step))))
+    return tree_snapshot(os.path.join(root, layout.attempt_dir(step, marker["attempt"])))
+
+
+@pytest.fixture
+def origin(tmp_path):
+    root = str(tmp_path / "origin")
+    cks = _chain(3)
+    _publish(root, cks, tmp_path)
+    return root, cks
+
+
+def test_a_mirror_of_a_mirror_serves_the_origins_steps_bit_exact(origin, tmp_path):
+    root, cks = origin
+    # an attempt that never committed (a publisher that died) and a losing one: never mirrored
+    steps = os.path.join(root, "steps")
+    dead = os.path.join(steps, f"{3:012d}", "attempts", "ab" * 8)
+    shutil.copytree(os.path.join(root, os.path.dirname(layout.manifest_key(2, json.load(open(os.path.join(
+        root, layout.commit_key(2))))["attempt"]))), dead)
+    a, b = str(tmp_path / "region-a"), str(tmp_path / "region-b")
+    r1 = run_mirror(root, a)
+    assert r1.copied_steps == [0, 1, 2] and r1.bytes_copied > 0
+    r2 = run_mirror(a, b)
+    assert r2.copied_steps == [0, 1, 2]
+    for s in range(3):
+        assert _attempt_files(b, s) == _attempt_files(root, s)  # byte for byte, the committed attempt only
+        assert file_bytes(os.path.join(b, layout.commit_key(s))) == file_bytes(os.path.join(root, layout.commit_key(s)))
+    assert not os.path.exists(os.path.join(b, "steps", f"{3:012d}"))
+    assert file_bytes(os.path.join(b, layout.RUN)) == file_bytes(os.path.join(root, layout.RUN))
+    state = tmp_path / "s.safetensors"
+    for s in (0, 2, 1):  # forward and back, from the second-level mirror
+        run_receive(b, "rollout", str(state), s)
+        assert_bits_equal(load_file(state), cks[s])
+    again = run_mirror(a, b)  # idempotent: nothing copied, every step checked
+    assert again.copied_steps == [] and again.present_steps == [0, 1, 2] and again.objects_copied == 0
+
+
+def test_a_new_upstream_step_is_mirrored_alone(origin, tmp_path):
+    root, cks = origin
+    a = str(tmp_path / "a")
+    run_mirror(root, a)
+    cks.append(next_step(cks[-1], seed=9))
+    run_publish(root, cks[3], 3, options=PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path / "pub")))
+    r = run_mirror(root, a, step=3)
+    assert r.copied_steps == [3]
+    state = tmp_path / "s.safetensors"
+    run_receive(a, "r", str(state))
+    assert_bits_equal(load_file(state), cks[3])
+
+
+@pytest.mark.faults(component="mirror", outcome="nothing visible downstream; a rerun commits bit-exact")
+@pytest.mark.parametrize("point", ["mirror.object-copied@3", "mirror.payload-copied@2"])
+def test_a_mirror_killed_mid_copy_shows_nothing_and_a_rerun_completes(origin, tmp_path, point):
+    root, cks = origin
+    a = str(tmp_path / "a")
+    err = kill_at(point, "mirror", root, a)
+    assert f"failpoint {point} reached" in err
+    cut = int(point.split("@")[1]) - 1 if point.startswith("mirror.payload") else 0  # the step cut off
+    assert not os.path.exists(os.path.join(a, layout.commit_key(cut)))  # its marker was never written
+    out = dcr("ls", a, "--json", check=0)
+    assert [r["step"] for r in json.loads(out.stdout) if r["committed"]] == list(range(cut))
+    dcr("mirror", root, a, check=0)
+    state = tmp_path / "s.safetensors"
+    run_receive(a, "r", str(state))
+    assert_bits_equal(load_file(state), cks[2])
+
+
+@pytest.mark.faults(component="mirror", outcome="refused with a one-line error; the downstream ROOT unchanged")
+def test_a_downstream_root_of_another_run_or_another_attempt_is_refused(origin, tmp_path):
+    root, cks = origin
+    other = str(tmp_path / "other")
+    _publish(other, cks[:1], tmp_path)  # another run (its own run.json), step 0 of another attempt
+    before = tree_snapshot(other)
+    with pytest.raises(StepConflictError) as ei:
+        run_mirror(root, other)
+    assert len(str(ei.value).splitlines()) == 1
+    assert tree_snapshot(other) == before
+
+
+@pytest.mark.faults(component="mirror", outcome="refused: a mirror only forwards what the origin's key signed")
+def test_ed25519_the_mirror_and_its_receivers_hold_only_the_public_key(tmp_path, monkeypatch):
+    from storage import signing
+
+    signing.keygen(tmp_path / "key")
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    root = str(tmp_path / "origin")
+    cks = _chain(2)
+    _publish(root, cks, tmp_path)
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    run_mirror(root, a)
+    state = tmp_path / "s.safetensors"
+    run_receive(a, "r", str(state))
+    assert_bits_equal(load_file(state), cks[1])
+    # a mirror that alters a marker: the next mirror and every receiver refuse it
+    path = os.path.join(a, layout.commit_key(1))
+    d = json.load(open(path))
+    d["summary"]["bytes_stored"] = 1
+    json.dump(d, open(path, "w"))
+    with pytest.raises(IntegrityError, match="signature"):
+        run_mirror(a, b)
+    assert not os.path.exists(os.path.join(b, layout.commit_key(1)))
+    with pytest.raises(IntegrityError, match="signature"):
+        run_receive(a, "r2", str(tmp_path / "s2.safetensors"))
+
+
+def test_a_failed_copy_in_process_leaves_no_marker_downstream(origin, tmp_path):
+    root, _ = origin
+    a = str(tmp_path / "a")
+    events.set_failpoints("mirror.object-copied@2=raise")
+    try:
+        with pytest.raises(events.FailpointError):
+            run_mirror(root, a)
+    finally:
+        events.set_failpoints("")
+    assert not os.path.exists(os.path.join(a, layout.commit_key(0)))
+
+
+def test_mirror_between_two_s3_servers_with_their_own_options(s3_server, tmp_path):
+    """SRC on the session's S3 server, DST on a second server with its own endpoint and credentials."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    from tests.support.servers import S3_BUCKET
+
+    second = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    second.start()
+    try:
+        host, port = second.get_host_and_port()
+        url2 = f"http://{host}:{port}"
+        boto3.client("s3", endpoint_url=url2, aws_access_key_id="region-b", aws_secret_access_key="b-secret",
+                     region_name="us-east-1").create_bucket(Bucket="region-b")
+        src = f"s3://{S3_BUCKET}/origin-{uuid.uuid4().hex[:8]}"
+        cks = _chain(2)
+        for s, ck in enumerate(cks):
+            run_publish(src, ck, s, options=PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path / "pub")))
+        dst_opts = [f"endpoint_url={url2}", "key=region-b", "secret=b-secret"]
+        dcr("mirror", src, "s3://region-b/mirror", *[x for o in dst_opts for x in ("--dst-storage-option", o)], check=0)
+        state = tmp_path / "s.safetensors"
+        dcr("receive", "s3://region-b/mirror", "--receiver", "r", "--state", state,
+            *[x for o in dst_opts for x in ("--storage-option", o)], check=0)
+        assert_bits_equal(load_file(state), cks[1])
+    finally:
+        second.stop()
+
+
+def test_follow_with_a_step_is_refused():
+    out = dcr("mirror", "a", "b", "--step", "1", "--follow", check=2)
+    assert "--follow" in out.stderr
