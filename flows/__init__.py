@@ -3,7 +3,7 @@
 The public API, importable from here (loaded on first use: Prefect and torch are slow to import)::
 
     from flows import publish_refit, receive_refit, gc_refit        # Prefect flows
-    from flows import mirror_refit, run_mirror                      # a relay tree of ROOTs
+    from flows import mirror_refit, run_mirror, receive_nearest     # a relay tree of ROOTs
     from flows import run_publish, run_receive, run_materialize     # the same pipelines, in-process
     from flows import receive_into_module, Publisher                # a live module; a trainer's publisher
     from flows import PublishOptions, ReceiveOptions, GcOptions     # typed options
@@ -21,6 +21,7 @@ _PUBLIC = {
     "gc_refit": "flows.prefect_flows",
     "mirror_refit": "flows.prefect_flows",
     "run_mirror": "flows.maintenance.mirror",
+    "receive_nearest": "flows.receive.nearest",
     "PrefectRunner": "flows.prefect_flows",
     "run_publish": "flows.publish.pipeline",
     "Publisher": "flows.publish.publisher",

@@ -20,6 +20,9 @@ def add_arguments(name: str, p) -> None:
                    help="fsspec option for DST only (repeatable; --storage-option applies to SRC only): SRC and DST "
                    "may be different servers with different credentials")
     p.add_argument("--step", type=step_arg, default=None, metavar="N", help="mirror only step N (default: every committed step)")
+    p.add_argument("--as", dest="as_id", default=None, metavar="ID",
+                   help="register the mirror in SRC as receiver ID (leases while copying, its position after): "
+                   "gc in SRC then keeps what the mirror still needs; needs write access to SRC's receivers/ and leases/")
     p.add_argument("--follow", action="store_true", help="keep mirroring steps as they are committed upstream")
     p.add_argument("--interval", type=float, default=5.0, help="with --follow: seconds between looks upstream (default 5)")
 
@@ -32,7 +35,7 @@ def run(name: str, args) -> int:
     backoff = args.interval
     while True:
         try:
-            r = run_mirror(args.root, args.dst, args.step, src_opts, dst_opts)
+            r = run_mirror(args.root, args.dst, args.step, src_opts, dst_opts, as_id=args.as_id)
         except Exception as e:
             if not args.follow or not worth_retrying(e):
                 raise

@@ -1,4 +1,4 @@
-"""``dcr receive ROOT --receiver ID --state PATH [--step N]`` and ``dcr materialize ROOT --step N --out PATH``."""
+"""``dcr receive ROOT --receiver ID --state PATH [--step N] [--fallback-root UPSTREAM]`` and ``dcr materialize ROOT --step N --out PATH``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from flows.cli.common import add_common, say, step_arg, storage_options, use_pre
 from flows.cli.progress import shown
 from flows.options import ReceiveOptions
 from flows.receive.follow import follow
+from flows.receive.nearest import receive_nearest
 from flows.receive.pipeline import run_materialize, run_receive
 from flows.results import as_dict
-from storage.root import RootRef
+from storage.root import RootRef, parse_storage_options
 
 
 def add_arguments(name: str, p) -> None:
@@ -27,6 +28,10 @@ def add_arguments(name: str, p) -> None:
                    help="the receiver's .safetensors state file (created from the nearest keyframe if absent)")
     p.add_argument("--step", type=step_arg, default=None, metavar="N",
                    help="the step to bring PATH to, forward or backward (default: the latest committed step)")
+    p.add_argument("--fallback-root", action="append", default=[], metavar="UPSTREAM",
+                   help="a ROOT to fall back to, in order, when ROOT (a mirror, say) lags or fails (repeatable)")
+    p.add_argument("--fallback-storage-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="fsspec option for the fallback ROOTs (repeatable; --storage-option applies to ROOT only)")
     p.add_argument("--follow", action="store_true", help="keep polling ROOT and apply every newly committed step")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
     p.add_argument("--until-step", type=step_arg, default=None, help="with --follow: exit once at this step or later")
@@ -47,6 +52,20 @@ def run(name: str, args) -> int:
         say(args, f"wrote step {res['step']} to {args.out}", res)
         return 0
     options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place, lease_seconds=args.lease_seconds)
+    if args.fallback_root:
+        if args.follow or use_prefect(args):
+            raise UsageError("--fallback-root works with one-shot, in-process receives (not with --follow or Prefect yet)")
+        fallback_opts = parse_storage_options(args.fallback_storage_option)
+        roots = [RootRef(args.root, so), *(RootRef(r, fallback_opts) for r in args.fallback_root)]
+
+        def warn_root(message: str) -> None:
+            print(f"dcr: receive: {message}", file=sys.stderr, flush=True)
+
+        with shown(args, f"receive {args.receiver}"):
+            res = as_dict(receive_nearest(roots, args.receiver, args.state, args.step, options, warn_root))
+        how = ", ".join(res["moves"]) or "already there"
+        say(args, f"receiver {args.receiver} at step {res['step']} ({how}; pulled {res['bytes_pulled']} bytes)", res)
+        return 0
     if use_prefect(args):
         from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
 

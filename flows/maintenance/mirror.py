@@ -14,11 +14,12 @@ yet downstream, ascending; or ``--step N``):
 4. the marker is copied last, byte for byte (so its signature is the origin's), created only if
    absent. A downstream marker naming another attempt is refused.
 
-A crash anywhere before 4 leaves the step invisible downstream (no marker); a rerun copies what is
+With ``as_id`` (``dcr mirror --as ID``) the mirror is also a receiver of SRC: it leases each step
+while copying it and records its position in SRC, so gc there keeps what the mirror still needs
+(as for any registered receiver). A crash anywhere before 4 leaves the step invisible downstream (no marker); a rerun copies what is
 missing and commits. Receivers verify everything they pull from a mirror against the origin's
 signature and digests, as from the origin. Not done: copying chunks as an upstream attempt is
-being written (streaming), receivers' fallback ROOTs, keeping upstream steps that a mirror still
-needs from upstream gc (a mirror records no position upstream), and a deployment in
+being written (streaming), and a deployment in
 ``infra/prefect.yaml`` (``mirror_refit`` is a Prefect flow: ``plan-mirror``, one ``copy-step`` task
 per step).
 """
@@ -31,12 +32,13 @@ from dataclasses import asdict, dataclass, field
 from dcr_core import events
 from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError
 from flows.steps import InProcess, Runner, Step, StepTable
-from storage import layout
+from storage import layout, leases
 from storage.catalog import Catalog
 from storage.marker import CommitMarker
 from storage.root import Root, RootRef, open_root
 
 log = logging.getLogger("dcr.mirror")
+LEASE_SECONDS = 3600.0
 
 
 @dataclass
@@ -59,8 +61,23 @@ def _copy_run(src: Root, dst: Root) -> None:
                                 "(give it an empty ROOT)")
 
 
-def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult) -> None:
-    """Copy committed step ``step`` of ``src`` to ``dst`` (see the module docstring)."""
+def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None) -> None:
+    """Copy committed step ``step`` of ``src`` to ``dst`` (see the module docstring). ``as_id``: the
+    mirror is also a receiver of ``src`` by that id: it leases the step while copying it and
+    records its position there, so gc upstream keeps what the mirror still needs."""
+    if as_id is None:
+        _mirror_step(src, dst, step, result)
+        return
+    leases.take(src, as_id, [step], step, LEASE_SECONDS)
+    try:
+        _mirror_step(src, dst, step, result)
+    finally:
+        leases.release(src, as_id, [step])
+    marker = Catalog(dst).require_marker(step)
+    Catalog(src).record_receiver(step, as_id, {"mirror": dst.url, "policy_digest": marker.policy_digest})
+
+
+def _mirror_step(src: Root, dst: Root, step: int, result: MirrorResult) -> None:
     scat, dcat = Catalog(src), Catalog(dst)
     marker = scat.require_marker(step)
     scat.manifest(step)  # read and checked against the marker's digest
@@ -106,10 +123,10 @@ def plan_mirror(src: RootRef, step: int | None) -> list[int]:
     return steps
 
 
-def copy_step(src: RootRef, dst: RootRef, step: int) -> dict:
+def copy_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = None) -> dict:
     """One step (a task): copied, or found already there (checked: the same attempt)."""
     result = MirrorResult()
-    mirror_step(open_root(src), open_root(dst), step, result)
+    mirror_step(open_root(src), open_root(dst), step, result, as_id)
     return asdict(result)
 
 
@@ -117,14 +134,17 @@ MIRROR_STEPS = StepTable(Step("plan-mirror", plan_mirror), Step("copy-step", cop
 
 
 def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | None = None,
-               dst_options: dict | None = None, runner: Runner | None = None) -> MirrorResult:
+               dst_options: dict | None = None, runner: Runner | None = None, as_id: str | None = None) -> MirrorResult:
     """Copy ``step`` (default: every committed step upstream; those downstream already has are
-    checked, not copied) from ROOT ``src`` to ``dst``, each with its own storage options."""
+    checked, not copied) from ROOT ``src`` to ``dst``, each with its own storage options. ``as_id``:
+    register the mirror upstream as a receiver (see ``mirror_step``)."""
+    if as_id is not None:
+        layout.check_receiver(as_id)
     s, d = RootRef(src, dict(src_options or {})), RootRef(dst, dict(dst_options or {}))
     tasks = MIRROR_STEPS.bind(runner or InProcess())
     result = MirrorResult()
     for st in tasks.plan_mirror(s, step):
-        one = tasks.copy_step(s, d, st)
+        one = tasks.copy_step(s, d, st, as_id)
         result.copied_steps += one["copied_steps"]
         result.present_steps += one["present_steps"]
         result.objects_copied += one["objects_copied"]

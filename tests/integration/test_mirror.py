@@ -154,6 +154,7 @@ def test_a_failed_copy_in_process_leaves_no_marker_downstream(origin, tmp_path):
     assert not os.path.exists(os.path.join(a, layout.commit_key(0)))
 
 
+@pytest.mark.backend
 def test_mirror_between_two_s3_servers_with_their_own_options(s3_server, tmp_path):
     """SRC on the session's S3 server, DST on a second server with its own endpoint and credentials."""
     import boto3
@@ -185,3 +186,82 @@ def test_mirror_between_two_s3_servers_with_their_own_options(s3_server, tmp_pat
 def test_follow_with_a_step_is_refused():
     out = dcr("mirror", "a", "b", "--step", "1", "--follow", check=2)
     assert "--follow" in out.stderr
+
+
+# -- receivers with fallback ROOTs: the nearest first --------------------------------------------
+
+
+def test_a_receiver_falls_back_upstream_when_its_mirror_lags_or_misses_an_object(origin, tmp_path):
+    from flows.receive.nearest import receive_nearest
+    from storage.catalog import Catalog
+    from storage.root import open_root
+
+    root, cks = origin
+    a = str(tmp_path / "a")
+    run_mirror(root, a, step=0)
+    run_mirror(root, a, step=1)  # the mirror lags: step 2 is upstream only
+    state = str(tmp_path / "s.safetensors")
+    warned: list[str] = []
+    r = receive_nearest([a, root], "r", state, warn=warned.append)
+    assert r.step == 2 and warned == []
+    assert_bits_equal(load_file(state), cks[2])
+    assert Catalog(open_root(root)).position("r")["step"] == 2  # recorded where it was served
+    run_mirror(root, a, step=2)  # caught up (until then it could not vouch for the state's step 2 either)
+    r = receive_nearest([a, root], "r", state, step=1, warn=warned.append)  # the mirror has it: served there
+    assert r.step == 1 and Catalog(open_root(a)).position("r")["step"] == 1 and warned == []
+    marker = json.load(open(os.path.join(a, layout.commit_key(2))))
+    chunks = sorted(k for k in tree_snapshot(os.path.join(a, layout.attempt_dir(2, marker["attempt"]))) if "/c/" in k)
+    os.unlink(os.path.join(a, layout.attempt_dir(2, marker["attempt"]), chunks[0]))  # the mirror lost an object
+    r = receive_nearest([a, root], "r", state, warn=warned.append)
+    assert r.step == 2 and len(warned) == 1 and a in warned[0] and "trying the next ROOT" in warned[0]
+    assert_bits_equal(load_file(state), cks[2])
+
+
+@pytest.mark.faults(component="mirror", outcome="the receiver refuses the mirror and falls back upstream; alone, it fails")
+def test_the_cli_falls_back_from_a_mirror_whose_marker_does_not_verify(tmp_path, monkeypatch):
+    from storage import signing
+
+    signing.keygen(tmp_path / "key")
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    root = str(tmp_path / "origin")
+    cks = _chain(2)
+    _publish(root, cks, tmp_path)
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    env = {"DCR_VERIFY_KEY_FILE": str(tmp_path / "key.pub")}
+    a = str(tmp_path / "a")
+    dcr("mirror", root, a, env=env, check=0)
+    path = os.path.join(a, layout.commit_key(1))
+    d = json.load(open(path))
+    d["policy_digest"] = "0" * 64  # a mirror that alters what it forwards
+    json.dump(d, open(path, "w"))
+    state = tmp_path / "s.safetensors"
+    out = dcr("receive", a, "--receiver", "r", "--state", state, env=env, check=5)
+    assert "signature" in out.stderr and len(out.stderr.strip().splitlines()) == 1 and not state.exists()
+    out = dcr("receive", a, "--fallback-root", root, "--receiver", "r", "--state", state, env=env, check=0)
+    assert "trying the next ROOT" in out.stderr
+    assert_bits_equal(load_file(state), cks[1])
+
+
+def test_a_mirror_registered_upstream_keeps_what_it_needs_from_upstream_gc(origin, tmp_path):
+    from flows.maintenance.gc import run_gc
+    from flows.options import GcOptions
+    from storage.catalog import Catalog
+    from storage.root import open_root
+
+    root, cks = origin
+    opts = PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path / "pub"))
+    for s in (3, 4):  # step 3 a keyframe: without receivers, gc keeping 1 step needs only 3 and 4
+        cks.append(next_step(cks[-1], seed=s))
+        run_publish(root, cks[s], s, keyframe=s == 3, options=opts)
+    assert 0 in run_gc(root, GcOptions(keep_last=1, dry_run=True)).plan.delete_steps  # nobody needs step 0 yet
+    a = str(tmp_path / "a")
+    run_mirror(root, a, step=0, as_id="mirror-eu")  # the mirror is at step 0
+    assert Catalog(open_root(root)).position("mirror-eu")["step"] == 0
+    kept = run_gc(root, GcOptions(keep_last=1, grace_seconds=0))
+    assert 0 not in kept.deleted_steps and 0 in Catalog(open_root(root)).committed_steps()
+    run_mirror(root, a, as_id="mirror-eu")  # the mirror catches up: step 0 is needed no more
+    assert Catalog(open_root(root)).position("mirror-eu")["step"] == 4
+    assert 0 in run_gc(root, GcOptions(keep_last=1, grace_seconds=0)).deleted_steps
+    state = tmp_path / "s.safetensors"
+    run_receive(a, "r", str(state))
+    assert_bits_equal(load_file(state), cks[4])
