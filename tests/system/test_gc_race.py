@@ -142,6 +142,7 @@ def race(tmp_path, steps: int, followers: int, timeout: float) -> dict:
     return report
 
 
+@pytest.mark.slow  # about 16 s: the slow suite (make test-slow)
 @pytest.mark.faults(component="gc + receivers", outcome="no receiver stranded; all end bit-exact at the last step")
 def test_gc_after_every_publish_never_strands_killed_and_restarted_followers(tmp_path):
     steps = int(os.environ.get("DCR_RACE_STEPS", "20"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests.support.cli import dcr_peak_rss
@@ -18,6 +19,7 @@ def _peak_rss(args, env) -> int:
     return peak
 
 
+@pytest.mark.slow  # about 16 s: the slow suite (make test-slow)
 def test_peak_memory_of_publish_and_receive_stays_far_below_the_model_size(tmp_path):
     n_tensors, rows, cols = 16, 2048, 4096  # 16 tensors of 16 MiB: a 256 MiB BF16 model
     g = torch.Generator().manual_seed(0)

@@ -149,6 +149,7 @@ def test_task_results_are_serializable_references_persisted_as_json(prefect_sett
     assert not not_json, f"results not stored as JSON: {not_json[:3]}"
 
 
+@pytest.mark.slow  # about 16 s: the slow suite (make test-slow)
 def test_deployments_from_the_one_source_run_with_typed_options_through_a_served_process(prefect_settings, tmp_path):
     """``dcr serve`` serves infra/prefect.yaml; runs of its deployments get their options as
     mappings (as a deployment or the UI passes them), validated into the typed models; the server
