@@ -114,8 +114,10 @@ def test_a_downstream_root_of_another_run_or_another_attempt_is_refused(origin, 
     assert tree_snapshot(other) == before
 
 
-@pytest.mark.faults(component="mirror", outcome="refused: a mirror only forwards what the origin's key signed")
-def test_ed25519_the_mirror_and_its_receivers_hold_only_the_public_key(tmp_path, monkeypatch):
+@pytest.fixture
+def signed_origin(tmp_path, monkeypatch):
+    """An origin published with an Ed25519 private key; from then on this process (and the dcr
+    commands it starts) holds only the public key, as mirrors and receivers do."""
     from storage import signing
 
     signing.keygen(tmp_path / "key")
@@ -125,6 +127,12 @@ def test_ed25519_the_mirror_and_its_receivers_hold_only_the_public_key(tmp_path,
     _publish(root, cks, tmp_path)
     monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
     monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
+    return root, cks
+
+
+@pytest.mark.faults(component="mirror", outcome="refused: a mirror only forwards what the origin's key signed")
+def test_ed25519_the_mirror_and_its_receivers_hold_only_the_public_key(signed_origin, tmp_path):
+    root, cks = signed_origin
     a, b = str(tmp_path / "a"), str(tmp_path / "b")
     run_mirror(root, a)
     state = tmp_path / "s.safetensors"
@@ -218,16 +226,9 @@ def test_a_receiver_falls_back_upstream_when_its_mirror_lags_or_misses_an_object
 
 
 @pytest.mark.faults(component="mirror", outcome="the receiver refuses the mirror and falls back upstream; alone, it fails")
-def test_the_cli_falls_back_from_a_mirror_whose_marker_does_not_verify(tmp_path, monkeypatch):
-    from storage import signing
-
-    signing.keygen(tmp_path / "key")
-    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
-    root = str(tmp_path / "origin")
-    cks = _chain(2)
-    _publish(root, cks, tmp_path)
-    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
-    env = {"DCR_VERIFY_KEY_FILE": str(tmp_path / "key.pub")}
+def test_the_cli_falls_back_from_a_mirror_whose_marker_does_not_verify(signed_origin, tmp_path):
+    root, cks = signed_origin
+    env = {"DCR_VERIFY_KEY_FILE": os.environ["DCR_VERIFY_KEY_FILE"]}  # the commands hold the public key only
     a = str(tmp_path / "a")
     dcr("mirror", root, a, env=env, check=0)
     path = os.path.join(a, layout.commit_key(1))
