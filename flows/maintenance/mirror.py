@@ -62,32 +62,29 @@ def _copy_run(src: Root, dst: Root) -> None:
 
 
 def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None) -> None:
-    """Copy committed step ``step`` of ``src`` to ``dst`` (see the module docstring). ``as_id``: the
-    mirror is also a receiver of ``src`` by that id: it leases the step while copying it and
-    records its position there, so gc upstream keeps what the mirror still needs."""
-    if as_id is None:
-        _mirror_step(src, dst, step, result)
-        return
-    leases.take(src, as_id, [step], step, LEASE_SECONDS)
-    try:
-        _mirror_step(src, dst, step, result)
-    finally:
-        leases.release(src, as_id, [step])
-    marker = Catalog(dst).require_marker(step)
-    Catalog(src).record_receiver(step, as_id, {"mirror": dst.url, "policy_digest": marker.policy_digest})
-
-
-def _mirror_step(src: Root, dst: Root, step: int, result: MirrorResult) -> None:
-    scat, dcat = Catalog(src), Catalog(dst)
+    """Copy committed step ``step`` of ``src`` to ``dst`` (see the module docstring); a step already
+    committed downstream is only checked (same attempt). ``as_id``: the mirror is also a receiver
+    of ``src`` by that id and leases the step while copying it."""
+    scat = Catalog(src)
     marker = scat.require_marker(step)
-    scat.manifest(step)  # read and checked against the marker's digest
-    present = dcat.marker(step)
+    present = Catalog(dst).marker(step)
     if present is not None:
         if present.attempt != marker.attempt or present.manifest_digest != marker.manifest_digest:
             raise StepConflictError(f"{dst.url}: step {step} holds attempt {present.attempt}, upstream committed "
                                     f"{marker.attempt}; a mirror never replaces a committed step")
         result.present_steps.append(step)
         return
+    if as_id is not None:
+        leases.take(src, as_id, [step], step, LEASE_SECONDS)
+    try:
+        _copy_step(src, dst, scat, marker, step, result)
+    finally:
+        if as_id is not None:
+            leases.release(src, as_id, [step])
+
+
+def _copy_step(src: Root, dst: Root, scat: Catalog, marker: CommitMarker, step: int, result: MirrorResult) -> None:
+    scat.manifest(step)  # read and checked against the marker's digest
     raw = src.read(layout.commit_key(step))
     copied = CommitMarker.from_json(raw, f"{src.url}/{layout.commit_key(step)}", step)
     if (copied.attempt, copied.manifest_digest, copied.signature) != (marker.attempt, marker.manifest_digest,
@@ -123,6 +120,18 @@ def plan_mirror(src: RootRef, step: int | None) -> list[int]:
     return steps
 
 
+def record_position(src: RootRef, dst: RootRef, as_id: str, step: int) -> bool:
+    """Record in ``src`` that mirror ``as_id`` holds ``step`` (its position: gc there keeps what it
+    needs from then on); nothing is written when the position already says so. True if written."""
+    cat = Catalog(open_root(src))
+    position = cat.position(as_id)
+    if position is not None and position.get("step") == step:
+        return False
+    marker = Catalog(open_root(dst)).require_marker(step)
+    cat.record_receiver(step, as_id, {"mirror": dst.url, "policy_digest": marker.policy_digest})
+    return True
+
+
 def copy_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = None) -> dict:
     """One step (a task): copied, or found already there (checked: the same attempt)."""
     result = MirrorResult()
@@ -130,7 +139,8 @@ def copy_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = None) -
     return asdict(result)
 
 
-MIRROR_STEPS = StepTable(Step("plan-mirror", plan_mirror), Step("copy-step", copy_step))
+MIRROR_STEPS = StepTable(Step("plan-mirror", plan_mirror), Step("copy-step", copy_step),
+                         Step("record-mirror-position", record_position))
 
 
 def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | None = None,
@@ -149,4 +159,6 @@ def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | 
         result.present_steps += one["present_steps"]
         result.objects_copied += one["objects_copied"]
         result.bytes_copied += one["bytes_copied"]
+    if as_id is not None:
+        tasks.record_position(s, d, as_id, max(result.copied_steps + result.present_steps))
     return result

@@ -141,17 +141,7 @@ class DCRWorkerExtension:
         if not background:
             self._dcr_prepared = self._dcr_stage(begun, step, opts)
             return self._dcr_summary(self._dcr_prepared)
-        box: dict = {}
-
-        def run() -> None:
-            try:
-                box["prepared"] = self._dcr_stage(begun, step, opts)
-            except BaseException as e:  # noqa: BLE001 - handed to dcr_apply
-                box["error"] = e
-
-        thread = threading.Thread(target=run, name="dcr-prepare", daemon=True)
-        self._dcr_background = (thread, box)
-        thread.start()
+        self._dcr_start("_dcr_background", "dcr-prepare", lambda: self._dcr_stage(begun, step, opts))
         return {"preparing": True, "receiver": begun.receiver_id}
 
     def dcr_apply(self) -> dict:
@@ -165,34 +155,27 @@ class DCRWorkerExtension:
         except BaseException:
             self._dcr_release(p)
             raise
-        box: dict = {}
-
         def finish() -> None:
             try:
                 state_file.record_receiver_commit(p.ref, p.receiver_id, p.plan.target_step, p.record)
-            except BaseException as e:  # noqa: BLE001 - reported by dcr_wait; the next refit records again
-                box["error"] = e
+            except BaseException as e:  # reported by dcr_wait; the next refit records again
                 log.warning("receiver %s: recording its commit of step %s failed (%s: %s); the next refit records it",
                             p.receiver_id, p.plan.target_step, type(e).__name__, e)
+                raise
             finally:
                 self._dcr_release(p)
 
-        thread = threading.Thread(target=finish, name="dcr-record", daemon=True)
-        self._dcr_finishing = (thread, box)
-        thread.start()
+        self._dcr_start("_dcr_finishing", "dcr-record", finish)
         return result
 
     def dcr_wait(self) -> dict:
         """Wait for the work a refit left in the background (a prepare, the commit record); raise
         what the record failed with. Returns the step held (``{"held": ...}``)."""
-        fin = getattr(self, "_dcr_finishing", None)
-        if fin is not None:
-            fin[0].join()
-            self._dcr_finishing = None
-            if "error" in fin[1]:
-                raise fin[1]["error"]
+        done = self._dcr_join("_dcr_finishing")
+        if done is not None and "error" in done:
+            raise done["error"]
         bg = getattr(self, "_dcr_background", None)
-        if bg is not None:
+        if bg is not None:  # waited for, kept for dcr_apply
             bg[0].join()
         return {"held": getattr(self, "_dcr_held", None)}
 
@@ -205,16 +188,10 @@ class DCRWorkerExtension:
 
     def dcr_abort(self) -> bool:
         """Drop a prepared refit (its staged mirror and leases); True if there was one."""
-        fin = getattr(self, "_dcr_finishing", None)
-        if fin is not None:  # the last refit's record: done before anything else locks the mirror
-            fin[0].join()
-            self._dcr_finishing = None
-        bg = getattr(self, "_dcr_background", None)
-        if bg is not None:
-            bg[0].join()
-            self._dcr_background = None
-            if "prepared" in bg[1]:
-                self._dcr_prepared = bg[1]["prepared"]
+        self._dcr_join("_dcr_finishing")  # the last refit's record: done before anything else locks the mirror
+        staged = self._dcr_join("_dcr_background")
+        if staged is not None and "result" in staged:
+            self._dcr_prepared = staged["result"]
         p = getattr(self, "_dcr_prepared", None)
         self._dcr_prepared = None
         if p is None:
@@ -249,6 +226,29 @@ class DCRWorkerExtension:
     def _dcr_receiver(self, receiver_id: str) -> str:
         tp = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1)
         return receiver_id if tp == 1 else f"{receiver_id}-rank{self.rank}"
+
+    def _dcr_start(self, attr: str, name: str, fn) -> None:
+        """Run ``fn`` in a thread kept as ``attr``; its result or error lands in a box ``_dcr_join`` returns."""
+        box: dict = {}
+
+        def run() -> None:
+            try:
+                box["result"] = fn()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever joins
+                box["error"] = e
+
+        thread = threading.Thread(target=run, name=name, daemon=True)
+        setattr(self, attr, (thread, box))
+        thread.start()
+
+    def _dcr_join(self, attr: str) -> dict | None:
+        """Wait for the thread kept as ``attr`` (if any), forget it, and return its box."""
+        job = getattr(self, attr, None)
+        if job is None:
+            return None
+        job[0].join()
+        setattr(self, attr, None)
+        return job[1]
 
     def _dcr_begin(self, ref: RootRef, receiver_id: str, state_path) -> _Begun:
         """The part of a prepare that reads the model (in the RPC's thread, never beside a forward
@@ -320,13 +320,11 @@ class DCRWorkerExtension:
         return cached
 
     def _dcr_take_prepared(self) -> _Prepared:
-        bg = getattr(self, "_dcr_background", None)
-        if bg is not None:
-            bg[0].join()
-            self._dcr_background = None
-            if "error" in bg[1]:
-                raise bg[1]["error"]
-            self._dcr_prepared = bg[1]["prepared"]
+        staged = self._dcr_join("_dcr_background")
+        if staged is not None:
+            if "error" in staged:
+                raise staged["error"]
+            self._dcr_prepared = staged["result"]
         p = getattr(self, "_dcr_prepared", None)
         self._dcr_prepared = None
         if p is None:
