@@ -34,6 +34,8 @@ POINTS = frozenset({
     "chunk.stored", "chunk.fetched",
     "publish.planned", "publish.tensors-stored", "publish.manifest-written",
     "publish.committed", "publish.baseline-kept",
+    # streaming: a publisher's stream index written; a receiver's index read, a chunk prefetched
+    "stream.index-written", "stream.index-read", "stream.chunk-prefetched",
     # a rank of a sharded publish
     "publish.rank-partial-written",
     # receiver (state file)
@@ -45,6 +47,8 @@ POINTS = frozenset({
     "receive.engine-tensor", "receive.engine-reloaded",
     # a mirror: each object copied downstream, a step's payload complete, its marker copied
     "mirror.object-copied", "mirror.payload-copied", "mirror.committed",
+    # a streaming mirror: an upstream stream index forwarded downstream (its chunks first)
+    "mirror.index-forwarded",
     # maintenance
     "gc.planned", "gc.leases-checked", "gc.marker-deleted", "gc.step-deleted",
 })

@@ -62,6 +62,10 @@ class PublishOptions(_Options):
     keyframe_policy: KeyframePolicy = Field(
         default_factory=KeyframePolicy, description="when a delta step also stores a full snapshot (a restart point)",
     )
+    stream: bool = Field(
+        True, description="expose chunks as they are stored (building.json, stream indexes) so following "
+        "receivers fetch them before the commit",
+    )
 
 
 class ReceiveOptions(_Options):

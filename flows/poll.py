@@ -13,10 +13,11 @@ T = TypeVar("T")
 
 
 def poll(check: Callable[[], T | None], what: str, timeout: float | None = None,
-         interval: float = 0.25, first: float = 0.01) -> T:
+         interval: float = 0.25, first: float = 0.01, sleep: Callable[[float], object] = time.sleep) -> T:
     """Call ``check`` until it returns something other than None and return that. Waits ``first``
     seconds after the first miss, doubling up to ``interval``; raises ``StepConflictError`` after
-    ``timeout`` seconds (None: wait for good). Errors ``check`` raises end the wait."""
+    ``timeout`` seconds (None: wait for good). Errors ``check`` raises end the wait. ``sleep(s)``
+    waits between checks (it may return early: a streaming follower wakes on the commit)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     delay = min(first, interval)
     while True:
@@ -25,5 +26,5 @@ def poll(check: Callable[[], T | None], what: str, timeout: float | None = None,
             return out
         if deadline is not None and time.monotonic() > deadline:
             raise StepConflictError(f"{what}: timed out after {timeout:.0f} s; nothing committed")
-        time.sleep(delay)
+        sleep(delay)
         delay = min(interval, delay * 2)

@@ -9,6 +9,7 @@ each chunk's digest before returning anything (a bad chunk raises an error namin
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -26,6 +27,7 @@ from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError
 from storage import layout, zarr_meta
 from storage.manifest import Manifest, TensorEntry
+from storage.prefetched import PREFETCHED
 from storage.root import Root
 
 
@@ -90,16 +92,19 @@ class StepWriter:
         data = zarr_meta.array_json(tuple(shape), tuple(chunk_shape), dtype, self.codec, attributes)
         return self._pool.submit(self.root.write, self._key(layout.array_meta_key(array)), data)
 
-    def write_chunk(self, array: str, grid: ChunkGrid, index: int, payload: np.ndarray) -> Future:
-        """Compress, digest and upload one chunk; the future gives its StoredChunk."""
-        return self._upload(layout.chunk_key(array, grid.grid_index(index)), grid, index, payload)
+    def write_chunk(self, array: str, grid: ChunkGrid, index: int, payload: np.ndarray,
+                    announce: Callable[[str, StoredChunk], None] | None = None) -> Future:
+        """Compress, digest and upload one chunk; the future gives its StoredChunk. ``announce(key
+        in the store, stored chunk)`` is called once it is stored (streaming, ``storage.stream``)."""
+        return self._upload(layout.chunk_key(array, grid.grid_index(index)), grid, index, payload, announce)
 
     def write_part(self, array: str, grid: ChunkGrid, slot: int, index: int, payload: np.ndarray) -> Future:
         """Compress, digest and upload one contributor's part of a shared chunk, at ``[slot, chunk]``
         of the parts array (shape ``(slots, *shape)``, chunks ``(1, *chunk_shape)``)."""
         return self._upload(layout.part_key(array, slot, grid.grid_index(index)), grid, index, payload)
 
-    def _upload(self, key_in_store: str, grid: ChunkGrid, index: int, payload: np.ndarray) -> Future:
+    def _upload(self, key_in_store: str, grid: ChunkGrid, index: int, payload: np.ndarray,
+                announce: Callable[[str, StoredChunk], None] | None = None) -> Future:
         key = self._key(key_in_store)
 
         def work() -> StoredChunk:
@@ -108,32 +113,53 @@ class StepWriter:
             with self._lock:
                 self.bytes_written += len(data)
             events.reached("chunk.stored", key=key, nbytes=len(data))
-            return StoredChunk(index, chunk_digest(payload), len(data))
+            stored = StoredChunk(index, chunk_digest(payload), len(data))
+            if announce is not None:
+                announce(key_in_store, stored)
+            return stored
 
         return self._pool.submit(work)
 
 
 def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int) -> tuple[int, np.ndarray]:
-    """Fetch, decompress and verify the ``pos``-th stored chunk of ``entry`` (main chunks, then parts)."""
+    """Fetch (or take from the prefetched chunks, ``storage.prefetched``), decompress and verify the
+    ``pos``-th stored chunk of ``entry`` (main chunks, then parts)."""
     rel, index, digest, nbytes = entry.stored_at(pos)
     key = layout.store_key(manifest.step, manifest.attempt, rel)
     grid = entry.grid
+    data = PREFETCHED.take(root.url, key, verified_as(manifest.codec, entry.dtype, grid, index, digest, nbytes))
+    if data is not None:  # verified against this very digest, size, dtype, range and codec when it landed
+        payload = decode_chunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, nbytes)
+        events.reached("chunk.fetched", key=key, nbytes=nbytes, prefetched=True)
+        return index, payload
     try:
         data = root.read(key, limit=nbytes)  # a larger object is refused without being read
     except FileNotFoundError:
         raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
-    if len(data) != nbytes:
-        raise IntegrityError(f"{root.url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
-    try:
-        padded = manifest.codec.decode(data, DTYPES[entry.dtype].storage, grid.chunk_numel)
-    except IntegrityError as e:
-        raise IntegrityError(f"{root.url}/{key}: {e}") from None
-    start, stop = grid.chunk_range(index)
-    payload = padded[: stop - start]
+    payload = decode_chunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, nbytes)
     if chunk_digest(payload) != digest:
         raise IntegrityError(f"{root.url}/{key}: chunk digest does not match the manifest")
     events.reached("chunk.fetched", key=key, nbytes=nbytes)
     return index, payload
+
+
+def decode_chunk(url: str, key: str, data: bytes, codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int,
+                 nbytes: int) -> np.ndarray:
+    """The payload of chunk ``index`` from its stored bytes (size and format checked; not its digest)."""
+    if len(data) != nbytes:
+        raise IntegrityError(f"{url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
+    try:
+        padded = codec.decode(data, DTYPES[dtype].storage, grid.chunk_numel)
+    except IntegrityError as e:
+        raise IntegrityError(f"{url}/{key}: {e}") from None
+    start, stop = grid.chunk_range(index)
+    return padded[: stop - start]
+
+
+def verified_as(codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int, digest: str, nbytes: int) -> tuple:
+    """Everything a chunk's check depends on: stored bytes that decode under these to a payload with
+    this digest are the chunk (the key of ``storage.prefetched``)."""
+    return (digest, nbytes, dtype, grid.chunk_numel, *grid.chunk_range(index), json.dumps(codec.to_dict(), sort_keys=True))
 
 
 ChunkJob = tuple[Manifest, TensorEntry, int]  # a manifest, one of its entries, a stored position

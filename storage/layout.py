@@ -10,6 +10,8 @@
     ROOT/steps/<step:012d>/leases/<receiver-id>.json        a receiver reading the step: gc keeps it
     ROOT/steps/<step:012d>/attempts/<attempt>/ranks/<r>.json partial manifest of rank r (sharded publish)
     ROOT/steps/<step:012d>/attempts/<attempt>/failed.json   a rank of a sharded publish gave up
+    ROOT/steps/<step:012d>/attempts/<attempt>/stream/<k:06d>.json  the k-th index of chunks stored so far
+    ROOT/building.json                                      the step a publisher is writing now (storage.stream)
 
 Every publish writes into a fresh attempt prefix, so a crashed or losing publisher never
 overwrites what another attempt wrote; only the attempt named by ``commit.json`` is real.
@@ -30,6 +32,8 @@ RUN = "run.json"  # the ROOT's run identity (storage.run)
 COMMIT = "commit.json"
 MANIFEST = "manifest.json"
 STORE = "data.zarr"
+BUILDING = "building.json"  # the step being written now: a hint for streaming receivers, never trusted
+STREAM = "stream"
 
 _ATTEMPT = re.compile(r"^[0-9a-f]{16,64}$")
 _RECEIVER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
@@ -102,6 +106,13 @@ def rank_partial_key(step: int, attempt: str, rank: int) -> str:
 
 def attempt_failed_key(step: int, attempt: str) -> str:
     return f"{attempt_dir(step, attempt)}/failed.json"
+
+
+def stream_key(step: int, attempt: str, seq: int) -> str:
+    """The ``seq``-th stream index of an attempt (``storage.stream``)."""
+    if isinstance(seq, bool) or not isinstance(seq, int) or not 0 <= seq < 10**6:
+        raise UsageError(f"stream index must be an integer in 0..999999, got {seq!r}")
+    return f"{attempt_dir(step, attempt)}/{STREAM}/{seq:06d}.json"
 
 
 def store_dir(step: int, attempt: str) -> str:

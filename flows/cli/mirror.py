@@ -9,8 +9,11 @@ from dataclasses import asdict
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, say, step_arg, storage_options
 from flows.maintenance.mirror import run_mirror
+from flows.maintenance.mirror_stream import Forwarder
 from flows.receive.follow import worth_retrying
-from storage.root import parse_storage_options
+from flows.streaming import Streaming
+from storage.catalog import Catalog
+from storage.root import RootRef, open_root, parse_storage_options
 
 
 def add_arguments(name: str, p) -> None:
@@ -25,17 +28,29 @@ def add_arguments(name: str, p) -> None:
                    "gc in SRC then keeps what the mirror still needs; needs write access to SRC's receivers/ and leases/")
     p.add_argument("--follow", action="store_true", help="keep mirroring steps as they are committed upstream")
     p.add_argument("--interval", type=float, default=5.0, help="with --follow: seconds between looks upstream (default 5)")
+    p.add_argument("--stream", action="store_true",
+                   help="with --follow: forward each step's chunks downstream while it is published upstream (and "
+                   "its stream indexes, so DST's followers stream too); the marker still follows the upstream commit")
 
 
 def run(name: str, args) -> int:
     if args.follow and args.step is not None:
         raise UsageError("--follow mirrors every new step; it takes no --step")
+    if args.stream and not args.follow:
+        raise UsageError("--stream works with --follow (it forwards the step being published upstream)")
     src_opts = storage_options(args)
     dst_opts = parse_storage_options(args.dst_storage_option)
+    dst = RootRef(args.dst, dst_opts)
+    stream = None
+    if args.stream:
+        stream = Streaming(RootRef(args.root, src_opts), args.io_workers,
+                           start=lambda src, step, attempt, workers: Forwarder(src, open_root(dst), step, attempt, workers))
     backoff = args.interval
     while True:
         try:
             r = run_mirror(args.root, args.dst, args.step, src_opts, dst_opts, as_id=args.as_id)
+            if stream is not None:
+                stream.done(max(r.copied_steps + r.present_steps))
         except Exception as e:
             if not args.follow or not worth_retrying(e):
                 raise
@@ -50,4 +65,17 @@ def run(name: str, args) -> int:
                 f"already there: {len(r.present_steps)}", asdict(r))
         if not args.follow:
             return 0
-        time.sleep(args.interval)
+        if stream is None:
+            time.sleep(args.interval)
+            continue
+        _wait_streaming(stream, dst, args.interval)
+
+
+def _wait_streaming(stream: Streaming, dst: RootRef, interval: float) -> None:
+    """Until the next look upstream: forward what upstream announces; wake early on its commit."""
+    deadline = time.monotonic() + interval
+    while time.monotonic() < deadline:
+        stream.watch(Catalog(open_root(dst)).latest_committed())
+        stream.sleep(min(interval, 0.25))
+        if stream.current is not None and stream.current.committed.is_set():
+            return

@@ -12,6 +12,7 @@ from flows.receive.follow import follow
 from flows.receive.nearest import receive_nearest
 from flows.receive.pipeline import run_materialize, run_receive
 from flows.results import as_dict
+from flows.streaming import Streaming
 from storage.root import RootRef, parse_storage_options
 
 
@@ -35,6 +36,11 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--follow", action="store_true", help="keep polling ROOT and apply every newly committed step")
     p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
     p.add_argument("--until-step", type=step_arg, default=None, help="with --follow: exit once at this step or later")
+    p.add_argument("--stream", action="store_true",
+                   help="with --follow: fetch and verify each step's chunks while it is being published (applied "
+                   "only after its commit); --interval is then also how soon a new publish is noticed")
+    p.add_argument("--stream-memory", type=float, default=2048.0, metavar="MIB",
+                   help="with --stream: stored bytes of prefetched chunks held at once, in MiB (default 2048)")
     p.add_argument("--lease-seconds", type=float, default=3600.0,
                    help="how long dcr gc keeps the steps a refit reads, at most (default 3600; released when done)")
     p.add_argument(
@@ -81,16 +87,27 @@ def run(name: str, args) -> int:
 
     def report(res: dict) -> None:
         how = ", ".join(res["moves"]) or "already there"
-        say(args, f"receiver {args.receiver} at step {res['step']} ({how}; pulled {res['bytes_pulled']} bytes)", res)
+        early = ""
+        if args.follow and args.stream and stream.last is not None and stream.last["step"] == res["step"]:
+            res = {**res, "prefetched": stream.last}
+            early = f"; {stream.last['chunks']} chunks ({stream.last['bytes']} bytes) fetched before the commit"
+        say(args, f"receiver {args.receiver} at step {res['step']} ({how}; pulled {res['bytes_pulled']} bytes{early})", res)
 
+    stream = None
     if not args.follow:
+        if args.stream:
+            raise UsageError("--stream works with --follow (it fetches the step being published while waiting for it)")
         report(receive(args.step))
         return 0
     if args.step is not None:
         raise UsageError("--follow applies every new step; it takes no --step (use --until-step)")
+    if args.stream_memory <= 0:
+        raise UsageError(f"--stream-memory must be positive, got {args.stream_memory}")
+    stream = Streaming(RootRef(args.root, so), args.io_workers, int(args.stream_memory * (1 << 20))) \
+        if args.stream else None
     def warn(message: str) -> None:
         print(f"dcr: receive: {message}", file=sys.stderr, flush=True)
 
-    for res in follow(RootRef(args.root, so), args.state, receive, args.interval, args.until_step, warn):
+    for res in follow(RootRef(args.root, so), args.state, receive, args.interval, args.until_step, warn, stream):
         report(res)
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from concurrent.futures import Future
 
 from dcr_core import events
@@ -25,6 +26,7 @@ from storage import layout
 from storage.chunk_io import StepWriter, StoredChunk
 from storage.manifest import ChunkTable, TensorEntry
 from storage.root import open_root
+from storage.stream import StreamAnnouncer
 
 
 def _chunk_table(futures: list[Future]) -> ChunkTable:
@@ -56,7 +58,9 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     base_src = None if baseline is None else stack.enter_context(opened(baseline))
     pending: list[tuple[dict, Future, list[Future]]] = []
     used: set[str] = set()
-    with stack, StepWriter(open_root(plan.root), plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
+    root = open_root(plan.root)
+    announcer = stack.enter_context(StreamAnnouncer(root, plan.step, plan.attempt, plan.codec)) if opts.stream else None
+    with stack, StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
         for name in sorted(plan.infos):
             info = plan.infos[name]
@@ -76,9 +80,10 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
             array = _unique(layout.array_segment(name), used)
             changed = 0
             chunk_futs = []
+            announce = None if announcer is None else functools.partial(announcer.stored, name, info.dtype, grid)
             for c in encode_chunks(new, base, grid, encoding):
                 changed += c.changed
-                chunk_futs.append(w.write_chunk(array, grid, c.index, c.payload))
+                chunk_futs.append(w.write_chunk(array, grid, c.index, c.payload, announce))
             if encoding is Encoding.XOR and not changed:
                 encoding = Encoding.UNCHANGED
             attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": encoding.value, "step": plan.step}}
@@ -94,6 +99,8 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
             table = _chunk_table(chunk_futs)
             array_fut.result()
             entries[meta["name"]] = TensorEntry(chunks=table, **meta)
+        if announcer is not None:
+            announcer.finish()  # the last index, before the manifest: followers know they have it all
     events.reached("publish.tensors-stored", step=plan.step, tensors=len(entries))
     return entries
 

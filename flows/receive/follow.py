@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UntrustedError
 from flows.poll import poll
+from flows.streaming import Streaming
 from storage.access import StoreUnreachableError
 from storage.catalog import Catalog
 from storage.local import state
@@ -35,12 +36,15 @@ def worth_retrying(e: BaseException) -> bool:
 
 def follow(
     root: RootRef, state_path: str, receive: Callable[[int], dict], interval: float = 5.0,
-    until_step: int | None = None, warn: Callable[[str], None] | None = None,
+    until_step: int | None = None, warn: Callable[[str], None] | None = None, stream: Streaming | None = None,
 ) -> Iterator[dict]:
     """Yield ``receive(step)`` for every committed step newer than the state; stop once the state
-    holds ``until_step`` or later (None: follow for good). ``warn`` hears every failure retried."""
+    holds ``until_step`` or later (None: follow for good). ``warn`` hears every failure retried.
+    ``stream``: also prefetch each step while it is being published (``flows.streaming``)."""
     def newer() -> int | None:
         held = state.peek_step(state_path)
+        if stream is not None:
+            stream.watch(held)
         latest = Catalog(open_root(root)).latest_committed()  # opened on first use: an endpoint down now is retried
         return latest if latest is not None and (held is None or latest > held) else None
 
@@ -50,8 +54,16 @@ def follow(
         if until_step is not None and held is not None and held >= until_step:
             return
         try:
-            step = poll(newer, f"{root.url}: waiting for a step after {held}", interval=interval, first=interval)
-            result = receive(step)
+            step = poll(newer, f"{root.url}: waiting for a step after {held}", interval=interval, first=interval,
+                        sleep=time.sleep if stream is None else stream.sleep)
+            try:
+                result = receive(step)
+            except BaseException:
+                if stream is not None:
+                    stream.close()
+                raise
+            if stream is not None:
+                stream.done(step)  # drops what the refit did not take
         except Exception as e:  # sorted below: retried or re-raised
             if not worth_retrying(e):
                 raise

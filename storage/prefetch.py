@@ -1,0 +1,136 @@
+"""The receiver's half of streaming: fetch and verify an attempt's chunks while it is being written.
+
+A ``Prefetcher`` (one thread) reads the attempt's stream indexes in order (``storage.stream``),
+fetches every chunk they name on a bounded pool, checks it against the index (size, decodes under
+the codec, payload digest) and holds its stored bytes in ``storage.prefetched.PREFETCHED``, where the
+refit that follows the commit takes them (``read_chunk``, which uses them only for a manifest entry
+asking for exactly that digest). After the last index it watches for the step's commit marker (one
+HEAD of a known key per poll) and sets ``committed``, so a follower wakes at once. It never applies
+anything and never decides what is committed: a chunk that fails its check is not held (the refit
+reads it itself, and refuses it if it is bad), and an index that cannot be parsed ends the
+prefetch (everything else is read after the commit, as without streaming).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from dcr_core import events
+from dcr_core.digest import chunk_digest
+from dcr_core.errors import DCRError, IntegrityError
+from storage import layout
+from storage.chunk_io import BoundedPool, decode_chunk, verified_as
+from storage.prefetched import PREFETCHED, Prefetched
+from storage.root import Root
+from storage.stream import StreamedChunk, StreamIndex, read_index
+
+log = logging.getLogger("dcr.stream")
+
+
+class Prefetcher:
+    """``Prefetcher(root, step, attempt).start()``; ``stop()`` ends it, ``close()`` also drops what
+    it holds. ``committed`` is set once the step's marker exists (whatever attempt it names)."""
+
+    def __init__(self, root: Root, step: int, attempt: str, store: Prefetched = PREFETCHED, workers: int = 8,
+                 poll: float = 0.02, max_poll: float = 0.2):
+        self.root, self.step, self.attempt, self.store = root, step, attempt, store
+        self.workers, self.poll, self.max_poll = workers, poll, max_poll
+        self.committed = threading.Event()
+        self.stopped = threading.Event()
+        self.indexes = 0
+        self.chunks = 0
+        self.bytes = 0
+        self.error: str | None = None
+        self._count = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name=f"dcr-prefetch-{step}", daemon=True)
+
+    @property
+    def prefix(self) -> str:
+        return layout.attempt_dir(self.step, self.attempt) + "/"
+
+    def start(self) -> Prefetcher:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def close(self) -> None:
+        """Stop, and drop every chunk of this attempt still held."""
+        self.stop()
+        self.store.drop(self.root.url, self.prefix)
+
+    def wait(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds for the commit; True if it is there."""
+        return self.committed.wait(timeout)
+
+    def begin(self) -> None:
+        """Called first in the thread (a ``Forwarder`` announces the attempt downstream)."""
+
+    def _run(self) -> None:
+        try:
+            self.begin()
+            with BoundedPool(self.workers, name="dcr-prefetch") as pool:
+                self._follow_indexes(pool)
+            self._await_commit()
+        except (DCRError, OSError) as e:  # ends streaming only: the refit reads what is missing itself
+            self.error = f"{type(e).__name__}: {e}"
+            log.warning("streaming step %d stopped: %s", self.step, self.error)
+
+    def _sleep(self, delay: float) -> float:
+        self.stopped.wait(delay)
+        return min(self.max_poll, delay * 2)
+
+    def _is_committed(self) -> bool:
+        if self.root.exists(layout.commit_key(self.step)):
+            self.committed.set()
+        return self.committed.is_set()
+
+    def _follow_indexes(self, pool: BoundedPool) -> None:
+        seq, delay = 0, self.poll
+        while not self.stopped.is_set():
+            idx = read_index(self.root, self.step, self.attempt, seq)
+            if idx is None:
+                if self._is_committed():
+                    return  # committed (maybe by another attempt) with no more indexes: done
+                delay = self._sleep(delay)
+                continue
+            events.reached("stream.index-read", step=self.step, seq=seq, chunks=len(idx.chunks))
+            self.indexes += 1
+            if not self.take(idx, pool):
+                return
+            if idx.last:
+                return
+            seq, delay = seq + 1, self.poll
+
+    def take(self, idx: StreamIndex, pool: BoundedPool) -> bool:
+        """Start fetching the chunks ``idx`` names into the store; False if stopped meanwhile."""
+        for c in idx.chunks:
+            if not self.store.reserve(c.nbytes, self.stopped):
+                return False
+            key = layout.store_key(self.step, self.attempt, c.key_in_store)
+            verified = verified_as(idx.codec, c.dtype, c.grid, c.index, c.digest, c.nbytes)
+            self.store.put(self.root.url, key, verified, pool.submit(self.fetch, key, idx, c), c.nbytes)
+        return True
+
+    def _await_commit(self) -> None:
+        """After the last index the manifest and the marker are moments away: poll at the short interval."""
+        while not self.stopped.is_set() and not self._is_committed():
+            self.stopped.wait(self.poll)
+
+    def fetch(self, key: str, idx: StreamIndex, c: StreamedChunk) -> bytes:
+        """Read one chunk and check it as the index describes it (runs on the pool)."""
+        if self.stopped.is_set():
+            raise IntegrityError(f"{self.root.url}/{key}: prefetch stopped")
+        data = self.root.read(key, limit=c.nbytes)
+        payload = decode_chunk(self.root.url, key, data, idx.codec, c.dtype, c.grid, c.index, c.nbytes)
+        if chunk_digest(payload) != c.digest:
+            raise IntegrityError(f"{self.root.url}/{key}: chunk digest does not match its stream index")
+        with self._count:
+            self.chunks += 1
+            self.bytes += len(data)
+        events.reached("stream.chunk-prefetched", key=key, nbytes=len(data))
+        return data

@@ -1,0 +1,460 @@
+"""Streaming during construction: receivers fetch a step's chunks while it is published, apply
+them only after the commit, and end exactly where a dense refit ends, whatever fails on the way.
+
+The follower runs in a thread of the test (``flows.receive.follow`` with ``Streaming``) or as a
+``dcr receive --follow --stream`` process; publishers are slowed per stored chunk (a ``sleep``
+failpoint) so that the follower really fetches before the commit, and every test asserts that it
+did (chunks prefetched, taken by the refit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import pytest
+from safetensors.torch import load_file
+
+from dcr_core import events
+from dcr_core.errors import StepConflictError
+from flows import PublishOptions, run_materialize, run_publish, run_receive
+from flows.receive.follow import follow
+from flows.streaming import Streaming
+from storage import layout, stream
+from storage.catalog import Catalog
+from storage.chunk_io import verified_as
+from storage.prefetched import PREFETCHED, Prefetched
+from storage.root import Root, RootRef
+from tests.support.fault_report import FaultCase
+from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes
+from tests.support.kill import REPO, kill_at
+from tests.support.servers import S3_BUCKET
+
+CHUNK_BYTES = 256
+SLOW = "chunk.stored@*=sleep(0.02)"  # a publisher slow enough that a follower fetches before its commit
+
+
+def opts(tmp_path, **kw) -> PublishOptions:
+    return PublishOptions(**{"chunk_bytes": CHUNK_BYTES, "cache_dir": str(tmp_path / "cache"), **kw})
+
+
+class Points:
+    """Every point reached in this process, in order, with its fields."""
+
+    def __init__(self):
+        self.seen: list[tuple[str, dict]] = []
+        self._lock = threading.Lock()
+
+    def __call__(self, point: str, fields: dict) -> None:
+        with self._lock:
+            self.seen.append((point, dict(fields)))
+
+    def count(self, point: str) -> int:
+        with self._lock:
+            return sum(1 for p, _ in self.seen if p == point)
+
+    def first(self, point: str) -> int:
+        with self._lock:
+            return next(i for i, (p, _) in enumerate(self.seen) if p == point)
+
+    def wait_for(self, point: str, n: int = 1, timeout: float = 60) -> None:
+        deadline = time.monotonic() + timeout
+        while self.count(point) < n:
+            assert time.monotonic() < deadline, f"{point} reached {self.count(point)} times, not {n}"
+            time.sleep(0.01)
+
+
+class Follower(threading.Thread):
+    """A streaming follower of ``root`` in a thread, until its state holds ``until``."""
+
+    def __init__(self, root: str, state, until: int, options: dict | None = None):
+        super().__init__(daemon=True)
+        self.root, self.state, self.until = root, str(state), until
+        self.streaming = Streaming(RootRef(root, options or {}))
+        self.options = options or {}
+        self.results: list[dict] = []
+        self.error: BaseException | None = None
+        self.polling = threading.Event()
+        watch = self.streaming.watch
+
+        def watched(held):
+            watch(held)
+            self.polling.set()
+
+        self.streaming.watch = watched
+
+    def start(self) -> None:
+        """Start, and return once the follower polls ROOT (so a publish that follows is streamed)."""
+        super().start()
+        assert self.polling.wait(60), "the follower never polled"
+
+    def run(self) -> None:
+        def receive(step):
+            return run_receive(self.root, "follower", self.state, step, self.options).__dict__
+
+        try:
+            for res in follow(RootRef(self.root, self.options), self.state, receive, 0.02, self.until,
+                              stream=self.streaming):
+                self.results.append(res)
+        except BaseException as e:  # noqa: BLE001 - reported by finish()
+            self.error = e
+
+    def finish(self, timeout: float = 120) -> list[dict]:
+        self.join(timeout)
+        assert not self.is_alive(), "the follower did not reach its step"
+        if self.error is not None:
+            raise self.error
+        return self.results
+
+
+def _setup(tmp_path, seed: int, n: int = 3):
+    root = str(tmp_path / "root")
+    cks = chain_of_steps(n, seed=seed)
+    run_publish(root, cks[0], 0, options=opts(tmp_path))
+    state = tmp_path / "follower.safetensors"
+    run_receive(root, "follower", str(state), step=0)
+    return root, cks, state
+
+
+def _dense(root: str, step: int, tmp_path) -> dict:
+    out = tmp_path / f"dense-{step}-{uuid.uuid4().hex[:6]}.safetensors"
+    run_materialize(root, step, str(out))
+    return load_file(out)
+
+
+def test_a_streamed_refit_fetches_before_the_commit_and_ends_bit_exact(tmp_path):
+    root, cks, state = _setup(tmp_path, seed=41)
+    points = Points()
+    hits = PREFETCHED.hits
+    with events.listening(points):
+        f = Follower(root, state, until=2)
+        f.start()
+        with events.failpoints(SLOW):
+            run_publish(root, cks[1], 1, options=opts(tmp_path))
+            run_publish(root, cks[2], 2, options=opts(tmp_path))
+        results = f.finish()
+    assert [r["step"] for r in results][-1] == 2
+    got = load_file(state)
+    assert_bits_equal(got, cks[2])
+    assert_bits_equal(got, _dense(root, 2, tmp_path))  # the dense refit's bits, every tensor
+    # Chunks really were fetched before their step's commit, and the refit used them.
+    assert points.count("stream.chunk-prefetched") > 10
+    assert points.first("stream.chunk-prefetched") < points.first("publish.committed")
+    assert PREFETCHED.hits > hits
+    assert [s for s, _ in f.streaming.started] == [1, 2]
+    assert PREFETCHED.bytes_held == 0  # nothing left behind
+
+
+def test_the_publisher_exposes_its_attempt_and_every_stored_chunk(tmp_path):
+    root, cks, _ = _setup(tmp_path, seed=42)
+    res = run_publish(root, cks[1], 1, options=opts(tmp_path))
+    r = Root(root)
+    b = stream.read_building(r)
+    assert (b.step, b.attempt) == (1, res.attempt)
+    listed, seq, last = {}, 0, False
+    while not last:
+        idx = stream.read_index(r, 1, res.attempt, seq)
+        assert idx is not None, f"stream index {seq} missing before the last"
+        listed.update({c.key_in_store: (c.index, c.digest, c.nbytes) for c in idx.chunks})
+        seq, last = seq + 1, idx.last
+    assert stream.read_index(r, 1, res.attempt, seq) is None
+    m = Catalog(r).manifest(1)
+    stored = {}
+    for e in m.tensors.values():
+        for pos in range(e.n_stored):
+            key, index, digest, nbytes = e.stored_at(pos)
+            stored[key] = (index, digest, nbytes)
+    assert listed == stored  # every chunk the manifest names, with the same digest and size; nothing else
+    # Turned off, nothing is exposed.
+    run_publish(root, cks[2], 2, options=opts(tmp_path, stream=False))
+    assert stream.read_building(r).step == 1
+    assert not r.objects(layout.attempt_dir(2, Catalog(r).marker(2).attempt) + "/stream")
+
+
+STREAM_FAULTS = [
+    FaultCase("streaming", "publisher killed after its first stream index",
+              "the follower's state untouched; prefetched chunks never applied; the retry's bits, exactly"),
+    FaultCase("streaming", "publisher killed after its last stream index, before the manifest",
+              "the follower's state untouched; prefetched chunks never applied; the retry's bits, exactly"),
+    FaultCase("streaming", "publisher killed after the manifest, before the commit marker",
+              "the follower's state untouched; prefetched chunks never applied; the retry's bits, exactly"),
+]
+
+
+@pytest.mark.faults("streaming")
+@pytest.mark.parametrize("case", STREAM_FAULTS, ids=str)
+def test_a_publisher_dying_mid_stream_leaves_followers_untouched(case, tmp_path):
+    """The dead attempt published other bits than the retry: a follower that applied anything of it
+    could not end at the retry's bits."""
+    root, cks, state = _setup(tmp_path, seed=43)
+    before = file_bytes(state)
+    other = chain_of_steps(2, seed=99)[1]  # the dead attempt's bits (same names, dtypes and shapes)
+    other = {n: other[n] if n in other else t for n, t in cks[1].items()}
+    point = ["stream.index-written@1", "publish.tensors-stored", "publish.manifest-written"][STREAM_FAULTS.index(case)]
+    points = Points()
+    with events.listening(points):
+        f = Follower(root, state, until=1)
+        f.start()
+        with events.failpoints(f"{SLOW},{point}=raise"), pytest.raises(events.FailpointError):
+            run_publish(root, other, 1, options=opts(tmp_path))
+        points.wait_for("stream.chunk-prefetched")
+        time.sleep(0.2)
+        assert f.is_alive() and file_bytes(state) == before  # nothing applied: no commit
+        assert Catalog(Root(root)).committed_steps() == [0]
+        dead = f.streaming.started[-1][1]
+        with events.failpoints(SLOW):
+            res = run_publish(root, cks[1], 1, options=opts(tmp_path))  # the retry: a new attempt
+        f.finish()
+    assert res.attempt != dead
+    assert_bits_equal(load_file(state), cks[1])
+    assert [a for _, a in f.streaming.started] == [dead, res.attempt]
+    assert not [k for (u, k) in list(PREFETCHED._held) if dead in k]  # dropped, never taken
+
+
+@pytest.mark.faults("streaming", component="streaming",
+                    outcome="the follower streams the announced attempt; it loses; the winner's bits, exactly")
+def test_a_follower_streaming_the_losing_attempt_applies_the_winner(tmp_path):
+    root, cks, state = _setup(tmp_path, seed=44)
+    loser = {n: t.clone() for n, t in chain_of_steps(2, seed=98)[1].items() if n in cks[1]}
+    loser = {n: loser.get(n, t) for n, t in cks[1].items()}
+    points = Points()
+    go = threading.Event()
+    conflicts: list[StepConflictError] = []
+
+    def slow_loser():  # announces and streams, then waits at its manifest until the winner committed
+        try:
+            run_publish(root, loser, 1, options=opts(tmp_path, io_workers=2))
+        except StepConflictError as e:
+            conflicts.append(e)
+
+    with events.listening(points):
+        f = Follower(root, state, until=1)
+        f.start()
+        real_reached = events.reached
+
+        t = threading.Thread(target=slow_loser)
+        # Hold the loser right after its manifest (its thread only), until the winner has committed.
+        def hold(point, **fields):
+            if point == "publish.manifest-written" and threading.current_thread() is t:
+                go.wait(60)
+            return real_reached(point, **fields)
+
+        events.reached = hold
+        try:
+            slow = events.failpoints(SLOW)
+            slow.__enter__()
+            t.start()
+            points.wait_for("stream.chunk-prefetched")
+            winner = run_publish(root, cks[1], 1, options=opts(tmp_path, stream=False))
+            go.set()
+            t.join(60)
+            slow.__exit__(None, None, None)
+        finally:
+            events.reached = real_reached
+        f.finish()
+    assert len(conflicts) == 1
+    assert Catalog(Root(root)).marker(1).attempt == winner.attempt
+    assert f.streaming.started and f.streaming.started[0][1] != winner.attempt  # it streamed the loser
+    assert_bits_equal(load_file(state), cks[1])
+
+
+@pytest.mark.faults("streaming", component="security",
+                    outcome="chunks named by a forged index are refused on arrival; the refit reads them; bit-exact")
+def test_a_forged_announcement_or_index_changes_nothing(tmp_path):
+    """building.json and the indexes are hints: a forged index naming wrong digests gets its chunks
+    refused by the prefetch, and the refit reads them itself."""
+    root, cks, state = _setup(tmp_path, seed=45)
+    before = file_bytes(state)
+    r = Root(root)
+    res = run_publish(root, cks[1], 1, options=opts(tmp_path))
+    seq = 0  # every index of the committed attempt rewritten with another digest per chunk
+    while (idx := stream.read_index(r, 1, res.attempt, seq)) is not None:
+        bad = [stream.StreamedChunk(c.tensor, c.dtype, c.grid, c.key_in_store, c.index, "0" * 64, c.nbytes)
+               for c in idx.chunks]
+        r.write(layout.stream_key(1, res.attempt, seq),
+                stream.StreamIndex(1, res.attempt, seq, idx.codec, tuple(bad), idx.last).to_json())
+        seq += 1
+    r.write(layout.BUILDING, b'{"format": "dcr-building", "step": 7, "attempt": "not hex"}')
+    assert stream.read_building(r) is None  # malformed: ignored
+    r.write(layout.BUILDING, stream.Building(1, res.attempt).to_json())
+    marker = r.read(layout.commit_key(1))
+    r.remove(layout.commit_key(1))  # as if the step were still being published
+    hits = PREFETCHED.hits
+    points = Points()
+    with events.listening(points):
+        f = Follower(root, state, until=1)
+        f.start()
+        points.wait_for("stream.index-read", seq)
+        time.sleep(0.3)
+        assert file_bytes(state) == before and f.is_alive()
+        assert r.create_if_absent(layout.commit_key(1), marker)
+        f.finish()
+    assert points.count("stream.chunk-prefetched") == 0  # every forged chunk refused on arrival
+    assert PREFETCHED.hits == hits
+    assert_bits_equal(load_file(state), cks[1])
+
+
+def test_prefetched_chunks_are_used_only_as_verified_and_within_budget():
+    store = Prefetched(budget=100)
+    from concurrent.futures import Future
+
+    def done(data: bytes) -> Future:
+        f = Future()
+        f.set_result(data)
+        return f
+
+    v = ("d" * 64, 60, "F32", 16, 0, 16, "{}")
+    stopped = threading.Event()
+    assert store.reserve(60, stopped)
+    store.put("u", "k1", v, done(b"x" * 60), 60)
+    assert store.take("u", "k1", (*v[:-1], '{"other": 1}')) is None  # another codec: not used, and gone
+    assert ("u", "k1") not in store and store.bytes_held == 0
+    assert store.reserve(60, stopped)
+    store.put("u", "k2", v, done(b"y" * 60), 60)
+    stopped.set()
+    assert not store.reserve(60, stopped)  # over budget: waits, and gives up once stopped
+    assert store.take("u", "k2", v) == b"y" * 60 and store.bytes_held == 0
+    failed = Future()
+    failed.set_exception(OSError("connection reset"))
+    assert store.reserve(10, stopped)
+    store.put("u", "k3", v, failed, 10)
+    assert store.take("u", "k3", v) is None  # a failed prefetch: the refit reads it itself
+    assert store.drop("u") == 0 and store.bytes_held == 0
+
+
+def test_verified_as_names_everything_a_check_depends_on():
+    from dcr_core.chunking import ChunkGrid
+    from flows.options import SPARSE_DELTAS
+
+    g = ChunkGrid((10, 7), (3, 7))
+    a = verified_as(SPARSE_DELTAS, "F32", g, 3, "a" * 64, 12)
+    assert a != verified_as(SPARSE_DELTAS, "I32", g, 3, "a" * 64, 12)
+    assert a != verified_as(SPARSE_DELTAS, "F32", g, 2, "a" * 64, 12)
+    assert a != verified_as(SPARSE_DELTAS, "F32", ChunkGrid((10, 7), (2, 7)), 3, "a" * 64, 12)
+
+
+# -- processes: a real follower on the moto S3 server, kill -9 of a streaming follower ---------------------
+
+
+def _follower_cmd(root: str, state, *extra) -> list[str]:
+    return ["receive", root, "--receiver", "follower", "--state", str(state), "--follow", "--stream",
+            "--interval", "0.05", "--until-step", "1", *extra]
+
+
+@pytest.mark.backend
+def test_a_streaming_follower_process_on_s3(s3_server, tmp_path):
+    root = f"s3://{S3_BUCKET}/stream-{uuid.uuid4().hex[:8]}"
+    cks = chain_of_steps(2, seed=46)
+    run_publish(root, cks[0], 0, options=opts(tmp_path, chunk_bytes=4096))
+    state = tmp_path / "follower.safetensors"
+    run_receive(root, "follower", str(state), step=0)
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *_follower_cmd(root, state, "--json")], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(2.5)  # polling by now
+    with events.failpoints("chunk.stored@*=sleep(0.05)"):
+        run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    res = json.loads(out)
+    assert res["step"] == 1 and res["prefetched"]["chunks"] > 10, res
+    assert_bits_equal(load_file(state), cks[1])
+
+
+@pytest.mark.faults("streaming", component="process",
+                    outcome="kill -9 of a streaming follower mid-prefetch: state byte-identical; a restart ends bit-exact")
+def test_kill_9_of_a_streaming_follower_mid_prefetch(tmp_path):
+    root, cks, state = _setup(tmp_path, seed=47, n=2)
+    before = file_bytes(state)
+    done = threading.Event()
+
+    def publish():
+        with events.failpoints("chunk.stored@*=sleep(0.03)"):
+            run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
+        done.set()
+
+    t = threading.Thread(target=publish)
+    t.start()
+    try:
+        kill_at("stream.chunk-prefetched@3", *_follower_cmd(root, state))
+        assert not done.is_set(), "the publish ended before the follower was killed: not mid-stream"
+        assert file_bytes(state) == before
+    finally:
+        t.join(120)
+    assert Catalog(Root(root)).committed_steps() == [0, 1]
+    assert file_bytes(state) == before
+    out = subprocess.run([sys.executable, "-m", "flows.cli", *_follower_cmd(root, state)], cwd=REPO,
+                         env={**os.environ, "DCR_ORCHESTRATOR": "none"}, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert_bits_equal(load_file(state), cks[1])
+
+
+def test_a_streaming_mirror_forwards_while_upstream_publishes(tmp_path):
+    """origin -> (dcr mirror --follow --stream) -> region; a follower of the region streams from it:
+    it fetches chunks before the origin's commit, so the mirror forwarded them (and their indexes)
+    before the commit, and the region commits only after the origin did."""
+    root, cks, _ = _setup(tmp_path, seed=48)
+    region = str(tmp_path / "region")
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
+    subprocess.run([sys.executable, "-m", "flows.cli", "mirror", root, region], cwd=REPO, env=env, check=True,
+                   capture_output=True)
+    state = tmp_path / "region-follower.safetensors"
+    run_receive(region, "follower", str(state), step=0)
+    mirror = subprocess.Popen([sys.executable, "-m", "flows.cli", "mirror", root, region, "--follow", "--stream",
+                               "--interval", "0.1", "-q"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.0)  # the mirror is polling by now
+        points = Points()
+        with events.listening(points):
+            f = Follower(region, state, until=1)
+            f.start()
+            with events.failpoints("chunk.stored@*=sleep(0.03)"):
+                res = run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
+            f.finish()
+    finally:
+        mirror.kill()
+        mirror.wait()
+    assert points.count("stream.chunk-prefetched") > 5
+    assert points.first("stream.chunk-prefetched") < points.first("publish.committed")
+    assert f.streaming.started == [(1, res.attempt)]
+    assert Catalog(Root(region)).marker(1).attempt == res.attempt
+    assert_bits_equal(load_file(state), cks[1])
+    assert_bits_equal(load_file(state), _dense(root, 1, tmp_path))
+
+
+@pytest.mark.faults("streaming", component="process",
+                    outcome="kill -9 of a streaming mirror mid-forward: nothing visible downstream; a rerun commits it exactly")
+def test_kill_9_of_a_streaming_mirror_mid_forward(tmp_path):
+    root, cks, _ = _setup(tmp_path, seed=49, n=2)
+    region = str(tmp_path / "region")
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
+    subprocess.run([sys.executable, "-m", "flows.cli", "mirror", root, region], cwd=REPO, env=env, check=True,
+                   capture_output=True)
+    done = threading.Event()
+
+    def publish():
+        with events.failpoints("chunk.stored@*=sleep(0.03)"):
+            run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
+        done.set()
+
+    t = threading.Thread(target=publish)
+    t.start()
+    try:
+        kill_at("mirror.index-forwarded@1", "mirror", root, region, "--follow", "--stream", "--interval", "0.05")
+        assert not done.is_set(), "the publish ended before the mirror was killed: not mid-stream"
+    finally:
+        t.join(120)
+    r = Root(region)
+    assert Catalog(r).committed_steps() == [0]  # forwarded chunks and an index, never a marker
+    attempt = Catalog(Root(root)).marker(1).attempt
+    assert r.objects(layout.attempt_dir(1, attempt) + "/stream")
+    subprocess.run([sys.executable, "-m", "flows.cli", "mirror", root, region], cwd=REPO, env=env, check=True,
+                   capture_output=True)
+    out = tmp_path / "region-1.safetensors"
+    run_materialize(region, 1, str(out))
+    assert_bits_equal(load_file(out), cks[1])
