@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 DCR := $(VENV)/bin/dcr
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 
-.PHONY: install demo test test-backends test-slow test-vllm lint fault-matrix race bench bench-vllm clean
+.PHONY: install demo test test-backends test-slow test-vllm lint fault-matrix race bench bench-vllm bench-stream clean
 
 # $(1): the virtualenv, $(2): the extras of dcr to install with it
 define make_venv
@@ -70,6 +70,10 @@ lint: install
 fault-matrix: install
 	$(PYTEST) -m faults --fault-matrix=docs/fault-matrix.md
 
+# Streamed vs publish-then-receive latency on the throttled S3 link (docs/bench-stream)
+bench-stream: install
+	$(PY) -m dcr_bench.stream_bench --out docs/bench-stream
+
 # the long gc race: 300 publishes (gc after each) against 6 followers killed at random points
 race: install
 	DCR_RACE_STEPS=300 DCR_RACE_FOLLOWERS=6 $(PYTEST) -s tests/system/test_gc_race.py
@@ -79,3 +83,14 @@ bench: install
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) dcr-demo .pytest_cache
+
+# Predicted refit timelines of the shipped scenarios (bench/scenarios/), into docs/simulate/<scenario>/
+.PHONY: simulate
+simulate: install
+	$(DCR) simulate bench/scenarios/*.toml --out docs/simulate
+
+# A relay tree of ROOTs (origin -> region mirrors -> receivers) against direct receivers: bytes per
+# inter-region link and seconds to the last receiver's commit (docs/bench-tree)
+.PHONY: bench-tree
+bench-tree: install
+	$(PY) -m dcr_bench.relay_tree --out docs/bench-tree

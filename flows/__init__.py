@@ -5,6 +5,7 @@ The public API, importable from here (loaded on first use: Prefect and torch are
     from flows import publish_refit, receive_refit, gc_refit        # Prefect flows
     from flows import mirror_refit, run_mirror, receive_nearest     # a relay tree of ROOTs
     from flows import run_publish, run_receive, run_materialize     # the same pipelines, in-process
+    from flows import follow_receive                                # follow ROOT (streaming with stream=True)
     from flows import receive_into_module, Publisher                # a live module; a trainer's publisher
     from flows import PublishOptions, ReceiveOptions, GcOptions     # typed options
     from flows import Shard, ShardedSource, dtensor_pieces          # training shards
@@ -27,6 +28,7 @@ _PUBLIC = {
     "Publisher": "flows.publish.publisher",
     "run_receive": "flows.receive.pipeline",
     "run_materialize": "flows.receive.pipeline",
+    "follow_receive": "flows.receive.follow",
     "receive_into_module": "flows.receive.module_pipeline",
     "PublishOptions": "flows.options",
     "ReceiveOptions": "flows.options",

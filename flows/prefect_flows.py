@@ -130,12 +130,15 @@ def receive_refit(
 
 @flow(name="dcr-mirror", flow_run_name=_mirror_name, log_prints=True, result_serializer="json", persist_result=True)
 def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_options: dict | None = None,
-                 dst_storage_options: dict | None = None) -> dict:
-    """Copy committed steps (``step``, or all) from ROOT ``src`` to ROOT ``dst`` (``dcr mirror``)."""
+                 dst_storage_options: dict | None = None, as_id: str | None = None,
+                 io_workers: int = 8) -> dict:
+    """Copy committed steps (``step``, or all newer than ``dst``'s newest) from ROOT ``src`` to ROOT
+    ``dst`` (``dcr mirror``); ``as_id``: registered in ``src`` as a receiver (gc there keeps what it needs)."""
     run_tags = ("dcr", "dcr-mirror", f"root:{src}", f"mirror:{dst}")
     _tag_run(*run_tags)
     with tags(*run_tags):
-        result = run_mirror(str(src), str(dst), step, src_storage_options, dst_storage_options, PrefectRunner())
+        result = run_mirror(str(src), str(dst), step, src_storage_options, dst_storage_options, PrefectRunner(),
+                            as_id=as_id, io_workers=io_workers)
     get_run_logger().info("mirrored steps %s to %s (%d objects, %d bytes); already there: %d", result.copied_steps, dst,
                           result.objects_copied, result.bytes_copied, len(result.present_steps))
     return asdict(result)

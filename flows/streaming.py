@@ -23,6 +23,8 @@ from storage.prefetched import PREFETCHED
 from storage.root import Root, RootRef, open_root
 from storage.stream import read_building
 
+STREAMING_POLL = 1.0
+
 
 class Streaming:
     """``start(root, step, attempt, workers)`` makes the (unstarted) ``Prefetcher`` of an announced
@@ -55,11 +57,13 @@ class Streaming:
         self.started.append((b.step, b.attempt))
 
     def sleep(self, seconds: float) -> None:
-        """Wait between polls; returns early once the step being prefetched is committed."""
-        if self.current is None or self.current.committed.is_set():
+        """Wait between polls. While a step is prefetched its prefetcher watches the marker and this
+        returns the moment it appears, so the follower's own polls (a listing and a GET each) slow to
+        one per ``STREAMING_POLL`` seconds: they would load the store the publisher is writing to."""
+        if self.current is None or not self.current.active:
             time.sleep(seconds)
         else:
-            self.current.wait(seconds)
+            self.current.wait(max(seconds, STREAMING_POLL))
 
     def done(self, step: int) -> None:
         """A refit reached ``step``: end a prefetch of that step or an older one."""

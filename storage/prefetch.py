@@ -21,11 +21,13 @@ from dcr_core.digest import chunk_digest
 from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
 from storage.chunk_io import BoundedPool, decode_chunk, verified_as
+from storage.marker import MAX_MARKER_BYTES
 from storage.prefetched import PREFETCHED, Prefetched
 from storage.root import Root
 from storage.stream import StreamedChunk, StreamIndex, read_index
 
 log = logging.getLogger("dcr.stream")
+COMMIT_POLL = 0.05  # seconds between looks for the marker once the last index is read
 
 
 class Prefetcher:
@@ -63,6 +65,11 @@ class Prefetcher:
         self.stop()
         self.store.drop(self.root.url, self.prefix)
 
+    @property
+    def active(self) -> bool:
+        """Still fetching or watching for the commit."""
+        return self._thread.is_alive() and not self.committed.is_set()
+
     def wait(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds for the commit; True if it is there."""
         return self.committed.wait(timeout)
@@ -85,8 +92,13 @@ class Prefetcher:
         return min(self.max_poll, delay * 2)
 
     def _is_committed(self) -> bool:
-        if self.root.exists(layout.commit_key(self.step)):
-            self.committed.set()
+        """Whether the step's marker exists (one GET: a HEAD can cost a listing as well on S3)."""
+        if not self.committed.is_set():
+            try:
+                self.root.read(layout.commit_key(self.step), limit=MAX_MARKER_BYTES)
+                self.committed.set()
+            except FileNotFoundError:
+                pass
         return self.committed.is_set()
 
     def _follow_indexes(self, pool: BoundedPool) -> None:
@@ -117,9 +129,10 @@ class Prefetcher:
         return True
 
     def _await_commit(self) -> None:
-        """After the last index the manifest and the marker are moments away: poll at the short interval."""
+        """After the last index the manifest and the marker are moments away: poll often (not so
+        often that the polls load the store the publisher is writing to)."""
         while not self.stopped.is_set() and not self._is_committed():
-            self.stopped.wait(self.poll)
+            self.stopped.wait(COMMIT_POLL)
 
     def fetch(self, key: str, idx: StreamIndex, c: StreamedChunk) -> bytes:
         """Read one chunk and check it as the index describes it (runs on the pool)."""

@@ -35,10 +35,12 @@ from dcr_bench import data as bench_data
 from dcr_bench.bench import machine_info, parse_size
 from dcr_bench.demo import mismatch
 from dcr_bench.e2e import BUCKET, S3Service
+from dcr_bench.sim.calibrate import fp32_pair
 from flows import Publisher, PublishOptions, run_receive
 from storage.root import open_root
 
 MB = 1e6
+FOLLOWER_POLL_S = 0.05  # the follower's --interval
 
 
 class Follower:
@@ -46,7 +48,7 @@ class Follower:
 
     def __init__(self, root: str, state: str, endpoint: str, stream: bool, until: int):
         cmd = [sys.executable, "-m", "flows.cli", "receive", root, "--receiver", "follower", "--state", state,
-               "--follow", "--until-step", str(until), "--interval", "0.05", "--in-place", "--orchestrator", "none",
+               "--follow", "--until-step", str(until), "--interval", str(FOLLOWER_POLL_S), "--in-place", "--orchestrator", "none",
                "--json", "--storage-option", f"endpoint_url={endpoint}"] + (["--stream"] if stream else [])
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self.done_at: float | None = None
@@ -68,10 +70,11 @@ class Follower:
         return json.loads("".join(self.out))
 
 
-def one_refit(svc: S3Service, old, new, tmp: str, stream: bool) -> dict:
+def one_refit(svc: S3Service, old, new, tmp: str, stream: bool, chunk_bytes: int | None = None) -> dict:
     root = f"s3://{BUCKET}/stream-{uuid.uuid4().hex[:10]}"
     direct, via = {"endpoint_url": svc.direct}, {"endpoint_url": svc.proxy.url}
-    popts = PublishOptions(cache_dir=os.path.join(tmp, "cache", uuid.uuid4().hex[:8]), use_cache=False)
+    popts = PublishOptions(cache_dir=os.path.join(tmp, "cache", uuid.uuid4().hex[:8]), use_cache=False,
+                           **({} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}))
     pub = Publisher(root, direct, popts)
     pub.publish(old, 0, keyframe=True)
     state = os.path.join(tmp, f"state-{uuid.uuid4().hex[:8]}.safetensors")
@@ -91,6 +94,7 @@ def one_refit(svc: S3Service, old, new, tmp: str, stream: bool) -> dict:
     svc.fs(svc.direct).rm(root.removeprefix("s3://"), recursive=True)  # moto keeps objects in memory
     return {"stream": stream, "upload_s": t1 - t0, "commit_s": follower.done_at - t0,
             "after_publish_s": follower.done_at - t1, "bytes_pulled": res["bytes_pulled"],
+            "receive_timings": res.get("timings"), "prefetched": res.get("prefetched"),
             "exact": problem is None, "mismatch": problem}
 
 
@@ -107,9 +111,28 @@ def summarize(runs: list[dict]) -> dict:
             "bytes_pulled": st[0]["bytes_pulled"], "exact": all(r["exact"] for r in runs)}
 
 
+def validation_records(results: dict, base: dict) -> list[dict]:
+    """Each link rate's medians as ``dcr simulate --validate`` records: ``base`` (a scenario measured
+    on this model) at that rate, the follower's discovery delay, every process on this machine's cores."""
+    out = []
+    for bw, s in results["links"].items():
+        link = {"mb_per_s": float(bw) / MB}
+        sc = {**base, "name": f"stream-bench-{float(bw) / MB:g}MBps",
+              "links": {**base["links"], "uplink": {**base["links"]["uplink"], **link},
+                        "receiver": {**base["links"]["receiver"], **link}},
+              "io": {**base["io"], "discovery_s": FOLLOWER_POLL_S / 2, "shared_cores": os.cpu_count()},
+              "run": {"modes": ["direct"], "streaming": [False, True]}}
+        for stream, key in ((False, "sequential_s"), (True, "streamed_s")):
+            out.append({"name": f"stream bench {results['params'] / 1e6:.0f}M {results['dtype']} @ {float(bw) / MB:g} MB/s, "
+                                f"{'streamed' if stream else 'publish, then follower'}",
+                        "scenario": sc, "mode": "direct", "streaming": stream, "measured_s": s[key]})
+    return out
+
+
 def markdown(results: dict) -> str:
-    lines = [f"Model: {results['params'] / 1e6:.0f}M BF16 parameters, {results['rate'] * 100:g}% changed "
-             f"(synthetic); {results['repeats']} runs each, medians.", "",
+    lines = [f"Model: {results['params'] / 1e6:.0f}M {results['dtype'].upper()} parameters, {results['rate'] * 100:g}% "
+             f"changed (synthetic), {results['chunk_bytes'] / (1 << 20):g} MiB chunks; {results['repeats']} runs each, "
+             "medians.", "",
              "| link MB/s | pulled MB | upload s | download s | sequential s | streamed s | streamed / sequential "
              "| streamed vs max(up, down) | bit-exact |", "|---|---|---|---|---|---|---|---|---|"]
     for bw, s in results["links"].items():
@@ -133,7 +156,8 @@ def plot(results: dict, out: str) -> str:
         ax.bar([j + (i - 1) * 0.27 for j in x], [results["links"][b][key] for b in links], 0.27, label=label)
     ax.set_xticks(list(x), [f"{float(b) / MB:g} MB/s" for b in links])
     ax.set_ylabel("publish start to receiver commit, s")
-    ax.set_title(f"{results['params'] / 1e6:.0f}M BF16, {results['rate'] * 100:g}% changed")
+    ax.set_title(f"{results['params'] / 1e6:.0f}M {results['dtype'].upper()}, {results['rate'] * 100:g}% changed, "
+                 f"{results['chunk_bytes'] / (1 << 20):g} MiB chunks")
     ax.legend()
     path = os.path.join(out, "latency.png")
     fig.tight_layout()
@@ -149,18 +173,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=0.03, help="change rate (default 0.03)")
     p.add_argument("--bandwidth", default="10,50", help="link MB/s, comma-separated (default 10,50)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="bf16: ulp steps with special values (dcr bench's synthetic model); fp32: steps of ~1e-5")
+    p.add_argument("--chunk-mib", type=float, default=None, help="raw MiB per chunk (default DCR's 4)")
+    p.add_argument("--records-from", metavar="RECORDS",
+                   help="also write validation records for dcr simulate (validation-records.json), with the "
+                   "scenario of the first direct record in RECORDS (dcr simulate --measure-direct's, measured "
+                   "on the same model) at each link rate")
     a = p.parse_args(argv)
-    old, new = bench_data.synthetic(a.size, a.rate, seed=0)
+    old, new = (bench_data.synthetic if a.dtype == "bf16" else fp32_pair)(a.size, a.rate, seed=0)
+    chunk = None if a.chunk_mib is None else int(a.chunk_mib * (1 << 20))
     rates = [float(x) * MB for x in a.bandwidth.split(",")]
-    results = {"params": a.size, "rate": a.rate, "repeats": a.repeats, "machine": machine_info(), "links": {},
-               "runs": {}}
+    results = {"params": a.size, "rate": a.rate, "dtype": a.dtype, "chunk_bytes": chunk or PublishOptions().chunk_bytes,
+               "repeats": a.repeats, "machine": machine_info(), "links": {}, "runs": {}}
     with tempfile.TemporaryDirectory() as tmp, S3Service(rates[0]) as svc:
         for bw in rates:
             svc.set_bandwidth(bw)
             runs = []
             for i in range(a.repeats):
                 for stream in (False, True):
-                    r = one_refit(svc, old, new, tmp, stream)
+                    r = one_refit(svc, old, new, tmp, stream, chunk)
                     print(f"{bw / MB:g} MB/s run {i} {'streamed' if stream else 'sequential'}: {r['commit_s']:.2f} s "
                           f"(publish {r['upload_s']:.2f} s){'' if r['exact'] else ' NOT EXACT: ' + str(r['mismatch'])}",
                           flush=True)
@@ -168,6 +200,11 @@ def main(argv: list[str] | None = None) -> int:
             results["runs"][str(bw)] = runs
             results["links"][str(bw)] = summarize(runs)
     os.makedirs(a.out, exist_ok=True)
+    if a.records_from:
+        with open(a.records_from) as f:
+            base = next(r["scenario"] for r in json.load(f) if r["mode"] == "direct")
+        with open(os.path.join(a.out, "validation-records.json"), "w") as f:
+            json.dump(validation_records(results, base), f, indent=1)
     with open(os.path.join(a.out, "results.json"), "w") as f:
         json.dump(results, f, indent=1)
     with open(os.path.join(a.out, "results.md"), "w") as f:

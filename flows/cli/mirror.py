@@ -48,7 +48,8 @@ def run(name: str, args) -> int:
     backoff = args.interval
     while True:
         try:
-            r = run_mirror(args.root, args.dst, args.step, src_opts, dst_opts, as_id=args.as_id)
+            r = run_mirror(args.root, args.dst, args.step, src_opts, dst_opts, as_id=args.as_id,
+                           io_workers=args.io_workers)
             if stream is not None:
                 stream.done(max(r.copied_steps + r.present_steps))
         except Exception as e:

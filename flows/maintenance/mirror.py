@@ -10,18 +10,22 @@ yet downstream, ascending; or ``--step N``):
    another run is refused;
 3. every object of the committed attempt (manifest, Zarr metadata, chunks, snapshots, rank parts)
    is copied, byte for byte, unless downstream already holds it with the same size: only the
-   attempt the marker names, never a losing or uncommitted one;
+   attempt the marker names, never a losing or uncommitted one; ``io_workers`` objects at a time
+   (an inter-region link is latency-bound one request at a time);
 4. the marker is copied last, byte for byte (so its signature is the origin's), created only if
    absent. A downstream marker naming another attempt is refused.
 
 With ``as_id`` (``dcr mirror --as ID``) the mirror is also a receiver of SRC: it leases each step
 while copying it and records its position in SRC, so gc there keeps what the mirror still needs
-(as for any registered receiver). A crash anywhere before 4 leaves the step invisible downstream (no marker); a rerun copies what is
-missing and commits. Receivers verify everything they pull from a mirror against the origin's
-signature and digests, as from the origin. Not done: copying chunks as an upstream attempt is
-being written (streaming), and a deployment in
-``infra/prefect.yaml`` (``mirror_refit`` is a Prefect flow: ``plan-mirror``, one ``copy-step`` task
-per step).
+(as for any registered receiver). Without ``--step``, a mirror that already holds steps copies
+only the upstream steps newer than its newest (and checks those it holds): an older step it lacks
+was deleted by gc there (or skipped with ``--step``), and copying it back would cost the link a
+copy that the next gc deletes again. A crash anywhere before 4 leaves the step invisible
+downstream (no marker); a rerun copies what is missing and commits. Receivers verify everything
+they pull from a mirror against the origin's signature and digests, as from the origin.
+``mirror_refit`` is the Prefect flow (``plan-mirror``, one ``copy-step`` task per step; the
+``mirror`` deployment of ``infra/prefect.yaml``). Forwarding an attempt while it is written
+upstream (``dcr mirror --follow --stream``) is ``flows.maintenance.mirror_stream``.
 """
 
 from __future__ import annotations
@@ -30,10 +34,11 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from dcr_core import events
-from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError
+from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError, UsageError
 from flows.steps import InProcess, Runner, Step, StepTable
 from storage import layout, leases
 from storage.catalog import Catalog
+from storage.chunk_io import BoundedPool
 from storage.marker import CommitMarker
 from storage.root import Root, RootRef, open_root
 
@@ -61,7 +66,8 @@ def _copy_run(src: Root, dst: Root) -> None:
                                 "(give it an empty ROOT)")
 
 
-def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None) -> None:
+def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None,
+                io_workers: int = 8) -> None:
     """Copy committed step ``step`` of ``src`` to ``dst`` (see the module docstring); a step already
     committed downstream is only checked (same attempt). ``as_id``: the mirror is also a receiver
     of ``src`` by that id and leases the step while copying it."""
@@ -77,13 +83,14 @@ def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: st
     if as_id is not None:
         leases.take(src, as_id, [step], step, LEASE_SECONDS)
     try:
-        _copy_step(src, dst, scat, marker, step, result)
+        _copy_step(src, dst, scat, marker, step, result, io_workers)
     finally:
         if as_id is not None:
             leases.release(src, as_id, [step])
 
 
-def _copy_step(src: Root, dst: Root, scat: Catalog, marker: CommitMarker, step: int, result: MirrorResult) -> None:
+def _copy_step(src: Root, dst: Root, scat: Catalog, marker: CommitMarker, step: int, result: MirrorResult,
+               io_workers: int = 8) -> None:
     scat.manifest(step)  # read and checked against the marker's digest
     raw = src.read(layout.commit_key(step))
     copied = CommitMarker.from_json(raw, f"{src.url}/{layout.commit_key(step)}", step)
@@ -93,14 +100,19 @@ def _copy_step(src: Root, dst: Root, scat: Catalog, marker: CommitMarker, step: 
     _copy_run(src, dst)
     prefix = layout.attempt_dir(step, marker.attempt)
     have = {o.key: o.size for o in dst.objects(prefix)}
-    for obj in src.objects(prefix):
-        if have.get(obj.key) == obj.size:
-            continue
-        data = src.read(obj.key)
-        dst.write(obj.key, data)
-        result.objects_copied += 1
-        result.bytes_copied += len(data)
-        events.reached("mirror.object-copied", key=obj.key, nbytes=len(data))
+    todo = [obj.key for obj in src.objects(prefix) if have.get(obj.key) != obj.size]
+
+    def copy(key: str) -> int:
+        data = src.read(key)
+        dst.write(key, data)
+        events.reached("mirror.object-copied", key=key, nbytes=len(data))
+        return len(data)
+
+    with BoundedPool(io_workers, name="dcr-mirror") as pool:
+        futures = [pool.submit(copy, key) for key in todo]
+        for f in futures:  # every object is there before the marker is written
+            result.objects_copied += 1
+            result.bytes_copied += f.result()
     events.reached("mirror.payload-copied", step=step)
     if not dst.create_if_absent(layout.commit_key(step), raw):
         winner = Catalog(dst).marker(step)
@@ -110,13 +122,18 @@ def _copy_step(src: Root, dst: Root, scat: Catalog, marker: CommitMarker, step: 
     result.copied_steps.append(step)
 
 
-def plan_mirror(src: RootRef, step: int | None) -> list[int]:
-    """The steps to mirror: ``step``, or every step committed upstream (ascending)."""
+def plan_mirror(src: RootRef, step: int | None, dst: RootRef | None = None) -> list[int]:
+    """The steps to mirror: ``step``, or every step committed upstream (ascending); with ``dst``,
+    of those only the ones ``dst`` holds (checked) and the ones newer than its newest."""
     if step is not None:
         return [layout.check_step(step)]
     steps = Catalog(open_root(src)).committed_steps()
     if not steps:
         raise StepNotFoundError(f"{src.url}: no committed step to mirror")
+    if dst is not None:
+        held = set(Catalog(open_root(dst)).committed_steps())
+        if held:
+            steps = [s for s in steps if s in held or s > max(held)]
     return steps
 
 
@@ -132,10 +149,10 @@ def record_position(src: RootRef, dst: RootRef, as_id: str, step: int) -> bool:
     return True
 
 
-def copy_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = None) -> dict:
+def copy_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = None, io_workers: int = 8) -> dict:
     """One step (a task): copied, or found already there (checked: the same attempt)."""
     result = MirrorResult()
-    mirror_step(open_root(src), open_root(dst), step, result, as_id)
+    mirror_step(open_root(src), open_root(dst), step, result, as_id, io_workers)
     return asdict(result)
 
 
@@ -144,17 +161,21 @@ MIRROR_STEPS = StepTable(Step("plan-mirror", plan_mirror), Step("copy-step", cop
 
 
 def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | None = None,
-               dst_options: dict | None = None, runner: Runner | None = None, as_id: str | None = None) -> MirrorResult:
-    """Copy ``step`` (default: every committed step upstream; those downstream already has are
-    checked, not copied) from ROOT ``src`` to ``dst``, each with its own storage options. ``as_id``:
-    register the mirror upstream as a receiver (see ``mirror_step``)."""
+               dst_options: dict | None = None, runner: Runner | None = None, as_id: str | None = None,
+               io_workers: int = 8) -> MirrorResult:
+    """Copy ``step`` (default: every committed step upstream that is newer than the newest ``dst``
+    holds; those downstream already has are checked, not copied) from ROOT ``src`` to ``dst``, each
+    with its own storage options, ``io_workers`` objects at a time. ``as_id``: register the mirror
+    upstream as a receiver (see ``mirror_step``)."""
     if as_id is not None:
         layout.check_receiver(as_id)
     s, d = RootRef(src, dict(src_options or {})), RootRef(dst, dict(dst_options or {}))
     tasks = MIRROR_STEPS.bind(runner or InProcess())
     result = MirrorResult()
-    for st in tasks.plan_mirror(s, step):
-        one = tasks.copy_step(s, d, st, as_id)
+    if io_workers < 1:
+        raise UsageError(f"io_workers must be at least 1, got {io_workers}")
+    for st in tasks.plan_mirror(s, step, d):
+        one = tasks.copy_step(s, d, st, as_id, io_workers)
         result.copied_steps += one["copied_steps"]
         result.present_steps += one["present_steps"]
         result.objects_copied += one["objects_copied"]

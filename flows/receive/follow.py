@@ -16,7 +16,10 @@ import time
 from collections.abc import Callable, Iterator
 
 from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UntrustedError
+from flows.options import ReceiveOptions
 from flows.poll import poll
+from flows.receive.pipeline import run_receive
+from flows.results import ReceiveResult
 from flows.streaming import Streaming
 from storage.access import StoreUnreachableError
 from storage.catalog import Catalog
@@ -35,9 +38,9 @@ def worth_retrying(e: BaseException) -> bool:
 
 
 def follow(
-    root: RootRef, state_path: str, receive: Callable[[int], dict], interval: float = 5.0,
+    root: RootRef, state_path: str, receive: Callable[[int], object], interval: float = 5.0,
     until_step: int | None = None, warn: Callable[[str], None] | None = None, stream: Streaming | None = None,
-) -> Iterator[dict]:
+) -> Iterator:
     """Yield ``receive(step)`` for every committed step newer than the state; stop once the state
     holds ``until_step`` or later (None: follow for good). ``warn`` hears every failure retried.
     ``stream``: also prefetch each step while it is being published (``flows.streaming``)."""
@@ -75,3 +78,19 @@ def follow(
             continue
         backoff = interval
         yield result
+
+
+def follow_receive(
+    root: str, receiver_id: str, state_path: str, storage_options: dict | None = None,
+    options: ReceiveOptions | None = None, stream: bool = False, interval: float = 5.0,
+    until_step: int | None = None, warn: Callable[[str], None] | None = None,
+) -> Iterator[ReceiveResult]:
+    """``dcr receive --follow [--stream]`` in Python: yield the result of every refit of the state
+    file at ``state_path`` as new steps are committed (with ``stream``, fetched while published)."""
+    ref = RootRef(str(root), dict(storage_options or {}))
+    streaming = Streaming(ref, (options or ReceiveOptions()).io_workers) if stream else None
+
+    def receive(step: int) -> ReceiveResult:
+        return run_receive(ref.url, receiver_id, state_path, step, ref.storage_options, options)
+
+    yield from follow(ref, str(state_path), receive, interval, until_step, warn, streaming)

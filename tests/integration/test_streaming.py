@@ -458,3 +458,94 @@ def test_kill_9_of_a_streaming_mirror_mid_forward(tmp_path):
     out = tmp_path / "region-1.safetensors"
     run_materialize(region, 1, str(out))
     assert_bits_equal(load_file(out), cks[1])
+
+
+def test_follow_receive_streams_from_python(tmp_path):
+    from flows import follow_receive
+
+    root, cks, state = _setup(tmp_path, seed=50, n=2)
+    got = []
+    t = threading.Thread(target=lambda: got.extend(follow_receive(root, "follower", str(state), stream=True,
+                                                                  interval=0.02, until_step=1)))
+    t.start()
+    time.sleep(0.5)
+    with events.failpoints(SLOW):
+        run_publish(root, cks[1], 1, options=opts(tmp_path))
+    t.join(60)
+    assert [r.step for r in got] == [1]
+    assert_bits_equal(load_file(state), cks[1])
+
+
+@pytest.mark.faults("streaming", component="process",
+                    outcome="kill -9 of a streaming publisher: the follower's state untouched; the rerun's bits, exactly")
+def test_kill_9_of_a_publisher_process_while_a_follower_streams(tmp_path):
+    from tests.support.helpers import write_safetensors
+
+    root, cks, state = _setup(tmp_path, seed=51, n=2)
+    before = file_bytes(state)
+    ck = tmp_path / "step1.safetensors"
+    write_safetensors(ck, cks[1])
+    env = {"DCR_CACHE_DIR": str(tmp_path / "cache")}
+    points = Points()
+    with events.listening(points):
+        f = Follower(root, state, until=1)
+        f.start()
+        kill_at("stream.index-written@1", "publish", root, ck, "--step", "1", "--chunk-bytes", CHUNK_BYTES, env=env)
+        points.wait_for("stream.index-read")  # the follower read what the dead publisher exposed
+        time.sleep(0.2)
+        assert f.is_alive() and file_bytes(state) == before
+        out = subprocess.run([sys.executable, "-m", "flows.cli", "publish", root, str(ck), "--step", "1",
+                              "--chunk-bytes", str(CHUNK_BYTES)], cwd=REPO, capture_output=True, text=True,
+                             env={**os.environ, "DCR_ORCHESTRATOR": "none", **env}, timeout=120)
+        assert out.returncode == 0, out.stderr
+        f.finish()
+    assert_bits_equal(load_file(state), cks[1])
+    assert len({a for _, a in f.streaming.started}) == 2  # the dead attempt, then the rerun's
+
+
+@pytest.mark.backend
+def test_a_streaming_relay_between_two_s3_servers(s3_server, tmp_path):
+    """origin (the session's S3 server) -> dcr mirror --follow --stream -> region (a second server with
+    its own endpoint and credentials) -> a streaming follower of the region: the follower fetches
+    before the origin's commit, and ends bit-exact."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    second = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    second.start()
+    mirror = None
+    try:
+        host, port = second.get_host_and_port()
+        region_opts = {"endpoint_url": f"http://{host}:{port}", "key": "region-b", "secret": "b-secret"}
+        boto3.client("s3", endpoint_url=region_opts["endpoint_url"], aws_access_key_id="region-b",
+                     aws_secret_access_key="b-secret", region_name="us-east-1").create_bucket(Bucket="region-b")
+        root = f"s3://{S3_BUCKET}/origin-{uuid.uuid4().hex[:8]}"
+        region = f"s3://region-b/mirror-{uuid.uuid4().hex[:8]}"
+        cks = chain_of_steps(2, seed=52)
+        run_publish(root, cks[0], 0, options=opts(tmp_path, chunk_bytes=4096))
+        env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
+        dst = [x for k, v in region_opts.items() for x in ("--dst-storage-option", f"{k}={v}")]
+        subprocess.run([sys.executable, "-m", "flows.cli", "mirror", root, region, *dst], cwd=REPO, env=env,
+                       check=True, capture_output=True)
+        state = tmp_path / "region-follower.safetensors"
+        run_receive(region, "follower", str(state), step=0, storage_options=region_opts)
+        mirror = subprocess.Popen([sys.executable, "-m", "flows.cli", "mirror", root, region, *dst, "--follow",
+                                   "--stream", "--interval", "0.1", "-q"], cwd=REPO, env=env, stderr=subprocess.PIPE,
+                                  text=True)
+        time.sleep(2.5)  # the mirror is polling by now
+        points = Points()
+        with events.listening(points):
+            f = Follower(region, state, until=1, options=region_opts)
+            f.start()
+            with events.failpoints("chunk.stored@*=sleep(0.05)"):
+                res = run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
+            f.finish()
+        assert points.count("stream.chunk-prefetched") > 5
+        assert points.first("stream.chunk-prefetched") < points.first("publish.committed")
+        assert f.streaming.started == [(1, res.attempt)]
+        assert_bits_equal(load_file(state), cks[1])
+    finally:
+        if mirror is not None:
+            mirror.kill()
+            mirror.wait()
+        second.stop()

@@ -1,0 +1,270 @@
+"""``dcr simulate``: scenario validation, the timeline model's invariants, the shipped scenarios,
+calibration on tiny sizes, and validation against records."""
+
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import os
+
+import pytest
+
+from dcr_bench import simulate as cli
+from dcr_bench.sim import calibrate, validate
+from dcr_bench.sim.model import Model, Stage, pipeline, simulate
+from dcr_bench.sim.scenario import ScenarioError, load, parse
+
+SCENARIOS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "scenarios")
+
+
+def base(**over) -> dict:
+    d = {
+        "model": {"parameters": 1e9, "bytes_per_param": 2, "change_rate": 0.03, "bytes_per_change": 2.0},
+        "topology": {"regions": 2, "receivers_per_region": 4},
+        "links": {
+            "uplink": {"mb_per_s": 1000, "latency_ms": 10},
+            "inter_region": {"mb_per_s": 100, "latency_ms": 50},
+            "receiver": {"mb_per_s": 1000, "latency_ms": 5, "scope": "per_receiver"},
+        },
+        "cpu": {"encode_gb_per_s": 1.0, "decode_apply_gb_per_s": 2.0, "digest_gb_per_s": 5.0, "copy_gb_per_s": 4.0},
+        "overhead": {"publish_s": 0.5, "receive_s": 0.5, "mirror_s": 0.2},
+    }
+    for path, value in over.items():
+        node = d
+        *head, last = path.split("__")
+        for k in head:
+            node = node.setdefault(k, {})
+        node[last] = value
+    return d
+
+
+def totals(sc) -> dict:
+    return {(t.mode, t.streaming): t for t in simulate(sc)}
+
+
+# ---------------------------------------------------------------- scenario files
+
+
+def test_unknown_key_names_file_and_field(tmp_path):
+    p = tmp_path / "bad.toml"
+    p.write_text('[model]\nparameters = 1e9\nbytes_per_param = 2\nchange_rate = 0.03\nbytes_per_change = 2\ncolour = 1\n'
+                 '[links.uplink]\nmb_per_s = 1\n[links.inter_region]\nmb_per_s = 1\n[links.receiver]\nmb_per_s = 1\n'
+                 '[cpu]\nencode_gb_per_s = 1\ndecode_apply_gb_per_s = 1\ndigest_gb_per_s = 1\ncopy_gb_per_s = 1\n')
+    with pytest.raises(ScenarioError) as e:
+        load(str(p))
+    msg = str(e.value)
+    assert str(p) in msg and "model.colour" in msg and "unknown field" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("path,value,field", [
+    ("model__change_rate", 1.5, "model.change_rate"),
+    ("model__bytes_per_param", 3, "model.bytes_per_param"),
+    ("links__uplink__mb_per_s", -1, "links.uplink.mb_per_s"),
+    ("links__receiver__scope", "everyone", "links.receiver.scope"),
+    ("topology__receivers_per_region", 0, "topology.receivers_per_region"),
+    ("run__modes", ["full", "teleport"], "run.modes.1"),
+])
+def test_bad_values_are_one_line_errors(path, value, field):
+    with pytest.raises(ScenarioError) as e:
+        parse(base(**{path: value}), "x.toml")
+    assert str(e.value).startswith(f"x.toml: {field}:") and "\n" not in str(e.value)
+
+
+def test_cpu_costs_must_be_complete():
+    d = base()
+    del d["cpu"]["digest_gb_per_s"]
+    with pytest.raises(ScenarioError, match="cpu"):
+        parse(d, "x.toml")
+
+
+def test_missing_calibration_file_is_an_error(tmp_path):
+    d = base()
+    d["cpu"] = {"from_calibration": "nope.json"}
+    with pytest.raises(ScenarioError, match="cpu.from_calibration"):
+        parse(d, "x.toml", str(tmp_path))
+
+
+def test_not_toml(tmp_path):
+    p = tmp_path / "x.toml"
+    p.write_text("[model\n")
+    with pytest.raises(ScenarioError, match="not TOML"):
+        load(str(p))
+
+
+# ---------------------------------------------------------------- the model
+
+
+def test_pipeline_bound():
+    a, b = Stage("a", 1.0, 0.5), Stage("b", 3.0)
+    assert pipeline(1, [a, b]) == pytest.approx(4.5)
+    assert pipeline(10, [a, b]) == pytest.approx(4.5 + 9 * 3.0)
+
+
+@pytest.mark.parametrize("over", [
+    {},
+    {"model__change_rate": 0.001},
+    {"model__change_rate": 0.5},
+    {"links__inter_region__mb_per_s": 10_000, "cpu__encode_gb_per_s": 0.05},  # CPU-bound
+    {"io__discovery_s": 2.0, "topology__regions": 1, "topology__receivers_per_region": 1},
+    {"links__receiver__scope": "global", "links__uplink__latency_ms": 200, "io__workers": 1},
+    {"io__store_mb_per_s": 50},
+])
+def test_streaming_never_slower_than_sequential(over):
+    t = totals(parse(base(**over)))
+    for mode in ("direct", "tree"):
+        assert t[(mode, True)].total_s <= t[(mode, False)].total_s + 1e-9
+
+
+def test_streaming_overlaps_on_a_link_bound_refit():
+    # upload and download at the same rate, cheap CPU: streaming hides one of the two transfers
+    fast = {f"cpu__{k}": 50.0 for k in ("encode_gb_per_s", "decode_apply_gb_per_s", "digest_gb_per_s", "copy_gb_per_s")}
+    sc = parse(base(**fast, **{"model__change_rate": 0.2, "io__workers": 64, "topology__regions": 1,
+                               "topology__receivers_per_region": 1, "links__uplink__mb_per_s": 100}))
+    t = totals(sc)
+    assert t[("direct", True)].total_s < 0.65 * t[("direct", False)].total_s
+
+
+def test_tree_moves_fewer_inter_region_bytes_and_wins_when_that_link_is_the_bottleneck():
+    t = totals(parse(base(**{"io__workers": 64, "topology__receivers_per_region": 8})))
+    direct, tree = t[("direct", False)], t[("tree", False)]
+    assert tree.bytes_per_link["inter_region"] < direct.bytes_per_link["inter_region"]
+    assert direct.bytes_per_link["inter_region"] == pytest.approx(8 * tree.bytes_per_link["inter_region"])
+    assert tree.total_s < direct.total_s
+    # the same bytes reach every receiver either way
+    assert tree.bytes_per_link["receiver"] == direct.bytes_per_link["receiver"]
+
+
+def test_full_is_slower_than_dcr_at_small_change_rates():
+    for rate in (0.001, 0.01, 0.03, 0.05):
+        t = totals(parse(base(**{"model__change_rate": rate})))
+        full = t[("full", False)].total_s
+        assert all(v.total_s < full for k, v in t.items() if k[0] != "full"), rate
+
+
+def test_more_receivers_on_a_shared_link_take_longer():
+    one = totals(parse(base(**{"topology__receivers_per_region": 1})))[("direct", False)].total_s
+    many = totals(parse(base(**{"topology__receivers_per_region": 8})))[("direct", False)].total_s
+    assert many > one
+
+
+def test_time_grows_with_delta_bytes_and_shrinks_with_bandwidth():
+    small = Model(parse(base())).run("direct", False).total_s
+    assert Model(parse(base(**{"model__bytes_per_change": 4.0}))).run("direct", False).total_s > small
+    assert Model(parse(base(**{"links__inter_region__mb_per_s": 400}))).run("direct", False).total_s < small
+
+
+def test_full_link_time_matches_bytes_over_bandwidth():
+    d = base(**{"topology__regions": 1, "topology__receivers_per_region": 1})
+    d["links"] = {k: {"mb_per_s": 100} for k in ("uplink", "inter_region", "receiver")}
+    t = Model(parse(d)).run("full", False)
+    assert t.total_s == pytest.approx(2 * 2e9 / 100e6, rel=1e-6)  # 2 GB up, then down through the 100 MB/s hop
+    assert t.bytes_per_link == {"uplink": 2e9, "inter_region": 2e9, "receiver": 2e9}
+
+
+def test_segments_are_ordered_and_end_at_the_total():
+    for t in simulate(parse(base())):
+        assert all(s.end >= s.start >= 0 for s in t.segments)
+        assert max(s.end for s in t.segments) == pytest.approx(t.total_s)
+
+
+# ---------------------------------------------------------------- shipped scenarios and the command
+
+
+def test_shipped_scenarios_parse_and_run(tmp_path):
+    paths = sorted(glob.glob(os.path.join(SCENARIOS, "*.toml")))
+    assert len(paths) >= 5
+    for p in paths:
+        sc = load(p)
+        t = totals(sc)
+        assert all(v.total_s > 0 for v in t.values()), p
+
+
+def test_paper_scenario_tree_is_minutes_not_hours():
+    t = totals(load(os.path.join(SCENARIOS, "paper-1t-3pct.toml")))
+    assert t[("tree", True)].total_s < 600 < 3600 < t[("full", False)].total_s
+
+
+def test_command_writes_json_and_table(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    p = tmp_path / "s.toml"
+    p.write_text(open(os.path.join(SCENARIOS, "local-direct-10mbps.toml")).read()
+                 .replace('from_calibration = "calibration.json"',
+                          'encode_gb_per_s = 1.0\ndecode_apply_gb_per_s = 2.0\ndigest_gb_per_s = 5.0\ncopy_gb_per_s = 3.0'))
+    assert cli.main([str(p), "--out", str(tmp_path / "out")]) == 0
+    doc = json.loads((tmp_path / "out" / "simulation.json").read_text())
+    assert {(r["mode"], r["streaming"]) for r in doc["summary"]} >= {("full", False), ("direct", True), ("tree", False)}
+    assert (tmp_path / "out" / "simulation.png").stat().st_size > 0
+    assert "ratio to full" in capsys.readouterr().out
+
+
+def test_command_reports_bad_scenario(tmp_path, capsys):
+    p = tmp_path / "s.toml"
+    p.write_text("[model]\nparameters = -1\n")
+    assert cli.main([str(p), "--out", str(tmp_path)]) == 2
+    assert "model.parameters" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- calibration and validation
+
+
+def test_calibration_on_tiny_sizes(tmp_path):
+    doc = calibrate.calibrate(elements=200_000, dtypes=("bfloat16", "float32"), say=lambda m: None)
+    for codec in doc["costs"].values():
+        for c in codec.values():
+            assert all(c[k] > 0 for k in ("encode_gb_per_s", "decode_apply_gb_per_s", "digest_gb_per_s", "copy_gb_per_s"))
+            assert 0.5 < c["bytes_per_change"] < 16
+    path = tmp_path / "cal.json"
+    calibrate.write(doc, str(path))
+    d = base()
+    d["cpu"] = {"from_calibration": str(path), "codec": next(iter(doc["costs"]))}
+    sc = parse(d, "x.toml")
+    assert sc.cpu.encode_gb_per_s == doc["costs"][d["cpu"]["codec"]]["bfloat16"]["encode_gb_per_s"]
+
+
+def test_fp32_pair_changes_the_asked_fraction():
+    old, new = calibrate.fp32_pair(100_000, 0.05, seed=1)
+    frac = calibrate.changed_elements(old, new) / sum(t.numel() for t in old.values())
+    assert 0.04 < frac < 0.06
+
+
+def _records(sc: dict, measured: float) -> list[dict]:
+    return [{"name": "r", "scenario": sc, "mode": "direct", "streaming": False, "measured_s": measured}]
+
+
+def test_validate_marks_within_and_outside(tmp_path, capsys):
+    sc = base(**{"topology__regions": 1, "topology__receivers_per_region": 1})
+    predicted = Model(parse(copy.deepcopy(sc))).run("direct", False).total_s
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_records(sc, predicted * 1.1)))
+    assert cli.main(["--validate", str(good), "--out", str(tmp_path / "v1")]) == 0
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(_records(sc, predicted * 2.0)))
+    assert cli.main(["--validate", str(bad), "--out", str(tmp_path / "v2")]) == 1
+    rows = json.loads((tmp_path / "v2" / "validation.json").read_text())["comparison"]
+    assert rows[0]["within"] is False and rows[0]["ratio"] == pytest.approx(0.5)
+    assert "NO" in capsys.readouterr().out
+
+
+def test_validate_rejects_bad_records(tmp_path):
+    p = tmp_path / "r.json"
+    p.write_text(json.dumps([{"name": "r", "scenario": base(), "mode": "sideways", "streaming": False, "measured_s": 1}]))
+    with pytest.raises(ScenarioError, match="record 0: mode"):
+        validate.load_records(str(p))
+    p.write_text(json.dumps(_records(base(**{"model__change_rate": 7}), 1.0)))
+    with pytest.raises(ScenarioError, match="model.change_rate"):
+        validate.compare(validate.load_records(str(p)), str(p))
+
+
+def test_on_shared_cores_streaming_is_bound_by_its_cpu():
+    # CPU-heavy refit on one machine: the streamed pipeline cannot beat the CPU all its stages cost
+    slow = {f"cpu__{k}": 0.2 for k in ("encode_gb_per_s", "decode_apply_gb_per_s")}
+    free = totals(parse(base(**slow)))
+    one = parse(base(**slow, **{"io__shared_cores": 1}))
+    shared = totals(one)
+    assert shared[("direct", True)].total_s > free[("direct", True)].total_s  # the bound bites
+    assert shared[("direct", False)].total_s == pytest.approx(free[("direct", False)].total_s)  # sequential unchanged
+    m = Model(one)
+    assert shared[("direct", True)].total_s >= m.size.objects * (m.cpu_pub.per_item + m.cpu_rec.per_item)
+    with pytest.raises(ScenarioError):
+        parse(base(**{"io__shared_cores": 0}))
