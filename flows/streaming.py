@@ -23,7 +23,7 @@ from storage.prefetched import PREFETCHED
 from storage.root import Root, RootRef, open_root
 from storage.stream import read_building
 
-STREAMING_POLL = 1.0
+STREAMING_POLL = 0.5
 
 
 class Streaming:
