@@ -1,6 +1,7 @@
 """``dcr simulate``: the timeline of a refit at any scale, from a scenario file.
 
-    dcr simulate SCENARIO.toml [...] [--out DIR]     predict: table, DIR/simulation.json, DIR/simulation.png
+    dcr simulate SCENARIO.toml [...] [--out DIR] [--json]
+                                                     predict: table (or JSON), DIR/simulation.json, .png
     dcr simulate --calibrate [--out FILE]            this machine's per-byte CPU costs (about 10 s)
     dcr simulate --validate RECORDS.json [--out DIR] predictions against measured refits (exit 1 if any
                                                      is off by more than 25%)
@@ -44,19 +45,27 @@ def build_parser() -> argparse.ArgumentParser:
                       help="run real DCR direct and full-checkpoint refits through the capped S3 test link, then validate")
     p.add_argument("--out", help=f"output directory (default {DEFAULT_OUT}/); with --calibrate the JSON file "
                    f"(default {os.path.relpath(DEFAULT_CALIBRATION)})")
+    p.add_argument("--json", action="store_true",
+                   help="print the predictions (a list of simulation.json documents) as JSON instead of the tables")
     p.add_argument("--params", type=float, default=100e6, help="--measure-direct: model parameters (default 1e8)")
     p.add_argument("--bandwidth", default="10e6,50e6", help="--measure-direct: link caps in bytes/s (default 10e6,50e6)")
     return p
 
 
-def _predict(paths: list[str], out: str) -> int:
+def _predict(paths: list[str], out: str, as_json: bool = False) -> int:
+    docs = []
     for path in paths:
         sc = load(path)
         timelines = simulate(sc)
         target = out if len(paths) == 1 else os.path.join(out, sc.name)
         written = output.write(sc, path, timelines, target)
+        if as_json:
+            docs.append(output.document(sc, path, timelines))
+            continue
         print(output.table(sc, timelines))
         print(f"  wrote {', '.join(written)}\n")
+    if as_json:
+        print(json.dumps(docs, indent=1, default=str), flush=True)
     return 0
 
 
@@ -96,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             return _report(rows, out, os.path.join(out, "records.json"))
         if not a.scenarios:
             build_parser().error("give a SCENARIO, or --calibrate, --validate or --measure-direct")
-        return _predict(a.scenarios, a.out or DEFAULT_OUT)
+        return _predict(a.scenarios, a.out or DEFAULT_OUT, a.json)
     except ScenarioError as e:
         print(f"dcr simulate: error: {e}", file=sys.stderr)
         return 2

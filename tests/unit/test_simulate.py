@@ -268,3 +268,12 @@ def test_on_shared_cores_streaming_is_bound_by_its_cpu():
     assert shared[("direct", True)].total_s >= m.size.objects * (m.cpu_pub.per_item + m.cpu_rec.per_item)
     with pytest.raises(ScenarioError):
         parse(base(**{"io__shared_cores": 0}))
+
+
+def test_json_prints_every_prediction(tmp_path, capsys):
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "scenarios", "paper-1t-3pct.toml")
+    assert cli.main([path, "--json", "--out", str(tmp_path)]) == 0
+    docs = json.loads(capsys.readouterr().out)
+    assert len(docs) == 1
+    with open(tmp_path / "simulation.json") as f:
+        assert json.load(f) == json.loads(json.dumps(docs[0]))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 
 from dcr_bench.sim.model import Model, Timeline
 from dcr_bench.sim.scenario import Scenario, to_dict
@@ -65,7 +66,7 @@ def write(sc: Scenario, source: str, timelines: list[Timeline], out: str) -> lis
     try:
         written.append(plot(sc, timelines, os.path.join(out, "simulation.png")))
     except ImportError as e:
-        print(f"dcr simulate: plot skipped: matplotlib is not importable ({e})")
+        print(f"dcr simulate: plot skipped: matplotlib is not importable ({e})", file=sys.stderr)
     return written
 
 
