@@ -17,8 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from storage import layout
-from storage.prefetch import Prefetcher
+from storage.prefetch import Prefetcher, marker_exists
 from storage.prefetched import PREFETCHED
 from storage.root import Root, RootRef, open_root
 from storage.stream import read_building
@@ -50,7 +49,7 @@ class Streaming:
         cur = self.current
         if cur is not None and (cur.step, cur.attempt) == (b.step, b.attempt):
             return
-        if root.exists(layout.commit_key(b.step)):
+        if marker_exists(root, b.step):
             return  # committed already: the refit reads it as usual
         self.close()
         self.current = self.make(root, b.step, b.attempt, self.workers).start()

@@ -30,6 +30,16 @@ log = logging.getLogger("dcr.stream")
 COMMIT_POLL = 0.05  # seconds between looks for the marker once the last index is read
 
 
+def marker_exists(root: Root, step: int) -> bool:
+    """Whether step ``step``'s commit marker exists: one GET (on S3 a HEAD of a missing key costs a
+    listing as well). Nothing of it is trusted: the refit reads and checks the marker itself."""
+    try:
+        root.read(layout.commit_key(step), limit=MAX_MARKER_BYTES)
+    except FileNotFoundError:
+        return False
+    return True
+
+
 class Prefetcher:
     """``Prefetcher(root, step, attempt).start()``; ``stop()`` ends it, ``close()`` also drops what
     it holds. ``committed`` is set once the step's marker exists (whatever attempt it names)."""
@@ -92,13 +102,8 @@ class Prefetcher:
         return min(self.max_poll, delay * 2)
 
     def _is_committed(self) -> bool:
-        """Whether the step's marker exists (one GET: a HEAD can cost a listing as well on S3)."""
-        if not self.committed.is_set():
-            try:
-                self.root.read(layout.commit_key(self.step), limit=MAX_MARKER_BYTES)
-                self.committed.set()
-            except FileNotFoundError:
-                pass
+        if not self.committed.is_set() and marker_exists(self.root, self.step):
+            self.committed.set()
         return self.committed.is_set()
 
     def _follow_indexes(self, pool: BoundedPool) -> None:

@@ -9,6 +9,7 @@ did (chunks prefetched, taken by the refit).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -110,6 +111,33 @@ class Follower(threading.Thread):
         if self.error is not None:
             raise self.error
         return self.results
+
+
+@contextlib.contextmanager
+def publishing_slowly(root: str, ck: dict, step: int, tmp_path, pause: float = 0.03):
+    """Publish ``ck`` as ``step`` in a thread, each stored chunk delayed by ``pause`` s; yields an event
+    set once the publish returned (a kill test asserts it was still running), joins it on exit."""
+    done = threading.Event()
+
+    def publish():
+        with events.failpoints(f"chunk.stored@*=sleep({pause})"):
+            run_publish(root, ck, step, options=opts(tmp_path, io_workers=2))
+        done.set()
+
+    t = threading.Thread(target=publish)
+    t.start()
+    try:
+        yield done
+    finally:
+        t.join(120)
+
+
+def dcr(*args, check: bool = True, **kw) -> subprocess.CompletedProcess:
+    """``dcr ARGS`` in a process of its own, in-process orchestration."""
+    out = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, capture_output=True,
+                         text=True, env={**os.environ, "DCR_ORCHESTRATOR": "none", **kw.pop("env", {})}, **kw)
+    assert not check or out.returncode == 0, out.stderr
+    return out
 
 
 def _setup(tmp_path, seed: int, n: int = 3):
@@ -373,26 +401,13 @@ def test_a_streaming_follower_process_on_s3(s3_server, tmp_path):
 def test_kill_9_of_a_streaming_follower_mid_prefetch(tmp_path):
     root, cks, state = _setup(tmp_path, seed=47, n=2)
     before = file_bytes(state)
-    done = threading.Event()
-
-    def publish():
-        with events.failpoints("chunk.stored@*=sleep(0.03)"):
-            run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
-        done.set()
-
-    t = threading.Thread(target=publish)
-    t.start()
-    try:
+    with publishing_slowly(root, cks[1], 1, tmp_path) as done:
         kill_at("stream.chunk-prefetched@3", *_follower_cmd(root, state))
         assert not done.is_set(), "the publish ended before the follower was killed: not mid-stream"
         assert file_bytes(state) == before
-    finally:
-        t.join(120)
     assert Catalog(Root(root)).committed_steps() == [0, 1]
     assert file_bytes(state) == before
-    out = subprocess.run([sys.executable, "-m", "flows.cli", *_follower_cmd(root, state)], cwd=REPO,
-                         env={**os.environ, "DCR_ORCHESTRATOR": "none"}, capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
+    dcr(*_follower_cmd(root, state), timeout=120)
     assert_bits_equal(load_file(state), cks[1])
 
 
@@ -403,8 +418,7 @@ def test_a_streaming_mirror_forwards_while_upstream_publishes(tmp_path):
     root, cks, _ = _setup(tmp_path, seed=48)
     region = str(tmp_path / "region")
     env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
-    subprocess.run([sys.executable, "-m", "flows.cli", "mirror", root, region], cwd=REPO, env=env, check=True,
-                   capture_output=True)
+    dcr("mirror", root, region)
     state = tmp_path / "region-follower.safetensors"
     run_receive(region, "follower", str(state), step=0)
     mirror = subprocess.Popen([sys.executable, "-m", "flows.cli", "mirror", root, region, "--follow", "--stream",
@@ -434,29 +448,15 @@ def test_a_streaming_mirror_forwards_while_upstream_publishes(tmp_path):
 def test_kill_9_of_a_streaming_mirror_mid_forward(tmp_path):
     root, cks, _ = _setup(tmp_path, seed=49, n=2)
     region = str(tmp_path / "region")
-    env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
-    subprocess.run([sys.executable, "-m", "flows.cli", "mirror", root, region], cwd=REPO, env=env, check=True,
-                   capture_output=True)
-    done = threading.Event()
-
-    def publish():
-        with events.failpoints("chunk.stored@*=sleep(0.03)"):
-            run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
-        done.set()
-
-    t = threading.Thread(target=publish)
-    t.start()
-    try:
+    dcr("mirror", root, region)
+    with publishing_slowly(root, cks[1], 1, tmp_path) as done:
         kill_at("mirror.index-forwarded@1", "mirror", root, region, "--follow", "--stream", "--interval", "0.05")
         assert not done.is_set(), "the publish ended before the mirror was killed: not mid-stream"
-    finally:
-        t.join(120)
     r = Root(region)
     assert Catalog(r).committed_steps() == [0]  # forwarded chunks and an index, never a marker
     attempt = Catalog(Root(root)).marker(1).attempt
     assert r.objects(layout.attempt_dir(1, attempt) + "/stream")
-    subprocess.run([sys.executable, "-m", "flows.cli", "mirror", root, region], cwd=REPO, env=env, check=True,
-                   capture_output=True)
+    dcr("mirror", root, region)
     out = tmp_path / "region-1.safetensors"
     run_materialize(region, 1, str(out))
     assert_bits_equal(load_file(out), cks[1])
@@ -496,10 +496,7 @@ def test_kill_9_of_a_publisher_process_while_a_follower_streams(tmp_path):
         points.wait_for("stream.index-read")  # the follower read what the dead publisher exposed
         time.sleep(0.2)
         assert f.is_alive() and file_bytes(state) == before
-        out = subprocess.run([sys.executable, "-m", "flows.cli", "publish", root, str(ck), "--step", "1",
-                              "--chunk-bytes", str(CHUNK_BYTES)], cwd=REPO, capture_output=True, text=True,
-                             env={**os.environ, "DCR_ORCHESTRATOR": "none", **env}, timeout=120)
-        assert out.returncode == 0, out.stderr
+        dcr("publish", root, ck, "--step", 1, "--chunk-bytes", CHUNK_BYTES, env=env, timeout=120)
         f.finish()
     assert_bits_equal(load_file(state), cks[1])
     committed = Catalog(Root(root)).marker(1).attempt
@@ -528,8 +525,7 @@ def test_a_streaming_relay_between_two_s3_servers(s3_server, tmp_path):
         run_publish(root, cks[0], 0, options=opts(tmp_path, chunk_bytes=4096))
         env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
         dst = [x for k, v in region_opts.items() for x in ("--dst-storage-option", f"{k}={v}")]
-        subprocess.run([sys.executable, "-m", "flows.cli", "mirror", root, region, *dst], cwd=REPO, env=env,
-                       check=True, capture_output=True)
+        dcr("mirror", root, region, *dst)
         state = tmp_path / "region-follower.safetensors"
         run_receive(region, "follower", str(state), step=0, storage_options=region_opts)
         mirror = subprocess.Popen([sys.executable, "-m", "flows.cli", "mirror", root, region, *dst, "--follow",
