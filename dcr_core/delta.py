@@ -18,6 +18,7 @@ from enum import Enum
 import numpy as np
 
 from dcr_core.chunking import ChunkGrid
+from dcr_core.codec import CodecSpec
 
 
 class Encoding(str, Enum):
@@ -38,6 +39,30 @@ class ChunkPayload:
     index: int
     payload: np.ndarray
     changed: int
+
+
+@dataclass(frozen=True, slots=True)
+class HeldCoded:
+    """A stored chunk that decodes only against the bits it is applied to (codec ``dcr-cond``).
+
+    Fetching checks its stored bytes (size, frame header, digest); ``apply_chunk`` decodes it
+    against the target's bits of the chunk, forward (target holds the old bits) or backward (the
+    new bits), and checks every change as it decodes; the tensor digest checks the result."""
+
+    data: bytes
+    codec: CodecSpec
+    dtype: str
+    n_padded: int
+    size: int  # elements of the (unpadded) chunk
+
+    def mask(self, held: np.ndarray, forward: bool = True) -> np.ndarray:
+        """The chunk's XOR mask (``size`` elements) given the ``held`` bits of the chunk."""
+        return self.codec.decode(self.data, held.dtype, self.n_padded, base=held, dtype=self.dtype, forward=forward)
+
+
+def resolve(payload: np.ndarray | HeldCoded, held: np.ndarray, forward: bool = True) -> np.ndarray:
+    """A chunk's payload as bits: ``HeldCoded`` chunks decoded against ``held`` (the target's chunk)."""
+    return payload.mask(held, forward) if isinstance(payload, HeldCoded) else payload
 
 
 def count_changed(new: np.ndarray, base: np.ndarray) -> int:
@@ -77,10 +102,13 @@ def encode_chunks(
 
 
 def apply_chunk(
-    target: np.ndarray, grid: ChunkGrid, index: int, payload: np.ndarray, encoding: Encoding
+    target: np.ndarray, grid: ChunkGrid, index: int, payload: np.ndarray | HeldCoded, encoding: Encoding,
+    forward: bool = True,
 ) -> None:
-    """Apply one chunk in place to ``target`` (flat raw bits, writable)."""
+    """Apply one chunk in place to ``target`` (flat raw bits, writable). ``forward`` is False when
+    the move undoes its step (only ``HeldCoded`` payloads decode differently then)."""
     start, stop = grid.chunk_range(index)
+    payload = resolve(payload, target[start:stop], forward)
     if payload.shape != (stop - start,):
         raise ValueError(f"chunk {index} payload has {payload.shape[0]} elements, needs {stop - start}")
     if encoding is Encoding.XOR:

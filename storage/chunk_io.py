@@ -20,8 +20,8 @@ import numpy as np
 
 from dcr_core import events
 from dcr_core.chunking import ChunkGrid
-from dcr_core.codec import CodecSpec
-from dcr_core.delta import pad
+from dcr_core.codec import CodecSpec, check_conditional
+from dcr_core.delta import HeldCoded, pad
 from dcr_core.digest import chunk_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError
@@ -93,10 +93,14 @@ class StepWriter:
         return self._pool.submit(self.root.write, self._key(layout.array_meta_key(array)), data)
 
     def write_chunk(self, array: str, grid: ChunkGrid, index: int, payload: np.ndarray,
-                    announce: Callable[[str, StoredChunk], None] | None = None) -> Future:
+                    announce: Callable[[str, StoredChunk], None] | None = None,
+                    base: np.ndarray | None = None, dtype: str | None = None) -> Future:
         """Compress, digest and upload one chunk; the future gives its StoredChunk. ``announce(key
-        in the store, stored chunk)`` is called once it is stored (streaming, ``storage.stream``)."""
-        return self._upload(layout.chunk_key(array, grid.grid_index(index)), grid, index, payload, announce)
+        in the store, stored chunk)`` is called once it is stored (streaming, ``storage.stream``).
+        ``base``: the chunk's old bits, when ``payload`` is an XOR mask and the codec codes against
+        them (``dcr-cond``, which also needs the tensor's ``dtype``)."""
+        return self._upload(layout.chunk_key(array, grid.grid_index(index)), grid, index, payload, announce,
+                            base, dtype)
 
     def write_part(self, array: str, grid: ChunkGrid, slot: int, index: int, payload: np.ndarray) -> Future:
         """Compress, digest and upload one contributor's part of a shared chunk, at ``[slot, chunk]``
@@ -104,16 +108,19 @@ class StepWriter:
         return self._upload(layout.part_key(array, slot, grid.grid_index(index)), grid, index, payload)
 
     def _upload(self, key_in_store: str, grid: ChunkGrid, index: int, payload: np.ndarray,
-                announce: Callable[[str, StoredChunk], None] | None = None) -> Future:
+                announce: Callable[[str, StoredChunk], None] | None = None,
+                base: np.ndarray | None = None, dtype: str | None = None) -> Future:
         key = self._key(key_in_store)
+        n = grid.chunk_numel
 
         def work() -> StoredChunk:
-            data = self.codec.encode(pad(payload, grid.chunk_numel))
+            data = self.codec.encode(pad(payload, n), None if base is None else pad(base, n), dtype)
             self.root.write(key, data)
             with self._lock:
                 self.bytes_written += len(data)
             events.reached("chunk.stored", key=key, nbytes=len(data))
-            stored = StoredChunk(index, chunk_digest(payload), len(data))
+            digest = stored_digest(data) if self.codec.conditional else chunk_digest(payload)
+            stored = StoredChunk(index, digest, len(data))
             if announce is not None:
                 announce(key_in_store, stored)
             return stored
@@ -137,23 +144,38 @@ def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int) -> 
     except FileNotFoundError:
         raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
     payload = decode_chunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, nbytes)
-    if chunk_digest(payload) != digest:
+    if payload_digest(payload) != digest:
         raise IntegrityError(f"{root.url}/{key}: chunk digest does not match the manifest")
     events.reached("chunk.fetched", key=key, nbytes=nbytes)
     return index, payload
 
 
 def decode_chunk(url: str, key: str, data: bytes, codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int,
-                 nbytes: int) -> np.ndarray:
-    """The payload of chunk ``index`` from its stored bytes (size and format checked; not its digest)."""
+                 nbytes: int) -> np.ndarray | HeldCoded:
+    """The payload of chunk ``index`` from its stored bytes (size and format checked; not its
+    digest). A ``dcr-cond`` chunk stays coded (``HeldCoded``): it decodes against the held bits."""
     if len(data) != nbytes:
         raise IntegrityError(f"{url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
+    start, stop = grid.chunk_range(index)
     try:
+        if codec.conditional:
+            check_conditional(data, DTYPES[dtype].storage, grid.chunk_numel, dtype)
+            return HeldCoded(bytes(data), codec, dtype, grid.chunk_numel, stop - start)
         padded = codec.decode(data, DTYPES[dtype].storage, grid.chunk_numel)
     except IntegrityError as e:
         raise IntegrityError(f"{url}/{key}: {e}") from None
-    start, stop = grid.chunk_range(index)
     return padded[: stop - start]
+
+
+def stored_digest(data: bytes) -> str:
+    """The digest of a chunk's stored bytes: what the manifest records for ``dcr-cond`` chunks,
+    whose payload exists only against the held bits."""
+    return chunk_digest(np.frombuffer(data, dtype=np.uint8))
+
+
+def payload_digest(payload: np.ndarray | HeldCoded) -> str:
+    """What a manifest's chunk digest covers: the payload bits, or a ``HeldCoded`` chunk's stored bytes."""
+    return stored_digest(payload.data) if isinstance(payload, HeldCoded) else chunk_digest(payload)
 
 
 def verified_as(codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int, digest: str, nbytes: int) -> tuple:

@@ -17,10 +17,9 @@ import logging
 import threading
 
 from dcr_core import events
-from dcr_core.digest import chunk_digest
 from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
-from storage.chunk_io import BoundedPool, decode_chunk, verified_as
+from storage.chunk_io import BoundedPool, decode_chunk, payload_digest, verified_as
 from storage.marker import MAX_MARKER_BYTES
 from storage.prefetched import PREFETCHED, Prefetched
 from storage.root import Root
@@ -145,7 +144,7 @@ class Prefetcher:
             raise IntegrityError(f"{self.root.url}/{key}: prefetch stopped")
         data = self.root.read(key, limit=c.nbytes)
         payload = decode_chunk(self.root.url, key, data, idx.codec, c.dtype, c.grid, c.index, c.nbytes)
-        if chunk_digest(payload) != c.digest:
+        if payload_digest(payload) != c.digest:
             raise IntegrityError(f"{self.root.url}/{key}: chunk digest does not match its stream index")
         with self._count:
             self.chunks += 1

@@ -134,6 +134,11 @@ def move_tables(plan: RefitPlan, ms: dict[int, Manifest]) -> tuple[list[Manifest
     return chosen, [move_entries(m, move) for m, move in zip(chosen, plan.moves)]
 
 
+def move_forwards(plan: RefitPlan) -> list[bool]:
+    """Per move, whether it applies its step forward (False: it undoes it, ``Direction.BACKWARD``)."""
+    return [m.direction is not Direction.BACKWARD for m in plan.moves]
+
+
 def chunk_jobs(names: Iterable[str], chosen: list[Manifest], tables: list[dict]):
     """Every stored chunk of every move, tensor by tensor in ``names`` order and move by move within
     a tensor: the order a streaming refit applies them in."""
@@ -184,6 +189,7 @@ def refit_tensors(
     check_moves(plan, ms)
     names = sorted(target.tensors)
     chosen, tables = move_tables(plan, ms)
+    forwards = move_forwards(plan)
     held_m = None if plan.from_keyframe or plan.current_step is None else ms[plan.current_step]
     if held_m is not None and held is None:
         raise UsageError("a refit from a held step needs the held bits")
@@ -198,11 +204,11 @@ def refit_tensors(
             else:
                 bits = np.zeros(math.prod(e_target.shape), dtype=DTYPES[e_target.dtype].storage)
             pulled = 0
-            for table in tables:
+            for table, forward in zip(tables, forwards):
                 e = table[name]
                 for pos in range(e.n_stored):
                     _, _, index, payload = next(stream)
-                    apply_chunk(bits, e.grid, index, payload, e.encoding_at(pos))
+                    apply_chunk(bits, e.grid, index, payload, e.encoding_at(pos), forward)
                 pulled += e.stored_bytes
             if not e_target.matches(bits):
                 raise result_mismatch(plan.target_step, name)

@@ -3,7 +3,7 @@
 DCR writes chunk objects itself (it needs their digests, sizes and its own concurrency), so it
 also writes the ``zarr.json`` documents. Arrays hold raw bits as unsigned ints of the element's
 width (Zarr v3 has no bfloat16/float8), fill value 0, the ``bytes`` codec (little-endian) then
-``blosc`` or ``dcr.sparse``. A chunk that is not stored reads as zeros: for an XOR mask, "no change".
+``blosc``, ``dcr.sparse`` or ``dcr.cond``. A chunk that is not stored reads as zeros: for an XOR mask, "no change".
 """
 
 from __future__ import annotations
@@ -14,12 +14,15 @@ from dcr_core.codec import CodecSpec
 from dcr_core.dtypes import DTYPES
 
 SPARSE_CODEC = "dcr.sparse"  # registered with zarr by the dcr-zarr-codec package (entry point zarr.codecs)
+COND_CODEC = "dcr.cond"  # registered too; its chunks decode only against the held bits (it says so)
 _ZARR_DTYPE = {8: "uint8", 16: "uint16", 32: "uint32", 64: "uint64"}
 
 
 def _compressor(codec: CodecSpec, itemsize: int) -> dict:
     if codec.name == "dcr-sparse":
         return {"name": SPARSE_CODEC, "configuration": {"level": codec.clevel}}
+    if codec.name == "dcr-cond":
+        return {"name": COND_CODEC, "configuration": {"level": codec.clevel}}
     return {
         "name": "blosc",
         "configuration": {

@@ -21,8 +21,10 @@ import numpy as np
 import torch
 
 from dcr_bench import data as bench_data
+from dcr_bench.condbound import conditional_stats
 from dcr_bench.e2e import S3Service, e2e_local, e2e_s3, e2e_summary, startup_s
-from dcr_core.bits import bits_of
+from dcr_bench.parallel import cond_codec, machine_reference, measure_threads
+from dcr_core.bits import bits_of, dtype_of
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.codec import CodecSpec
 from dcr_core.delta import (
@@ -188,10 +190,11 @@ class Pair:
     shape: tuple[int, ...]
     old: np.ndarray
     new: np.ndarray
+    dtype: str = ""  # the safetensors dtype name ("BF16", ...): the raw bits do not tell BF16 from F16
 
 
 def as_pairs(old: dict[str, torch.Tensor], new: dict[str, torch.Tensor]) -> list[Pair]:
-    return [Pair(n, tuple(old[n].shape), bits_of(old[n]), bits_of(new[n])) for n in sorted(old)]
+    return [Pair(n, tuple(old[n].shape), bits_of(old[n]), bits_of(new[n]), dtype_of(old[n]).name) for n in sorted(old)]
 
 
 def updates(source: str, size: int, rates: list[float], seed: int):
@@ -384,6 +387,15 @@ def measure_scenario(old, new, a: argparse.Namespace, tmp: str, opts: PublishOpt
     full = os.path.getsize(new_file)
     methods: dict[str, dict] = {"full": {"bytes": full}}
     methods["dcr"] = measure_codec(pairs, opts.delta_codec, opts)
+    threads = measure_threads(pairs, opts.delta_codec, opts.chunk_bytes)
+    threads["machine_reference"] = machine_reference()
+    if threads["bytes"] != methods["dcr"]["bytes"]:
+        threads["same_bytes"] = False
+    cond = cond_codec()
+    if cond is None:
+        methods["dcr_cond"] = {"bytes": None, "unavailable": "CodecSpec(name='dcr-cond') is not in this DCR"}
+    else:
+        methods["dcr_cond"] = measure_threads(pairs, cond, opts.chunk_bytes, conditional=True)
     std = standard_codec()
     if std == opts.delta_codec:
         methods["standard"] = {**methods["dcr"], "same_as_dcr": True}
@@ -408,10 +420,14 @@ def measure_scenario(old, new, a: argparse.Namespace, tmp: str, opts: PublishOpt
         m["bytes_per_change"] = b / changed if b is not None and changed else None
         m["ratio_to_dcr"] = b / dcr_bytes if b is not None and dcr_bytes else None
     bound = stats["bound"]["bytes_per_change"]
-    methods["dcr"]["ratio_to_bound"] = methods["dcr"]["bytes_per_change"] / bound if bound else None
-    methods["standard"]["ratio_to_bound"] = methods["standard"]["bytes_per_change"] / bound if bound else None
-    return {**stats, "full_bytes": full, "model_bytes": sum(p.new.nbytes for p in pairs),
-            "tensors": len(pairs), "methods": methods, "new_file": new_file}
+    cbound = conditional_stats(pairs)
+    cb = cbound["conditional"]["bytes_per_change"]
+    for key in ("dcr", "standard", "dcr_cond"):
+        b = methods[key]["bytes_per_change"]
+        methods[key]["ratio_to_bound"] = b / bound if b is not None and bound else None
+        methods[key]["ratio_to_conditional_bound"] = b / cb if b is not None and cb else None
+    return {**stats, "conditional_bound": cbound, "full_bytes": full, "model_bytes": sum(p.new.nbytes for p in pairs),
+            "tensors": len(pairs), "methods": methods, "threads": threads, "new_file": new_file}
 
 
 # ---------------------------------------------------------------- output
@@ -474,6 +490,8 @@ def markdown(results: dict) -> str:
                 f"{_f(gb / xz['encode_s'] if xz.get('encode_s') else None)} | {_f(m['patch_from_1'].get('encode_s'))} | "
                 f"{'yes' if m['dcr']['exact'] and m['standard']['exact'] else 'NO'} |"
             )
+    if sc:
+        lines += _conditional_markdown(sc) + _threads_markdown(sc)
     if results["end_to_end"]:
         lines += _e2e_markdown(results)
     for s in results["skipped"]:
@@ -481,6 +499,71 @@ def markdown(results: dict) -> str:
     if results.get("plots_skipped"):
         lines.append(f"\nPlots skipped: {results['plots_skipped']}")
     return "\n".join(lines) + "\n"
+
+
+def _conditional_markdown(sc: list[dict]) -> list[str]:
+    lines = [
+        "\n## The conditional bound: what the receiver's old bits are worth\n",
+        ("Plain: per tensor, Bernoulli positions at the tensor's change rate, plus the empirical entropy of the "
+         "XOR values. Conditional: per tensor and old exponent class, Bernoulli positions at the class's rate, plus "
+         "the empirical entropy of the signed ulp step; escapes (sign or exponent class changes, steps beyond "
+         "+-127 ulps, non-float dtypes) are coded with their XOR value, their positions at their own rate "
+         "over the whole tensor. Bits per changed element; bytes per changed element for the bounds and codecs. "
+         "DCR-cond: the conditional codec (`dcr-cond`), n/a where this DCR does not have it.\n"),
+        ("| source | params | change % | positions plain | positions cond | values XOR | values step | escapes % | "
+         "plain bound | cond bound | cond / plain | DCR | DCR / cond bound | DCR-cond | DCR-cond / bound | "
+         "DCR-cond / cond bound | DCR-cond exact |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|",
+    ]
+    for s in sc:
+        c, m = s.get("conditional_bound"), s["methods"]
+        if not c:
+            continue
+        pl, co, dc = c["plain"], c["conditional"], m.get("dcr_cond", {})
+        esc = c["escape_fraction"]
+        lines.append(
+            f"| {s['source']} | {_params(s['parameters'])} | {100 * s['change_rate']:.2f} | "
+            f"{_f(pl['position_bits_per_change'])} | {_f(co['position_bits_per_change'])} | "
+            f"{_f(pl['value_bits_per_change'])} | {_f(co['value_bits_per_change'])} | "
+            f"{_f(100 * esc if esc is not None else None)} | {_f(pl['bytes_per_change'], '.3f')} | "
+            f"{_f(co['bytes_per_change'], '.3f')} | {_f(c['ratio'], '.3f')} | {_f(m['dcr']['bytes_per_change'], '.3f')} | "
+            f"{_f(m['dcr'].get('ratio_to_conditional_bound'), '.3f')} | {_f(dc.get('bytes_per_change'), '.3f')} | "
+            f"{_f(dc.get('ratio_to_bound'), '.3f')} | {_f(dc.get('ratio_to_conditional_bound'), '.3f')} | "
+            f"{'n/a' if 'exact' not in dc else 'yes' if dc['exact'] and dc['same_bytes'] else 'NO'} |"
+        )
+    return lines
+
+
+def _threads_markdown(sc: list[dict]) -> list[str]:
+    lines = [
+        "\n## Speed on 1 and 2 threads (GB/s of canonical checkpoint bytes)\n",
+        ("A thread pool over the chunks, each thread encoding or decoding whole chunks (the same stored bytes "
+         "whatever the thread count: `same bytes`); best of at least 3, the thread counts taking turns. "
+         "`machine 2/1`: the same pool running zstd-1 of fixed buffers (no GIL held, nothing allocated per task), "
+         "measured right after: what a second thread can gain on this machine at that moment. DCR-cond: the "
+         "conditional codec (`dcr-cond`), n/a where this DCR does not have it.\n"),
+        ("| source | params | change % | DCR encode 1t | 2t | 2t/1t | DCR decode+apply 1t | 2t | 2t/1t | "
+         "machine 2/1 | same bytes | DCR-cond encode 1t | 2t | DCR-cond decode+apply 1t | 2t |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|---:|---:|---:|---:|",
+    ]
+    for s in sc:
+        th = s.get("threads")
+        if not th:
+            continue
+        t, dc = th["threads"], s["methods"].get("dcr_cond", {}).get("threads", {})
+
+        def g(d, w, k):
+            return _f(d.get(w, {}).get(k))
+
+        lines.append(
+            f"| {s['source']} | {_params(s['parameters'])} | {100 * s['change_rate']:.2f} | "
+            f"{g(t, '1', 'encode_gbps')} | {g(t, '2', 'encode_gbps')} | {_f(th['encode_ratio'])} | "
+            f"{g(t, '1', 'decode_apply_gbps')} | {g(t, '2', 'decode_apply_gbps')} | {_f(th['decode_apply_ratio'])} | "
+            f"{_f(th.get('machine_reference', {}).get('ratio'))} | {'yes' if th['same_bytes'] and th['exact'] else 'NO'} | "
+            f"{g(dc, '1', 'encode_gbps')} | {g(dc, '2', 'encode_gbps')} | "
+            f"{g(dc, '1', 'decode_apply_gbps')} | {g(dc, '2', 'decode_apply_gbps')} |"
+        )
+    return lines
 
 
 def _e2e_markdown(results: dict) -> list[str]:
@@ -679,6 +762,14 @@ def _scenario(a, source, size, rate, old, new, extra, tmp, opts, s3, results) ->
         f"patch-1 x{_f(m['patch_from_1']['ratio_to_dcr'])}; enc {m['dcr']['encode_gbps']:.2f} GB/s, "
         f"dec {m['dcr']['decode_apply_gbps']:.2f} GB/s ({time.perf_counter() - t0:.1f}s)"
     )
+    th, cb, dc = s["threads"], s["conditional_bound"], m["dcr_cond"]
+    say(
+        f"  2 threads: enc x{_f(th['encode_ratio'])}, dec x{_f(th['decode_apply_ratio'])} (machine "
+        f"x{_f(th['machine_reference']['ratio'])}); cond bound {_f(cb['conditional']['bytes_per_change'], '.3f')} "
+        f"B/chg (x{_f(cb['ratio'], '.3f')} plain); DCR-cond {_f(dc['bytes_per_change'], '.3f')} B/chg"
+        + (f" (x{_f(dc['ratio_to_conditional_bound'], '.2f')} cond bound, exact {'yes' if dc['exact'] else 'NO'})"
+           if "exact" in dc else "")
+    )
     if size == a.e2e_size and any(math.isclose(rate, r) for r in a.e2e_rates):
         for backend in a.backends:
             if backend == "s3" and s3 is None:
@@ -727,6 +818,10 @@ def main(argv: list[str] | None = None) -> int:
         + "".join(f", {p}" for p in results["plots"]))
     print(md)
     inexact = [s for s in results["scenarios"] if not s["methods"]["dcr"]["exact"]]
+    inexact += [s for s in results["scenarios"] if not (s["threads"]["exact"] and s["threads"]["same_bytes"])]
+    inexact += [s for s in results["scenarios"]
+                if "exact" in s["methods"]["dcr_cond"] and not (s["methods"]["dcr_cond"]["exact"]
+                                                                and s["methods"]["dcr_cond"]["same_bytes"])]
     inexact += [e for e in results["end_to_end"] if not (e["dcr"]["exact"] and e["cli"]["exact"])]
     if inexact:
         print("dcr bench: some refits were not bit-exact (see results.json)", file=sys.stderr)

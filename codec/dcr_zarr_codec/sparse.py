@@ -44,11 +44,14 @@ def _planes(a: np.ndarray) -> np.ndarray:
     return out
 
 
-def _unplanes(data: bytes, dtype: np.dtype, count: int) -> np.ndarray:
+def _unplanes(data: bytes | np.ndarray, dtype: np.dtype, count: int) -> np.ndarray:
     u8 = np.frombuffer(data, dtype=np.uint8)
     if dtype.itemsize == 1:
         return u8.copy()
     return np.ascontiguousarray(u8.reshape(dtype.itemsize, count).T).view(dtype).reshape(count)
+
+
+_ZSTD = Zstd()  # decompression only (numcodecs' Zstd holds no state between calls)
 
 
 def _section(payload: np.ndarray, level: int) -> bytes:
@@ -118,6 +121,12 @@ def encode_sparse(mask: np.ndarray, level: int = 3) -> bytes:
 
 
 def _read_section(data: bytes, offset: int, expect: int) -> tuple[bytes, int]:
+    raw, offset = _read_section_array(data, offset, expect)
+    return raw.tobytes(), offset
+
+
+def _read_section_array(data: bytes, offset: int, expect: int) -> tuple[np.ndarray, int]:
+    """One section's ``expect`` decompressed bytes, as a uint8 array (no copy to ``bytes``)."""
     if offset + 8 > len(data):
         raise SparseFrameError("sparse frame is truncated")
     (length,) = struct.unpack_from("<Q", data, offset)
@@ -127,13 +136,14 @@ def _read_section(data: bytes, offset: int, expect: int) -> tuple[bytes, int]:
     if expect == 0:
         if length:
             raise SparseFrameError("sparse frame has data where none is expected")
-        return b"", offset
+        return np.zeros(0, dtype=np.uint8), offset
     try:
         out = np.empty(expect, dtype=np.uint8)
-        Zstd().decode(data[offset : offset + length], out=out)
+        # a memoryview: numcodecs decompresses from it without a copy of the section (bytes slicing copies)
+        _ZSTD.decode(memoryview(data)[offset : offset + length], out=out)
     except Exception as e:  # noqa: BLE001 - not zstd, or a different size than the header says
         raise SparseFrameError(f"sparse frame section does not decode to {expect} bytes ({e})") from None
-    return out.tobytes(), offset + length
+    return out, offset + length
 
 
 def decode_sparse(data: bytes, storage: np.dtype, n: int) -> np.ndarray:
@@ -149,15 +159,17 @@ def decode_sparse(data: bytes, storage: np.dtype, n: int) -> np.ndarray:
         raise SparseFrameError(f"sparse frame holds {n_frame} x {itemsize} B (k={k}), expected {n} x {storage.itemsize} B")
     off = _HEAD.size
     if mode == DENSE:
-        raw, off = _read_section(data, off, n * itemsize)
+        raw, off = _read_section_array(data, off, n * itemsize)
         out = _unplanes(raw, storage, n) if n else np.zeros(0, dtype=storage)
     else:
-        raw_gaps, off = _read_section(data, off, 4 * k)
-        raw_vals, off = _read_section(data, off, k * itemsize)
+        raw_gaps, off = _read_section_array(data, off, 4 * k)
+        raw_vals, off = _read_section_array(data, off, k * itemsize)
         out = np.zeros(n, dtype=storage)
         if k:
-            gaps = _unplanes(raw_gaps, np.dtype("<u4"), k).astype(np.int64)
-            positions = np.cumsum(gaps + 1) - 1
+            # position i = gap_0 + ... + gap_i + i, in one int64 buffer (no temporaries)
+            positions = _unplanes(raw_gaps, np.dtype("<u4"), k).astype(np.int64)
+            positions[1:] += 1
+            np.cumsum(positions, out=positions)
             if positions[-1] >= n:
                 raise SparseFrameError("sparse frame has a position outside the chunk")
             out[positions] = _unplanes(raw_vals, storage, k)

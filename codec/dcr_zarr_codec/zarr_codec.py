@@ -17,6 +17,7 @@ from zarr.registry import register_codec
 from dcr_zarr_codec.sparse import decode_sparse, encode_sparse
 
 SPARSE_CODEC = "dcr.sparse"  # the codec's name in zarr.json
+COND_CODEC = "dcr.cond"
 
 
 @dataclass(frozen=True)
@@ -62,3 +63,42 @@ class DcrSparseCodec(BytesBytesCodec):
 
 
 register_codec(SPARSE_CODEC, DcrSparseCodec)
+
+
+class HeldBitsNeeded(ValueError):
+    """A ``dcr.cond`` chunk read without the bits it was coded against."""
+
+
+@dataclass(frozen=True)
+class DcrCondCodec(BytesBytesCodec):
+    """``dcr.cond`` arrays: their chunks code changes against the previous step's bits, which a
+    Zarr codec never sees, so reading one says what to do instead of returning wrong bits."""
+
+    is_fixed_size = False
+    level: int = 3
+
+    def __init__(self, *, level: int = 3) -> None:
+        object.__setattr__(self, "level", int(level))
+
+    @classmethod
+    def from_dict(cls, data):
+        _, config = parse_named_configuration(data, COND_CODEC)
+        return cls(**(config or {}))
+
+    def to_dict(self):
+        return {"name": COND_CODEC, "configuration": {"level": self.level}}
+
+    async def _decode_single(self, chunk_bytes, chunk_spec):
+        raise HeldBitsNeeded(
+            "dcr.cond chunks decode only against the previous step's bits: read the step with "
+            "`dcr materialize ROOT --step N --out PATH`, or publish with --codec sparse for stock readers"
+        )
+
+    async def _encode_single(self, chunk_bytes, chunk_spec):
+        raise HeldBitsNeeded("dcr.cond chunks are written by DCR's publisher, which holds the old bits")
+
+    def compute_encoded_size(self, _input_byte_length, _chunk_spec):
+        raise NotImplementedError
+
+
+register_codec(COND_CODEC, DcrCondCodec)

@@ -1,25 +1,23 @@
-"""The commands that only read (or tidy) the bucket: ``dcr ls``, ``dcr show``, ``dcr status``,
-``dcr verify``, ``dcr gc``. None of them imports torch."""
+"""The commands that only read the bucket: ``dcr ls``, ``dcr show``, ``dcr status``, ``dcr verify``.
+None of them imports torch, Prefect or pydantic (``dcr gc``, with typed options and an orchestrator,
+is ``flows.cli.gc``)."""
 
 from __future__ import annotations
 
 import sys
 from dataclasses import asdict
 
-from dcr_core.errors import IntegrityError, UsageError
-from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from dcr_core.errors import IntegrityError
+from flows.cli.common import add_common, say, step_arg, storage_options
 from flows.cli.progress import shown
 from flows.maintenance.audit import format_rows, list_steps, verify
-from flows.maintenance.gc import GcReport, format_report, run_gc
 from flows.maintenance.inspect import format_history, format_status, format_step, receiver_history, receiver_status, show_step
-from flows.options import GcOptions
 from storage import layout
-from storage.catalog import Catalog
 from storage.root import open_root
 
 
 def add_arguments(name: str, p) -> None:
-    add_common(p, orchestrated=name == "gc")
+    add_common(p)
     if name == "show":
         p.add_argument("--step", type=step_arg, required=True, metavar="N", help="the committed step to show")
         p.add_argument("--digests", action="store_true", help="also print each tensor's digest")
@@ -29,18 +27,6 @@ def add_arguments(name: str, p) -> None:
     elif name == "verify":
         p.add_argument("--step", type=step_arg, default=None, metavar="N", help="verify only step N (default: every committed step)")
         p.add_argument("--deep", action="store_true", help="also replay every delta from its restart point and check tensor digests")
-    elif name == "gc":
-        p.add_argument(
-            "--keep-last", type=int, default=None, metavar="K",
-            help="keep the newest K committed steps (and the chains to rebuild them); registered receivers' "
-            "steps and the deltas they need are always kept (required, except with --dry-run, which then "
-            "keeps every committed step and shows only the attempts that would go)",
-        )
-        p.add_argument(
-            "--grace-seconds", type=float, default=3600.0,
-            help="leave uncommitted attempts younger than this alone: a publisher may still be writing them (default 3600)",
-        )
-        p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
 
 
 def run(name: str, args) -> int:
@@ -76,18 +62,4 @@ def run(name: str, args) -> int:
             asdict(report),
         )
         return IntegrityError.exit_code if report.errors else 0
-    keep_last = args.keep_last
-    if keep_last is None:
-        if not args.dry_run:
-            raise UsageError("dcr gc needs --keep-last K (or --dry-run to see what would go)")
-        keep_last = max(1, len(Catalog(open_root(args.root, so)).committed_steps()))
-    options = GcOptions(keep_last=keep_last, grace_seconds=args.grace_seconds, dry_run=args.dry_run)
-    if use_prefect(args):
-        from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
-
-        data = run_flow(args, "gc_refit", args.root, options, so)
-        report = GcReport.from_dict(data)
-    else:
-        report = run_gc(args.root, options, so)
-    say(args, format_report(report), asdict(report))
-    return 0
+    raise AssertionError(f"not a bucket command: {name}")

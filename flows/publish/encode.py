@@ -83,7 +83,10 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
             announce = None if announcer is None else functools.partial(announcer.stored, name, info.dtype, grid)
             for c in encode_chunks(new, base, grid, encoding):
                 changed += c.changed
-                chunk_futs.append(w.write_chunk(array, grid, c.index, c.payload, announce))
+                held = None  # the old bits of the chunk, for codecs that code masks against them
+                if encoding is Encoding.XOR and plan.codec.conditional:
+                    held = base[slice(*grid.chunk_range(c.index))]
+                chunk_futs.append(w.write_chunk(array, grid, c.index, c.payload, announce, held, info.dtype))
             if encoding is Encoding.XOR and not changed:
                 encoding = Encoding.UNCHANGED
             attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": encoding.value, "step": plan.step}}
@@ -127,7 +130,8 @@ def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, Tens
             attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": Encoding.FULL.value,
                              "step": plan.step, "snapshot": True}}
             array_fut = w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs)
-            futs = [w.write_chunk(array, grid, c.index, c.payload) for c in encode_chunks(new, None, grid, Encoding.FULL)]
+            futs = [w.write_chunk(array, grid, c.index, c.payload, dtype=info.dtype)
+                    for c in encode_chunks(new, None, grid, Encoding.FULL)]
             pending.append((e, array, array_fut, futs))
         for e, array, array_fut, futs in pending:
             table = _chunk_table(futs)

@@ -205,6 +205,9 @@ def plan_rank(root: RootRef, snapshot: LocalRef, step: int, keyframe: bool, opti
               attempt: str) -> PublishPlan:
     """The plan of one rank's part of a sharded publish (the tensors its shards touch)."""
     snap: ShardSnapshot = refs.get(snapshot)
+    if options.delta_codec.conditional and not keyframe:
+        raise UsageError("the dcr-cond codec codes each chunk against its whole old bits, which no training rank "
+                         "holds: publish from shards with dcr-sparse (the default) or blosc")
     return plan_publish(root, snap.infos, step, keyframe, options, f"<shards of {snap.world} ranks>",
                         shard=(snap.rank, snap.world), attempt=attempt)
 

@@ -119,6 +119,7 @@ def rebuild(plan: PublishPlan, snap: ShardSnapshot) -> list[np.ndarray]:
         raise StateMismatchError(f"rank {plan.rank}: cannot plan a keyframe-forward chain to step {plan.base_step}; {KEYFRAME_HINT}")
     ms = reader.manifests(rplan, root)
     chain = [ms[m.step] for m in rplan.moves]
+    forwards = reader.move_forwards(rplan)
     base = plan.base_entries()
     out = [np.zeros(b.size, dtype=b.dtype) for b in snap.bits]
     runs = shard_runs([s.pieces for s in snap.specs], [b.size for b in snap.bits])
@@ -139,10 +140,10 @@ def rebuild(plan: PublishPlan, snap: ShardSnapshot) -> list[np.ndarray]:
                 cs, ce = grid.chunk_range(ci)
                 buf = np.zeros(ce - cs, dtype=DTYPES[target.dtype].storage)
                 one_chunk = ChunkGrid((ce - cs,), (ce - cs,))  # chunk-relative apply
-                for e, idx in zip(entries, by_index):
+                for e, idx, forward in zip(entries, by_index, forwards):
                     for pos in idx.get(ci, ()):
                         _, _, _, payload = next(stream)
-                        apply_chunk(buf, one_chunk, 0, payload, e.encoding_at(pos))
+                        apply_chunk(buf, one_chunk, 0, payload, e.encoding_at(pos), forward)
                 scatter_chunk(buf, cs, runs[name], out)
         finally:
             stream.close()

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dcr_core import events, sparse
-from dcr_core.delta import Encoding, apply_chunk
+from dcr_core.delta import Encoding, apply_chunk, resolve
 from dcr_core.digest import TensorHasher
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import StateMismatchError
@@ -82,7 +82,7 @@ def _streamable(entries, e_target):
     return e if all(e.encoding_at(p) is Encoding.XOR for p in range(e.n_stored)) else None
 
 
-def _xor_streamed(held_bits: np.ndarray, e, e_target, stream):
+def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = True):
     """The changes one XOR delta makes to a tensor, from its masks alone (chunks in index order):
     positions are the masks' non-zero elements; the new tensor is hashed as it streams by (held
     bits between stored chunks, held XOR mask within them). False if the result misses its digest."""
@@ -94,10 +94,11 @@ def _xor_streamed(held_bits: np.ndarray, e, e_target, stream):
     for _ in range(e.n_stored):
         _, _, index, payload = next(stream)
         start, stop = grid.chunk_range(index)
+        held_chunk = np.asarray(held_bits[start:stop])
+        payload = resolve(payload, held_chunk, forward)
         if start < at or payload.shape != (stop - start,):
             raise StateMismatchError(f"tensor {e.name!r}: chunk {index} out of order or of the wrong size")
         h.update(held_bits[at:start])
-        held_chunk = np.asarray(held_bits[start:stop])
         chunk = np.bitwise_xor(held_chunk, payload, out=buf[: stop - start])
         h.update(chunk)
         nz, _ = sparse.nonzero(payload)
@@ -111,17 +112,17 @@ def _xor_streamed(held_bits: np.ndarray, e, e_target, stream):
     return np.concatenate(positions), np.concatenate(old), np.concatenate(new)
 
 
-def _applied_on_copy(held_bits: np.ndarray, entries, e_target, stream, scratch: np.ndarray):
+def _applied_on_copy(held_bits: np.ndarray, entries, e_target, stream, scratch: np.ndarray, forwards: list[bool]):
     """The general case (several moves, overwrites, shared parts, piecewise digests): apply every
     chunk to a copy of the tensor and compare it with the held bits where chunks landed."""
     work = scratch[: held_bits.nbytes].view(held_bits.dtype)
     np.copyto(work, held_bits)
     touched: set[tuple[int, int]] = set()
-    for e in entries:
+    for e, forward in zip(entries, forwards):
         grid = e.grid
         for pos in range(e.n_stored):
             _, _, index, payload = next(stream)
-            apply_chunk(work, grid, index, payload, e.encoding_at(pos))
+            apply_chunk(work, grid, index, payload, e.encoding_at(pos), forward)
             touched.add(grid.chunk_range(index))
     if not e_target.matches(work):
         return False
@@ -165,6 +166,7 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
             return None
         names = sorted(target.tensors)
         chosen, tables = reader.move_tables(plan, ms)
+        forwards = reader.move_forwards(plan)
         records: list[journal.Record] = []
         pulled = 0
         scratch: np.ndarray | None = None  # one buffer for every copied tensor: no fresh pages per tensor
@@ -179,11 +181,12 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
                         raise reader.held_mismatch(state_path, name, held.step)
                     changes = None
                 elif (one := _streamable(entries, e_target)) is not None:
-                    changes = _xor_streamed(held_bits, one, e_target, stream)
+                    forward = next(f for e, f in zip(entries, forwards) if e is one)
+                    changes = _xor_streamed(held_bits, one, e_target, stream, forward)
                 else:
                     if scratch is None:
                         scratch = np.empty(max(e.nbytes for e in target.tensors.values()), np.uint8)
-                    changes = _applied_on_copy(held_bits, entries, e_target, stream, scratch)
+                    changes = _applied_on_copy(held_bits, entries, e_target, stream, scratch, forwards)
                 pulled += sum(e.stored_bytes for e in entries)
                 events.reached("tensor.done", name=name, nbytes=e_target.nbytes)
                 if changes is False:  # the result does not match step N's digest

@@ -76,12 +76,19 @@ def receive_into_module(
 def _refit(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target) -> dict:
     held = module.held_by(target)
     module.set_held(target, None)  # unknown until this refit completes
-    if plan.current_step is None or plan.from_keyframe:
+    if plan.current_step is None or plan.from_keyframe or _held_coded(plan):
         return tasks.load_dense(plan, mod, mirror, options)
     if plan.moves:
         return _delta(tasks, plan, mod, mirror, options, target, held)
     module.set_held(target, held)
     return {"mode": "current", "bytes_pulled": 0, "pause_seconds": 0.0, "tensors_loaded": 0}
+
+
+def _held_coded(plan: RefitPlan) -> bool:
+    """Whether a move's chunks decode only against the canonical bits (codec ``dcr-cond``): a live
+    module holds its weights in its own layout (fused, sharded), so it loads such steps whole."""
+    ms = manifests(plan)
+    return any(ms[m.step].codec.conditional for m in plan.moves)
 
 
 def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target, held: dict) -> dict:

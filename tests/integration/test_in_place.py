@@ -20,7 +20,7 @@ from dcr_core import events
 from dcr_core.bits import bits_of
 from dcr_core.errors import StateMismatchError
 from flows import run_publish, run_receive
-from flows.options import PublishOptions, ReceiveOptions
+from flows.options import DELTA_CODECS, PublishOptions, ReceiveOptions
 from flows.receive import in_place, state_file
 from storage import reader
 from storage.local import journal as state_journal
@@ -266,3 +266,24 @@ def test_overwrite_encoded_tensors_are_patched_through_the_copy_path(tmp_path):
     assert os.stat(state).st_ino == inode
     assert_bits_equal(load_file(state), s1)
     assert res.step == 1
+
+
+def test_cond_coded_deltas_patch_in_place_forward_and_backward_exactly(tmp_path):
+    """``dcr-cond`` chunks decode against the state file's own bits: one step streamed (forward and
+    back), several combined on the copy path, each equal to the rewrite and the checkpoints."""
+    root = str(tmp_path / "root")
+    steps = chain_of_steps(5, seed=8, big=40, ulps=0.5)
+    opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"), delta_codec=DELTA_CODECS["cond"])
+    for i, s in enumerate(steps):
+        run_publish(root, s, i, keyframe=(i == 0), options=opts)
+    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
+    _receive(root, a, 0)
+    _receive(root, b, 0, in_place=False)
+    inode = os.stat(a).st_ino
+    for target in (1, 2, 1, 4, 3, 0, 2):
+        res = _receive(root, a, target)
+        _receive(root, b, target, in_place=False)
+        assert res.step == target
+        assert_bits_equal(load_file(a), steps[target])
+        assert_bits_equal(load_file(a), load_file(b))
+        assert os.stat(a).st_ino == inode, "patched in place, never replaced"

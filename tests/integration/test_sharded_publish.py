@@ -22,7 +22,7 @@ from dcr_core.errors import DCRError, IntegrityError, StateMismatchError
 from dcr_core.shard_spec import BufferParam, flat_buffer, flat_buffer_size, fused_qkv, gated_fc1, replicate, split
 from flows import receive_into_module, refs, run_materialize, run_publish, run_receive
 from flows.maintenance import audit
-from flows.options import PublishOptions
+from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish import ranks
 from flows.publish.shard_baseline import load_shard_baseline
 from flows.publish.shards import Shard, ShardedSource
@@ -359,3 +359,15 @@ def test_a_sharded_delta_on_top_of_an_unsharded_keyframe(tmp_path, opts):
     run_receive(root, "r", state, step=0)
     run_receive(root, "r", state)
     assert_bits_equal(held(state), b)
+
+
+def test_training_ranks_refuse_the_cond_codec_with_one_line_and_commit_nothing(tmp_path, opts):
+    """``dcr-cond`` codes each chunk against its whole old bits, which no rank holds."""
+    root = str(tmp_path / "bucket")
+    first = canonical(1)
+    run_publish(root, sources(first), 0, options=opts)
+    cond = opts.model_copy(update={"delta_codec": DELTA_CODECS["cond"]})
+    with pytest.raises(DCRError, match="dcr-cond") as err:
+        run_publish(root, sources(next_step(first, 7)), 1, options=cond)
+    assert "\n" not in str(err.value)
+    assert Catalog(Root(root)).marker(1) is None

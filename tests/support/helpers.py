@@ -185,6 +185,7 @@ def next_step(
     seed: int,
     fraction: float = 0.05,
     unchanged: float = 0.2,
+    ulps: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """The next training step of ``prev``: a controlled fraction of elements' bits flipped.
 
@@ -193,7 +194,11 @@ def next_step(
     - every other non-empty tensor gets ``max(1, round(fraction * numel))`` elements XORed with a
       random non-zero mask; for floats, the sign bit of every +0.0/-0.0 element is flipped
       (+0.0 <-> -0.0, equal as floats, different in bits) and NaN payloads change;
-    - 0-d tensors always change when they are not left unchanged.
+    - 0-d tensors always change when they are not left unchanged;
+    - with ``ulps``, that share of the chosen elements instead moves by a signed step of 1-3 units
+      of the bits' sign-magnitude integer (an optimizer's ulp steps: integer stepping, so NaN payloads,
+      infinities, subnormals, +-0.0 and the largest values step too, and may wrap into the sign bit or
+      change exponent: the cases a step coder must escape).
     """
     out: dict[str, torch.Tensor] = {}
     for name in sorted(prev):
@@ -214,7 +219,19 @@ def next_step(
             masks[masks == 0] = 1
         k = max(1, round(fraction * n))
         pos = rng.choice(n, size=min(k, n), replace=False)
+        stepped = pos[: round(ulps * pos.size)] if dtype != "BOOL" else pos[:0]
+        pos = pos[stepped.size :]
         bits[pos] ^= masks[pos]
+        if stepped.size:
+            steps = rng.integers(1, 4, size=stepped.size).astype(np.int64) * rng.choice([-1, 1], size=stepped.size)
+            width = 8 * dt.itemsize
+            sign = 1 << (width - 1)
+            old_ = bits[stepped].astype(np.uint64).astype(object)  # exact big integers: no wrap surprises
+            new_ = []
+            for b, d in zip(old_, steps.tolist()):
+                mag = (b & (sign - 1)) + d
+                new_.append(((b & sign) | (mag % (1 << width))) % (1 << width) if mag >= 0 else (b ^ sign) | (-mag))
+            bits[stepped] = np.array(new_, dtype=object).astype(np.uint64).astype(dt.storage)
         if dtype in SIGN_MASK:
             sign = dt.storage.type(SIGN_MASK[dtype])
             zeros = (bits & ~sign) == 0
@@ -242,11 +259,11 @@ def _is_nan(bits: np.ndarray, dtype: str) -> np.ndarray:
     return ((b & e) == e) & (mant != 0) & ((mant & ~type(m)(2)) != 0)
 
 
-def chain_of_steps(n: int, seed: int = 0, **kwargs) -> list[dict[str, torch.Tensor]]:
-    """``n`` checkpoints: a nasty keyframe and ``n - 1`` successive steps."""
+def chain_of_steps(n: int, seed: int = 0, ulps: float = 0.0, **kwargs) -> list[dict[str, torch.Tensor]]:
+    """``n`` checkpoints: a nasty keyframe and ``n - 1`` successive steps (``ulps``: see ``next_step``)."""
     steps = [nasty_checkpoint(seed, **kwargs)]
     for i in range(1, n):
-        steps.append(next_step(steps[-1], seed * 1000 + i))
+        steps.append(next_step(steps[-1], seed * 1000 + i, ulps=ulps))
     return steps
 
 

@@ -155,7 +155,7 @@ BITS_ONLY = [  # what bucket-only commands and state-file receivers load
     "dcr_core", "dcr_core.chain", "dcr_core.codec", "dcr_core.delta", "dcr_core.digest", "dcr_core.dtypes",
     "dcr_core.events", "dcr_core.projection", "dcr_core.retention", "dcr_core.shard_spec", "dcr_core.sparse",
     *[m for m in modules() if m.startswith("storage")],
-    "flows", "flows.cli", "flows.cli.bucket", "flows.cli.receive", "flows.receive.pipeline", "flows.maintenance.gc",
+    "flows", "flows.cli", "flows.cli.bucket", "flows.cli.gc", "flows.cli.receive", "flows.receive.pipeline", "flows.maintenance.gc",
     "flows.maintenance.audit", "flows.options", "flows.steps",
 ]
 

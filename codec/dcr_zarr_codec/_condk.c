@@ -1,0 +1,384 @@
+/* The dcr.cond kernels: changes coded against the bits the receiver already holds.
+ *
+ * Positions: the elements of a chunk are split into classes by the held value's exponent field
+ * (small weights have small ulps and change more often); within each class, the changes are
+ * gap-coded over the class's own enumeration, which the receiver rebuilds from its own bits.
+ * Values: the signed ulp step (sign-magnitude integer difference, in value order) of every change
+ * that keeps its sign and class and moves at most 127 ulps; every other change is an escape,
+ * coded by absolute position and XOR value. Escapes are not enumerated, so a non-escaped change
+ * has the same class before and after: the same frame decodes forward (held = old) and backward
+ * (held = new). All arithmetic is on integers: bit-exact by construction.
+ *
+ * Python glue and the frame layout: cond.py. These functions release the GIL.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 4 /* interleaved class counters: no store-to-load chain on runs of one class */
+
+typedef struct {
+    uint32_t *rank; uint16_t *cls; int8_t *step; /* non-escaped changes, position order */
+    uint32_t *esc_pos; uint64_t *esc_val;        /* escapes, position order */
+    Py_ssize_t kk, ke;
+} records;
+
+#define ENCODE_PASS(T)                                                                         \
+    static int encode_pass_##T(const T *a, const T *x, Py_ssize_t n, int eshift, uint32_t cmask, \
+                               uint32_t *cnt, Py_ssize_t k, records *r) {                      \
+        const int top = (int)(sizeof(T) * 8 - 1);                                              \
+        const T magmask = (T)~((T)1 << top);                                                   \
+        const Py_ssize_t nc = (Py_ssize_t)cmask + 1;                                           \
+        Py_ssize_t kk = 0, ke = 0, i = 0;                                                      \
+        for (;;) {                                                                             \
+            /* unchanged runs of LANES elements: count their classes, one lane each */           \
+            while (i + LANES <= n && !(x[i] | x[i + 1] | x[i + 2] | x[i + 3])) {                  \
+                cnt[(uint32_t)(a[i] >> eshift) & cmask]++;                                     \
+                cnt[nc + ((uint32_t)(a[i + 1] >> eshift) & cmask)]++;                          \
+                cnt[2 * nc + ((uint32_t)(a[i + 2] >> eshift) & cmask)]++;                      \
+                cnt[3 * nc + ((uint32_t)(a[i + 3] >> eshift) & cmask)]++;                      \
+                i += LANES;                                                                    \
+            }                                                                                  \
+            if (i >= n) break;                                                                 \
+            const Py_ssize_t stop = i + LANES < n ? i + LANES : n;                             \
+            for (; i < stop; i++) {                                                            \
+            const T av = a[i], xv = x[i];                                                      \
+            const uint32_t c = (uint32_t)(av >> eshift) & cmask;                               \
+            uint32_t *lane = cnt + (i & (LANES - 1)) * nc;                                     \
+            if (!xv) { lane[c]++; continue; }                                                  \
+            if (kk + ke >= k) return -1; /* more changes than counted */                       \
+            const T bv = av ^ xv;                                                              \
+            if ((av >> top) == (bv >> top) && (((uint32_t)(bv >> eshift) & cmask) == c)) {     \
+                int64_t d = (int64_t)(bv & magmask) - (int64_t)(av & magmask);                 \
+                if (av >> top) d = -d;                                                         \
+                if (d >= -127 && d <= 127) {                                                   \
+                    uint32_t rank = 0;                                                         \
+                    for (int l = 0; l < LANES; l++) rank += cnt[l * nc + c];                   \
+                    r->rank[kk] = rank; r->cls[kk] = (uint16_t)c; r->step[kk] = (int8_t)d;     \
+                    kk++; lane[c]++; continue;                                                 \
+                }                                                                              \
+            }                                                                                  \
+            r->esc_pos[ke] = (uint32_t)i; r->esc_val[ke] = (uint64_t)xv; ke++;                 \
+            }                                                                                  \
+        }                                                                                      \
+        r->kk = kk; r->ke = ke;                                                                \
+        return (kk + ke == k) ? 0 : -1;                                                        \
+    }
+ENCODE_PASS(uint8_t)
+ENCODE_PASS(uint16_t)
+ENCODE_PASS(uint32_t)
+ENCODE_PASS(uint64_t)
+
+
+/* ---- Golomb-Rice coding of each class's gaps (a geometric law per class: within a few percent
+ * of its entropy with the best power-of-two parameter, chosen per class by exact cost) ---- */
+
+static uint64_t rice_cost(const uint32_t *g, Py_ssize_t m, int k) {
+    uint64_t bits = (uint64_t)m * (uint64_t)(k + 1);
+    for (Py_ssize_t j = 0; j < m; j++) bits += g[j] >> k;
+    return bits;
+}
+
+static int rice_param(const uint32_t *g, Py_ssize_t m, uint64_t *cost) {
+    if (!m) { *cost = 0; return 0; }
+    uint64_t sum = 0;
+    for (Py_ssize_t j = 0; j < m; j++) sum += g[j];
+    int k0 = 0;
+    while (k0 < 31 && ((uint64_t)1 << (k0 + 1)) <= sum / (uint64_t)m) k0++;
+    int best = 0;
+    uint64_t best_cost = UINT64_MAX;
+    for (int k = k0 > 2 ? k0 - 2 : 0; k <= k0 + 2 && k <= 31; k++) {
+        const uint64_t c = rice_cost(g, m, k);
+        if (c < best_cost) { best_cost = c; best = k; }
+    }
+    *cost = best_cost;
+    return best;
+}
+
+typedef struct { uint8_t *out; size_t len; uint64_t acc; int nbits; } bitwriter;
+
+static inline void put_bits(bitwriter *w, uint64_t v, int nb) { /* nb <= 32 */
+    w->acc |= v << w->nbits;
+    w->nbits += nb;
+    while (w->nbits >= 8) { w->out[w->len++] = (uint8_t)w->acc; w->acc >>= 8; w->nbits -= 8; }
+}
+
+static void rice_put(bitwriter *w, uint32_t g, int k) {
+    uint64_t q = (uint64_t)(g >> k);
+    while (q >= 32) { put_bits(w, 0xFFFFFFFFull, 32); q -= 32; }
+    put_bits(w, ((uint64_t)1 << q) - 1, (int)q + 1); /* q ones, then a zero */
+    if (k) put_bits(w, g & (((uint64_t)1 << k) - 1), k);
+}
+
+static inline uint64_t peek(const uint8_t *buf, uint64_t pos) { /* buf padded with 8 zero bytes */
+    uint64_t w;
+    memcpy(&w, buf + (pos >> 3), 8);
+    return w >> (pos & 7);
+}
+
+/* Unpack the gaps of every class (class by class, ccount[c] each, parameter params[c]). */
+static const char *rice_unpack(const uint8_t *buf, size_t len, const uint32_t *ccount, const uint8_t *params,
+                               Py_ssize_t nc, uint32_t *gaps) {
+    const uint64_t total = (uint64_t)len * 8;
+    uint64_t pos = 0;
+    Py_ssize_t at = 0;
+    for (Py_ssize_t c = 0; c < nc; c++) {
+        const int k = params[c];
+        if (k > 31) return "a Rice parameter is out of range";
+        for (uint32_t j = 0; j < ccount[c]; j++) {
+            uint64_t q = 0;
+            for (;;) {
+                const int t = __builtin_ctzll(~peek(buf, pos) | ((uint64_t)1 << 56));
+                q += (uint64_t)t;
+                pos += (uint64_t)t;
+                if (pos > total) return "the gap bits are truncated";
+                if (t < 56) { pos++; break; }
+            }
+            if (q >> (32 - k)) return "a gap is out of range";
+            const uint64_t r = k ? peek(buf, pos) & (((uint64_t)1 << k) - 1) : 0;
+            pos += (uint64_t)k;
+            if (pos > total) return "the gap bits are truncated";
+            gaps[at++] = (uint32_t)((q << k) | r);
+        }
+    }
+    if ((pos + 7) / 8 != len) return "the gap bits have trailing bytes";
+    return NULL;
+}
+
+/* encode(old, mask, itemsize, eshift, ebits, k) ->
+ *   (class_counts u32[nc], rice_params u8[nc], gap_bits, steps u8[kk], esc_gaps u32[ke], esc_vals itemsize[ke]) */
+static PyObject *encode(PyObject *self, PyObject *args) {
+    Py_buffer old, mask;
+    int itemsize, eshift, ebits;
+    Py_ssize_t k;
+    if (!PyArg_ParseTuple(args, "y*y*iiin", &old, &mask, &itemsize, &eshift, &ebits, &k)) return NULL;
+    PyObject *result = NULL;
+    uint32_t *cnt = NULL, *ccount = NULL, *offs = NULL, *gaps = NULL;
+    uint8_t *params = NULL;
+    int64_t *last = NULL;
+    records r = {0};
+    Py_ssize_t n = old.len / (itemsize > 0 ? itemsize : 1);
+    if (!(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8) || old.len != mask.len ||
+        old.len % itemsize || ebits < 0 || ebits > 11 || eshift < 0 || eshift + ebits > itemsize * 8 ||
+        k < 0 || k > n || n >= ((Py_ssize_t)1 << 32)) {
+        PyErr_SetString(PyExc_ValueError, "cond encode: bad arguments");
+        goto done;
+    }
+    const uint32_t cmask = (1u << ebits) - 1u;
+    const Py_ssize_t nc = (Py_ssize_t)cmask + 1;
+    cnt = calloc((size_t)(LANES * nc), sizeof(uint32_t));
+    ccount = calloc((size_t)nc, sizeof(uint32_t));
+    offs = calloc((size_t)nc, sizeof(uint32_t));
+    last = malloc((size_t)nc * sizeof(int64_t));
+    Py_ssize_t kc = k ? k : 1;
+    r.rank = malloc(kc * 4); r.cls = malloc(kc * 2); r.step = malloc(kc);
+    r.esc_pos = malloc(kc * 4); r.esc_val = malloc(kc * 8);
+    if (!cnt || !ccount || !offs || !last || !r.rank || !r.cls || !r.step || !r.esc_pos || !r.esc_val) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int rc = 0;
+    Py_BEGIN_ALLOW_THREADS
+    switch (itemsize) {
+    case 1: rc = encode_pass_uint8_t(old.buf, mask.buf, n, eshift, cmask, cnt, k, &r); break;
+    case 2: rc = encode_pass_uint16_t(old.buf, mask.buf, n, eshift, cmask, cnt, k, &r); break;
+    case 4: rc = encode_pass_uint32_t(old.buf, mask.buf, n, eshift, cmask, cnt, k, &r); break;
+    default: rc = encode_pass_uint64_t(old.buf, mask.buf, n, eshift, cmask, cnt, k, &r); break;
+    }
+    Py_END_ALLOW_THREADS
+    if (rc) {
+        PyErr_SetString(PyExc_ValueError, "cond encode: the mask has a different number of changes than k");
+        goto done;
+    }
+    gaps = malloc((size_t)(r.kk ? r.kk : 1) * 4);
+    params = malloc((size_t)nc);
+    if (!gaps || !params) { PyErr_NoMemory(); goto done; }
+    PyObject *counts_b = PyBytes_FromStringAndSize(NULL, nc * 4);
+    PyObject *steps_b = PyBytes_FromStringAndSize(NULL, r.kk);
+    PyObject *egaps_b = PyBytes_FromStringAndSize(NULL, r.ke * 4);
+    PyObject *evals_b = PyBytes_FromStringAndSize(NULL, r.ke * itemsize);
+    if (!counts_b || !steps_b || !egaps_b || !evals_b) {
+        Py_XDECREF(counts_b); Py_XDECREF(steps_b); Py_XDECREF(egaps_b); Py_XDECREF(evals_b);
+        goto done;
+    }
+    uint8_t *steps = (uint8_t *)PyBytes_AS_STRING(steps_b);
+    uint32_t *egaps = (uint32_t *)PyBytes_AS_STRING(egaps_b);
+    char *evals = PyBytes_AS_STRING(evals_b);
+    uint64_t bits = 0;
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t j = 0; j < r.kk; j++) ccount[r.cls[j]]++;
+    uint32_t acc = 0;
+    for (Py_ssize_t c = 0; c < nc; c++) { offs[c] = acc; acc += ccount[c]; last[c] = -1; }
+    for (Py_ssize_t j = 0; j < r.kk; j++) { /* counting sort by class, stable: gaps within each class */
+        const uint16_t c = r.cls[j];
+        const uint32_t at = offs[c]++;
+        gaps[at] = (uint32_t)((int64_t)r.rank[j] - last[c] - 1);
+        last[c] = r.rank[j];
+        const int32_t d = r.step[j];
+        steps[at] = (uint8_t)(((uint32_t)d << 1) ^ (uint32_t)(d >> 31)); /* zigzag: 1..254 */
+    }
+    int64_t prev = -1;
+    for (Py_ssize_t j = 0; j < r.ke; j++) {
+        egaps[j] = (uint32_t)((int64_t)r.esc_pos[j] - prev - 1);
+        prev = r.esc_pos[j];
+        const uint64_t v = r.esc_val[j];
+        memcpy(evals + j * itemsize, &v, (size_t)itemsize); /* little-endian hosts only (checked in cond.py) */
+    }
+    for (Py_ssize_t c = 0, at = 0; c < nc; at += ccount[c], c++) {
+        uint64_t cost;
+        params[c] = (uint8_t)rice_param(gaps + at, ccount[c], &cost);
+        bits += cost;
+    }
+    Py_END_ALLOW_THREADS
+    PyObject *bits_b = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)((bits + 7) / 8 + 8));
+    if (!bits_b) { Py_DECREF(counts_b); Py_DECREF(steps_b); Py_DECREF(egaps_b); Py_DECREF(evals_b); goto done; }
+    bitwriter w = {(uint8_t *)PyBytes_AS_STRING(bits_b), 0, 0, 0};
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t c = 0, at = 0; c < nc; at += ccount[c], c++)
+        for (uint32_t j = 0; j < ccount[c]; j++) rice_put(&w, gaps[at + j], params[c]);
+    if (w.nbits) w.out[w.len++] = (uint8_t)w.acc;
+    Py_END_ALLOW_THREADS
+    _PyBytes_Resize(&bits_b, (Py_ssize_t)w.len);
+    memcpy(PyBytes_AS_STRING(counts_b), ccount, (size_t)nc * 4);
+    PyObject *params_b = PyBytes_FromStringAndSize((const char *)params, nc);
+    result = bits_b && params_b ? Py_BuildValue("(NNNNNN)", counts_b, params_b, bits_b, steps_b, egaps_b, evals_b) : NULL;
+done:
+    free(cnt); free(ccount); free(offs); free(last); free(gaps); free(params);
+    free(r.rank); free(r.cls); free(r.step); free(r.esc_pos); free(r.esc_val);
+    PyBuffer_Release(&old);
+    PyBuffer_Release(&mask);
+    return result;
+}
+
+#define NONE_LEFT UINT64_MAX
+
+#define DECODE_PASS(T)                                                                             \
+    static const char *decode_pass_##T(const T *h, T *out, Py_ssize_t n, int eshift, uint32_t cmask, \
+                                       int forward, const uint32_t *ccount, const uint32_t *gaps,   \
+                                       const uint8_t *steps, Py_ssize_t kk, const uint32_t *egaps,  \
+                                       const char *evals, Py_ssize_t ke, uint64_t *rem,             \
+                                       uint32_t *ptr, uint32_t *end) {                              \
+        const int top = (int)(sizeof(T) * 8 - 1);                                                  \
+        const T magmask = (T)~((T)1 << top);                                                       \
+        const Py_ssize_t nc = (Py_ssize_t)cmask + 1;                                               \
+        uint64_t acc = 0;                                                                          \
+        for (Py_ssize_t c = 0; c < nc; c++) { /* rem[c]: elements of class c before its next change */ \
+            ptr[c] = (uint32_t)acc; acc += ccount[c]; end[c] = (uint32_t)acc;                       \
+            if (acc > (uint64_t)kk) return "class counts exceed the changes";                       \
+            rem[c] = ptr[c] < end[c] ? gaps[ptr[c]] : NONE_LEFT;                                   \
+        }                                                                                          \
+        if (acc != (uint64_t)kk) return "class counts do not add up to the changes";               \
+        Py_ssize_t e = 0, i = 0;                                                                   \
+        uint64_t next_esc = ke ? egaps[0] : NONE_LEFT;                                             \
+        for (;;) {                                                                                 \
+            const Py_ssize_t stop = next_esc < (uint64_t)n ? (Py_ssize_t)next_esc : n;             \
+            for (; i < stop; i++) { /* between escapes: one class counter per element */            \
+                const T hv = h[i];                                                                 \
+                const uint32_t c = (uint32_t)(hv >> eshift) & cmask;                               \
+                const uint64_t r = rem[c];                                                         \
+                if (r) { rem[c] = r - 1; continue; }                                               \
+                const uint32_t j = ptr[c]++;                                                       \
+                const uint32_t z = steps[j];                                                       \
+                int64_t d = (z & 1u) ? -(int64_t)((z + 1) >> 1) : (int64_t)(z >> 1); /* unzigzag */ \
+                if (d == 0 || d > 127 || d < -127) return "a step is out of range";                \
+                if (hv >> top) d = -d;                                                             \
+                if (!forward) d = -d;                                                              \
+                const int64_t mag = (int64_t)(hv & magmask) + d;                                   \
+                if (mag < 0 || (uint64_t)mag > (uint64_t)magmask) return "a step leaves the type"; \
+                const T nv = (T)((hv & (T)~magmask) | (T)mag);                                     \
+                if ((((uint32_t)(nv >> eshift)) & cmask) != c) return "a step changes the class";  \
+                out[i] = hv ^ nv;                                                                  \
+                rem[c] = ptr[c] < end[c] ? gaps[ptr[c]] : NONE_LEFT;                               \
+            }                                                                                      \
+            if (i >= n) break;                                                                     \
+            uint64_t v = 0; /* i is the next escape: not enumerated in any class */                \
+            memcpy(&v, evals + e * sizeof(T), sizeof(T));                                          \
+            if (!v) return "an escape changes nothing";                                            \
+            out[i] = (T)v;                                                                         \
+            e++;                                                                                   \
+            next_esc = e < ke ? next_esc + 1 + egaps[e] : NONE_LEFT;                               \
+            i++;                                                                                   \
+        }                                                                                          \
+        if (e != ke) return "an escape lies outside the chunk";                                    \
+        for (Py_ssize_t c = 0; c < nc; c++)                                                        \
+            if (ptr[c] != end[c]) return "a change lies outside its class";                        \
+        return NULL;                                                                               \
+    }
+DECODE_PASS(uint8_t)
+DECODE_PASS(uint16_t)
+DECODE_PASS(uint32_t)
+DECODE_PASS(uint64_t)
+
+/* decode(held, out, itemsize, eshift, ebits, forward, class_counts, rice_params, gap_bits, steps, esc_gaps, esc_vals)
+ * writes the XOR mask into ``out`` (zeroed by the caller); ValueError on any inconsistency. */
+static PyObject *decode(PyObject *self, PyObject *args) {
+    Py_buffer held, out, counts, params, bits, steps, egaps, evals;
+    int itemsize, eshift, ebits, forward;
+    if (!PyArg_ParseTuple(args, "y*w*iiipy*y*y*y*y*y*", &held, &out, &itemsize, &eshift, &ebits, &forward,
+                          &counts, &params, &bits, &steps, &egaps, &evals))
+        return NULL;
+    PyObject *result = NULL;
+    const char *err = NULL;
+    uint32_t *ptr = NULL, *end = NULL, *gaps = NULL;
+    uint8_t *padded = NULL;
+    uint64_t *rem = NULL;
+    Py_ssize_t n = held.len / (itemsize > 0 ? itemsize : 1);
+    Py_ssize_t kk = steps.len, ke = egaps.len / 4;
+    if (!(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8) || held.len != out.len ||
+        held.len % itemsize || ebits < 0 || ebits > 11 || eshift < 0 || eshift + ebits > itemsize * 8 ||
+        n >= ((Py_ssize_t)1 << 32)) {
+        PyErr_SetString(PyExc_ValueError, "cond decode: bad arguments");
+        goto done;
+    }
+    const uint32_t cmask = (1u << ebits) - 1u;
+    const Py_ssize_t nc = (Py_ssize_t)cmask + 1;
+    if (counts.len != nc * 4 || params.len != nc || egaps.len % 4 || evals.len != ke * itemsize) {
+        PyErr_SetString(PyExc_ValueError, "cond frame sections have inconsistent sizes");
+        goto done;
+    }
+    ptr = malloc((size_t)nc * 4); end = malloc((size_t)nc * 4);
+    rem = malloc((size_t)nc * 8);
+    gaps = malloc((size_t)(kk ? kk : 1) * 4);
+    padded = calloc((size_t)bits.len + 8, 1);
+    if (!ptr || !end || !rem || !gaps || !padded) { PyErr_NoMemory(); goto done; }
+    memcpy(padded, bits.buf, (size_t)bits.len);
+    Py_BEGIN_ALLOW_THREADS
+    uint64_t total = 0;
+    for (Py_ssize_t c = 0; c < nc; c++) total += ((const uint32_t *)counts.buf)[c];
+    if (total != (uint64_t)kk) err = "class counts do not add up to the changes";
+    if (!err) err = rice_unpack(padded, (size_t)bits.len, counts.buf, params.buf, nc, gaps);
+    if (!err) switch (itemsize) {
+#define CALL(T) err = decode_pass_##T(held.buf, out.buf, n, eshift, cmask, forward, counts.buf, gaps, \
+                                      steps.buf, kk, egaps.buf, evals.buf, ke, rem, ptr, end)
+    case 1: CALL(uint8_t); break;
+    case 2: CALL(uint16_t); break;
+    case 4: CALL(uint32_t); break;
+    default: CALL(uint64_t); break;
+#undef CALL
+    }
+    Py_END_ALLOW_THREADS
+    if (err) {
+        PyErr_Format(PyExc_ValueError, "cond frame does not decode against the held bits: %s", err);
+        goto done;
+    }
+    result = Py_None;
+    Py_INCREF(result);
+done:
+    free(ptr); free(end); free(rem); free(gaps); free(padded);
+    PyBuffer_Release(&held); PyBuffer_Release(&out); PyBuffer_Release(&counts); PyBuffer_Release(&params);
+    PyBuffer_Release(&bits);
+    PyBuffer_Release(&steps); PyBuffer_Release(&egaps); PyBuffer_Release(&evals);
+    return result;
+}
+
+static PyMethodDef methods[] = {
+    {"encode", encode, METH_VARARGS, "encode(old, mask, itemsize, eshift, ebits, k) -> sections"},
+    {"decode", decode, METH_VARARGS, "decode(held, out, itemsize, eshift, ebits, forward, *sections)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_condk", "dcr.cond kernels", -1, methods};
+
+PyMODINIT_FUNC PyInit__condk(void) { return PyModule_Create(&module); }
