@@ -28,14 +28,6 @@ from dcr_core.delta import pad
 THREADS = (1, 2)
 
 
-def cond_codec() -> CodecSpec | None:
-    """``CodecSpec(name="dcr-cond")``, or None where this DCR does not have it."""
-    try:
-        return CodecSpec(name="dcr-cond")
-    except (ValueError, TypeError):
-        return None
-
-
 def _jobs(pairs, chunk_bytes: int) -> list[tuple]:
     jobs = []
     for p in pairs:

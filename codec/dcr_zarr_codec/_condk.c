@@ -25,42 +25,95 @@ typedef struct {
     Py_ssize_t kk, ke;
 } records;
 
+/* Count the classes of unchanged runs of LANES elements, lane by lane (independent counters:
+ * no store-to-load chain when neighbours share a class); returns where a change may start. */
+#define COUNT_RUN(T)                                                                               \
+    static __attribute__((noinline)) Py_ssize_t count_run_##T(const T *restrict a, const T *restrict x, Py_ssize_t i,  \
+                                           Py_ssize_t n, int eshift, uint32_t cmask,                 \
+                                           uint32_t *restrict c0, uint32_t *restrict c1,             \
+                                           uint32_t *restrict c2, uint32_t *restrict c3) {           \
+        for (; i + LANES <= n; i += LANES) {                                                       \
+            if (x[i] | x[i + 1] | x[i + 2] | x[i + 3]) break;                                      \
+            c0[(uint32_t)(a[i] >> eshift) & cmask]++;                                              \
+            c1[(uint32_t)(a[i + 1] >> eshift) & cmask]++;                                          \
+            c2[(uint32_t)(a[i + 2] >> eshift) & cmask]++;                                          \
+            c3[(uint32_t)(a[i + 3] >> eshift) & cmask]++;                                          \
+        }                                                                                          \
+        return i;                                                                                  \
+    }
+COUNT_RUN(uint8_t)
+COUNT_RUN(uint16_t)
+COUNT_RUN(uint32_t)
+COUNT_RUN(uint64_t)
+
+/* Skip the unchanged elements from i (below stop): each decrements its class's countdown. Two at
+ * a time, branch-free in the classes: both countdowns are read before either is written, and a
+ * class met twice must have two left (one read-modify-write per class per pair, so neighbours of
+ * one class do not wait on each other's stores; four at a time measured slower: more groups hold
+ * a change and fall back). Returns the first element whose countdown is zero (a change), or stop. */
+#define SKIP_RUN(T)                                                                                \
+    static __attribute__((noinline)) Py_ssize_t skip_run_##T(const T *restrict h, Py_ssize_t i,     \
+                                                             Py_ssize_t stop, int eshift,           \
+                                                             uint32_t cmask, uint32_t *restrict rem) { \
+        for (; i + 2 <= stop; i += 2) {                                                            \
+            const uint32_t c0 = (uint32_t)(h[i] >> eshift) & cmask;                                \
+            const uint32_t c1 = (uint32_t)(h[i + 1] >> eshift) & cmask;                            \
+            const uint32_t r0 = rem[c0], r1 = rem[c1]; /* r1 == r0 when the classes are equal */  \
+            const uint32_t same = c0 == c1;                                                        \
+            if ((r0 <= same) | (r1 <= same)) break;                                                \
+            rem[c0] = r0 - 1;                                                                      \
+            rem[c1] = r1 - 1 - same;                                                               \
+        }                                                                                          \
+        for (; i < stop; i++) {                                                                    \
+            const uint32_t c = (uint32_t)(h[i] >> eshift) & cmask;                                 \
+            const uint32_t r = rem[c];                                                             \
+            if (!r) break;                                                                         \
+            rem[c] = r - 1;                                                                        \
+        }                                                                                          \
+        return i;                                                                                  \
+    }
+SKIP_RUN(uint8_t)
+SKIP_RUN(uint16_t)
+SKIP_RUN(uint32_t)
+SKIP_RUN(uint64_t)
+
 #define ENCODE_PASS(T)                                                                         \
-    static int encode_pass_##T(const T *a, const T *x, Py_ssize_t n, int eshift, uint32_t cmask, \
-                               uint32_t *cnt, Py_ssize_t k, records *r) {                      \
+    static int encode_pass_##T(const T *restrict a, const T *restrict x, Py_ssize_t n, int eshift, \
+                               uint32_t cmask, uint32_t *restrict cnt, Py_ssize_t k, records *r) { \
         const int top = (int)(sizeof(T) * 8 - 1);                                              \
         const T magmask = (T)~((T)1 << top);                                                   \
         const Py_ssize_t nc = (Py_ssize_t)cmask + 1;                                           \
+        uint32_t *restrict rank_out = r->rank, *restrict esc_pos = r->esc_pos;                 \
+        uint16_t *restrict cls_out = r->cls;                                                   \
+        int8_t *restrict step_out = r->step;                                                   \
+        uint64_t *restrict esc_val = r->esc_val;                                               \
         Py_ssize_t kk = 0, ke = 0, i = 0;                                                      \
         for (;;) {                                                                             \
-            /* unchanged runs of LANES elements: count their classes, one lane each */           \
-            while (i + LANES <= n && !(x[i] | x[i + 1] | x[i + 2] | x[i + 3])) {                  \
-                cnt[(uint32_t)(a[i] >> eshift) & cmask]++;                                     \
-                cnt[nc + ((uint32_t)(a[i + 1] >> eshift) & cmask)]++;                          \
-                cnt[2 * nc + ((uint32_t)(a[i + 2] >> eshift) & cmask)]++;                      \
-                cnt[3 * nc + ((uint32_t)(a[i + 3] >> eshift) & cmask)]++;                      \
-                i += LANES;                                                                    \
-            }                                                                                  \
+            i = count_run_##T(a, x, i, n, eshift, cmask, cnt, cnt + nc, cnt + 2 * nc, cnt + 3 * nc); \
             if (i >= n) break;                                                                 \
             const Py_ssize_t stop = i + LANES < n ? i + LANES : n;                             \
-            for (; i < stop; i++) {                                                            \
-            const T av = a[i], xv = x[i];                                                      \
-            const uint32_t c = (uint32_t)(av >> eshift) & cmask;                               \
-            uint32_t *lane = cnt + (i & (LANES - 1)) * nc;                                     \
-            if (!xv) { lane[c]++; continue; }                                                  \
-            if (kk + ke >= k) return -1; /* more changes than counted */                       \
-            const T bv = av ^ xv;                                                              \
-            if ((av >> top) == (bv >> top) && (((uint32_t)(bv >> eshift) & cmask) == c)) {     \
-                int64_t d = (int64_t)(bv & magmask) - (int64_t)(av & magmask);                 \
-                if (av >> top) d = -d;                                                         \
-                if (d >= -127 && d <= 127) {                                                   \
-                    uint32_t rank = 0;                                                         \
-                    for (int l = 0; l < LANES; l++) rank += cnt[l * nc + c];                   \
-                    r->rank[kk] = rank; r->cls[kk] = (uint16_t)c; r->step[kk] = (int8_t)d;     \
-                    kk++; lane[c]++; continue;                                                 \
+            for (; i < stop; i++) { /* a block with a change: element by element */             \
+                const T av = a[i], xv = x[i];                                                  \
+                const uint32_t c = (uint32_t)(av >> eshift) & cmask;                           \
+                uint32_t *restrict lane = cnt + (i & (LANES - 1)) * nc;                        \
+                if (!xv) { lane[c]++; continue; }                                              \
+                if (kk + ke >= k) return -1; /* more changes than counted */                   \
+                const T bv = av ^ xv;                                                          \
+                if ((av >> top) == (bv >> top) && (((uint32_t)(bv >> eshift) & cmask) == c)) { \
+                    int64_t d = (int64_t)(bv & magmask) - (int64_t)(av & magmask);             \
+                    if (av >> top) d = -d;                                                     \
+                    if (d >= -127 && d <= 127) {                                               \
+                        rank_out[kk] = cnt[c] + cnt[nc + c] + cnt[2 * nc + c] + cnt[3 * nc + c]; \
+                        cls_out[kk] = (uint16_t)c;                                             \
+                        step_out[kk] = (int8_t)d;                                              \
+                        kk++;                                                                  \
+                        lane[c]++;                                                             \
+                        continue;                                                              \
+                    }                                                                          \
                 }                                                                              \
-            }                                                                                  \
-            r->esc_pos[ke] = (uint32_t)i; r->esc_val[ke] = (uint64_t)xv; ke++;                 \
+                esc_pos[ke] = (uint32_t)i;                                                     \
+                esc_val[ke] = (uint64_t)xv;                                                    \
+                ke++;                                                                          \
             }                                                                                  \
         }                                                                                      \
         r->kk = kk; r->ke = ke;                                                                \
@@ -253,12 +306,13 @@ done:
 }
 
 #define NONE_LEFT UINT64_MAX
+#define NONE_LEFT32 UINT32_MAX /* a countdown that never reaches 0: chunks hold < 2^32 elements */
 
 #define DECODE_PASS(T)                                                                             \
     static const char *decode_pass_##T(const T *h, T *out, Py_ssize_t n, int eshift, uint32_t cmask, \
                                        int forward, const uint32_t *ccount, const uint32_t *gaps,   \
                                        const uint8_t *steps, Py_ssize_t kk, const uint32_t *egaps,  \
-                                       const char *evals, Py_ssize_t ke, uint64_t *rem,             \
+                                       const char *evals, Py_ssize_t ke, uint32_t *rem,             \
                                        uint32_t *ptr, uint32_t *end) {                              \
         const int top = (int)(sizeof(T) * 8 - 1);                                                  \
         const T magmask = (T)~((T)1 << top);                                                       \
@@ -267,18 +321,19 @@ done:
         for (Py_ssize_t c = 0; c < nc; c++) { /* rem[c]: elements of class c before its next change */ \
             ptr[c] = (uint32_t)acc; acc += ccount[c]; end[c] = (uint32_t)acc;                       \
             if (acc > (uint64_t)kk) return "class counts exceed the changes";                       \
-            rem[c] = ptr[c] < end[c] ? gaps[ptr[c]] : NONE_LEFT;                                   \
+            rem[c] = ptr[c] < end[c] ? gaps[ptr[c]] : NONE_LEFT32;                                 \
         }                                                                                          \
         if (acc != (uint64_t)kk) return "class counts do not add up to the changes";               \
         Py_ssize_t e = 0, i = 0;                                                                   \
         uint64_t next_esc = ke ? egaps[0] : NONE_LEFT;                                             \
         for (;;) {                                                                                 \
             const Py_ssize_t stop = next_esc < (uint64_t)n ? (Py_ssize_t)next_esc : n;             \
-            for (; i < stop; i++) { /* between escapes: one class counter per element */            \
+            for (;;) { /* between escapes: skip to the next change, apply it */                     \
+                i = skip_run_##T(h, i, stop, eshift, cmask, rem);                                  \
+                if (i >= stop) break;                                                              \
                 const T hv = h[i];                                                                 \
                 const uint32_t c = (uint32_t)(hv >> eshift) & cmask;                               \
-                const uint64_t r = rem[c];                                                         \
-                if (r) { rem[c] = r - 1; continue; }                                               \
+                if (ptr[c] >= end[c]) return "a change lies outside its class";                   \
                 const uint32_t j = ptr[c]++;                                                       \
                 const uint32_t z = steps[j];                                                       \
                 int64_t d = (z & 1u) ? -(int64_t)((z + 1) >> 1) : (int64_t)(z >> 1); /* unzigzag */ \
@@ -290,7 +345,8 @@ done:
                 const T nv = (T)((hv & (T)~magmask) | (T)mag);                                     \
                 if ((((uint32_t)(nv >> eshift)) & cmask) != c) return "a step changes the class";  \
                 out[i] = hv ^ nv;                                                                  \
-                rem[c] = ptr[c] < end[c] ? gaps[ptr[c]] : NONE_LEFT;                               \
+                rem[c] = ptr[c] < end[c] ? gaps[ptr[c]] : NONE_LEFT32;                             \
+                i++;                                                                               \
             }                                                                                      \
             if (i >= n) break;                                                                     \
             uint64_t v = 0; /* i is the next escape: not enumerated in any class */                \
@@ -323,7 +379,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     const char *err = NULL;
     uint32_t *ptr = NULL, *end = NULL, *gaps = NULL;
     uint8_t *padded = NULL;
-    uint64_t *rem = NULL;
+    uint32_t *rem = NULL;
     Py_ssize_t n = held.len / (itemsize > 0 ? itemsize : 1);
     Py_ssize_t kk = steps.len, ke = egaps.len / 4;
     if (!(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8) || held.len != out.len ||
@@ -339,7 +395,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
         goto done;
     }
     ptr = malloc((size_t)nc * 4); end = malloc((size_t)nc * 4);
-    rem = malloc((size_t)nc * 8);
+    rem = malloc((size_t)nc * 4);
     gaps = malloc((size_t)(kk ? kk : 1) * 4);
     padded = calloc((size_t)bits.len + 8, 1);
     if (!ptr || !end || !rem || !gaps || !padded) { PyErr_NoMemory(); goto done; }
