@@ -292,6 +292,7 @@ def test_network_faults(case, s3_server, tmp_path):
         run_receive(root, "r", str(state), storage_options=so)
         n = {"i": 0}
         stalled = {"done": False}
+        just_failed: set[tuple[str, str]] = set()
 
         def fault(method, path):
             n["i"] += 1
@@ -302,7 +303,14 @@ def test_network_faults(case, s3_server, tmp_path):
                 return None
             if kind == "truncate" and method != "GET":
                 return None
-            return kind if n["i"] % 4 == 0 else None
+            # Every 4th request fails, but never the same request twice in a row: with many threads
+            # sharing the count, one request's retries could otherwise land on a 4th five times over
+            # (the retry budget) by chance, which tests the luck of the draw, not the retries.
+            if n["i"] % 4 == 0 and (method, path) not in just_failed:
+                just_failed.add((method, path))
+                return kind
+            just_failed.discard((method, path))
+            return None
 
         proxy.fault = fault
         if kind in ("reset", "500", "503"):
