@@ -108,14 +108,15 @@ class CodecSpec:
         return _blosc_single_threaded(self._blosc(), np.ascontiguousarray(padded))
 
     def decode(self, data: bytes, storage: np.dtype, n_padded: int, base: np.ndarray | None = None,
-               dtype: str | None = None, forward: bool = True) -> np.ndarray:
+               dtype: str | None = None, forward: bool = True, in_place: bool = False) -> np.ndarray:
         """Decompress one chunk into exactly ``n_padded`` elements, refusing any other size.
 
         ``dcr-cond``: against ``base`` (the held bits of the chunk's first ``base.size`` elements:
-        the old bits if ``forward``, the new bits if not), the XOR mask of those elements."""
+        the old bits if ``forward``, the new bits if not), the XOR mask of those elements; with
+        ``in_place``, the other step's bits written over ``base`` (flat, writable) instead."""
         if self.conditional:
             try:
-                return decode_cond(data, storage, n_padded, base, forward, dtype)
+                return decode_cond(data, storage, n_padded, base, forward, dtype, in_place)
             except SparseFrameError as e:
                 raise IntegrityError(str(e)) from None
         if self.name == "dcr-sparse":

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 import numpy as np
+from dcr_zarr_codec.cond import needs_held
 
 from dcr_core.chunking import ChunkGrid
 from dcr_core.codec import CodecSpec
@@ -58,6 +59,15 @@ class HeldCoded:
     def mask(self, held: np.ndarray, forward: bool = True) -> np.ndarray:
         """The chunk's XOR mask (``size`` elements) given the ``held`` bits of the chunk."""
         return self.codec.decode(self.data, held.dtype, self.n_padded, base=held, dtype=self.dtype, forward=forward)
+
+    def apply(self, held: np.ndarray, forward: bool = True) -> None:
+        """Write the other step's bits over ``held`` (the chunk's bits: flat, writable). On an error
+        ``held`` may be half-written: DCR applies to private copies that it verifies before use."""
+        if not needs_held(self.data):  # a plain frame: the stored XOR mask itself
+            np.bitwise_xor(held, self.mask(held, forward), out=held)
+        else:
+            self.codec.decode(self.data, held.dtype, self.n_padded, base=held, dtype=self.dtype, forward=forward,
+                              in_place=True)
 
 
 def resolve(payload: np.ndarray | HeldCoded, held: np.ndarray, forward: bool = True) -> np.ndarray:
@@ -108,6 +118,9 @@ def apply_chunk(
     """Apply one chunk in place to ``target`` (flat raw bits, writable). ``forward`` is False when
     the move undoes its step (only ``HeldCoded`` payloads decode differently then)."""
     start, stop = grid.chunk_range(index)
+    if isinstance(payload, HeldCoded) and encoding is Encoding.XOR and payload.size == stop - start:
+        payload.apply(target[start:stop], forward)  # decoded straight into the target: no mask, no XOR pass
+        return
     payload = resolve(payload, target[start:stop], forward)
     if payload.shape != (stop - start,):
         raise ValueError(f"chunk {index} payload has {payload.shape[0]} elements, needs {stop - start}")

@@ -310,7 +310,8 @@ done:
 
 #define DECODE_PASS(T)                                                                             \
     static const char *decode_pass_##T(const T *h, T *out, Py_ssize_t n, int eshift, uint32_t cmask, \
-                                       int forward, const uint32_t *ccount, const uint32_t *gaps,   \
+                                       int forward, int in_place, const uint32_t *ccount,           \
+                                       const uint32_t *gaps,                                        \
                                        const uint8_t *steps, Py_ssize_t kk, const uint32_t *egaps,  \
                                        const char *evals, Py_ssize_t ke, uint32_t *rem,             \
                                        uint32_t *ptr, uint32_t *end) {                              \
@@ -344,7 +345,7 @@ done:
                 if (mag < 0 || (uint64_t)mag > (uint64_t)magmask) return "a step leaves the type"; \
                 const T nv = (T)((hv & (T)~magmask) | (T)mag);                                     \
                 if ((((uint32_t)(nv >> eshift)) & cmask) != c) return "a step changes the class";  \
-                out[i] = hv ^ nv;                                                                  \
+                out[i] = in_place ? nv : (T)(hv ^ nv);                                             \
                 rem[c] = ptr[c] < end[c] ? gaps[ptr[c]] : NONE_LEFT32;                             \
                 i++;                                                                               \
             }                                                                                      \
@@ -352,7 +353,7 @@ done:
             uint64_t v = 0; /* i is the next escape: not enumerated in any class */                \
             memcpy(&v, evals + e * sizeof(T), sizeof(T));                                          \
             if (!v) return "an escape changes nothing";                                            \
-            out[i] = (T)v;                                                                         \
+            out[i] = in_place ? (T)(h[i] ^ (T)v) : (T)v;                                           \
             e++;                                                                                   \
             next_esc = e < ke ? next_esc + 1 + egaps[e] : NONE_LEFT;                               \
             i++;                                                                                   \
@@ -367,13 +368,16 @@ DECODE_PASS(uint16_t)
 DECODE_PASS(uint32_t)
 DECODE_PASS(uint64_t)
 
-/* decode(held, out, itemsize, eshift, ebits, forward, class_counts, rice_params, gap_bits, steps, esc_gaps, esc_vals)
- * writes the XOR mask into ``out`` (zeroed by the caller); ValueError on any inconsistency. */
+/* decode(held, out, itemsize, eshift, ebits, forward, in_place, class_counts, rice_params, gap_bits, steps,
+ * esc_gaps, esc_vals) writes the XOR mask into ``out`` (zeroed by the caller), or, with ``in_place``
+ * (``out`` is ``held``), the new bits over the held ones; ValueError on any inconsistency (then, in
+ * place, the changes before the inconsistency are already written: the caller's tensor digest or
+ * undo takes care of it). */
 static PyObject *decode(PyObject *self, PyObject *args) {
     Py_buffer held, out, counts, params, bits, steps, egaps, evals;
-    int itemsize, eshift, ebits, forward;
-    if (!PyArg_ParseTuple(args, "y*w*iiipy*y*y*y*y*y*", &held, &out, &itemsize, &eshift, &ebits, &forward,
-                          &counts, &params, &bits, &steps, &egaps, &evals))
+    int itemsize, eshift, ebits, forward, in_place;
+    if (!PyArg_ParseTuple(args, "y*w*iiippy*y*y*y*y*y*", &held, &out, &itemsize, &eshift, &ebits, &forward,
+                          &in_place, &counts, &params, &bits, &steps, &egaps, &evals))
         return NULL;
     PyObject *result = NULL;
     const char *err = NULL;
@@ -406,7 +410,7 @@ static PyObject *decode(PyObject *self, PyObject *args) {
     if (total != (uint64_t)kk) err = "class counts do not add up to the changes";
     if (!err) err = rice_unpack(padded, (size_t)bits.len, counts.buf, params.buf, nc, gaps);
     if (!err) switch (itemsize) {
-#define CALL(T) err = decode_pass_##T(held.buf, out.buf, n, eshift, cmask, forward, counts.buf, gaps, \
+#define CALL(T) err = decode_pass_##T(held.buf, out.buf, n, eshift, cmask, forward, in_place, counts.buf, gaps, \
                                       steps.buf, kk, egaps.buf, evals.buf, ke, rem, ptr, end)
     case 1: CALL(uint8_t); break;
     case 2: CALL(uint16_t); break;
@@ -431,7 +435,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "encode(old, mask, itemsize, eshift, ebits, k) -> sections"},
-    {"decode", decode, METH_VARARGS, "decode(held, out, itemsize, eshift, ebits, forward, *sections)"},
+    {"decode", decode, METH_VARARGS, "decode(held, out, itemsize, eshift, ebits, forward, in_place, *sections)"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -129,18 +129,26 @@ def check_frame(data: bytes, storage: np.dtype, n: int, dtype: str | None = None
 
 
 def decode_cond(data: bytes, storage: np.dtype, n: int, held: np.ndarray | None = None,
-                forward: bool = True, dtype: str | None = None) -> np.ndarray:
+                forward: bool = True, dtype: str | None = None, in_place: bool = False) -> np.ndarray:
     """The XOR mask a frame codes: ``n`` elements (mode 0), or, against ``held`` (the first
     ``held.size <= n`` elements of the chunk: the old bits forward, the new bits backward), the
-    mask of those elements (mode 1). Refuses anything inconsistent with ``SparseFrameError``."""
+    mask of those elements (mode 1). ``in_place`` (mode 1 only): write the other step's bits over
+    ``held`` instead (a contiguous writable array) and return it: no mask, no XOR pass. Refuses
+    anything inconsistent with ``SparseFrameError`` (in place, ``held`` may then be half-written:
+    callers apply to a copy they verify, as every DCR apply does)."""
     data = bytes(data)
     storage = np.dtype(storage)
     mode, shift, width, k, ke = _header(data, storage, n, dtype)
     if mode == PLAIN:
+        if in_place:
+            raise SparseFrameError("cond frame without held bits cannot be applied in place")
         return decode_sparse(data[_HEAD.size :], storage, n)
     if held is None:
         raise SparseFrameError("cond frame decodes only against the held bits")
-    held = np.ascontiguousarray(held).reshape(-1)
+    if not in_place:
+        held = np.ascontiguousarray(held).reshape(-1)
+    elif held.ndim != 1 or not held.flags.c_contiguous or not held.flags.writeable:
+        raise SparseFrameError("in-place decoding needs a flat, contiguous, writable array")
     if held.dtype != storage or held.size > n:
         raise SparseFrameError(f"held bits are {held.size} x {held.dtype}, the frame holds {n} x {storage}")
     nc, kk = 1 << width, k - ke
@@ -154,10 +162,10 @@ def decode_cond(data: bytes, storage: np.dtype, n: int, held: np.ndarray | None 
     if off != len(data):
         raise SparseFrameError("cond frame has trailing bytes")
     u32 = np.dtype("<u4")
-    out = np.zeros(held.size, dtype=storage)
+    out = held if in_place else np.zeros(held.size, dtype=storage)
     try:
         _condk.decode(
-            held, out, storage.itemsize, shift, width, forward,
+            held, out, storage.itemsize, shift, width, forward, in_place,
             _unplanes(counts, u32, nc), params, gap_bits, steps, _unplanes(egaps, u32, ke),
             _unplanes(evals, storage, ke) if ke else b"",
         )

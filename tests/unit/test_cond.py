@@ -79,6 +79,11 @@ def test_every_dtype_round_trips_forward_and_backward(dtype, n):
     assert needs_held(frame)
     assert decode_cond(frame, st, n, old, True, dtype).tobytes() == mask.tobytes()
     assert decode_cond(frame, st, n, new, False, dtype).tobytes() == mask.tobytes()
+    # in place: the other step's bits written over the held ones
+    fwd, back = old.copy(), new.copy()
+    decode_cond(frame, st, n, fwd, True, dtype, in_place=True)
+    decode_cond(frame, st, n, back, False, dtype, in_place=True)
+    assert fwd.tobytes() == new.tobytes() and back.tobytes() == old.tobytes()
     assert encode_cond(mask, old, dtype) == frame  # deterministic
 
 
