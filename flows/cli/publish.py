@@ -10,10 +10,8 @@ from dcr_core.retention import KeyframePolicy
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
 from flows.cli.progress import shown
 from flows.options import DELTA_CODECS, PublishOptions
-from flows.publish.dcp import dcp_sources
-from flows.publish.layout_file import is_layout_file, layout_sources
+from flows.publish.kinds import sharded_kind, sharded_sources
 from flows.publish.pipeline import run_publish
-from storage.local.dcp_metadata import is_dcp_dir
 
 
 def add_arguments(name: str, p) -> None:
@@ -47,10 +45,13 @@ def add_arguments(name: str, p) -> None:
 
 
 def _source(args):
-    if is_dcp_dir(args.checkpoint):  # a DCP directory: published from its shards, file by file
-        return dcp_sources(args.checkpoint, args.dcp_prefix)
-    if is_layout_file(args.checkpoint):  # per-rank safetensors files + a layout file
-        return layout_sources(args.checkpoint)
+    """What to publish: a checkpoint path as it is (read as bits: torch is never imported for it), or
+    the ranks of a sharded checkpoint (their readers import torch)."""
+    kind = sharded_kind(args.checkpoint)
+    if kind == "dcp":  # a DCP directory: published from its shards, file by file
+        return sharded_sources(kind, args.checkpoint, args.dcp_prefix)
+    if kind == "layout":  # per-rank safetensors files + a layout file
+        return sharded_sources(kind, args.checkpoint)
     if args.dcp_prefix is not None:
         raise UsageError(f"{args.checkpoint}: --dcp-prefix needs a torch.distributed.checkpoint directory (with .metadata)")
     return args.checkpoint

@@ -4,30 +4,50 @@ Where it comes from, cheapest first:
 1. held in memory (``HeldBaseline``): a long-running ``Publisher`` keeps the snapshot it has just
    committed; used only when it is exactly the plan's base (same ROOT, step and policy digest) and
    not re-checked (its digests are the ones this process computed from that very private copy);
-2. the local baseline cache (``<cache_dir>/<ROOT key>/baseline.safetensors``), checked tensor by
-   tensor against the base step's digests before use (and again as it is read while encoding);
+2. the local baseline cache (``<cache_dir>/<ROOT key>/baseline.safetensors``), see "Trust" below;
 3. rebuilt from ROOT through the shared reader (keyframe plus deltas, streamed), into the cache.
-After the commit the published policy becomes the next baseline (in memory or in the cache).
+After the commit the published policy becomes the next baseline (in memory or in the cache: a
+checkpoint file's tensors are copied into it by the kernel, ``copy_file_range``, not through memory).
+
+Trust (the cache must never feed a wrong baseline into a delta, and should cost no pass of its own):
+- Every use is checked. The encode pass reads each base tensor anyway (to XOR it against the new
+  bits), so it hashes exactly the bits it XORs and compares them with the base step's digest before
+  the next tensor (``flows.publish.encode``). A mismatch fails that encode before any manifest is
+  written; the pipeline discards the attempt and encodes once more from a baseline checked in full
+  now (``recheck``), i.e. rebuilt from ROOT when the file is damaged. Nothing wrong is committed.
+- So the up-front check only decides whether that re-encode is likely. A cache is taken without
+  hashing when its header names the base step and policy digest with the base's tensors, and its
+  stamp (an extended attribute set on the file right after DCR wrote or fully checked it: the step
+  and policy digest with the file's device, inode, size and mtime) still describes it. Anything
+  else (no stamp, another file, a copy, a rewrite or truncation, a stale step, a file system
+  without extended attributes) is hashed tensor by tensor first (``_cache_valid``) and rebuilt from
+  ROOT if it fails, as before stamps. A stamp can be fooled (a rewrite within the file system's
+  timestamp granularity that keeps the size, or an mtime set back): the check while encoding
+  catches that.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import tempfile
 from dataclasses import dataclass
 
 import blake3
+import numpy as np
 
 from dcr_core import events
 from dcr_core.chain import KEYFRAME
+from dcr_core.digest import TensorHasher
+from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError
 from flows import refs
 from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, open_source, opened
 from flows.refs import LocalRef
 from storage import reader
-from storage.local import state
+from storage.local import safetensors, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter
 from storage.marker import CommitMarker
 from storage.root import open_root
@@ -35,6 +55,9 @@ from storage.root import open_root
 log = logging.getLogger("dcr.publish")
 
 BASELINE_FILE = "baseline.safetensors"
+STAMP_XATTR = "user.dcr.baseline-stamp"  # on the cache file (see "Trust")
+STAMP_FORMAT = "dcr-baseline-stamp"
+HASH_BUFFER_BYTES = 4 << 20  # a cache checked in full is read through one buffer of this size
 
 
 def cache_path(plan: PublishPlan, file_name: str = BASELINE_FILE) -> str:
@@ -71,8 +94,42 @@ class BaselineSlot:
     baseline: HeldBaseline | None = None
 
 
-def _cache_valid(path: str, plan: PublishPlan) -> bool:
-    """The cached baseline holds exactly the base step's bits (checked tensor by tensor)."""
+def _file_stamp(path: str, step: int, policy_digest: str) -> bytes:
+    st = os.stat(path)
+    return json.dumps({"format": STAMP_FORMAT, "step": step, "policy_digest": policy_digest, "dev": st.st_dev,
+                       "ino": st.st_ino, "size": st.st_size, "mtime_ns": st.st_mtime_ns}).encode()
+
+
+def write_stamp(path: str, step: int, policy_digest: str) -> None:
+    """Record on the cache file ``path`` (an extended attribute: it stays with this inode, and
+    setting it moves no mtime) that the file, as it is now, holds ``step`` (see "Trust"). Best
+    effort: where extended attributes are unavailable the next publish hashes the cache first."""
+    try:
+        os.setxattr(path, STAMP_XATTR, _file_stamp(path, step, policy_digest))
+    except (AttributeError, OSError) as e:  # no xattrs on this system or file system
+        log.debug("cannot stamp the baseline cache (%s); the next delta hashes it first", e)
+        drop_stamp(path)
+
+
+def drop_stamp(path: str) -> None:
+    """Forget the stamp of the cache file ``path`` (it failed a check)."""
+    try:
+        os.removexattr(path, STAMP_XATTR)
+    except (AttributeError, OSError):
+        pass
+
+
+def _stamped(path: str, plan: PublishPlan) -> bool:
+    """The stamp names the plan's base and still describes the cache file (see "Trust")."""
+    try:
+        return os.getxattr(path, STAMP_XATTR) == _file_stamp(path, plan.base_step, plan.base_policy_digest)
+    except (AttributeError, OSError):
+        return False
+
+
+def _cache_matches(path: str, plan: PublishPlan, hash_tensors: bool) -> bool:
+    """The cached baseline claims the base step (metadata, tensors' dtypes and shapes); with
+    ``hash_tensors``, it also holds exactly its bits (every tensor hashed)."""
     entries = plan.base_entries()
     try:
         ck = SafetensorsCheckpoint(path)
@@ -85,17 +142,44 @@ def _cache_valid(path: str, plan: PublishPlan) -> bool:
         if {n: (i.dtype, i.shape) for n, i in ck.infos.items()} != {n: (e.dtype, e.shape) for n, e in entries.items()}:
             return False
         # Checked here (not only on use) so a damaged cache is rebuilt instead of failing the publish.
-        return all(entries[n].matches(ck.bits(n)) for n in entries)
+        if not hash_tensors:
+            return True
+        buf = np.empty(HASH_BUFFER_BYTES, dtype=np.uint8)  # one buffer, reused: no fresh tensor-sized memory
+        return all(_hashes_to(ck, n, entries[n], buf) for n in entries)
     except (DCRError, OSError, ValueError):
         return False
     finally:
         ck.close()
 
 
-def load_baseline(plan: PublishPlan, held: LocalRef | None = None) -> SourceRef | None:
+def _hashes_to(ck: SafetensorsCheckpoint, name: str, entry, buf: np.ndarray) -> bool:
+    """Tensor ``name`` of ``ck`` has ``entry``'s digest (read through ``buf``, piece by piece)."""
+    if entry.pieces is not None:  # published from shards: a piecewise digest, over the whole tensor
+        return entry.matches(ck.bits(name))
+    storage = np.dtype(DTYPES[entry.dtype].storage)
+    count, per = ck.infos[name].nbytes // storage.itemsize, len(buf) // storage.itemsize
+    h = TensorHasher()
+    for start in range(0, count, per):
+        h.update(ck.read_into(name, start, buf[: min(per, count - start) * storage.itemsize].view(storage)))
+    return h.hexdigest() == entry.digest
+
+
+def _cache_valid(path: str, plan: PublishPlan) -> bool:
+    """The cached baseline holds exactly the base step's bits (checked tensor by tensor)."""
+    return _cache_matches(path, plan, hash_tensors=True)
+
+
+def _cache_trusted(path: str, plan: PublishPlan) -> bool:
+    """Usable without hashing it first: stamped, and its header claims the base (see "Trust")."""
+    return _stamped(path, plan) and _cache_matches(path, plan, hash_tensors=False)
+
+
+def load_baseline(plan: PublishPlan, held: LocalRef | None = None, recheck: bool = False) -> SourceRef | None:
     """The base step's bits: ``held`` if it is exactly the plan's base, else a local file (the
-    cache if it verifies, else rebuilt from ROOT into the cache, or into a private temp file
-    without a cache)."""
+    cache if its stamp and header say it is the base, or if it verifies tensor by tensor, else
+    rebuilt from ROOT into the cache, or into a private temp file without a cache). ``recheck``:
+    the cache failed the check made while encoding; hash it in full (or rebuild it) whatever its
+    stamp says."""
     if plan.kind == KEYFRAME:
         return None
     if held is not None:
@@ -103,11 +187,21 @@ def load_baseline(plan: PublishPlan, held: LocalRef | None = None) -> SourceRef 
         if isinstance(baseline, HeldBaseline) and baseline.is_base_of(plan):
             return refs.put(baseline.source, "baseline")
     path = cache_path(plan)
-    if plan.options.use_cache and os.path.exists(path) and _cache_valid(path, plan):
-        return path
-    if not plan.options.use_cache:  # a private temp file, removed once the step is committed
+    if plan.options.use_cache:
+        if recheck:
+            drop_stamp(path)
+        if os.path.exists(path):
+            if not recheck and _cache_trusted(path, plan):
+                return path
+            if _cache_valid(path, plan):
+                write_stamp(path, plan.base_step, plan.base_policy_digest)
+                return path
+        drop_stamp(path)
+    else:  # a private temp file, removed once the step is committed
         path = os.path.join(tempfile.gettempdir(), f"dcr-baseline-{plan.attempt}.safetensors")
     rebuild(plan, path)
+    if plan.options.use_cache:
+        write_stamp(path, plan.base_step, plan.base_policy_digest)
     return path
 
 
@@ -154,8 +248,14 @@ def remember_baseline(
     try:
         with opened(source) as src:
             for n in names:  # one tensor at a time
-                writer.write(n, src.bits(n))
+                if isinstance(src, safetensors.SafetensorsCheckpoint):  # copied file to file by the kernel
+                    writer.copy_from(n, *src.file_of(n))
+                else:
+                    writer.write(n, src.bits(n))
         writer.commit()
+        # A checkpoint file may have changed since it was encoded: the stamp says only which file
+        # this is, and the next delta checks its bits as it uses them (see "Trust").
+        write_stamp(writer.path, marker.step, marker.policy_digest)
         events.reached("publish.baseline-kept", step=marker.step, where=writer.path)
     except (OSError, DCRError, ValueError) as e:  # the step is committed; only the cache is lost
         writer.abort()

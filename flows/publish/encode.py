@@ -2,8 +2,21 @@
 
 Per tensor: read its bits (and the baseline's), XOR per chunk (or take the values of a keyframe),
 skip chunks that are all zero, compress and upload the rest on a bounded pool while later tensors
-are still being encoded. Memory: one tensor of the source and of a file baseline at a time, plus
-the upload window. Nothing is visible to readers yet: no marker names the attempt.
+are still being encoded. Nothing is visible to readers yet: no marker names the attempt.
+
+Reading: a checkpoint file (the source, or a file baseline) is read chunk by chunk into a few
+chunk-sized buffers that are reused across chunks and tensors (``_Buffers``: mapped and populated
+in one call each), never into a fresh tensor-sized array: fresh memory costs a page fault per 4 KiB
+on first touch, which on some machines (VMs) is slower than reading the file. Each chunk read is a
+private copy, so the digest, the XOR and the codec all see the same bits even if the file changes
+meanwhile. Memory: the buffers of the chunks in flight (``_window``), whatever the model's size.
+Sources held in memory (a snapshot, a held baseline) are sliced in place.
+
+A file baseline is checked as a by-product of this pass: the bits of every base chunk are hashed
+as they are XORed, and each tensor's digest must be the base step's before the next tensor starts
+(``BaselineMismatchError`` otherwise: the pipeline discards the attempt and publishes again from a
+baseline checked in full or rebuilt from ROOT). So a baseline file trusted without hashing it first
+(``flows.publish.baseline``) can never make a wrong delta.
 """
 
 from __future__ import annotations
@@ -11,22 +24,34 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-from concurrent.futures import Future
+import mmap
+import os
+from collections import deque
+from concurrent.futures import Future, wait
+
+import numpy as np
 
 from dcr_core import events
 from dcr_core.chain import KEYFRAME
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chunks
-from dcr_core.digest import tensor_digest
+from dcr_core.digest import TensorHasher, tensor_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, SchemaMismatchError
 from flows.publish.plan import PublishPlan
-from flows.publish.sources import SourceRef, opened
+from flows.publish.sources import Source, SourceRef, opened
 from storage import layout
 from storage.chunk_io import StepWriter, StoredChunk
+from storage.local.safetensors import SafetensorsCheckpoint
 from storage.manifest import ChunkTable, TensorEntry
 from storage.root import open_root
 from storage.stream import StreamAnnouncer
+
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux: fault a buffer's pages in with one call
+
+
+class BaselineMismatchError(IntegrityError):
+    """A file baseline's bits, hashed as they were used, are not the base step's (see module doc)."""
 
 
 def _chunk_table(futures: list[Future]) -> ChunkTable:
@@ -41,11 +66,93 @@ def _unique(array: str, used: set[str]) -> str:
     return array
 
 
+def _window(plan: PublishPlan, root) -> int:
+    """Chunks encoded ahead of the uploads (each holds a mask, and its base for ``dcr-cond``).
+    Remote ROOTs: the pool's own window (uploads wait on the network). Local and memory ROOTs:
+    writing is compression, CPU-bound, so a chunk per core and one more keep every core busy;
+    more would only touch more memory."""
+    pool_window = 2 * max(1, plan.options.io_workers)
+    if root.backend.local or root.protocol == "memory":
+        return min(pool_window, (os.cpu_count() or 1) + 1)
+    return pool_window
+
+
+class _Buffers:
+    """Chunk-sized byte buffers, reused: taken for a chunk, given back once nothing uses it."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = max(1, nbytes)
+        self._free: list[np.ndarray] = []
+
+    def take(self) -> np.ndarray:
+        if self._free:
+            return self._free.pop()
+        try:
+            m = mmap.mmap(-1, self.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _POPULATE)
+        except (OSError, ValueError):
+            return np.empty(self.nbytes, dtype=np.uint8)
+        return np.frombuffer(m, dtype=np.uint8)
+
+    def give(self, *raws: np.ndarray | None) -> None:
+        self._free.extend(r for r in raws if r is not None)
+
+
+class _Reader:
+    """One tensor's bits, chunk by chunk: a checkpoint file read into a buffer (a private copy), any
+    other source sliced in place (its bits are already in memory)."""
+
+    def __init__(self, src: Source, name: str, buffers: _Buffers):
+        self.name, self.buffers = name, buffers
+        self.file = src if isinstance(src, SafetensorsCheckpoint) else None
+        self.storage = np.dtype(DTYPES[src.infos[name].dtype].storage)
+        self.bits = None if self.file is not None else src.bits(name)
+
+    def read(self, start: int, stop: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """The bits ``[start, stop)`` and the buffer holding them (None: a view of the source)."""
+        if self.file is None:
+            return self.bits[start:stop], None
+        raw = self.buffers.take()
+        out = raw[: (stop - start) * self.storage.itemsize].view(self.storage)
+        try:
+            return self.file.read_into(self.name, start, out), raw
+        except BaseException:
+            self.buffers.give(raw)
+            raise
+
+
+class _Uploads:
+    """Chunks handed to the writer, oldest first, with the buffers each holds until it is stored:
+    at most ``window`` at a time (``submit`` waits for the oldest, then reuses its buffers)."""
+
+    def __init__(self, writer: StepWriter, buffers: _Buffers, window: int):
+        self.writer, self.buffers, self.window = writer, buffers, max(1, window)
+        self._inflight: deque[tuple[Future, tuple]] = deque()
+
+    def submit(self, holds: tuple, *args) -> Future:
+        while len(self._inflight) >= self.window:
+            fut, raws = self._inflight.popleft()
+            wait([fut])  # its error, if any, is raised where its result is read
+            self.buffers.give(*raws)
+        fut = self.writer.write_chunk(*args)
+        self._inflight.append((fut, holds))
+        return fut
+
+
+def _grids(plan: PublishPlan) -> dict[str, ChunkGrid]:
+    opts = plan.options
+    return {n: ChunkGrid(i.shape, choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, opts.chunk_bytes))
+            for n, i in plan.infos.items()}
+
+
+def _buffer_bytes(plan: PublishPlan, grids: dict[str, ChunkGrid]) -> int:
+    return max((g.chunk_numel * DTYPES[plan.infos[n].dtype].itemsize for n, g in grids.items()), default=1)
+
+
 def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef | None) -> dict[str, TensorEntry]:
     """Encode every tensor and upload its stored chunks; return the manifest entries.
 
-    ``baseline``: a file (checked tensor by tensor against the base step's digests as it is read:
-    a file can change after it was verified) or a held in-memory snapshot (not re-checked, see
+    ``baseline``: a file (each tensor's bits checked against the base step's digest as they are
+    used: ``BaselineMismatchError``) or a held in-memory snapshot (not re-checked, see
     ``flows.publish.baseline``)."""
     opts = plan.options
     stack = contextlib.ExitStack()
@@ -60,43 +167,40 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     used: set[str] = set()
     root = open_root(plan.root)
     announcer = stack.enter_context(StreamAnnouncer(root, plan.step, plan.attempt, plan.codec)) if opts.stream else None
+    grids = _grids(plan)
+    buffers = _Buffers(_buffer_bytes(plan, grids))
     with stack, StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
+        uploads = _Uploads(w, buffers, _window(plan, root))
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
         for name in sorted(plan.infos):
-            info = plan.infos[name]
-            new = src.bits(name)
-            grid = ChunkGrid(info.shape, choose_chunk_shape(info.shape, DTYPES[info.dtype].itemsize, opts.chunk_bytes))
-            base = None
+            info, grid = plan.infos[name], grids[name]
+            array = _unique(layout.array_segment(name), used)
+            announce = None if announcer is None else functools.partial(announcer.stored, name, info.dtype, grid)
             if plan.kind == KEYFRAME:
                 encoding = Encoding.FULL
+            elif opts.overwrite_above >= 1.0:
+                encoding = Encoding.XOR  # the default: no extra pass to count changes first
             else:
-                base = base_src.bits(name)
-                if from_file and not base_entries[name].matches(base):
-                    raise IntegrityError(f"{baseline}: tensor {name!r} changed since it was verified")
-                if opts.overwrite_above >= 1.0:
-                    encoding = Encoding.XOR  # the default: no extra pass to count changes first
-                else:
-                    encoding = choose_encoding(count_changed(new, base), new.size, opts.overwrite_above)
-            array = _unique(layout.array_segment(name), used)
-            changed = 0
-            chunk_futs = []
-            announce = None if announcer is None else functools.partial(announcer.stored, name, info.dtype, grid)
-            for c in encode_chunks(new, base, grid, encoding):
-                changed += c.changed
-                held = None  # the old bits of the chunk, for codecs that code masks against them
-                if encoding is Encoding.XOR and plan.codec.conditional:
-                    held = base[slice(*grid.chunk_range(c.index))]
-                chunk_futs.append(w.write_chunk(array, grid, c.index, c.payload, announce, held, info.dtype))
+                encoding = None  # chosen from a count of the changes: the whole tensor first
+            base_entry = base_entries.get(name)
+            if encoding is None:
+                encoding, digest, changed, chunk_futs = _encode_whole(
+                    plan, uploads, src, base_src, baseline if from_file else None, base_entry, name, grid, array,
+                    announce)
+            else:
+                check = baseline if from_file and encoding is Encoding.XOR else None
+                digest, changed, chunk_futs = _encode_streamed(
+                    plan, uploads, src, base_src, check, base_entry, name, grid, array, announce, encoding)
             if encoding is Encoding.XOR and not changed:
                 encoding = Encoding.UNCHANGED
             attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": encoding.value, "step": plan.step}}
             meta = {
-                "name": name, "dtype": info.dtype, "shape": info.shape, "digest": tensor_digest(new),
+                "name": name, "dtype": info.dtype, "shape": info.shape, "digest": digest,
                 "encoding": encoding, "array": array, "chunk_shape": grid.chunk_shape,
-                "base_digest": None if base is None else base_entries[name].digest, "changed": changed,
+                "base_digest": None if plan.kind == KEYFRAME else base_entry.digest, "changed": changed,
             }
             pending.append((meta, w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs), chunk_futs))
-            events.reached("tensor.done", name=name, nbytes=new.nbytes)
+            events.reached("tensor.done", name=name, nbytes=info.nbytes)
         entries = {}
         for meta, array_fut, chunk_futs in pending:
             table = _chunk_table(chunk_futs)
@@ -108,30 +212,116 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     return entries
 
 
+def _mismatch(baseline: str, name: str, plan: PublishPlan) -> BaselineMismatchError:
+    return BaselineMismatchError(f"{baseline}: tensor {name!r} is not the bits of step {plan.base_step} "
+                                 "(the baseline file changed or is damaged)")
+
+
+def _encode_streamed(
+    plan: PublishPlan, uploads: _Uploads, src: Source, base_src: Source | None, check: str | None,
+    base_entry: TensorEntry | None, name: str, grid: ChunkGrid, array: str, announce, encoding: Encoding,
+) -> tuple[str, int, list[Future]]:
+    """One tensor, chunk by chunk (``full`` or ``xor``): its digest, changed elements and uploads.
+    ``check``: the baseline file, whose bits are hashed as they are used and must be the base's."""
+    dtype = plan.infos[name].dtype
+    buffers = uploads.buffers
+    conditional = encoding is Encoding.XOR and plan.codec.conditional
+    new_r = _Reader(src, name, buffers)
+    base_r = None if encoding is Encoding.FULL else _Reader(base_src, name, buffers)
+    base_hash = None
+    if check is not None:
+        if base_entry.pieces is not None:  # a base published from shards: a piecewise digest, checked whole
+            if not base_entry.matches(base_src.bits(name)):
+                raise _mismatch(check, name, plan)
+        else:
+            base_hash = TensorHasher()
+    new_hash = TensorHasher()
+    changed = 0
+    futs: list[Future] = []
+    for i in range(grid.n_chunks):
+        start, stop = grid.chunk_range(i)
+        n, n_raw = new_r.read(start, stop)
+        new_hash.update(n)
+        if base_r is None:  # full values (a keyframe): all-zero chunks are not stored
+            nz = int(np.count_nonzero(n))
+            if nz:
+                changed += nz
+                futs.append(uploads.submit((n_raw,), array, grid, i, n, announce, None, dtype))
+            else:
+                buffers.give(n_raw)
+            continue
+        b, b_raw = base_r.read(start, stop)
+        if base_hash is not None:
+            base_hash.update(b)
+        m_raw = buffers.take()
+        mask = np.bitwise_xor(n, b, out=m_raw[: n.nbytes].view(n.dtype))
+        buffers.give(n_raw)
+        c = int(np.count_nonzero(mask))
+        if not c:  # unchanged chunks are not stored
+            buffers.give(m_raw, b_raw)
+            continue
+        changed += c
+        if conditional:  # the codec codes the mask against the old bits: they travel with it
+            futs.append(uploads.submit((m_raw, b_raw), array, grid, i, mask, announce, b, dtype))
+        else:
+            buffers.give(b_raw)
+            futs.append(uploads.submit((m_raw,), array, grid, i, mask, announce, None, dtype))
+    if base_hash is not None and base_hash.hexdigest() != base_entry.digest:
+        raise _mismatch(check, name, plan)
+    return new_hash.hexdigest(), changed, futs
+
+
+def _encode_whole(
+    plan: PublishPlan, uploads: _Uploads, src: Source, base_src: Source, check: str | None,
+    base_entry: TensorEntry, name: str, grid: ChunkGrid, array: str, announce,
+) -> tuple[Encoding, str, int, list[Future]]:
+    """One tensor whose encoding depends on how much of it changed (``overwrite_above`` below 1):
+    read whole, counted, then encoded (the form without reused buffers; not the default)."""
+    new = src.bits(name)
+    base = base_src.bits(name)
+    if check is not None and not base_entry.matches(base):
+        raise _mismatch(check, name, plan)
+    encoding = choose_encoding(count_changed(new, base), new.size, plan.options.overwrite_above)
+    dtype = plan.infos[name].dtype
+    changed = 0
+    futs = []
+    for c in encode_chunks(new, base, grid, encoding):
+        changed += c.changed
+        held = None  # the old bits of the chunk, for codecs that code masks against them
+        if encoding is Encoding.XOR and plan.codec.conditional:
+            held = base[slice(*grid.chunk_range(c.index))]
+        futs.append(uploads.submit((), array, grid, c.index, c.payload, announce, held, dtype))
+    return encoding, tensor_digest(new), changed, futs
+
+
 def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, TensorEntry]) -> dict[str, TensorEntry]:
     """Store a full copy of the step beside its delta, in the same attempt (keyframe policy): new
     and far-behind receivers start from it, up-to-date receivers keep pulling only the delta.
 
     Arrays are named ``<tensor array>.full`` (kept distinct from every delta array); chunks use the
-    delta codec, whose dense form stores values as byte planes. One tensor at a time."""
+    delta codec, whose dense form stores values as byte planes. Read chunk by chunk like the delta
+    (reused buffers); each tensor must hash to the digest its delta entry recorded."""
     used = {e.array for e in entries.values()}
     out: dict[str, TensorEntry] = {}
     opts = plan.options
-    with opened(source) as src, StepWriter(open_root(plan.root), plan.step, plan.attempt, opts.delta_codec,
+    grids = _grids(plan)
+    root = open_root(plan.root)
+    buffers = _Buffers(_buffer_bytes(plan, grids))
+    with opened(source) as src, StepWriter(root, plan.step, plan.attempt, opts.delta_codec,
                                            workers=opts.io_workers) as w:
+        uploads = _Uploads(w, buffers, _window(plan, root))
         pending = []
         for name in sorted(plan.infos):
             info, e = plan.infos[name], entries[name]
-            new = src.bits(name)
-            if not e.matches(new):
-                raise IntegrityError(f"{plan.source_name or 'source'}: tensor {name!r} changed while publishing")
             array = _unique(e.array + layout.SNAPSHOT_SUFFIX, used)
             grid = ChunkGrid(info.shape, e.chunk_shape)
             attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": Encoding.FULL.value,
                              "step": plan.step, "snapshot": True}}
             array_fut = w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs)
-            futs = [w.write_chunk(array, grid, c.index, c.payload, dtype=info.dtype)
-                    for c in encode_chunks(new, None, grid, Encoding.FULL)]
+            digest, _, futs = _encode_streamed(plan, uploads, src, None, None, None, name, grid, array, None,
+                                               Encoding.FULL)
+            if digest != e.digest:
+                raise IntegrityError(f"{plan.source_name or 'source'}: tensor {name!r} changed while publishing")
             pending.append((e, array, array_fut, futs))
         for e, array, array_fut, futs in pending:
             table = _chunk_table(futs)
@@ -140,5 +330,3 @@ def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, Tens
                 e, encoding=Encoding.FULL, array=array, chunks=table, base_digest=None, changed=0, parts=None
             )
     return out
-
-

@@ -41,23 +41,11 @@ from dcr_core.bits import tensor_from_bits
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import InvalidCheckpointError, UsageError
 from dcr_core.shard_spec import Piece, fused_qkv, gated_fc1, replicate, split
+from flows.publish.kinds import LAYOUT_FORMAT, is_layout_file  # noqa: F401 - is_layout_file: its old home
 from flows.publish.shards import Shard, ShardedSource, ShardSnapshot
 from storage.local.safetensors import SafetensorsCheckpoint
 
-LAYOUT_FORMAT = "dcr-shard-layout"
 MAX_LAYOUT_BYTES = 256 << 20
-
-
-def is_layout_file(path) -> bool:
-    path = os.fspath(path)
-    if not (path.endswith(".json") and os.path.isfile(path)):
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(4096)
-    except OSError:
-        return False
-    return LAYOUT_FORMAT.encode() in head
 
 
 def pieces_of(placement: dict, what: str) -> list[Piece]:

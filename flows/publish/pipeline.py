@@ -1,26 +1,29 @@
 """The publisher's pipelines: the order of its steps, written once, run in-process or as Prefect tasks.
 
 - a canonical source (a checkpoint path, or name -> tensor in memory): snapshot, plan, baseline,
-  encode and upload, [full snapshot for a restart point], manifest, commit, remember the baseline;
-- one rank of a sharded publish (every rank runs it; rank 0 commits): snapshot the shards, plan,
-  the rank's part (baseline, encode and partial manifest, stage its next baseline), then merge and
-  commit (rank 0) or wait for the commit (the others), keep the staged baseline;
-- every rank from one process (a DCP directory, a layout file): each rank's part in turn (memory:
-  one rank's shards), then merge and commit.
+  encode and upload, [full snapshot for a restart point], manifest, commit, remember the baseline
+  (here; torch-free for a checkpoint path);
+- one rank of a sharded publish, or every rank from one process (a DCP directory, a layout file):
+  ``flows.publish.rank_pipeline`` (training shards: torch), found by name and imported only for
+  sharded sources.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
+import logging
 import os
+import sys
+import uuid
 from collections.abc import Mapping, Sequence
 
-from dcr_core.errors import StepConflictError, UsageError
+from dcr_core.errors import UsageError
 from flows import refs
 from flows.options import PublishOptions
-from flows.publish import ranks, shard_baseline
 from flows.publish.baseline import BaselineSlot
-from flows.publish.plan import PublishPlan
-from flows.publish.shards import ShardedSource
+from flows.publish.encode import BaselineMismatchError
+from flows.publish.plan import DEFAULT_TIMEOUT
 from flows.publish.sources import as_source_ref
 from flows.publish.steps import PUBLISH
 from flows.refs import LocalRef
@@ -29,11 +32,30 @@ from flows.steps import Bound, InProcess, Runner
 from storage.commit import discard_attempt
 from storage.root import RootRef, open_root
 
+log = logging.getLogger("dcr.publish")
+
+SHARDS = "flows.publish.shards"  # ShardedSource (torch)
+RANK_PIPELINE = "flows.publish.rank_pipeline"  # publish_rank(...), publish_ranks(...)
+
+
+def sharded(source) -> tuple[bool, bool]:
+    """Whether ``source`` is one rank's ``ShardedSource``, and whether it is a list of every rank's.
+
+    A ``ShardedSource`` exists only in a process that imported its module (it holds torch tensors),
+    so a process that never did cannot be holding one and is not made to import torch to find out."""
+    shards = sys.modules.get(SHARDS)
+    if shards is None:
+        return False, False
+    cls = shards.ShardedSource
+    all_ranks = isinstance(source, Sequence) and not isinstance(source, (str, bytes)) and bool(source) \
+        and all(isinstance(s, cls) for s in source)
+    return isinstance(source, cls), all_ranks
+
 
 def run_publish(
     root: str | os.PathLike, source, step: int, keyframe: bool = False, storage_options: dict | None = None,
     options: PublishOptions | None = None, runner: Runner | None = None, attempt: str | None = None,
-    held: BaselineSlot | None = None, timeout: float = ranks.DEFAULT_TIMEOUT,
+    held: BaselineSlot | None = None, timeout: float = DEFAULT_TIMEOUT,
 ) -> PublishResult:
     """Publish ``source`` as ``step``: a checkpoint path, a name -> tensor mapping, a
     ``ShardedSource`` (this rank's training shards; every rank calls this, rank 0 commits) or a list
@@ -49,19 +71,20 @@ def run_publish(
         raise UsageError(f"options must be a PublishOptions, got {type(options).__name__}")
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
     options = options or PublishOptions()
-    tasks = PUBLISH.bind(runner or InProcess())
-    all_ranks = isinstance(source, Sequence) and not isinstance(source, (str, bytes)) and bool(source) \
-        and all(isinstance(s, ShardedSource) for s in source)
-    if held is not None and (all_ranks or isinstance(source, ShardedSource)):
+    one_rank, all_ranks = sharded(source)
+    if held is not None and (all_ranks or one_rank):
         raise UsageError("held= (an in-memory baseline) is not supported for sharded sources; publish them without it")
-    if isinstance(source, ShardedSource):
-        return _publish_rank(tasks, ref, source, step, keyframe, options, attempt, timeout)
+    if one_rank:
+        return importlib.import_module(RANK_PIPELINE).publish_rank(
+            runner or InProcess(), ref, source, step, keyframe, options, attempt, timeout)
     if all_ranks:
-        return _publish_ranks(tasks, ref, list(source), step, keyframe, options)
+        return importlib.import_module(RANK_PIPELINE).publish_ranks(
+            runner or InProcess(), ref, list(source), step, keyframe, options)
+    tasks = PUBLISH.bind(runner or InProcess())
     return _publish(tasks, ref, source, step, keyframe, options, held)
 
 
-def _result(marker, summary: dict, tasks: Bound) -> PublishResult:
+def result_of(marker, summary: dict, tasks: Bound) -> PublishResult:
     return PublishResult(marker.step, marker.kind, marker.base_step, marker.attempt, marker.policy_digest,
                          summary, dict(tasks.timings))
 
@@ -78,7 +101,20 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
         handles.append(held_ref)
         baseline = tasks.load_baseline(plan, held_ref)
         handles.append(baseline)
-        entries = tasks.encode_and_write(plan, snap, baseline)
+        try:
+            entries = tasks.encode_and_write(plan, snap, baseline)
+        except BaselineMismatchError as e:
+            if not options.use_cache:  # a private baseline rebuilt from ROOT just now: a real fault
+                raise
+            # The cache file failed the check made as it was used (flows.publish.baseline, "Trust"):
+            # drop what this attempt wrote and encode once more, in a fresh attempt, from a baseline
+            # hashed in full now (or rebuilt from ROOT). Nothing was committed.
+            log.warning("%s; publishing step %d again from a checked baseline", e, step)
+            discard_attempt(open_root(ref), step, plan.attempt)
+            plan = dataclasses.replace(plan, attempt=uuid.uuid4().hex)
+            baseline = tasks.load_baseline(plan, None, True)
+            handles.append(baseline)
+            entries = tasks.encode_and_write(plan, snap, baseline)
         full = tasks.write_snapshot(plan, snap, entries) if plan.snapshot else None
         manifest = tasks.write_manifest(plan, entries, full)
         marker = tasks.commit_step(plan, manifest)
@@ -92,71 +128,4 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
         for h in handles:
             if isinstance(h, LocalRef):
                 refs.release(h)
-    return _result(marker, {**manifest.summary, **marker.summary}, tasks)
-
-
-def _rank_part(tasks: Bound, plan: PublishPlan, snap: LocalRef) -> str | None:
-    """One rank's share: its baseline, encode and upload with its partial manifest, and its next
-    baseline staged (kept only once the step is committed)."""
-    baseline = tasks.load_shard_baseline(plan, snap)
-    try:
-        tasks.encode_rank(plan, snap, baseline)
-    finally:
-        refs.release(baseline)
-    return tasks.stage_shard_baseline(plan, snap)
-
-
-def _publish_rank(tasks: Bound, ref: RootRef, source: ShardedSource, step: int, keyframe: bool,
-                  options: PublishOptions, attempt: str | None, timeout: float) -> PublishResult:
-    attempt = ranks.agree_on_attempt(attempt, source.world)  # a collective: every rank, first
-    plan, staged = None, None
-    with refs.holding(source, "shards") as src:
-        snap = tasks.snapshot_shards(src)
-        try:
-            plan = tasks.plan_rank(ref, snap, step, keyframe, options, attempt)
-            staged = _rank_part(tasks, plan, snap)
-            if plan.rank == 0:
-                manifest, marker = tasks.commit_ranks(plan, timeout)
-                summary = manifest.summary
-            else:
-                marker = tasks.await_commit(plan, timeout)
-                summary = dict(marker.summary)
-        except BaseException as e:
-            # Tell the other ranks at once (they would otherwise wait for their timeout).
-            ranks.fail_attempt(ref, step, attempt, source.rank, f"{type(e).__name__}: {e}")
-            shard_baseline.drop_shard_baseline(staged)
-            raise
-        finally:
-            refs.release(snap)
-    tasks.keep_shard_baseline(plan, staged)
-    return _result(marker, summary, tasks)
-
-
-def _publish_ranks(tasks: Bound, ref: RootRef, sources: list[ShardedSource], step: int, keyframe: bool,
-                   options: PublishOptions) -> PublishResult:
-    worlds = {s.world for s in sources}
-    order = sorted(s.rank for s in sources)
-    if len(worlds) != 1 or order != list(range(next(iter(worlds)))):
-        raise UsageError(f"sources must be ranks 0..world-1 of one world, got ranks {order} of worlds {sorted(worlds)}")
-    attempt = ranks.agree_on_attempt(None, 1)
-    plans: list[PublishPlan] = []
-    staged: list[str | None] = []
-    try:
-        for source in sorted(sources, key=lambda s: s.rank):  # memory: one rank's shards at a time
-            with refs.holding(source, "shards") as src:
-                snap = tasks.snapshot_shards(src)
-                try:
-                    plans.append(tasks.plan_rank(ref, snap, step, keyframe, options, attempt))
-                    staged.append(_rank_part(tasks, plans[-1], snap))
-                finally:
-                    refs.release(snap)
-        manifest, marker = tasks.commit_ranks(plans[0], 0.0)
-    except BaseException as e:
-        for s in staged:
-            shard_baseline.drop_shard_baseline(s)
-        if plans and not isinstance(e, StepConflictError):
-            discard_attempt(open_root(ref), step, attempt)
-        raise
-    for plan, s in zip(plans, staged):
-        tasks.keep_shard_baseline(plan, s)
-    return _result(marker, manifest.summary, tasks)
+    return result_of(marker, {**manifest.summary, **marker.summary}, tasks)

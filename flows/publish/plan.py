@@ -24,6 +24,8 @@ from storage.manifest import MAX_TENSORS, Manifest, TensorEntry, refusal
 from storage.reader import StepRef
 from storage.root import Root, RootRef, open_root
 
+DEFAULT_TIMEOUT = 600.0  # seconds the ranks of a sharded publish wait for each other (and for the commit)
+
 
 @dataclass(frozen=True)
 class PublishPlan:

@@ -39,7 +39,7 @@ from flows import refs
 from flows.options import PublishOptions
 from flows.poll import poll
 from flows.publish.commit import WrittenManifest, commit_step, write_manifest
-from flows.publish.plan import PublishPlan, plan_publish
+from flows.publish.plan import DEFAULT_TIMEOUT, PublishPlan, plan_publish
 from flows.publish.shard_baseline import piece_records
 from flows.publish.shards import ShardSnapshot
 from flows.refs import LocalRef
@@ -55,7 +55,6 @@ log = logging.getLogger("dcr.publish")
 
 PARTIAL_FORMAT = "dcr-rank-partial"
 MAX_PARTIAL_BYTES = 256 << 20
-DEFAULT_TIMEOUT = 600.0
 
 
 def agree_on_attempt(attempt: str | None, world: int) -> str:

@@ -4,24 +4,24 @@
   serializable reference, so any process can read it);
 - a mapping of canonical names to tensors (an in-process trainer's canonical view): the
   ``snapshot`` step copies its bits (training can go on while encoding runs) and steps refer to
-  the copy by ``LocalRef``;
+  the copy by ``LocalRef`` (``flows.publish.memory_source``: torch, imported by name only for a
+  mapping, whose tensors mean torch is loaded anyway);
 - any object with ``infos`` and ``bits(name)`` (the ``Source`` protocol), read as it is.
 Sharded sources (training shards) are in ``flows.publish.shards``.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Protocol
 
 import numpy as np
-import torch
 
-from dcr_core.bits import bits_of, infos_of
 from dcr_core.dtypes import TensorInfo
-from dcr_core.errors import InvalidCheckpointError, UsageError
+from dcr_core.errors import InvalidCheckpointError
 from flows import refs
 from flows.refs import LocalRef
 from storage.local.safetensors import SafetensorsCheckpoint
@@ -36,19 +36,14 @@ class Source(Protocol):
     def bits(self, name: str) -> np.ndarray: ...
 
 
-class MemorySource:
-    """A snapshot (bit copy) of in-memory canonical tensors."""
+MEMORY_SOURCE = "flows.publish.memory_source"  # MemorySource (torch)
 
-    def __init__(self, tensors: Mapping[str, torch.Tensor]):
-        for name, t in tensors.items():
-            if not isinstance(name, str) or not isinstance(t, torch.Tensor):
-                raise UsageError(f"source entry {name!r} is not a (str, torch.Tensor) pair")
-        self._tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in tensors.items()}
-        self.infos = infos_of(self._tensors)
-        self.path = "<memory>"
 
-    def bits(self, name: str) -> np.ndarray:
-        return bits_of(self._tensors[name])
+def __getattr__(name: str):
+    """``sources.MemorySource``, imported on first use (torch)."""
+    if name == "MemorySource":
+        return importlib.import_module(MEMORY_SOURCE).MemorySource
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def snapshot(source: SourceRef) -> SourceRef:
@@ -57,7 +52,9 @@ def snapshot(source: SourceRef) -> SourceRef:
     a ``Source`` object is read as it is (its owner keeps it stable)."""
     if isinstance(source, LocalRef):
         obj = refs.get(source)
-        return refs.put(MemorySource(obj), "snapshot") if isinstance(obj, Mapping) else source
+        if isinstance(obj, Mapping):
+            return refs.put(importlib.import_module(MEMORY_SOURCE).MemorySource(obj), "snapshot")
+        return source
     SafetensorsCheckpoint(source).close()
     return source
 

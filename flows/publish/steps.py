@@ -1,8 +1,11 @@
-"""The publisher's steps, in the order the pipelines run them (``flows.publish.pipeline``)."""
+"""The publisher's steps for a canonical source, in the order ``flows.publish.pipeline`` runs them.
+
+Torch-free: a checkpoint path is read as raw bits. A rank of a sharded publish (training shards,
+torch) runs the table of ``flows.publish.rank_steps``."""
 
 from __future__ import annotations
 
-from flows.publish import baseline, commit, encode, ranks, shard_baseline, shards, sources
+from flows.publish import baseline, commit, encode, sources
 from flows.publish.plan import plan_from_source
 from flows.steps import Step, StepTable
 
@@ -16,13 +19,4 @@ PUBLISH = StepTable(
     Step("write-manifest", commit.write_manifest),
     Step("commit", commit.commit_step),
     Step("remember-baseline", baseline.remember_baseline),
-    # a rank of a sharded publish (training shards)
-    Step("snapshot-shards", shards.snapshot_shards),
-    Step("plan-rank", ranks.plan_rank),
-    Step("load-shard-baseline", shard_baseline.load_shard_baseline),
-    Step("encode-rank-shards", ranks.encode_rank),
-    Step("stage-shard-baseline", shard_baseline.stage_shard_baseline),
-    Step("merge-and-commit", ranks.commit_ranks),
-    Step("await-commit", ranks.await_commit),
-    Step("keep-shard-baseline", shard_baseline.keep_shard_baseline),
 )

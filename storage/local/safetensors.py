@@ -24,6 +24,7 @@ from storage.backends import fsync_dir
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20
+COPY_BUFFER_BYTES = 4 << 20  # StreamingSafetensorsWriter.copy_from without copy_file_range
 
 
 @dataclass(frozen=True)
@@ -185,6 +186,39 @@ class SafetensorsCheckpoint:
             raise InvalidCheckpointError(f"{f}: tensor {name!r} is truncated")
         return buf.view(dt.storage)
 
+    def read_into(self, name: str, start: int, out: np.ndarray) -> np.ndarray:
+        """Elements ``[start, start + out.size)`` of one tensor's raw bits, read into ``out`` (flat,
+        contiguous, the tensor's unsigned storage dtype) and returned: for readers that reuse
+        chunk-sized buffers (no fresh memory per tensor, and a private copy of what was read)."""
+        f = self._where[name]
+        info = self.infos[name]
+        dt = DTYPES[info.dtype]
+        if out.dtype != dt.storage or out.ndim != 1 or not out.flags.c_contiguous:
+            raise ValueError(f"tensor {name!r}: read_into needs a flat contiguous {dt.storage} buffer")
+        nbytes = out.size * dt.itemsize
+        first = start * dt.itemsize
+        if start < 0 or first + nbytes > info.nbytes:
+            raise ValueError(f"tensor {name!r}: elements [{start}, {start + out.size}) out of range")
+        view = memoryview(out.view(np.uint8))
+        fd = self._fh[f].fileno()
+        got = 0
+        try:
+            while got < nbytes:
+                n = os.preadv(fd, [view[got:]], self._offset[name] + first + got)
+                if not n:
+                    break
+                got += n
+        except OSError as e:
+            raise InvalidCheckpointError(f"{f}: cannot read tensor {name!r} ({e.strerror or e})") from None
+        if got != nbytes:
+            raise InvalidCheckpointError(f"{f}: tensor {name!r} is truncated")
+        return out
+
+    def file_of(self, name: str) -> tuple[int, int]:
+        """``(fd, byte offset)`` of one tensor's data in the open file that holds it (the file this
+        reader validated, even if its path was replaced since): for copies made by the kernel."""
+        return self._fh[self._where[name]].fileno(), self._offset[name]
+
     def data_offset(self, name: str) -> int:
         """Byte offset of one tensor's data in its file."""
         return self._offset[name]
@@ -266,6 +300,35 @@ class StreamingSafetensorsWriter:
         if view.nbytes != self._sizes[name]:
             raise ValueError(f"tensor {name!r}: {view.nbytes} bytes, header says {self._sizes[name]}")
         self._f.write(view)
+        self._next += 1
+
+    def copy_from(self, name: str, fd: int, offset: int) -> None:
+        """Append tensor ``name`` from ``fd`` (its bytes at ``offset``), copied by the kernel
+        (``copy_file_range``; a bounded buffer where that is unavailable): no user memory holds it."""
+        if self._next >= len(self._order) or self._order[self._next] != name:
+            raise ValueError(f"tensor {name!r} written out of order")
+        size = self._sizes[name]
+        self._f.flush()
+        out = self._f.fileno()
+        at = self._f.tell()
+        done = 0
+        try:
+            while done < size:
+                n = os.copy_file_range(fd, out, size - done, offset + done, at + done)
+                if not n:
+                    break
+                done += n
+        except (AttributeError, OSError):  # no copy_file_range here (or not between these files)
+            pass
+        while done < size:
+            data = os.pread(fd, min(size - done, COPY_BUFFER_BYTES), offset + done)
+            if not data:
+                break
+            os.pwrite(out, data, at + done)
+            done += len(data)
+        if done != size:
+            raise ValueError(f"tensor {name!r}: source ended after {done} of {size} bytes")
+        self._f.seek(at + size)
         self._next += 1
 
     def finish(self) -> str:
