@@ -6,7 +6,7 @@
   ``dcr-zarr-codec`` package, ``codec/``).
 - ``dcr-cond`` (``dcr_zarr_codec.cond``): the changes coded against the bits the receiver
   already holds (positions per exponent class of the held value, values as signed ulp steps):
-  0.64-0.70x the bytes of ``dcr-sparse`` on real AdamW steps, below the XOR entropy bound. Its
+  0.63-0.71x the bytes of ``dcr-sparse`` on real AdamW steps, below the XOR entropy bound. Its
   chunks decode only against the held bits, so ``decode`` returns a ``HeldCoded`` payload
   (``dcr_core.delta``) that the apply resolves; stock zarr cannot read these arrays as masks (the
   registered ``dcr.cond`` codec says so): use ``dcr materialize``, or keep ``dcr-sparse``/``blosc``

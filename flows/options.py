@@ -25,7 +25,7 @@ SPARSE_DELTAS = CodecSpec(name="dcr-sparse", clevel=1)
 # beats bit shuffle on XOR masks, and 1 MiB blocks give zstd more context than Blosc's default.
 BLOSC_DELTAS = CodecSpec(name="blosc", clevel=1, shuffle="shuffle", blocksize=1 << 20)
 # Coded against the receiver's old bits (positions per exponent class, signed ulp steps): below the
-# XOR entropy bound (0.76x of it on the bench's AdamW steps); decodes only with the held bits, so
+# XOR entropy bound (0.71-0.77x of it on the bench's AdamW steps); decodes only with the held bits, so
 # stock zarr cannot read its arrays as masks, and training ranks (which hold shards) cannot publish it.
 COND_DELTAS = CodecSpec(name="dcr-cond", clevel=3)
 KEYFRAMES = CodecSpec(clevel=3, shuffle="shuffle")
