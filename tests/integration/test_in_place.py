@@ -49,21 +49,28 @@ def _receive(root, state, step, in_place=True, **kw):
     return run_receive(root, "rx", str(state), step, options=IN_PLACE if in_place else None, **kw)
 
 
-def test_in_place_refits_equal_the_rewrite_and_the_checkpoints_on_every_path(published, tmp_path):
-    root, steps = published
+def _walk(root, steps, targets, tmp_path):
+    """Receive ``targets`` in turn in place (state a) and by rewrite (state b); after each, a holds the
+    step's bits, equals b and is still the same file. Yields (target, a)."""
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     _receive(root, a, 0)
     _receive(root, b, 0, in_place=False)
     inode = os.stat(a).st_ino
-    # one step, several combined, backward (several, then one), back to the keyframe by deltas
-    for target in (1, 4, 2, 6, 0, 5, 4):
+    for target in targets:
         res = _receive(root, a, target)
         _receive(root, b, target, in_place=False)
         assert res.step == target
         assert_bits_equal(load_file(a), steps[target])
         assert_bits_equal(load_file(a), load_file(b))
-        assert peek_state_step(str(a)) == target
         assert os.stat(a).st_ino == inode, "patched in place, never replaced"
+        yield target, a
+
+
+def test_in_place_refits_equal_the_rewrite_and_the_checkpoints_on_every_path(published, tmp_path):
+    root, steps = published
+    # one step, several combined, backward (several, then one), back to the keyframe by deltas
+    for target, a in _walk(root, steps, (1, 4, 2, 6, 0, 5, 4), tmp_path):
+        assert peek_state_step(str(a)) == target
         assert not os.path.exists(state_journal.journal_path(str(a)))
 
 
@@ -276,14 +283,5 @@ def test_cond_coded_deltas_patch_in_place_forward_and_backward_exactly(tmp_path)
     opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"), delta_codec=DELTA_CODECS["cond"])
     for i, s in enumerate(steps):
         run_publish(root, s, i, keyframe=(i == 0), options=opts)
-    a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
-    _receive(root, a, 0)
-    _receive(root, b, 0, in_place=False)
-    inode = os.stat(a).st_ino
-    for target in (1, 2, 1, 4, 3, 0, 2):
-        res = _receive(root, a, target)
-        _receive(root, b, target, in_place=False)
-        assert res.step == target
-        assert_bits_equal(load_file(a), steps[target])
-        assert_bits_equal(load_file(a), load_file(b))
-        assert os.stat(a).st_ino == inode, "patched in place, never replaced"
+    walked = [t for t, _ in _walk(root, steps, (1, 2, 1, 4, 3, 0, 2), tmp_path)]
+    assert walked == [1, 2, 1, 4, 3, 0, 2]
