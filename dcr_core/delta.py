@@ -97,14 +97,13 @@ def encode_chunks(
     if encoding is not Encoding.FULL and (base is None or base.shape != new.shape):
         raise ValueError(f"{encoding.value} needs a base of the same size")
     for i in range(grid.n_chunks):
-        start, stop = grid.chunk_range(i)
-        n = new[start:stop]
+        n = grid.take(new, i)
         if encoding is Encoding.FULL:
             nz = int(np.count_nonzero(n))
             if nz:
                 yield ChunkPayload(i, n, nz)
             continue
-        mask = np.bitwise_xor(n, base[start:stop])
+        mask = np.bitwise_xor(n, grid.take(base, i))
         changed = int(np.count_nonzero(mask))
         if not changed:
             continue
@@ -117,6 +116,11 @@ def apply_chunk(
 ) -> None:
     """Apply one chunk in place to ``target`` (flat raw bits, writable). ``forward`` is False when
     the move undoes its step (only ``HeldCoded`` payloads decode differently then)."""
+    if grid.is_blocked:  # a column block: applied to a gathered copy, scattered back
+        work = grid.take(target, index).copy()
+        apply_chunk(work, ChunkGrid((work.shape[0],), (max(1, work.shape[0]),)), 0, payload, encoding, forward)
+        grid.put(target, index, work)
+        return
     start, stop = grid.chunk_range(index)
     if isinstance(payload, HeldCoded) and encoding is Encoding.XOR and payload.size == stop - start:
         payload.apply(target[start:stop], forward)  # decoded straight into the target: no mask, no XOR pass

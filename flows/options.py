@@ -52,6 +52,12 @@ class _Options(BaseModel):
 
 class PublishOptions(_Options):
     chunk_bytes: int = Field(DEFAULT_CHUNK_BYTES, ge=1, le=1 << 30, description="raw bytes per chunk")
+    column_blocks: int = Field(
+        1, ge=1, le=1024, description="tile tensors larger than a chunk into this many column blocks of "
+        "their last dim (where it divides it) and at least as many row blocks, so that tensor-parallel "
+        "receiver ranks (TP dividing it) pull only their own slices of row- and column-parallel weights; "
+        "1: contiguous chunks (see dcr_core.chunking)",
+    )
     keyframe_codec: CodecSpec = Field(default_factory=lambda: KEYFRAMES, description="codec of keyframes")
     delta_codec: CodecSpec = Field(default_factory=lambda: SPARSE_DELTAS, description="codec of deltas")
     # Default 1.0: never. XOR masks are self-inverse (receivers can step back) and cost about the

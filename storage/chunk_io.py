@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -156,15 +156,15 @@ def decode_chunk(url: str, key: str, data: bytes, codec: CodecSpec, dtype: str, 
     digest). A ``dcr-cond`` chunk stays coded (``HeldCoded``): it decodes against the held bits."""
     if len(data) != nbytes:
         raise IntegrityError(f"{url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
-    start, stop = grid.chunk_range(index)
+    size = grid.chunk_size(index)
     try:
         if codec.conditional:
             check_conditional(data, DTYPES[dtype].storage, grid.chunk_numel, dtype)
-            return HeldCoded(bytes(data), codec, dtype, grid.chunk_numel, stop - start)
+            return HeldCoded(bytes(data), codec, dtype, grid.chunk_numel, size)
         padded = codec.decode(data, DTYPES[dtype].storage, grid.chunk_numel)
     except IntegrityError as e:
         raise IntegrityError(f"{url}/{key}: {e}") from None
-    return padded[: stop - start]
+    return padded[:size]
 
 
 def stored_digest(data: bytes) -> str:
@@ -181,7 +181,7 @@ def payload_digest(payload: np.ndarray | HeldCoded) -> str:
 def verified_as(codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int, digest: str, nbytes: int) -> tuple:
     """Everything a chunk's check depends on: stored bytes that decode under these to a payload with
     this digest are the chunk (the key of ``storage.prefetched``)."""
-    return (digest, nbytes, dtype, grid.chunk_numel, *grid.chunk_range(index), json.dumps(codec.to_dict(), sort_keys=True))
+    return (digest, nbytes, dtype, grid.chunk_numel, *grid.chunk_span(index), grid.chunk_size(index), json.dumps(codec.to_dict(), sort_keys=True))
 
 
 ChunkJob = tuple[Manifest, TensorEntry, int]  # a manifest, one of its entries, a stored position
@@ -214,14 +214,23 @@ def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = 8, window
                 f.cancel()
 
 
-def read_chunks(root: Root, manifest: Manifest, entries: dict[str, TensorEntry], workers: int = 8
-                ) -> dict[str, list[tuple[int, np.ndarray]]]:
-    """All stored chunks of ``entries`` (of ``manifest``), verified, in stored-position order per
-    tensor (main chunks in chunk order, then parts: apply position ``pos`` with
-    ``entry.encoding_at(pos)``). Memory: everything read (for callers that must hold it all)."""
+def stored_positions(entry: TensorEntry, wanted: Container[int] | None = None) -> list[int]:
+    """The stored positions of ``entry`` whose chunk index is in ``wanted`` (None: all)."""
+    if wanted is None:
+        return list(range(entry.n_stored))
+    return [p for p in range(entry.n_stored) if entry.stored_at(p)[1] in wanted]
+
+
+def read_chunks(root: Root, manifest: Manifest, entries: dict[str, TensorEntry], workers: int = 8,
+                positions: dict[str, list[int]] | None = None) -> dict[str, list[tuple[int, np.ndarray]]]:
+    """All stored chunks of ``entries`` (of ``manifest``; ``positions``: only these stored positions
+    per tensor), verified, in stored-position order per tensor (main chunks in chunk order, then
+    parts: apply position ``pos`` with ``entry.encoding_at(pos)``). Memory: everything read (for
+    callers that must hold it all)."""
     names = [n for n in entries if entries[n].n_stored]
     out: dict[str, list[tuple[int, np.ndarray]]] = {n: [] for n in names}
-    jobs = ((manifest, entries[n], p) for n in names for p in range(entries[n].n_stored))
+    jobs = ((manifest, entries[n], p) for n in names
+            for p in (range(entries[n].n_stored) if positions is None else positions.get(n, range(entries[n].n_stored))))
     for _, e, index, payload in stream_chunks(root, jobs, workers):
         out[e.name].append((index, payload))
     return out

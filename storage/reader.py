@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Container, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,7 +28,7 @@ from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UsageError
 from storage import layout
 from storage.catalog import Catalog
-from storage.chunk_io import read_chunks, stream_chunks
+from storage.chunk_io import read_chunks, stored_positions, stream_chunks
 from storage.manifest import Manifest, TensorEntry
 from storage.root import Root, RootRef, open_root
 
@@ -229,14 +229,17 @@ class Fetched:
     seconds: float
 
 
-def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers: int = 8) -> Fetched:
+def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers: int = 8,
+                   wanted: Callable[[TensorEntry], Container[int] | None] | None = None) -> Fetched:
     """Every payload of every move, verified, in memory: for receivers that must have everything
-    before they touch their target (live modules)."""
+    before they touch their target (live modules). ``wanted(entry)``: the chunk indices of a
+    tensor the receiver reads (None: all); the others are not fetched (their payloads: zeros)."""
     t0 = time.perf_counter()
     chunks, pulled = {}, 0
     for move in plan.moves:
         m = ms[move.step]
         entries = move_entries(m, move)
-        chunks[move.step] = read_chunks(root, m, entries, workers=workers)
-        pulled += sum(entries[n].stored_bytes for n in chunks[move.step])
+        positions = {n: stored_positions(e, None if wanted is None else wanted(e)) for n, e in entries.items()}
+        chunks[move.step] = read_chunks(root, m, entries, workers=workers, positions=positions)
+        pulled += sum(entries[n].stored_at(p)[3] for n in chunks[move.step] for p in positions[n])
     return Fetched(chunks, pulled, time.perf_counter() - t0)

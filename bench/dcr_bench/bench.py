@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dcr_bench import commands, tp_pulls
 from dcr_bench import data as bench_data
 from dcr_bench.condbound import conditional_stats
 from dcr_bench.e2e import S3Service, e2e_local, e2e_s3, e2e_summary, startup_s
@@ -491,6 +492,10 @@ def markdown(results: dict) -> str:
         lines += _conditional_markdown(sc) + _threads_markdown(sc)
     if results["end_to_end"]:
         lines += _e2e_markdown(results)
+    if results.get("tp_pulls"):
+        lines += tp_pulls.markdown(results["tp_pulls"])
+    if results.get("commands"):
+        lines += commands.markdown(results["commands"])
     for s in results["skipped"]:
         lines.append(f"\nSkipped: {s}")
     if results.get("plots_skipped"):
@@ -596,6 +601,19 @@ def _e2e_markdown(results: dict) -> list[str]:
             f"{_f(d.get('receive_rewrite_s'))} | {c['total_s']:.2f} | "
             f"{_f(e['cli_quotient'])} | {'yes' if d['exact'] and c['exact'] else 'NO'} |"
         )
+    kinds = sorted({k for e in results["end_to_end"] for k in e["dcr"].get("request_kinds", {})})
+    if kinds:
+        lines += [
+            "\n### Requests of the in-process refit, by what they touch (publish and receive)\n",
+            "| link MB/s | source | tensors | change % | " + " | ".join(kinds) + " | total |",
+            "|---:|---|---:|---:|" + "---:|" * (len(kinds) + 1),
+        ]
+        for e in results["end_to_end"]:
+            rk, bw = e["dcr"].get("request_kinds"), e.get("bandwidth")
+            if rk:
+                lines.append(f"| {_f(bw / 1e6 if bw else None, 'g', 'none')} | {e['source']} | {_f(e.get('tensors'), 'd')} | "
+                             f"{100 * e['change_rate']:.2f} | " + " | ".join(str(rk.get(k, 0)) for k in kinds)
+                             + f" | {e['dcr']['requests']} |")
     pub_keys = [k for k in PUBLISH_STEPS if any(k in e["dcr"]["publish_timings"] for e in results["end_to_end"])]
     rec_keys = [k for k in RECEIVE_STEPS if any(k in e["dcr"]["receive_timings"] for e in results["end_to_end"])]
     lines += [
@@ -727,6 +745,16 @@ def run(a: argparse.Namespace, command: list[str]) -> dict:
                     _scenario(a, source, size, rate, old, new, extra, tmp, opts, s3, results)
                     del old, new
                     gc.collect()
+        t0 = time.perf_counter()
+        results["tp_pulls"] = tp_pulls.measure(tmp, a.quick, seed=a.seed)
+        say("per-rank pulls (share of the step per rank): " + "; ".join(
+            f"blocks {r['column_blocks']} TP{r['tp']} {max(r['share_ratio']):.2f}x" for r in results["tp_pulls"]["rows"])
+            + f" ({time.perf_counter() - t0:.1f}s)")
+        t0 = time.perf_counter()
+        results["commands"] = commands.measure(tmp, a.quick, seed=a.seed)
+        c = results["commands"]
+        say(f"commands: publish {c['publish_best_s']:.2f}s vs zstd -1 -T1 {_f(c['zstd_1_T1_s'])}s; start-up "
+            + ", ".join(f"{k} {v:.2f}s" for k, v in c["startup_s"].items()) + f" ({time.perf_counter() - t0:.1f}s)")
     results["wall_s"] = time.perf_counter() - t_start
     return results
 
@@ -792,7 +820,7 @@ def _e2e(a, backend, bw, source, n, rate, s, old, new, new_file, tmp, s3, result
     else:
         r = e2e_s3(s3, bw, old, new, new_file, tmp, startup)
     e = e2e_summary({"backend": backend, "source": source, "parameters": n, "rate_target": rate,
-                     "change_rate": s["change_rate"], **r})
+                     "change_rate": s["change_rate"], "tensors": len(new), **r})
     results["end_to_end"].append(e)
     d, c = e["dcr"], e["cli"]
     link = "" if bw is None else f" @ {bw / 1e6:g} MB/s"
@@ -820,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
                 if "exact" in s["methods"]["dcr_cond"] and not (s["methods"]["dcr_cond"]["exact"]
                                                                 and s["methods"]["dcr_cond"]["same_bytes"])]
     inexact += [e for e in results["end_to_end"] if not (e["dcr"]["exact"] and e["cli"]["exact"])]
+    inexact += [r for r in results.get("tp_pulls", {}).get("rows", []) if not r["exact"]]
     if inexact:
         print("dcr bench: some refits were not bit-exact (see results.json)", file=sys.stderr)
         return 1

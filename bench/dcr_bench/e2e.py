@@ -318,7 +318,10 @@ def e2e_s3(svc: S3Service, bandwidth: float, old, new, new_file: str, tmp: str, 
         sides[name]["wire_bytes"] = _wire(svc, before, after)
         # The test server and the proxy run on this machine's cores: CPU a remote store would not take.
         sides[name]["server_cpu_s"] = _server_cpu(svc, before, after)
-        sides[name]["requests"] = (after or svc.proxy.counts())["requests"] - before["requests"]
+        end = after or svc.proxy.counts()
+        sides[name]["requests"] = end["requests"] - before["requests"]
+        kinds = {k: v - before["kinds"].get(k, 0) for k, v in end["kinds"].items()}
+        sides[name]["request_kinds"] = {k: v for k, v in sorted(kinds.items()) if v}
         svc.fs(svc.direct).rm(prefix, recursive=True)  # moto keeps objects in memory
     key = (bandwidth, os.path.getsize(new_file))
     if key not in svc.full_cache:

@@ -40,6 +40,30 @@ class Link:
             time.sleep(wait)
 
 
+def request_kind(method: str, path: str) -> str:
+    """What an S3 request touches, by DCR's layout (``storage.layout``): ``METHOD object-kind``."""
+    p = urlsplit(path)
+    if "list-type" in p.query or "prefix=" in p.query or p.path.endswith("/") and method == "GET":
+        return f"{method} list"
+    parts = p.path.split("/")
+    last = parts[-1]
+    if "c" in parts and "data.zarr" in parts:
+        kind = "chunk"
+    elif last == "zarr.json":
+        kind = "zarr.json"
+    elif last in ("manifest.json", "commit.json", "building.json"):
+        kind = last
+    elif "stream" in parts:
+        kind = "stream index"
+    elif "leases" in parts:
+        kind = "lease"
+    elif "receivers" in parts:
+        kind = "receiver record"
+    else:
+        kind = "other"
+    return f"{method} {kind}"
+
+
 class ThrottledProxy:
     """``ThrottledProxy(upstream_url, bandwidth)``; clients connect to ``.url``. Use ``with`` or ``close``.
 
@@ -51,6 +75,7 @@ class ThrottledProxy:
         self.upstream = (u.hostname, u.port)
         self.up, self.down = Link(bandwidth), Link(bandwidth)
         self.requests = 0
+        self.kinds: dict[str, int] = {}  # requests by what they touch (``request_kind``)
         self._count_lock = threading.Lock()
         handler = _handler_for(self)
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
@@ -68,7 +93,8 @@ class ThrottledProxy:
         self.up.rate = self.down.rate = rate
 
     def counts(self) -> dict:
-        return {"requests": self.requests, "bytes_up": self.up.bytes, "bytes_down": self.down.bytes}
+        return {"requests": self.requests, "bytes_up": self.up.bytes, "bytes_down": self.down.bytes,
+                "kinds": dict(self.kinds)}
 
     def close(self) -> None:
         self.server.shutdown()
@@ -144,6 +170,8 @@ def _handler_for(proxy: ThrottledProxy) -> type[BaseHTTPRequestHandler]:
                 conn.close()
             with proxy._count_lock:
                 proxy.requests += 1
+                kind = request_kind(self.command, self.path)
+                proxy.kinds[kind] = proxy.kinds.get(kind, 0) + 1
 
         def _relay(self, resp: http.client.HTTPResponse) -> None:
             """Send the upstream response back, its body paced by the downlink."""

@@ -26,6 +26,10 @@ def add_arguments(name: str, p) -> None:
         "without the prefix (e.g. model.)",
     )
     p.add_argument("--chunk-bytes", type=int, default=None, help="raw bytes per chunk (default 4 MiB)")
+    p.add_argument("--column-blocks", type=int, default=1, metavar="N",
+                   help="tile tensors larger than a chunk into N column blocks of their last dim (where N divides "
+                   "it) and at least N row blocks, so tensor-parallel receiver ranks (TP dividing N) pull only their "
+                   "own slices (default 1: contiguous chunks)")
     p.add_argument("--no-cache", action="store_true", help="rebuild the baseline from ROOT instead of the local cache")
     p.add_argument(
         "--keyframe-every", type=int, default=0, metavar="K",
@@ -63,6 +67,7 @@ def run(name: str, args) -> int:
           "keyframe_policy": KeyframePolicy(every=args.keyframe_every, above=args.keyframe_above)}
     if args.chunk_bytes:
         kw["chunk_bytes"] = args.chunk_bytes
+    kw["column_blocks"] = args.column_blocks
     options = PublishOptions(**kw)
     source = _source(args)
     with shown(args, f"publish step {args.step}"):

@@ -140,7 +140,8 @@ class _Uploads:
 
 def _grids(plan: PublishPlan) -> dict[str, ChunkGrid]:
     opts = plan.options
-    return {n: ChunkGrid(i.shape, choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, opts.chunk_bytes))
+    return {n: ChunkGrid(i.shape, choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, opts.chunk_bytes,
+                                                     opts.column_blocks))
             for n, i in plan.infos.items()}
 
 
@@ -183,10 +184,10 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
             else:
                 encoding = None  # chosen from a count of the changes: the whole tensor first
             base_entry = base_entries.get(name)
-            if encoding is None:
+            if encoding is None or grid.is_blocked:  # blocks are not flat ranges: the whole tensor at once
                 encoding, digest, changed, chunk_futs = _encode_whole(
                     plan, uploads, src, base_src, baseline if from_file else None, base_entry, name, grid, array,
-                    announce)
+                    announce, encoding)
             else:
                 check = baseline if from_file and encoding is Encoding.XOR else None
                 digest, changed, chunk_futs = _encode_streamed(
@@ -273,15 +274,17 @@ def _encode_streamed(
 
 def _encode_whole(
     plan: PublishPlan, uploads: _Uploads, src: Source, base_src: Source, check: str | None,
-    base_entry: TensorEntry, name: str, grid: ChunkGrid, array: str, announce,
+    base_entry: TensorEntry, name: str, grid: ChunkGrid, array: str, announce, encoding: Encoding | None = None,
 ) -> tuple[Encoding, str, int, list[Future]]:
-    """One tensor whose encoding depends on how much of it changed (``overwrite_above`` below 1):
-    read whole, counted, then encoded (the form without reused buffers; not the default)."""
+    """One tensor read whole, then encoded (the form without reused buffers): for an encoding that
+    depends on how much of it changed (``encoding`` None: ``overwrite_above`` below 1) and for
+    column-block grids, whose chunks are not flat ranges to stream."""
     new = src.bits(name)
-    base = base_src.bits(name)
-    if check is not None and not base_entry.matches(base):
+    base = None if encoding is Encoding.FULL else base_src.bits(name)
+    if check is not None and base is not None and not base_entry.matches(base):
         raise _mismatch(check, name, plan)
-    encoding = choose_encoding(count_changed(new, base), new.size, plan.options.overwrite_above)
+    if encoding is None:
+        encoding = choose_encoding(count_changed(new, base), new.size, plan.options.overwrite_above)
     dtype = plan.infos[name].dtype
     changed = 0
     futs = []
@@ -289,7 +292,7 @@ def _encode_whole(
         changed += c.changed
         held = None  # the old bits of the chunk, for codecs that code masks against them
         if encoding is Encoding.XOR and plan.codec.conditional:
-            held = base[slice(*grid.chunk_range(c.index))]
+            held = grid.take(base, c.index)
         futs.append(uploads.submit((), array, grid, c.index, c.payload, announce, held, dtype))
     return encoding, tensor_digest(new), changed, futs
 

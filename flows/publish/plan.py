@@ -83,7 +83,8 @@ def check_receivable(infos: dict[str, TensorInfo], options: PublishOptions, sour
         raise InvalidCheckpointError(f"{source_name or 'checkpoint'}: {len(infos)} tensors, more than the {MAX_TENSORS} a step may hold")
     for name in sorted(infos):
         i = infos[name]
-        chunk = choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, options.chunk_bytes) if len(i.shape) <= MAX_NDIM else ()
+        chunk = choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, options.chunk_bytes,
+                                   options.column_blocks) if len(i.shape) <= MAX_NDIM else ()
         why = refusal(i.shape, i.dtype, chunk)
         if why:
             raise InvalidCheckpointError(f"{source_name or 'checkpoint'}: tensor {name!r} {i.dtype}{list(i.shape)}: {why}; "

@@ -207,6 +207,9 @@ def plan_rank(root: RootRef, snapshot: LocalRef, step: int, keyframe: bool, opti
     if options.delta_codec.conditional and not keyframe:
         raise UsageError("the dcr-cond codec codes each chunk against its whole old bits, which no training rank "
                          "holds: publish from shards with dcr-sparse (the default) or blosc")
+    if options.column_blocks > 1:
+        raise UsageError("column blocks are not flat ranges of the canonical tensor, which is how training ranks' "
+                         "shards are projected onto chunks: publish from shards with column_blocks=1 (the default)")
     return plan_publish(root, snap.infos, step, keyframe, options, f"<shards of {snap.world} ranks>",
                         shard=(snap.rank, snap.world), attempt=attempt)
 

@@ -76,7 +76,7 @@ def _streamable(entries, e_target):
     """The one move that stores chunks of this tensor, if it is an XOR delta of main chunks only and
     the target has a plain digest (patched chunk by chunk, no copy); else None."""
     stored = [e for e in entries if e.n_stored]
-    if len(stored) != 1 or stored[0].parts is not None or e_target.pieces is not None:
+    if len(stored) != 1 or stored[0].parts is not None or e_target.pieces is not None or stored[0].grid.is_blocked:
         return None
     e = stored[0]
     return e if all(e.encoding_at(p) is Encoding.XOR for p in range(e.n_stored)) else None
@@ -123,7 +123,7 @@ def _applied_on_copy(held_bits: np.ndarray, entries, e_target, stream, scratch: 
         for pos in range(e.n_stored):
             _, _, index, payload = next(stream)
             apply_chunk(work, grid, index, payload, e.encoding_at(pos), forward)
-            touched.add(grid.chunk_range(index))
+            touched.add(grid.chunk_span(index))
     if not e_target.matches(work):
         return False
     positions = np.concatenate(

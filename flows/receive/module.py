@@ -135,10 +135,22 @@ def load_dense(plan: RefitPlan, module: LocalRef, mirror: str, options: ReceiveO
             "pause_seconds": pause, "tensors_loaded": len(manifest.tensors)}
 
 
-def fetch_module_payloads(plan: RefitPlan, options: ReceiveOptions) -> LocalRef:
-    """Every payload of every move, verified, held in this process (the module is not touched)."""
+def fetch_module_payloads(plan: RefitPlan, module: LocalRef, options: ReceiveOptions) -> LocalRef:
+    """Every payload of every move that the module's loader reads (its probed demand: a
+    tensor-parallel rank's own chunks), verified, held in this process (the module is not touched)."""
     root = open_root(plan.root)
-    return refs.put(reader.fetch_payloads(root, plan, reader.manifests(plan, root), options.io_workers), "payloads")
+    ms = reader.manifests(plan, root)
+    table = _probe_table(refs.get(module), ms[plan.target_step])
+
+    def wanted(entry) -> frozenset[int] | None:
+        probe = table.probes.get(entry.name)
+        if probe is not None and probe.path == placement.IGNORED:
+            return frozenset()  # the loader writes nothing for it (a tied head, say)
+        if probe is None or probe.path != placement.DIRECT or probe.demand is None:
+            return None  # overwrite-path tensors keep whole canonical copies: every chunk
+        return probe.demand.chunks(entry.grid)
+
+    return refs.put(reader.fetch_payloads(root, plan, ms, options.io_workers, wanted), "payloads")
 
 
 def apply_to_module(plan: RefitPlan, module: LocalRef, fetched: LocalRef, mirror: str) -> dict:

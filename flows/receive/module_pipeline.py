@@ -94,7 +94,7 @@ def _held_coded(plan: RefitPlan) -> bool:
 def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target, held: dict) -> dict:
     fetched = None
     try:
-        fetched = tasks.fetch_module_payloads(plan, options)  # every payload verified before the module is touched
+        fetched = tasks.fetch_module_payloads(plan, mod, options)  # every payload verified before the module is touched
         return tasks.apply_to_module(plan, mod, fetched, mirror)
     except BaseException:
         if placement.fingerprint(target) == held["fingerprint"]:

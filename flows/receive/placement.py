@@ -17,6 +17,14 @@ slots and the scratch is XORed into the live slots (unchanged regions receive ze
 Tensors that fail take the overwrite path: their new canonical values are loaded through the
 loader, from a host-side copy of just those tensors. Tensors whose loader writes nothing (a tied
 ``lm_head.weight``, say) need nothing.
+
+*Demand* (direct-path tensors): which canonical elements the loader reads at all. Index-tagged
+probes load each element's flat index (a few bits per load, a marker bit above them) into zeroed
+scratch; the scratch then says, for every slot element written, which canonical element it came
+from. That map must reproduce the random probes' scratch exactly (else the loader is not a copy
+of elements and the demand is everything). Elements no slot comes from never reach the module, so
+a tensor-parallel rank fetches only the chunks holding its own elements: masks of the others stay
+zero, and zeros are what the loader would have placed nowhere anyway.
 """
 
 from __future__ import annotations
@@ -151,13 +159,65 @@ def _bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and bool(np.array_equal(bits_of(a), bits_of(b)))
 
 
+@dataclass(frozen=True, eq=False)
+class Demand:
+    """The canonical elements a loader reads: sorted disjoint flat runs ``[starts[i], stops[i])``."""
+
+    numel: int
+    starts: np.ndarray
+    stops: np.ndarray
+    _chunks: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, numel: int, indices: np.ndarray) -> Demand:
+        u = np.unique(indices)
+        if not u.size:
+            return cls(numel, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        breaks = np.flatnonzero(np.diff(u) != 1) + 1
+        return cls(numel, u[np.r_[0, breaks]].astype(np.int64), u[np.r_[breaks - 1, u.size - 1]].astype(np.int64) + 1)
+
+    @classmethod
+    def merged(cls, numel: int, starts: list[np.ndarray], stops: list[np.ndarray]) -> Demand:
+        """The union of several sets of runs."""
+        if not starts:
+            return cls(numel, np.zeros(0, np.int64), np.zeros(0, np.int64))
+        a, b = np.concatenate(starts), np.concatenate(stops)
+        order = np.argsort(a, kind="stable")
+        a, b = a[order], b[order]
+        reach = np.maximum.accumulate(b)
+        new = np.r_[True, a[1:] > reach[:-1]]  # a run starts a new group past everything before it
+        first = np.flatnonzero(new)
+        last = np.r_[first[1:] - 1, a.size - 1]
+        return cls(numel, a[first], reach[last])
+
+    @property
+    def elements(self) -> int:
+        return int((self.stops - self.starts).sum())
+
+    def chunks(self, grid) -> frozenset[int]:
+        """The chunks of ``grid`` (a ``ChunkGrid`` over this tensor) holding a demanded element."""
+        key = (grid.shape, grid.chunk_shape)
+        if key not in self._chunks:
+            hit = set()
+            for i in range(grid.n_chunks):
+                seg = np.asarray(grid.chunk_runs(i), dtype=np.int64).reshape(-1, 2)
+                j = np.searchsorted(self.stops, seg[:, 0], side="right")
+                ok = j < self.starts.size
+                if np.any(self.starts[j[ok]] < seg[ok, 1]):
+                    hit.add(i)
+            self._chunks[key] = frozenset(hit)
+        return self._chunks[key]
+
+
 @dataclass(frozen=True)
 class Probe:
-    """How one canonical tensor reaches the module: its path and the slots its loader writes."""
+    """How one canonical tensor reaches the module: its path, the slots its loader writes and, on
+    the direct path, the canonical elements it reads (``demand``; None: every element)."""
 
     path: str
     slots: tuple[int, ...] = ()
     reason: str = ""
+    demand: Demand | None = None
 
 
 @dataclass
@@ -195,7 +255,78 @@ def probe_tensor(module, slots: list[Slot], name: str, dtype: str, shape: tuple[
             return Probe(OVERWRITE, tuple(sorted(target)), "zero does not load as zero")
         if not _bits_equal(results["a"][i], results["a2"][i]):
             return Probe(OVERWRITE, tuple(sorted(target)), "loading is not deterministic")
-    return Probe(DIRECT, tuple(sorted(target)))
+    demand = probe_demand(module, slots, name, dtype, shape, target, {k: results[k] for k in ("a", "b")}, (a, b))
+    return Probe(DIRECT, tuple(sorted(target)), demand=demand)
+
+
+PIECE = 1 << 22  # elements per step of the demand probe's passes: its memory stays bounded
+
+
+def _tags(n: int, k: int, tag: int, storage: np.dtype) -> np.ndarray:
+    """Load ``k`` of the index-tagged probe: bits ``k*tag ..`` of each element's flat index, under a marker bit."""
+    out = np.empty(n, dtype=storage)
+    low, marker = (1 << tag) - 1, 1 << tag
+    for at in range(0, n, PIECE):
+        idx = np.arange(at, min(n, at + PIECE), dtype=np.uint64)
+        out[at: at + idx.size] = ((idx >> np.uint64(k * tag)) & np.uint64(low)) | np.uint64(marker)
+    return out
+
+
+def probe_demand(module, slots: list[Slot], name: str, dtype: str, shape: tuple[int, ...], target: set[int],
+                 random_out: dict[str, dict[int, torch.Tensor]], random_in: tuple[torch.Tensor, ...]) -> Demand | None:
+    """The canonical elements a direct-path loader reads (see module docstring); None (every
+    element) where it cannot be told: one-bit dtypes, slots of another width, or a loader whose
+    placement is not a copy of whole elements. Memory: the loads' scratch plus ``PIECE``-sized work."""
+    dt = DTYPES[dtype]
+    n = math.prod(shape)
+    if dt.bits < 8 or n == 0:
+        return None
+    tag = dt.bits - 1  # index bits per load; the top bit marks "written"
+    loads = max(1, -(-max(1, (n - 1).bit_length()) // tag))
+    outs: list[dict[int, np.ndarray]] = []
+    for k in range(loads):
+        bits = _tags(n, k, tag, dt.storage)
+        _, scratch = _run_on_scratch(module, slots, [(name, tensor_from_bits(bits, dt, shape))], target)
+        del bits
+        outs.append({i: bits_of(scratch[i]) for i in target})
+    ins = [bits_of(v) for v in random_in]
+    starts, stops = [], []
+    for i in sorted(target):
+        if any(o[i].dtype.itemsize != dt.storage.itemsize for o in outs):
+            return None
+        per = [o[i].view(dt.storage) for o in outs]
+        rand = [bits_of(random_out[key][i]).view(dt.storage) for key in ("a", "b")]
+        for at in range(0, per[0].size, PIECE):
+            src = _sources(per, at, tag, n)
+            if src is None:
+                return None
+            written, src = src
+            for value, got in zip(ins, rand):  # the map must reproduce the random loads exactly
+                want = np.zeros(min(PIECE, per[0].size - at), dtype=dt.storage)
+                want[written] = value[src]
+                if not np.array_equal(want, got[at: at + want.size]):
+                    return None
+            d = Demand.of(n, src)
+            starts.append(d.starts)
+            stops.append(d.stops)
+    return Demand.merged(n, starts, stops)
+
+
+def _sources(per: list[np.ndarray], at: int, tag: int, n: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """For one piece of a slot: the positions written and the canonical element each came from;
+    None if the tagged loads do not decode as copies of whole elements."""
+    pieces = [o[at: at + PIECE].astype(np.uint64) for o in per]
+    written = np.flatnonzero(pieces[0] >> np.uint64(tag))
+    src = np.zeros(written.size, dtype=np.uint64)
+    low = np.uint64((1 << tag) - 1)
+    for k, o in enumerate(pieces):
+        v = o[written]
+        if np.count_nonzero(o) != written.size or np.any(v >> np.uint64(tag) != 1):
+            return None  # the loads disagree on what is written: not a copy of whole elements
+        src |= (v & low) << np.uint64(k * tag)
+    if src.size and int(src.max()) >= n:
+        return None
+    return written, src.astype(np.int64)
 
 
 def probe_module(module, schema: Iterable[tuple[str, str, tuple[int, ...]]]) -> ProbeTable:

@@ -211,3 +211,79 @@ def test_a_failure_mid_apply_rolls_the_live_module_back_to_its_base_bits(tmp_pat
     res = receive_into_module(root, "r", mod, 2, state_path=str(tmp_path / "mirror.safetensors"))
     assert res["mode"] == "delta"  # still known to hold step 0: no dense reload needed
     assert_bits_equal(_bits(mod), _dense(factory, cks[2]))
+
+
+def _rank_pulls(cfg, tp, column_blocks, tmp_path):
+    """Publish a keyframe and one ~2% delta (``column_blocks``), load every rank densely at step 0,
+    refit each to step 1 by delta: per rank, the bytes pulled and whether its bits equal a dense load."""
+    root = f"memory://pull-{uuid.uuid4().hex}"
+    first = canonical_checkpoint(cfg, seed=3)
+    cks = [first, _evolve(first, 2)]
+    opts = PublishOptions(chunk_bytes=2048, column_blocks=column_blocks, cache_dir=str(tmp_path / f"c{column_blocks}"))
+    results = [run_publish(root, ck, s, options=opts) for s, ck in enumerate(cks)]
+    pulls = []
+    for r, mod in enumerate(tp_group(cfg, tp)):
+        state = str(tmp_path / f"m{tp}-{column_blocks}-{r}.safetensors")
+        assert receive_into_module(root, f"r{r}", mod, 0, state_path=state)["mode"] == "dense"
+        res = receive_into_module(root, f"r{r}", mod, 1, state_path=state)
+        assert res["mode"] == "delta"
+        assert_bits_equal(_bits(mod), _dense(lambda r=r: VllmLlama(cfg, r, tp), cks[1]))
+        pulls.append(res["bytes_pulled"])
+    return pulls, results[1].summary["bytes_stored"]
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_tensor_parallel_ranks_pull_only_the_chunks_their_own_loader_reads(tp, tmp_path):
+    """Each rank's demand comes from its own loader (index-tagged probes), never from placement
+    rules: with column blocks, column-parallel (qkv, gate/up, vocab rows) and row-parallel (o, down:
+    column slices) weights both cost a rank about 1/TP of the step; replicated norms cost every rank."""
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=4)
+    pulls, stored = _rank_pulls(cfg, tp, 4, tmp_path)
+    per_rank = stored / tp
+    assert all(p <= 1.2 * per_rank for p in pulls), (pulls, stored)  # chunk granularity: k/v rows, norms
+    assert sum(pulls) >= stored  # every stored chunk is someone's (nothing silently skipped)
+    if tp == 1:
+        assert pulls == [stored]
+    # contiguous chunks: row-parallel weights' column slices cross every chunk, so ranks pull more
+    runs, stored_runs = _rank_pulls(cfg, tp, 1, tmp_path)
+    if tp > 1:
+        assert max(runs) > 1.25 * stored_runs / tp > max(pulls) * 1.1, (runs, pulls)
+
+
+def test_the_demand_probe_finds_each_loaders_slice_and_falls_back_to_everything(monkeypatch):
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_heads=8, num_kv_heads=4)
+    mod = VllmLlama(cfg, 1, 4)
+    schema = [(n, "BF16", tuple(t.shape)) for n, t in canonical_checkpoint(cfg, 0).items()]
+    table = placement.probe_module(mod, schema)
+    monkeypatch.setattr(placement, "PIECE", 37)  # the same demand when decoded in small pieces
+    again = placement.probe_module(VllmLlama(cfg, 1, 4), schema)
+    for name, p in table.probes.items():
+        d, e = p.demand, again.probes[name].demand
+        assert (d is None) == (e is None), name
+        if d is not None:
+            assert d.starts.tolist() == e.starts.tolist() and d.stops.tolist() == e.stops.tolist(), name
+    o = table.probes["model.layers.0.self_attn.o_proj.weight"].demand  # row-parallel: columns 32..63 of 128
+    assert o.elements == 128 * 32 and o.starts[:2].tolist() == [32, 160] and o.stops[0] == 64
+    q = table.probes["model.layers.0.self_attn.q_proj.weight"].demand  # column-parallel: rows 32..63
+    assert q.starts.tolist() == [32 * 128] and q.stops.tolist() == [64 * 128]
+    norm = table.probes["model.norm.weight"].demand
+    assert norm.starts.tolist() == [0] and norm.stops.tolist() == [128]
+    # a permuting loader reads everything; one that moves bits within elements is not a copy of
+    # elements: its demand cannot be told, so it is everything (None), and refits stay exact
+    rec = placement.probe_module(RechunkedExperts(), [(f"experts.{e}.w1.weight", "BF16", (16, 8)) for e in range(4)])
+    for p in rec.probes.values():
+        assert p.path == placement.DIRECT and p.demand.elements == 16 * 8
+    swapped = placement.probe_module(ByteSwapped(), [("w", "BF16", (6, 4))])
+    assert swapped.probes["w"].path == placement.DIRECT and swapped.probes["w"].demand is None
+
+
+class ByteSwapped(torch.nn.Module):
+    """Pure bit placement that is not a copy of whole elements: each element's two bytes swapped."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(6, 4, dtype=torch.bfloat16), requires_grad=False)
+
+    def load_weights(self, weights):
+        for _, t in weights:
+            self.w.data.view(torch.uint8).view(6, 4, 2).copy_(t.contiguous().view(torch.uint8).view(6, 4, 2).flip(-1))

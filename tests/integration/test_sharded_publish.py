@@ -371,3 +371,18 @@ def test_training_ranks_refuse_the_cond_codec_with_one_line_and_commit_nothing(t
         run_publish(root, sources(next_step(first, 7)), 1, options=cond)
     assert "\n" not in str(err.value)
     assert Catalog(Root(root)).marker(1) is None
+
+
+@pytest.mark.parametrize("keyframe", [True, False], ids=["keyframe", "delta"])
+def test_training_ranks_refuse_column_blocks_with_one_line_and_commit_nothing(tmp_path, opts, keyframe):
+    """Shards are projected onto flat chunk ranges; a column block is not one."""
+    root = str(tmp_path / "bucket")
+    first = canonical(1)
+    blocks = opts.model_copy(update={"column_blocks": 4})
+    if not keyframe:
+        run_publish(root, sources(first), 0, options=opts)
+    with pytest.raises(DCRError, match="column blocks") as err:
+        run_publish(root, sources(next_step(first, 7) if not keyframe else first), 0 if keyframe else 1,
+                    options=blocks)
+    assert "\n" not in str(err.value)
+    assert Catalog(Root(root)).marker(0 if keyframe else 1) is None

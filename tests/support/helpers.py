@@ -157,20 +157,24 @@ def nasty_tensor(dtype: str, shape: tuple[int, ...], seed: int = 0, tag: str = "
 
 
 def nasty_checkpoint(
-    seed: int = 0, dtypes: list[str] | None = None, odd_names: bool = True, big: int = 0
+    seed: int = 0, dtypes: list[str] | None = None, odd_names: bool = True, big: int = 0, wide: bool = False,
 ) -> dict[str, torch.Tensor]:
     """A canonical checkpoint: every dtype in every odd shape, special values, odd names.
 
     Names: ``<dtype>.<shape-kind>``; one ``<dtype>.frozen`` tensor per dtype that ``next_step``
     never changes; a few names that need escaping as Zarr array names; and, if ``big``, a frozen
     F32 tensor of ``big`` rows of 257 elements (a large unchanged embedding: it makes keyframes
-    expensive next to deltas, as in real models).
+    expensive next to deltas, as in real models). ``wide``: per dtype also ``<dtype>.wide`` (37, 12)
+    and ``<dtype>.wide3d`` (3, 9, 8), whose last dims 4 divides: column blocks (with row edges).
     """
     out: dict[str, torch.Tensor] = {}
     for dtype in dtypes or list(DTYPES):
         for kind, shape in SHAPES.items():
             out[f"{dtype}.{kind}"] = nasty_tensor(dtype, shape, seed, kind)
         out[f"{dtype}.{FROZEN_MARK}"] = nasty_tensor(dtype, (9, 2), seed, FROZEN_MARK)
+        if wide:
+            out[f"{dtype}.wide"] = nasty_tensor(dtype, (37, 12), seed, "wide")
+            out[f"{dtype}.wide3d"] = nasty_tensor(dtype, (3, 9, 8), seed, "wide3d")
     if odd_names:
         pool = dtypes or list(DTYPES)
         for i, name in enumerate(ODD_NAMES):

@@ -46,8 +46,14 @@ def test_quick_bench_writes_results(tmp_path):
     assert all(e["dcr"]["exact"] and e["dcr"]["bytes_stored"] > 0 for e in results["end_to_end"])
     assert all(e["cli"]["exact"] and e["cli"]["total_s"] > 0 for e in results["end_to_end"])  # as dcr commands
     assert results["startup_s"]["local"] > 0
+    tp = {(r["column_blocks"], r["tp"]): r for r in results["tp_pulls"]["rows"]}
+    assert set(tp) == {(b, t) for b in (1, 4) for t in (1, 2, 4)} and all(r["exact"] for r in tp.values())
+    assert tp[(4, 1)]["share_ratio"] == [1.0] and len(tp[(4, 4)]["pulled_bytes"]) == 4
+    c = results["commands"]
+    assert c["publish_best_s"] > 0 and set(c["startup_s"]) == {"ls", "verify", "receive"}
     md = (tmp_path / "results.md").read_text()
     assert "Bytes per changed element" in md and "End to end" in md
+    assert "Per-rank pulls" in md and "zstd -q -1 -T1" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bytes_per_change.png").stat().st_size > 0
     else:

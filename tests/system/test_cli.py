@@ -10,7 +10,9 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from storage.catalog import Catalog
 from storage.local import journal as state_journal
+from storage.root import Root
 from tests.support.cli import REPO, copy_tree, dcr, evolve, publish_chain, small_checkpoint
 from tests.support.helpers import assert_bits_equal, write_safetensors
 from tests.support.kill import kill_at
@@ -270,3 +272,27 @@ def test_receive_follow_applies_each_newly_committed_step_and_never_an_uncommitt
     steps_applied = [int(line.split("at step ")[1].split()[0]) for line in out.splitlines() if "at step" in line]
     assert steps_applied[-1] == 3 and 2 not in steps_applied, out
     assert_bits_equal(load_file(state), cks[3])
+
+
+def test_column_blocks_from_the_command_line_refit_exactly_and_bad_counts_are_refused(tmp_path):
+    """``--column-blocks 4``: the 64-wide weight is stored in 4 column blocks (so tensor-parallel
+    ranks pull only their slices); verify (deep), in-place receive and materialize stay exact."""
+    cks = [small_checkpoint(0, rows=600)]
+    cks.append(evolve(cks[0], 1))
+    root = tmp_path / "bucket"
+    for s, ck in enumerate(cks):
+        p = tmp_path / f"c{s}.safetensors"
+        write_safetensors(p, ck)
+        dcr("publish", root, p, "--step", s, "--chunk-bytes", 4096, "--column-blocks", 4, check=0)
+    manifest = Catalog(Root(str(root))).manifest(1)
+    assert manifest.tensors["w"].chunk_shape == (75, 16) and manifest.tensors["w"].grid.is_blocked  # 150 rows a quarter
+    dcr("verify", root, "--deep", check=0)
+    state = tmp_path / "rx.safetensors"
+    dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, check=0)
+    dcr("receive", root, "--receiver", "r", "--state", state, "--in-place", check=0)
+    assert_bits_equal(load_file(state), cks[1])
+    dcr("materialize", root, "--step", 0, "--out", tmp_path / "m0.safetensors", check=0)
+    assert_bits_equal(load_file(tmp_path / "m0.safetensors"), cks[0])
+    out = dcr("publish", root, tmp_path / "c1.safetensors", "--step", 2, "--column-blocks", 0)
+    assert out.returncode != 0 and "column_blocks" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert Catalog(Root(str(root))).marker(2) is None

@@ -17,12 +17,13 @@ from dcr_zarr_codec.cond import CLASSES, classes_of, decode_cond, encode_cond, n
 from dcr_zarr_codec.sparse import SparseFrameError
 from dcr_zarr_codec.zarr_codec import DcrCondCodec, HeldBitsNeeded
 
-from dcr_core.chunking import ChunkGrid
+from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.codec import CodecSpec
 from dcr_core.delta import Encoding, HeldCoded, apply_chunk
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError
 from dcr_core.sparse import encode_sparse
+from storage.chunk_io import decode_chunk
 from tests.support.helpers import SPECIALS
 
 COND = CodecSpec(name="dcr-cond", clevel=3)
@@ -101,6 +102,27 @@ def test_a_padded_last_chunk_decodes_against_its_real_elements(dtype):
         target = start.copy()
         apply_chunk(target, grid, 0, HeldCoded(frame, COND, dtype, n_padded, 777), Encoding.XOR, forward)
         assert target.tobytes() == want.tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F32", "F8_E5M2", "I16"])
+def test_column_block_chunks_decode_against_the_gathered_held_bits(dtype):
+    """A column block (rows of a slice of the last dim, an edge block with fewer rows) codes its
+    elements in Zarr's order; apply gathers the held bits, decodes, and scatters the result."""
+    shape = (37, 12)
+    old, new = _pair(dtype, 37 * 12, seed=9, rate=0.2)
+    grid = ChunkGrid(shape, choose_chunk_shape(shape, DTYPES[dtype].itemsize, 64 * DTYPES[dtype].itemsize,
+                                               column_blocks=4))
+    assert grid.is_blocked and grid.chunk_size(grid.n_chunks - 1) < grid.chunk_numel  # an edge block
+    st = DTYPES[dtype].storage
+    for forward, start, want in ((True, old, new), (False, new, old)):
+        target = start.copy()
+        for i in range(grid.n_chunks):
+            mask, held = grid.take(old ^ new, i), grid.take(old, i)
+            pad = np.zeros(grid.chunk_numel - mask.size, dtype=st)
+            frame = COND.encode(np.concatenate([mask, pad]), np.concatenate([held, pad]), dtype)
+            payload = decode_chunk("mem://x", f"c/{i}", frame, COND, dtype, grid, i, len(frame))
+            apply_chunk(target, grid, i, payload, Encoding.XOR, forward)
+        assert target.tobytes() == want.tobytes(), forward
 
 
 def test_without_held_bits_the_frame_stores_the_payload_plainly():

@@ -172,6 +172,38 @@ def check_choose_chunk_shape(shape, itemsize, target) -> None:
     check_grid_tiles_exactly(shape, chunk)
 
 
+def _is_column_block(shape, chunk) -> bool:
+    """By the definition: rows of an equal column block of the last dim, single indices before."""
+    return (len(shape) >= 2 and math.prod(shape) > 0 and chunk[-1] < shape[-1] and shape[-1] % chunk[-1] == 0
+            and min(chunk[-2], shape[-2]) > 1 and all(c == 1 for c in chunk[:-2]))
+
+
+def check_block_grid(shape, chunk) -> None:
+    """A column-block grid: every chunk's box, in Zarr's C order, is what take/view/put/chunk_runs
+    give; the runs tile the tensor once; the valid elements are a prefix of the padded chunk."""
+    grid = ChunkGrid(shape, chunk)
+    assert grid.is_blocked
+    n = math.prod(shape)
+    flat = np.arange(n, dtype=np.int64)
+    idx = flat.reshape(shape)
+    seen = np.zeros(n, dtype=np.int64)
+    back = np.full(n, -1, dtype=np.int64)
+    for i in range(grid.n_chunks):
+        g = grid.grid_index(i)
+        box = idx[tuple(slice(gi * c, (gi + 1) * c) for gi, c in zip(g, chunk))].ravel()
+        assert np.array_equal(grid.take(flat, i), box), (shape, chunk, i)
+        assert grid.chunk_size(i) == box.size <= grid.chunk_numel
+        runs = grid.chunk_runs(i)
+        assert np.array_equal(np.concatenate([np.arange(a, b) for a, b in runs]), box)
+        assert grid.chunk_span(i) == (int(box[0]), int(box[-1]) + 1)
+        for a, b in runs:
+            seen[a:b] += 1
+        grid.put(back, i, box)
+    assert (seen == 1).all() and np.array_equal(back, flat)
+    with pytest.raises(IntegrityError):
+        grid.chunk_range(0)  # a block is not one range
+
+
 def check_chunk_shape_validation(shape, chunk) -> None:
     try:
         ChunkGrid(shape, chunk)
@@ -183,6 +215,10 @@ def check_chunk_shape_validation(shape, chunk) -> None:
         assert not _boxes_are_contiguous(shape, chunk) or any(
             shape[i] == 1 and chunk[i] > 1 for i in range(j)
         ), (shape, chunk)
+        assert not _is_column_block(shape, chunk), (shape, chunk)
+        return
+    if _is_column_block(shape, chunk):
+        check_block_grid(shape, chunk)
         return
     assert _boxes_are_contiguous(shape, chunk), (shape, chunk)
     check_grid_tiles_exactly(shape, chunk)
@@ -207,6 +243,27 @@ def test_choose_chunk_shape_table(shape, itemsize, target, expected):
     check_choose_chunk_shape(shape, itemsize, target)
 
 
+@pytest.mark.parametrize(
+    "shape,itemsize,target,blocks,expected",
+    [
+        ((37, 12), 4, 256, 4, (10, 3)),  # 64 elements a chunk would be 21 rows; rows cut in 4 blocks too
+        ((37, 12), 4, 64, 4, (5, 3)),  # the target allows 5 rows of 3
+        ((3, 9, 8), 2, 256, 4, (1, 3, 2)),
+        ((8, 12), 4, 1 << 20, 4, (8, 12)),  # one chunk: not split (blocks would only add requests)
+        ((37, 10), 4, 256, 4, (6, 10)),  # 4 does not divide 10: runs
+        ((100,), 4, 64, 4, (16,)),  # one dim: runs
+        ((37, 12), 4, 4, 4, (1, 3)),  # under one row of a block: single rows (still blocks of width 3)
+    ],
+)
+def test_choose_chunk_shape_with_column_blocks(shape, itemsize, target, blocks, expected):
+    chunk = choose_chunk_shape(shape, itemsize, target, column_blocks=blocks)
+    assert chunk == expected
+    if _is_column_block(shape, chunk):
+        check_block_grid(shape, chunk)
+    else:
+        check_grid_tiles_exactly(shape, chunk)
+
+
 def test_zero_dim_grid_has_one_chunk_keyed_c():
     grid = ChunkGrid((), ())
     assert grid.n_chunks == 1 and grid.chunk_range(0) == (0, 1) and layout.chunk_key("a", grid.grid_index(0)) == "a/c"
@@ -221,7 +278,8 @@ def test_empty_grids_have_no_chunks():
 @pytest.mark.parametrize(
     "shape,chunk",
     [
-        ((4, 4), (2, 2)),
+        ((4, 6), (2, 4)),  # a column block must divide the last dim
+        ((2, 4, 4), (2, 2, 2)),  # and cut nothing but rows before it
         ((3, 4, 5), (1, 2, 2)),
         ((4, 4), (2, 3)),
         ((2, 3, 4), (2, 1, 4)),
@@ -278,6 +336,18 @@ def test_every_contiguous_chunk_shape_form_is_accepted(shape, data):
     check_grid_tiles_exactly(shape, chunk)
 
 
+@_hyp
+@given(shape=st.lists(st.integers(1, 9), min_size=2, max_size=4).map(tuple), blocks=st.integers(2, 4),
+       itemsize=st.sampled_from([1, 2, 4, 8]), target=st.integers(1, 400))
+def test_column_block_grids_gather_and_scatter_zarrs_boxes(shape, blocks, itemsize, target):
+    chunk = choose_chunk_shape(shape, itemsize, target, column_blocks=blocks)
+    ChunkGrid(shape, chunk)  # whatever was chosen is a valid grid
+    if _is_column_block(shape, chunk):
+        check_block_grid(shape, chunk)
+    else:
+        check_grid_tiles_exactly(shape, chunk)
+
+
 # --------------------------------------------------------------------------------------------------
 # deltas
 
@@ -320,6 +390,30 @@ def test_encode_then_apply_restores_the_new_bits_for_every_encoding(dtype, shape
         assert sum(c.changed for c in chunks) == int(np.count_nonzero(new != base))
 
     assert list(encode_chunks(new, base, grid, Encoding.UNCHANGED)) == []
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES)
+@pytest.mark.parametrize("shape", [(37, 12), (3, 9, 8), (5, 1, 16)], ids=str)
+def test_column_block_chunks_encode_and_apply_exactly_for_every_encoding(dtype, shape):
+    rng = np.random.default_rng(zlib.crc32(repr(("blocks", dtype, shape)).encode()))
+    base = bits_of(nasty_tensor(dtype, shape, seed=3)).copy()
+    new = _flip_some(base, rng)
+    grid = ChunkGrid(shape, choose_chunk_shape(shape, DTYPES[dtype].itemsize, 16 * DTYPES[dtype].itemsize,
+                                               column_blocks=4))
+    assert grid.is_blocked or shape[-2] == 1  # one row: blocks of it are runs
+    target = np.zeros_like(new)
+    for c in encode_chunks(new, None, grid, Encoding.FULL):
+        assert c.payload.tobytes() == grid.take(new, c.index).tobytes()
+        apply_chunk(target, grid, c.index, c.payload, Encoding.FULL)
+    assert target.tobytes() == new.tobytes()
+    for enc in (Encoding.XOR, Encoding.OVERWRITE):
+        target = base.copy()
+        for c in encode_chunks(new, base, grid, enc):
+            apply_chunk(target, grid, c.index, c.payload, enc)
+        assert target.tobytes() == new.tobytes(), enc
+    for c in encode_chunks(new, base, grid, Encoding.XOR):  # and back: XOR masks undo themselves
+        apply_chunk(target, grid, c.index, c.payload, Encoding.XOR)
+    assert target.tobytes() == base.tobytes()
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES)
