@@ -170,11 +170,14 @@ class Demand:
 
     @classmethod
     def of(cls, numel: int, indices: np.ndarray) -> Demand:
-        u = np.unique(indices)
-        if not u.size:
+        """The elements ``indices`` (any order, repeats allowed): runs of consecutive indices as they
+        come (a loader copying slices gives few), then merged (no sort of the indices themselves)."""
+        if not indices.size:
             return cls(numel, np.zeros(0, np.int64), np.zeros(0, np.int64))
-        breaks = np.flatnonzero(np.diff(u) != 1) + 1
-        return cls(numel, u[np.r_[0, breaks]].astype(np.int64), u[np.r_[breaks - 1, u.size - 1]].astype(np.int64) + 1)
+        breaks = np.flatnonzero(np.diff(indices) != 1) + 1
+        starts = indices[np.r_[0, breaks]].astype(np.int64)
+        stops = indices[np.r_[breaks - 1, indices.size - 1]].astype(np.int64) + 1
+        return cls.merged(numel, [starts], [stops])
 
     @classmethod
     def merged(cls, numel: int, starts: list[np.ndarray], stops: list[np.ndarray]) -> Demand:
@@ -315,18 +318,18 @@ def probe_demand(module, slots: list[Slot], name: str, dtype: str, shape: tuple[
 def _sources(per: list[np.ndarray], at: int, tag: int, n: int) -> tuple[np.ndarray, np.ndarray] | None:
     """For one piece of a slot: the positions written and the canonical element each came from;
     None if the tagged loads do not decode as copies of whole elements."""
-    pieces = [o[at: at + PIECE].astype(np.uint64) for o in per]
-    written = np.flatnonzero(pieces[0] >> np.uint64(tag))
-    src = np.zeros(written.size, dtype=np.uint64)
-    low = np.uint64((1 << tag) - 1)
+    pieces = [o[at: at + PIECE] for o in per]  # unsigned storage: shifts and masks stay in its width
+    written = np.flatnonzero(pieces[0] >> tag)
+    src = np.zeros(written.size, dtype=np.int64)
+    low = (1 << tag) - 1
     for k, o in enumerate(pieces):
         v = o[written]
-        if np.count_nonzero(o) != written.size or np.any(v >> np.uint64(tag) != 1):
+        if np.count_nonzero(o) != written.size or np.any(v >> tag != 1):
             return None  # the loads disagree on what is written: not a copy of whole elements
-        src |= (v & low) << np.uint64(k * tag)
+        src |= (v & low).astype(np.int64) << (k * tag)
     if src.size and int(src.max()) >= n:
         return None
-    return written, src.astype(np.int64)
+    return written, src
 
 
 def probe_module(module, schema: Iterable[tuple[str, str, tuple[int, ...]]]) -> ProbeTable:
