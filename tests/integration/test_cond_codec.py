@@ -23,7 +23,7 @@ from dcr_core.errors import IntegrityError
 from flows import receive_into_module, run_materialize, run_publish, run_receive
 from flows.maintenance import audit
 from flows.maintenance.mirror import run_mirror
-from flows.options import DELTA_CODECS, PublishOptions
+from flows.options import DELTA_CODECS, PublishOptions, ReceiveOptions
 from flows.receive.follow import follow
 from flows.streaming import Streaming
 from storage import layout
@@ -108,10 +108,11 @@ def test_a_mirror_serves_cond_steps_bit_exact(published, tmp_path):
         assert_bits_equal(load_file(state), cks[step])
 
 
-def test_a_streaming_follower_prefetches_cond_chunks_and_decodes_them_after_the_commit(tmp_path):
+@pytest.mark.parametrize("blocks", [1, 4], ids=["runs", "column-blocks"])
+def test_a_streaming_follower_prefetches_cond_chunks_and_decodes_them_after_the_commit(tmp_path, blocks):
     root = str(tmp_path / "root")
-    cks = chain_of_steps(3, seed=44, ulps=0.6)
-    run_publish(root, cks[0], 0, options=_opts(tmp_path, chunk_bytes=256))
+    cks = chain_of_steps(3, seed=44, ulps=0.6, wide=blocks > 1)
+    run_publish(root, cks[0], 0, options=_opts(tmp_path, chunk_bytes=256, column_blocks=blocks))
     state = tmp_path / "f.safetensors"
     run_receive(root, "f", str(state), 0)
     hits = PREFETCHED.hits
@@ -133,12 +134,26 @@ def test_a_streaming_follower_prefetches_cond_chunks_and_decodes_them_after_the_
     t.start()
     assert polling.wait(60), "the follower never polled"
     with events.failpoints("chunk.stored@*=sleep(0.02)"):
-        run_publish(root, cks[1], 1, options=_opts(tmp_path, chunk_bytes=256))
-        run_publish(root, cks[2], 2, options=_opts(tmp_path, chunk_bytes=256))
+        run_publish(root, cks[1], 1, options=_opts(tmp_path, chunk_bytes=256, column_blocks=blocks))
+        run_publish(root, cks[2], 2, options=_opts(tmp_path, chunk_bytes=256, column_blocks=blocks))
     t.join(120)
     assert not t.is_alive() and not errors, errors
     assert_bits_equal(load_file(state), cks[2])
     assert PREFETCHED.hits > hits  # chunks fetched before the commit were taken by the refit
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["rewrite", "in-place"])
+def test_cond_chunks_in_column_blocks_refit_forward_and_back(tmp_path, in_place):
+    """A column block's cond frame decodes against the held bits gathered from its rows."""
+    root = str(tmp_path / "root")
+    cks = chain_of_steps(4, seed=45, ulps=0.6, wide=True)
+    for i, ck in enumerate(cks):
+        run_publish(root, ck, i, options=_opts(tmp_path, chunk_bytes=256, column_blocks=4))
+    assert any(e.grid.is_blocked and e.n_stored for e in Catalog(Root(root)).manifest(2).tensors.values())
+    state = tmp_path / "rx.safetensors"
+    for step in [0, 3, 1, 2, 0, 3]:
+        run_receive(root, "rx", str(state), step, options=ReceiveOptions(in_place=in_place))
+        assert_bits_equal(load_file(state), cks[step])
 
 
 def _bits(module: torch.nn.Module) -> dict[str, torch.Tensor]:
