@@ -252,7 +252,7 @@ def _serve_s3(conn, bandwidth: float) -> None:
             msg = conn.recv()
             if msg == "counts":
                 # with the CPU seconds this process (server and proxy) has used, on the same cores
-                conn.send({**proxy.counts(), "cpu_s": time.process_time()})
+                conn.send({**proxy.counts(), "kinds": dict(proxy.kinds), "cpu_s": time.process_time()})
             elif isinstance(msg, tuple) and msg[0] == "bandwidth":
                 proxy.bandwidth = msg[1]
                 conn.send(True)

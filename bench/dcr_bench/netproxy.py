@@ -93,8 +93,7 @@ class ThrottledProxy:
         self.up.rate = self.down.rate = rate
 
     def counts(self) -> dict:
-        return {"requests": self.requests, "bytes_up": self.up.bytes, "bytes_down": self.down.bytes,
-                "kinds": dict(self.kinds)}
+        return {"requests": self.requests, "bytes_up": self.up.bytes, "bytes_down": self.down.bytes}
 
     def close(self) -> None:
         self.server.shutdown()

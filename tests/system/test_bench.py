@@ -77,4 +77,8 @@ def test_bench_end_to_end_through_s3_at_two_link_caps(tmp_path):
         assert e["dcr"]["wire_bytes"] >= 2 * e["dcr"]["bytes_stored"] > 0
         assert e["full"]["wire_bytes"] >= 2 * e["full"]["bytes"]
         assert e["dcr"]["link_s"] > 0 and e["dcr"]["server_cpu_s"] >= 0 and e["byte_ratio"] > 1
-    assert "server CPU s" in (tmp_path / "results.md").read_text()
+        kinds = e["dcr"]["request_kinds"]  # every request counted once, by what it touched
+        assert sum(kinds.values()) == e["dcr"]["requests"] and kinds["PUT chunk"] == kinds["GET chunk"] > 0
+        assert kinds["PUT manifest.json"] == kinds["PUT commit.json"] == 1
+    md = (tmp_path / "results.md").read_text()
+    assert "server CPU s" in md and "Requests of the in-process refit, by what they touch" in md
