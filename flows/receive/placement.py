@@ -182,9 +182,10 @@ class Demand:
     @classmethod
     def merged(cls, numel: int, starts: list[np.ndarray], stops: list[np.ndarray]) -> Demand:
         """The union of several sets of runs."""
-        if not starts:
-            return cls(numel, np.zeros(0, np.int64), np.zeros(0, np.int64))
-        a, b = np.concatenate(starts), np.concatenate(stops)
+        a = np.concatenate(starts) if starts else np.zeros(0, np.int64)
+        b = np.concatenate(stops) if stops else np.zeros(0, np.int64)
+        if not a.size:
+            return cls(numel, a.astype(np.int64), b.astype(np.int64))
         order = np.argsort(a, kind="stable")
         a, b = a[order], b[order]
         reach = np.maximum.accumulate(b)

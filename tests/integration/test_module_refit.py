@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import uuid
 
+import numpy as np
 import pytest
 import torch
 
 from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint, tp_group
+from dcr_core.chunking import ChunkGrid
 from flows import receive_into_module, run_publish
 from flows.options import PublishOptions
 from flows.receive import placement
@@ -287,3 +289,15 @@ class ByteSwapped(torch.nn.Module):
     def load_weights(self, weights):
         for _, t in weights:
             self.w.data.view(torch.uint8).view(6, 4, 2).copy_(t.contiguous().view(torch.uint8).view(6, 4, 2).flip(-1))
+
+
+def test_demand_runs_merge_overlaps_repeats_and_empty_pieces():
+    d = placement.Demand.of(20, np.array([5, 6, 7, 3, 4, 6, 12, 12, 13, 19]))
+    assert d.starts.tolist() == [3, 12, 19] and d.stops.tolist() == [8, 14, 20] and d.elements == 8
+    empty = placement.Demand.merged(20, [np.zeros(0, np.int64)], [np.zeros(0, np.int64)])
+    assert empty.elements == 0 and placement.Demand.merged(20, [], []).elements == 0
+    grid = ChunkGrid((5, 4), (1, 4))  # rows of 4: row 2 (elements 8..11) holds none
+    assert d.chunks(grid) == {0, 1, 3, 4}
+    blocks = ChunkGrid((5, 4), (3, 2))  # column blocks: (rows 0-2 | 3-4) x (cols 0-1 | 2-3)
+    assert d.chunks(blocks) == {0, 1, 2, 3}
+    assert placement.Demand.of(20, np.array([8, 9, 16])).chunks(blocks) == {0, 2}
