@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dcr_bench import commands, tp_pulls
+from dcr_bench import commands, scaling, tp_pulls
 from dcr_bench import data as bench_data
 from dcr_bench.condbound import conditional_stats
 from dcr_bench.e2e import S3Service, e2e_local, e2e_s3, e2e_summary, startup_s
@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="bytes/s caps of the S3 link, each direction, one end-to-end run per cap (default 50e6,10e6)")
     p.add_argument("--e2e-size", type=parse_size, help=f"model size of the end-to-end runs (default the largest size <= {E2E_MAX_PARAMS:.0e})")
     p.add_argument("--e2e-rates", type=lambda s: _list(s, _rate), help="change rates of the end-to-end runs (default 0.01,0.03,0.05)")
+    p.add_argument("--scaling-sizes", type=lambda s: _list(s, lambda x: 0 if x.strip() == "0" else parse_size(x)),
+                   help="checkpoint bytes of the cost-against-size section (default 200M,700M,1.35G,2.7G; --quick "
+                   "10M,40M; 0 skips it)")
     p.add_argument("--seed", type=int, default=0)
     return p
 
@@ -496,6 +499,8 @@ def markdown(results: dict) -> str:
         lines += tp_pulls.markdown(results["tp_pulls"])
     if results.get("commands"):
         lines += commands.markdown(results["commands"])
+    if results.get("scaling"):
+        lines += scaling.markdown(results["scaling"])
     for s in results["skipped"]:
         lines.append(f"\nSkipped: {s}")
     if results.get("plots_skipped"):
@@ -698,6 +703,8 @@ def plot(results: dict, out: str) -> list[str]:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)
+    if results.get("scaling"):
+        written.append(scaling.plot(results["scaling"], out, plt))
     return written
 
 
@@ -755,6 +762,12 @@ def run(a: argparse.Namespace, command: list[str]) -> dict:
         c = results["commands"]
         say(f"commands: publish {c['publish_best_s']:.2f}s vs zstd -1 -T1 {_f(c['zstd_1_T1_s'])}s; start-up "
             + ", ".join(f"{k} {v:.2f}s" for k, v in c["startup_s"].items()) + f" ({time.perf_counter() - t0:.1f}s)")
+        if a.scaling_sizes != [0]:
+            t0 = time.perf_counter()
+            results["scaling"] = scaling.measure(tmp, a.quick, seed=a.seed, sizes=a.scaling_sizes)
+            say("cost against size: " + "; ".join(
+                f"{r['pattern']} {r['bytes'] / 1e9:.2f} GB publish {r['publish_delta_s']:.2f}s in-place "
+                f"{r['receive_in_place_s']:.2f}s" for r in results["scaling"]["rows"]) + f" ({time.perf_counter() - t0:.1f}s)")
     results["wall_s"] = time.perf_counter() - t_start
     return results
 
@@ -849,6 +862,7 @@ def main(argv: list[str] | None = None) -> int:
                                                                 and s["methods"]["dcr_cond"]["same_bytes"])]
     inexact += [e for e in results["end_to_end"] if not (e["dcr"]["exact"] and e["cli"]["exact"])]
     inexact += [r for r in results.get("tp_pulls", {}).get("rows", []) if not r["exact"]]
+    inexact += [r for r in results.get("scaling", {}).get("rows", []) if not r["exact"]]
     if inexact:
         print("dcr bench: some refits were not bit-exact (see results.json)", file=sys.stderr)
         return 1

@@ -51,9 +51,12 @@ def test_quick_bench_writes_results(tmp_path):
     assert tp[(4, 1)]["share_ratio"] == [1.0] and len(tp[(4, 4)]["pulled_bytes"]) == 4
     c = results["commands"]
     assert c["publish_best_s"] > 0 and set(c["startup_s"]) == {"ls", "verify", "receive"}
+    sc = results["scaling"]["rows"]
+    assert [r["pattern"] for r in sc] == ["fixed rate"] * 2 + ["fixed change"] * 2 and all(r["exact"] for r in sc)
+    assert sc[2]["changed"] == sc[3]["changed"] < sc[1]["changed"] and sc[0]["bytes"] < sc[1]["bytes"]
     md = (tmp_path / "results.md").read_text()
     assert "Bytes per changed element" in md and "End to end" in md
-    assert "Per-rank pulls" in md and "zstd -q -1 -T1" in md
+    assert "Per-rank pulls" in md and "zstd -q -1 -T1" in md and "Cost against model size" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bytes_per_change.png").stat().st_size > 0
     else:
