@@ -218,7 +218,7 @@ def stored_positions(entry: TensorEntry, wanted: Container[int] | None = None) -
     """The stored positions of ``entry`` whose chunk index is in ``wanted`` (None: all)."""
     if wanted is None:
         return list(range(entry.n_stored))
-    return [p for p in range(entry.n_stored) if entry.stored_at(p)[1] in wanted]
+    return [p for p, index in enumerate(entry.stored_indices) if index in wanted]
 
 
 def read_chunks(root: Root, manifest: Manifest, entries: dict[str, TensorEntry], workers: int = 8,

@@ -233,6 +233,16 @@ class TensorEntry:
         """Stored chunk objects: main chunks first, then parts (positions ``0..n_stored-1``)."""
         return len(self.chunks) + (len(self.parts) if self.parts else 0)
 
+    @property
+    def stored_indices(self) -> tuple[int, ...]:
+        """The chunk index of every stored position (main chunks, then parts)."""
+        return self.chunks.indices + (self.parts.indices if self.parts else ())
+
+    @property
+    def stored_nbytes(self) -> tuple[int, ...]:
+        """The stored bytes of every stored position (main chunks, then parts)."""
+        return self.chunks.nbytes + (self.parts.nbytes if self.parts else ())
+
     def stored_at(self, pos: int) -> tuple[str, int, str, int]:
         """``(object key inside the store, chunk index, payload digest, stored bytes)`` of position ``pos``."""
         n = len(self.chunks)

@@ -241,5 +241,5 @@ def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers
         entries = move_entries(m, move)
         positions = {n: stored_positions(e, None if wanted is None else wanted(e)) for n, e in entries.items()}
         chunks[move.step] = read_chunks(root, m, entries, workers=workers, positions=positions)
-        pulled += sum(entries[n].stored_at(p)[3] for n in chunks[move.step] for p in positions[n])
+        pulled += sum(entries[n].stored_nbytes[p] for n in chunks[move.step] for p in positions[n])
     return Fetched(chunks, pulled, time.perf_counter() - t0)
