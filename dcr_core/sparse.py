@@ -9,11 +9,22 @@ from __future__ import annotations
 
 import numpy as np
 from dcr_zarr_codec import sparse as _frame
-from dcr_zarr_codec.sparse import _HEAD, DENSE, DENSE_ABOVE, MAGIC, SPARSE, VERSION, SparseFrameError, encode_sparse, nonzero
+from dcr_zarr_codec.sparse import (
+    _HEAD,
+    DENSE,
+    DENSE_ABOVE,
+    MAGIC,
+    SPARSE,
+    VERSION,
+    SparseFrameError,
+    encode_sparse,
+    nonzero,
+    xor_changes,
+)
 
 from dcr_core.errors import IntegrityError
 
-__all__ = ["_HEAD", "DENSE", "DENSE_ABOVE", "MAGIC", "SPARSE", "VERSION", "decode_sparse", "encode_sparse", "nonzero"]
+__all__ = ["_HEAD", "DENSE", "DENSE_ABOVE", "MAGIC", "SPARSE", "VERSION", "decode_sparse", "encode_sparse", "nonzero", "xor_changes"]
 
 
 def decode_sparse(data: bytes, storage: np.dtype, n: int) -> np.ndarray:

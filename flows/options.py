@@ -80,9 +80,9 @@ class PublishOptions(_Options):
 
 class ReceiveOptions(_Options):
     io_workers: int = Field(8, ge=1, le=1024, description="parallel object reads")
-    # Patch the state file in place (undo journal, only the changed elements written) instead of
+    # Patch the state file in place (a journal, only the changed elements written) instead of
     # rewriting it and renaming it into place; see flows.receive.in_place for the trade-off.
-    in_place: bool = Field(False, description="patch the state file in place behind an undo journal")
+    in_place: bool = Field(False, description="patch the state file in place behind a journal")
     lease_seconds: float = Field(
         3600.0, gt=0.0, description="how long gc keeps the steps a refit reads (its leases), at most",
     )

@@ -54,6 +54,21 @@ class Backend:
     def local(self) -> bool:
         return self.protocol in LOCAL
 
+    def read_workers(self, requested: int) -> int:
+        """Threads worth fetching chunks on. A local or in-memory ROOT has no latency to hide: a
+        fetch is a page-cache copy and the decode and digest of the chunk, all CPU, while the caller
+        applies what arrives on a core of its own; more threads than the other cores only contend
+        (an in-place refit of 1.35 GB on 2 cores: 1.7 s with 1 thread, 2.6 s with 4)."""
+        if self.protocol not in (*LOCAL, "memory"):
+            return requested
+        return max(1, min(requested, _cores() - 1))
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity where the platform says)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
+
 
 def protocol_of(url: str) -> str:
     return fsspec.utils.get_protocol(url)

@@ -193,6 +193,7 @@ def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = 8, window
     with at most ``window`` chunks in flight (default ``2 * workers``): memory stays bounded, and
     many small tensors do not cost one round trip each."""
     it = iter(jobs)
+    workers = root.backend.read_workers(workers)
     window = max(1, window or 2 * workers)
     pending: deque = deque()
     with BoundedPool(workers, window=window + 1, name="dcr-get") as pool:

@@ -9,7 +9,8 @@
  * has the same class before and after: the same frame decodes forward (held = old) and backward
  * (held = new). All arithmetic is on integers: bit-exact by construction.
  *
- * Python glue and the frame layout: cond.py. These functions release the GIL.
+ * Python glue and the frame layout: cond.py. These functions release the GIL. Beside them, the XOR-mask
+ * change scan of an in-place refit (``xor_changes``: sparse.py's ``xor_changes``).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -433,9 +434,82 @@ done:
     return result;
 }
 
+/* xor_changes(held, mask, out, positions, old, new, itemsize, wide, base) -> k: ``out = held ^ mask``, and,
+ * for every non-zero element i of ``mask`` in ascending order, ``positions[j] = base + i`` (int64 when
+ * ``wide``, else uint32), ``old[j] = held[i]``, ``new[j] = out[i]``. -1 when the mask has more
+ * changes than the outputs hold (nothing past them is written). One pass where numpy needs four
+ * (XOR, a word scan, two gathers); the mask is scanned by 64-bit words, so zero runs cost little. */
+#define XOR_CHANGES(T, P)                                                                          \
+    static Py_ssize_t xor_changes_##T##_##P(const T *restrict held, const T *restrict mask, T *restrict out, \
+                                            Py_ssize_t n, P *restrict pos, T *restrict old,            \
+                                            T *restrict nw, Py_ssize_t cap, int64_t base) {          \
+        for (Py_ssize_t i = 0; i < n; i++) out[i] = held[i] ^ mask[i];                             \
+        const Py_ssize_t per = 8 / (Py_ssize_t)sizeof(T), whole = n / per * per;                   \
+        Py_ssize_t k = 0;                                                                          \
+        for (Py_ssize_t i = 0; i < n; i += per) {                                                  \
+            if (i < whole) {                                                                       \
+                uint64_t w;                                                                        \
+                memcpy(&w, mask + i, 8);                                                           \
+                if (!w) continue;                                                                  \
+                if (k + per <= cap) { /* branch-free: write every element, keep the changed */    \
+                    for (Py_ssize_t e = i; e < i + per; e++) {                                     \
+                        pos[k] = (P)(base + e); old[k] = held[e]; nw[k] = out[e];                  \
+                        k += mask[e] != 0;                                                         \
+                    }                                                                              \
+                    continue;                                                                      \
+                }                                                                                  \
+            }                                                                                      \
+            for (Py_ssize_t e = i; e < i + per && e < n; e++) { /* the tail, or near the outputs' end */ \
+                if (!mask[e]) continue;                                                            \
+                if (k == cap) return -1;                                                           \
+                pos[k] = (P)(base + e); old[k] = held[e]; nw[k] = out[e]; k++;                     \
+            }                                                                                      \
+        }                                                                                          \
+        return k;                                                                                  \
+    }
+#define XOR_CHANGES_2(T) XOR_CHANGES(T, uint32_t) XOR_CHANGES(T, int64_t)
+XOR_CHANGES_2(uint8_t)
+XOR_CHANGES_2(uint16_t)
+XOR_CHANGES_2(uint32_t)
+XOR_CHANGES_2(uint64_t)
+
+static PyObject *xor_changes(PyObject *self, PyObject *args) {
+    Py_buffer held, mask, out, pos, old, nw;
+    int itemsize, wide;
+    long long base;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*w*ipL", &held, &mask, &out, &pos, &old, &nw, &itemsize, &wide, &base))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = held.len / (itemsize > 0 ? itemsize : 1), cap = old.len / (itemsize > 0 ? itemsize : 1);
+    if (!(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8) || held.len % itemsize ||
+        mask.len != held.len || out.len != held.len || old.len != nw.len || old.len % itemsize ||
+        pos.len != cap * (wide ? 8 : 4) || base < 0 || (!wide && base + n > ((long long)1 << 32))) {
+        PyErr_SetString(PyExc_ValueError, "xor_changes: bad arguments");
+        goto done;
+    }
+    Py_ssize_t k = 0;
+    Py_BEGIN_ALLOW_THREADS
+    switch (itemsize) {
+#define CALL(T) k = wide ? xor_changes_##T##_int64_t(held.buf, mask.buf, out.buf, n, pos.buf, old.buf, nw.buf, cap, base) \
+                     : xor_changes_##T##_uint32_t(held.buf, mask.buf, out.buf, n, pos.buf, old.buf, nw.buf, cap, base)
+    case 1: CALL(uint8_t); break;
+    case 2: CALL(uint16_t); break;
+    case 4: CALL(uint32_t); break;
+    default: CALL(uint64_t); break;
+#undef CALL
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(k);
+done:
+    PyBuffer_Release(&held); PyBuffer_Release(&mask); PyBuffer_Release(&out);
+    PyBuffer_Release(&pos); PyBuffer_Release(&old); PyBuffer_Release(&nw);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "encode(old, mask, itemsize, eshift, ebits, k) -> sections"},
     {"decode", decode, METH_VARARGS, "decode(held, out, itemsize, eshift, ebits, forward, in_place, *sections)"},
+    {"xor_changes", xor_changes, METH_VARARGS, "xor_changes(held, mask, out, positions, old, new, itemsize, wide, base) -> k"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -20,6 +20,8 @@ import struct
 import numpy as np
 from numcodecs import Zstd
 
+from dcr_zarr_codec import _condk  # the C kernels (built with this package)
+
 
 class SparseFrameError(ValueError):
     """A chunk that is not a valid sparse frame of the expected size (corrupt, truncated, foreign)."""
@@ -94,6 +96,23 @@ def nonzero(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     64-bit words (several times faster than ``np.flatnonzero`` on sparse masks)."""
     mask = np.ascontiguousarray(mask).reshape(-1)
     return _changes(mask, *_word_hits(mask))
+
+
+def xor_changes(held: np.ndarray, mask: np.ndarray, out: np.ndarray, positions: np.ndarray, old: np.ndarray,
+                new: np.ndarray, base: int = 0) -> int:
+    """``out = held ^ mask`` (flat, one unsigned dtype) and every change the mask makes, in one pass:
+    for the j-th non-zero element i of ``mask``, ``positions[j] = base + i`` (``positions`` is uint32
+    or int64), ``old[j] = held[i]``, ``new[j] = out[i]``. Returns how many there are; ``ValueError``
+    when the outputs cannot hold them all (the caller sized them from what it was told to expect)."""
+    if not (held.dtype == mask.dtype == out.dtype == old.dtype == new.dtype) or positions.dtype not in (
+        np.dtype("<u4"), np.dtype("<i8")
+    ) or not (positions.size == old.size == new.size):
+        raise ValueError("xor_changes: held, mask, out, old and new share one dtype; positions are uint32 or int64")
+    k = _condk.xor_changes(held, mask, out, positions, old, new, held.dtype.itemsize, positions.dtype.itemsize == 8,
+                           base)
+    if k < 0:
+        raise ValueError(f"the mask has more than the {old.size} changes expected")
+    return k
 
 
 def encode_sparse(mask: np.ndarray, level: int = 3) -> bytes:

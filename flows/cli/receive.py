@@ -45,7 +45,7 @@ def add_arguments(name: str, p) -> None:
                    help="how long dcr gc keeps the steps a refit reads, at most (default 3600; released when done)")
     p.add_argument(
         "--in-place", action="store_true",
-        help="patch the state file in place (undo journal; writes only the changed elements) instead of "
+        help="patch the state file in place (a journal; writes only the changed elements) instead of "
         "rewriting it; readers must not read the file while a receive runs",
     )
 

@@ -8,21 +8,25 @@ every 4 KiB page, so the disk writes about the file once either way; what is sav
 read and the second copy):
 
 1. *Compute* (``stage_patch``; the file is not touched), tensor by tensor, with chunks fetched and
-   verified as they arrive. One XOR delta (the common case): the changed positions are the masks'
-   non-zero elements, old values are read from the memory-mapped file, and the new tensor (held
-   bits between stored chunks, held XOR mask within them) is hashed as it streams by: no copy of
-   the tensor. Otherwise (several moves, overwrites, shared parts, piecewise digests): the held bits
-   are copied into a scratch buffer, every chunk applied, and the elements that differ kept. Either
+   verified as they arrive. One XOR delta (the common case): one pass per chunk over the held bits
+   (memory-mapped) and the mask (``sparse.xor_changes``, C) gives the new bits of the chunk and
+   every change as (position, old value, new value), into arrays sized by the manifest's count of
+   changed elements; the new tensor is hashed as it streams by: no copy of the tensor. Otherwise
+   (several moves, overwrites, shared parts, piecewise digests, column blocks): the held bits are
+   copied into a scratch buffer, every chunk applied, and the elements that differ kept. Either
    way the result is checked against the target step's digest, and a tensor no move touches is
    checked in place. For XOR deltas the result matches its digest exactly when the held bits were
-   the base's, so this also checks the held state. The undo journal (``storage.local.journal``:
+   the base's, so this also checks the held state. The journal (``storage.local.journal``:
    positions, old and new values, both headers) is staged durably under a temp name.
-2. *Install* (``flows.receive.state_file.install_state``): the journal is put in force (renamed),
-   the new values and the new header (same length, padded) are written into the file, it is
-   fsynced and the journal deleted.
+2. *Install* (``flows.receive.state_file.install_state``): the journal is put in force (renamed
+   ``.undo``), the new values and the new header (same length, padded) are written into the file's
+   page cache, and the journal is renamed ``.redo``: committed. The file is not fsynced here; the
+   kernel writes the pages back, and the next receive (or ``consistent_state``) settles the patch:
+   new values where the file differs, fsync, journal deleted.
 
-A crash in step 2 leaves the journal; the next receive of that state (under the state's lock)
-rolls the file back to its old step before anything else, so a retry ends bit-exact. Not atomic
+A crash before the commit leaves ``.undo``: the next receive of that state (under the state's lock)
+rolls the file back to its old step before anything else, so a retry ends bit-exact. A crash or a
+power loss after it leaves ``.redo``: the next receive rolls the file forward to the new step. Not atomic
 for other readers: a process reading the state file while a patch runs, or after a crash cut one
 off and before the next receive, can see a mix of two steps. Readers outside DCR read inside
 ``storage.local.state.consistent_state(path)``, or use the default rewrite. Memory: the journal is
@@ -43,7 +47,7 @@ from dcr_core import events, sparse
 from dcr_core.delta import Encoding, apply_chunk, resolve
 from dcr_core.digest import TensorHasher
 from dcr_core.dtypes import DTYPES
-from dcr_core.errors import StateMismatchError
+from dcr_core.errors import IntegrityError, StateMismatchError
 from flows.options import ReceiveOptions
 from storage import reader
 from storage.chunk_io import stream_chunks
@@ -82,15 +86,19 @@ def _streamable(entries, e_target):
     return e if all(e.encoding_at(p) is Encoding.XOR for p in range(e.n_stored)) else None
 
 
-def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = True):
+def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = True, step: int | None = None):
     """The changes one XOR delta makes to a tensor, from its masks alone (chunks in index order):
-    positions are the masks' non-zero elements; the new tensor is hashed as it streams by (held
-    bits between stored chunks, held XOR mask within them). False if the result misses its digest."""
+    positions are the masks' non-zero elements, found with the new bits in one pass per chunk
+    (``sparse.xor_changes``) into arrays sized by the entry's count of changed elements; the new
+    tensor is hashed as it streams by (held bits between stored chunks, held XOR mask within them).
+    False if the result misses its digest."""
     h = TensorHasher()
     grid = e.grid
     buf = np.empty(min(math.prod(grid.chunk_shape), held_bits.size), held_bits.dtype)  # reused per chunk
-    at = 0
-    positions, old, new = [], [], []
+    cap = min(e.changed, held_bits.size)  # an XOR mask's non-zero elements are the changed ones
+    positions = np.empty(cap, _position_dtype(held_bits.size))
+    old, new = np.empty(cap, held_bits.dtype), np.empty(cap, held_bits.dtype)
+    at = k = 0
     for _ in range(e.n_stored):
         _, _, index, payload = next(stream)
         start, stop = grid.chunk_range(index)
@@ -99,17 +107,24 @@ def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = Tr
         if start < at or payload.shape != (stop - start,):
             raise StateMismatchError(f"tensor {e.name!r}: chunk {index} out of order or of the wrong size")
         h.update(held_bits[at:start])
-        chunk = np.bitwise_xor(held_chunk, payload, out=buf[: stop - start])
+        chunk = buf[: stop - start]
+        try:
+            k += sparse.xor_changes(held_chunk, np.ascontiguousarray(payload).view(held_bits.dtype), chunk,
+                                    positions[k:], old[k:], new[k:], base=start)
+        except ValueError:
+            raise IntegrityError(f"tensor {e.name!r} (refit to step {step}): its stored chunks change more than the "
+                                 f"{e.changed} elements its manifest entry lists") from None
         h.update(chunk)
-        nz, _ = sparse.nonzero(payload)
-        positions.append(nz + start)
-        old.append(held_chunk[nz])
-        new.append(chunk[nz])
         at = stop
     h.update(held_bits[at:])
     if h.hexdigest() != e_target.digest:
         return False
-    return np.concatenate(positions), np.concatenate(old), np.concatenate(new)
+    return positions[:k], old[:k], new[:k]
+
+
+def _position_dtype(numel: int) -> np.dtype:
+    """How a journal stores a tensor's positions: uint32 below 2^32 elements, else int64."""
+    return np.dtype("<u4") if numel < 1 << 32 else np.dtype("<i8")
 
 
 def _applied_on_copy(held_bits: np.ndarray, entries, e_target, stream, scratch: np.ndarray, forwards: list[bool]):
@@ -182,7 +197,7 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
                     changes = None
                 elif (one := _streamable(entries, e_target)) is not None:
                     forward = next(f for e, f in zip(entries, forwards) if e is one)
-                    changes = _xor_streamed(held_bits, one, e_target, stream, forward)
+                    changes = _xor_streamed(held_bits, one, e_target, stream, forward, plan.target_step)
                 else:
                     if scratch is None:
                         scratch = np.empty(max(e.nbytes for e in target.tensors.values()), np.uint8)
@@ -194,9 +209,9 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
                         raise reader.held_mismatch(state_path, name, held.step)
                     raise reader.result_mismatch(plan.target_step, name)
                 if changes is not None and changes[0].size:
-                    pos_dtype = np.dtype("<u4") if held_bits.size < 1 << 32 else np.dtype("<i8")
                     records.append(journal.Record(
-                        ck.data_offset(name), held_bits.dtype.itemsize, changes[0].astype(pos_dtype), *changes[1:],
+                        ck.data_offset(name), held_bits.dtype.itemsize,
+                        changes[0].astype(_position_dtype(held_bits.size), copy=False), *changes[1:],
                     ))
             if next(stream, None) is not None:
                 raise StateMismatchError("more chunks fetched than applied")  # pragma: no cover - invariant

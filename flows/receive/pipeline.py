@@ -1,7 +1,7 @@
 """The receiver's pipelines: the order of its steps, written once, run in-process or as Prefect tasks.
 
 - a state file (``run_receive``): under the state's lock (one writer per file; a cut-off in-place
-  patch rolled back first), plan, then stage the refit and install it (or verify the held state
+  patch settled first), plan, then stage the refit and install it (or verify the held state
   when there is nothing to apply), then record the receiver's commit;
 - ``run_materialize``: the same into a fresh file, with no receiver record.
 A live module's pipeline is ``flows.receive.module_pipeline`` (it needs torch; this one does not).
@@ -78,12 +78,14 @@ def run_receive(
     state_path = state_file.check_path(state_path)
     tasks = STATE_STEPS.bind(runner or InProcess())
     with state.exclusive(state_path):  # one writer per state file; leftovers of a killed one removed
-        if fresh:  # rewritten whole; still undo a cut-off patch first, so a failed rewrite leaves a whole step
+        if fresh:  # rewritten whole; still settle a patch first, so a failed rewrite leaves a whole step
             with contextlib.suppress(StateMismatchError):  # a damaged or foreign journal: moot here
-                journal.roll_back(state_path)
+                journal.settle(state_path)
             journal.remove(state_path)
-        elif journal.roll_back(state_path) is not None:  # an in-place patch was cut off: undo it first
-            log.warning("%s: rolled back an interrupted in-place refit", state_path)
+        else:  # an in-place patch: a committed one rolled forward (and fsynced), a cut-off one back
+            cut_off = os.path.exists(journal.journal_path(state_path))
+            if journal.settle(state_path) is not None and cut_off:
+                log.warning("%s: rolled back an interrupted in-place refit", state_path)
         leased: list[int] = []
         try:
             def stage(p: RefitPlan):

@@ -1,7 +1,7 @@
 """A receiver's state file, step by step: plan, stage the refit beside the file, install it, record.
 
 Order and why: plan (read and verify markers and manifests), then stage the refit next to the
-state file without touching it (a whole new file, or an undo journal of an in-place patch: see
+state file without touching it (a whole new file, or the journal of an in-place patch: see
 ``flows.receive.in_place``), and only then install it (an atomic rename, or the journal put in
 force and the patch written). A failure anywhere before the install leaves the state file exactly
 as it was; a staged file left by a crash is removed by the next receive (the state's lock). Every
@@ -30,7 +30,7 @@ log = logging.getLogger("dcr.receive")
 
 @dataclass(frozen=True)
 class Staged:
-    """A refit ready to install: a finished new state file, or a staged undo journal (in place)."""
+    """A refit ready to install: a finished new state file, or a staged journal (in place)."""
 
     state_path: str
     path: str  # the new file, or the staged journal
@@ -44,7 +44,7 @@ def plan_receive(root: RootRef, state_path: str, step: int | None, fresh: bool =
     r = open_root(root)
     current = None
     if not fresh:
-        origin = state.peek_origin(state_path)  # None: no file, or a cut-off patch (its roll back decides)
+        origin = state.peek_origin(state_path)  # None: no file, or a pending patch (settling it decides)
         if origin is not None:
             check_origin(Catalog(r), state_path, origin)
         current = origin[0] if origin is not None else state.peek_step(state_path)
@@ -162,8 +162,9 @@ def stage_rewrite(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> 
 
 def install_state(staged: Staged) -> None:
     """Make the staged refit the state: rename the new file over it, or put the journal in force,
-    patch and fsync the file, then delete the journal (a crash mid-patch is rolled back by the next
-    receive)."""
+    patch the file (page cache) and commit the patch (the journal becomes a redo journal; the file's
+    fsync is left to the kernel's writeback and the next ``journal.settle``). A crash before the
+    commit is rolled back by the next receive, one after it rolled forward."""
     if not staged.in_place:
         install(staged.path, staged.state_path)
         events.reached("receive.replaced", path=staged.state_path)
@@ -171,7 +172,7 @@ def install_state(staged: Staged) -> None:
     journal.activate(staged.state_path, staged.path)
     patch = journal.read(staged.state_path)
     try:
-        journal.put(staged.state_path, patch, "new")
+        journal.put(staged.state_path, patch, "new", durable=False)
     except BaseException:
         try:  # at once if possible; the next receive rolls back anyway
             journal.roll_back(staged.state_path)
@@ -180,7 +181,7 @@ def install_state(staged: Staged) -> None:
                         staged.state_path, undo)
         raise
     events.reached("receive.patch-written", path=staged.state_path)
-    journal.remove(staged.state_path)
+    journal.commit(staged.state_path)
     events.reached("receive.patched", path=staged.state_path)
 
 

@@ -261,7 +261,7 @@ class DCRWorkerExtension:
         lock = contextlib.ExitStack()
         lock.enter_context(state.exclusive(mirror))  # one refit per mirror; held until applied or aborted
         try:
-            journal.roll_back(mirror)  # a mirror is never patched in place; a foreign journal is undone
+            journal.settle(mirror)  # a mirror is never patched in place; a foreign journal is settled
             model = self._dcr_model()
             fp = vllm_state.fingerprint(model)
             held = getattr(self, "_dcr_held", None)

@@ -1,1 +1,1 @@
-"""Files on local disk: safetensors checkpoints, receiver state files and their undo journals, DCP metadata."""
+"""Files on local disk: safetensors checkpoints, receiver state files and their journals, DCP metadata."""

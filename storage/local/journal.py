@@ -1,15 +1,22 @@
-"""The undo journal of a state file patched in place (``dcr receive --in-place``).
+"""The journal of a state file patched in place (``dcr receive --in-place``).
 
 Before the first byte of a state file changes, the receiver writes ``.<name>.undo`` beside it
 (temp file, fsync, rename, directory fsync): every element it is about to change, as (file
 offset of its tensor, element size, positions, old values, new values), plus the old and the new
-safetensors header. Then it writes the new values and the new header in place, fsyncs the file
-and deletes the journal. The header keeps its length (it is padded), so no tensor moves.
+safetensors header. Then it writes the new values and the new header in place (into the page
+cache: no fsync of the file) and renames the journal to ``.<name>.redo`` (directory fsync): the
+refit is committed. The header keeps its length (it is padded), so no tensor moves.
 
-A journal that exists means a patch may have been cut off anywhere. ``roll_back`` puts the old
-values and the old header back (idempotent: it only writes absolute values, so a crash during a
-roll back is repaired by rolling back again) and then deletes the journal: the file holds its old
-step again, byte for byte, and the next receive redoes the refit.
+- ``.undo``: a patch may have been cut off anywhere. ``roll_back`` puts the old values and the
+  old header back (idempotent: it only writes absolute values, so a crash during a roll back is
+  repaired by rolling back again), fsyncs the file and deletes the journal: the file holds its
+  old step again, byte for byte, and the next receive redoes the refit.
+- ``.redo``: the patch was written whole, but the file's pages may not be on disk yet (a power
+  loss can still tear them). ``roll_forward`` writes the new values where the file differs (after
+  the same process or boot nothing differs, so no page is dirtied twice), fsyncs the file and
+  deletes the journal. The disk writes the patched pages in the background meanwhile (the
+  kernel's writeback), so a receive does not wait for them; the next writer of the file, or a
+  reader inside ``consistent_state``, does (``settle``), usually finding them written.
 
 File layout: ``DCRUNDO1``, u64 length of a JSON head, the head, then per record the positions
 (uint32, or int64 for tensors past 2^32 elements), the old values and the new values, then a
@@ -38,9 +45,10 @@ _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _POS = {"<u4": np.dtype("<u4"), "<i8": np.dtype("<i8")}
 
 
-def journal_path(state_path: str) -> str:
+def journal_path(state_path: str, kind: str = "undo") -> str:
+    """The journal of a patch in progress (``undo``) or committed and not yet on disk (``redo``)."""
     directory, name = os.path.split(os.path.realpath(state_path))  # one journal per file, whatever the path
-    return os.path.join(directory, f".{name}.undo")
+    return os.path.join(directory, f".{name}.{kind}")
 
 
 @dataclass
@@ -124,16 +132,16 @@ def activate(state_path: str, staged: str) -> str:
 
 def _damaged(path: str, state_path: str) -> StateMismatchError:
     return StateMismatchError(
-        f"{path}: damaged undo journal; {state_path} may be half patched: remove both and receive again"
+        f"{path}: damaged journal; {state_path} may be half patched: remove both and receive again"
     )
 
 
-def _head(data: bytes, path: str, state_path: str) -> tuple[dict, int]:
-    if data[:8] != MAGIC or len(data) < 16:
+def _head(data: bytes | memoryview, path: str, state_path: str) -> tuple[dict, int]:
+    if bytes(data[:8]) != MAGIC or len(data) < 16:
         raise _damaged(path, state_path)
     (n,) = struct.unpack("<Q", data[8:16])
     try:
-        head = json.loads(data[16:16 + n])
+        head = json.loads(bytes(data[16:16 + n]))
         if not isinstance(head, dict):
             raise ValueError
     except (ValueError, RecursionError):
@@ -141,25 +149,28 @@ def _head(data: bytes, path: str, state_path: str) -> tuple[dict, int]:
     return head, 16 + n
 
 
-def read_from_step(state_path: str) -> int | None:
-    """The step a cut-off patch of ``state_path`` rolls back to (head only, unverified), or None."""
-    path = journal_path(state_path)
-    try:
-        with open(path, "rb") as f:
-            data = f.read(16)
-            if len(data) == 16 and data[:8] == MAGIC:
-                data += f.read(min(struct.unpack("<Q", data[8:16])[0], 64 << 20))
-    except FileNotFoundError:
-        return None
-    head, _ = _head(data, path, state_path)
-    step = head.get("from_step")
-    if not isinstance(step, int) or step < 0:
-        raise _damaged(path, state_path)
-    return step
+def pending_step(state_path: str) -> int | None:
+    """The step ``settle`` leaves ``state_path`` at (heads only, unverified): a committed patch's new
+    step (``.redo``), a cut-off one's old step (``.undo``); None when no journal is pending."""
+    for kind, key in (("redo", "to_step"), ("undo", "from_step")):
+        path = journal_path(state_path, kind)
+        try:
+            with open(path, "rb") as f:
+                data = f.read(16)
+                if len(data) == 16 and data[:8] == MAGIC:
+                    data += f.read(min(struct.unpack("<Q", data[8:16])[0], 64 << 20))
+        except FileNotFoundError:
+            continue
+        head, _ = _head(data, path, state_path)
+        step = head.get(key)
+        if not isinstance(step, int) or step < 0:
+            raise _damaged(path, state_path)
+        return step
+    return None
 
 
 def read(state_path: str, path: str | None = None) -> Journal | None:
-    """The journal of ``state_path`` (or the staged one at ``path``), or None if there is none;
+    """The undo journal of ``state_path`` (or the journal at ``path``), or None if there is none;
     refuses a damaged one (its trailer digest covers the head and every record)."""
     path = path or journal_path(state_path)
     try:
@@ -170,7 +181,7 @@ def read(state_path: str, path: str | None = None) -> Journal | None:
     bad = _damaged(path, state_path)
     if len(data) < 16 + 32 or blake3.blake3(memoryview(data)[:-32]).digest() != data[-32:]:
         raise bad
-    head, start = _head(data[:-32], path, state_path)
+    head, start = _head(memoryview(data)[:-32], path, state_path)  # a view: the records are not copied
     try:
         records_meta = [(int(o), int(s), int(c), _POS[p]) for o, s, c, p in head["records"]]
         old_header, new_header = bytes.fromhex(head["old_header"]), bytes.fromhex(head["new_header"])
@@ -198,32 +209,87 @@ def read(state_path: str, path: str | None = None) -> Journal | None:
     return Journal(from_step, to_step, old_header, new_header, records)
 
 
-def put(state_path: str, journal: Journal, which: str) -> None:
-    """Write the ``which`` ("old" or "new") values and header into the state file and fsync it
-    (the point ``receive.patch-record``, or ``receive.rollback-record``, is reached after each record)."""
+def put(state_path: str, journal: Journal, which: str, durable: bool = True, differing: bool = False) -> None:
+    """Write the ``which`` ("old" or "new") values and header into the state file, then fsync it
+    unless ``durable`` is false (the point ``receive.patch-record``, or ``receive.rollback-record``,
+    is reached after each record). With ``differing``, only elements that differ are written (a
+    roll forward over a patch that is mostly in place dirties no page twice)."""
     with open(state_path, "r+b") as f:
         size = os.fstat(f.fileno()).st_size
         for i, r in enumerate(journal.records):
             if r.positions.size:
                 count = int(r.positions[-1]) + 1
                 if r.offset + count * r.itemsize > size:
-                    raise StateMismatchError(f"{state_path}: shorter than its undo journal says; remove both and receive again")
+                    raise StateMismatchError(f"{state_path}: shorter than its journal says; remove both and receive again")
                 view = np.memmap(f, dtype=_UINT[r.itemsize], mode="r+", offset=r.offset, shape=(count,))
-                view[r.positions] = r.old if which == "old" else r.new  # fsync below writes it back
+                values = r.old if which == "old" else r.new
+                if differing:
+                    off = np.flatnonzero(view[r.positions] != values)
+                    view[r.positions[off]] = values[off]
+                else:
+                    view[r.positions] = values  # the page cache has it; fsync below or later writes it back
                 del view
             events.reached("receive.patch-record" if which == "new" else "receive.rollback-record",
                            index=i, of=len(journal.records))
+        header = journal.old_header if which == "old" else journal.new_header
         f.seek(0)
-        f.write(journal.old_header if which == "old" else journal.new_header)
+        if not differing or f.read(len(header)) != header:
+            f.seek(0)
+            f.write(header)
         f.flush()
-        os.fsync(f.fileno())
+        if durable:
+            os.fsync(f.fileno())
+
+
+def commit(state_path: str) -> str:
+    """The patch is written whole (not yet fsynced): rename the undo journal to the redo journal
+    (directory fsync). From here on the file settles forward, to the new step."""
+    undo, redo = journal_path(state_path), journal_path(state_path, "redo")
+    os.replace(undo, redo)
+    fsync_dir(os.path.dirname(redo))
+    return redo
+
+
+def roll_forward(state_path: str) -> int | None:
+    """Finish a committed patch of ``state_path``: its new values where the file differs, fsync,
+    delete the redo journal; returns the step it holds (None: no redo journal)."""
+    path = journal_path(state_path, "redo")
+    journal = read(state_path, path)
+    if journal is None:
+        return None
+    if os.path.exists(state_path):
+        _check_header(state_path, journal, path)
+        put(state_path, journal, "new", differing=True)
+    os.unlink(path)
+    fsync_dir(os.path.dirname(path))
+    return journal.to_step
+
+
+def settle(state_path: str) -> int | None:
+    """Leave ``state_path`` holding one whole step on disk: a committed patch rolled forward, a
+    cut-off one rolled back. Returns the step it settled at, or None when no journal was pending."""
+    forward = roll_forward(state_path)
+    back = roll_back(state_path)  # none after a redo journal, unless a foreign tool left both
+    return back if back is not None else forward
+
+
+def _check_header(state_path: str, journal: Journal, path: str) -> None:
+    with open(state_path, "rb") as f:
+        head = f.read(len(journal.old_header))
+    if head not in (journal.old_header, journal.new_header):  # every crash leaves one of the two
+        raise StateMismatchError(
+            f"{path}: journal of another file (the header of {state_path} is neither side of its patch); "
+            "remove the journal if the file is intact"
+        )
 
 
 def remove(state_path: str) -> None:
-    path = journal_path(state_path)
-    if os.path.exists(path):
-        os.unlink(path)
-        fsync_dir(os.path.dirname(path))
+    """Delete both journals of ``state_path`` (a fresh rewrite replaces the whole file)."""
+    for kind in ("undo", "redo"):
+        path = journal_path(state_path, kind)
+        if os.path.exists(path):
+            os.unlink(path)
+            fsync_dir(os.path.dirname(path))
 
 
 def roll_back(state_path: str) -> int | None:
@@ -232,13 +298,7 @@ def roll_back(state_path: str) -> int | None:
     if journal is None:
         return None
     if os.path.exists(state_path):
-        with open(state_path, "rb") as f:
-            head = f.read(len(journal.old_header))
-        if head not in (journal.old_header, journal.new_header):  # every crash leaves one of the two
-            raise StateMismatchError(
-                f"{journal_path(state_path)}: undo journal of another file (the header of {state_path} is neither "
-                "side of its patch); remove the journal if the file is intact"
-            )
+        _check_header(state_path, journal, journal_path(state_path))
         put(state_path, journal, "old")
     remove(state_path)
     return journal.from_step

@@ -49,20 +49,20 @@ def claimed_step(meta: dict[str, str], path: str) -> int:
 
 def peek_step(path: str) -> int | None:
     """The step a receiver's state file holds (header only), or None if the file does not exist.
-    With a cut-off in-place patch pending, the step its roll back returns to."""
+    With an in-place patch pending, the step it settles at (``journal.settle``)."""
     if not os.path.exists(path):
         return None
-    from_step = journal.read_from_step(path)
-    if from_step is not None:
-        return from_step
+    pending = journal.pending_step(path)
+    if pending is not None:
+        return pending
     with SafetensorsCheckpoint(path) as ck:
         return claimed_step(ck.metadata, path)
 
 
 def peek_origin(path: str) -> tuple[int, str | None, str | None] | None:
     """(step, policy digest, ROOT URL) a state file's metadata records, or None when the file does not
-    exist or a cut-off in-place patch is pending (its roll back decides what it holds)."""
-    if not os.path.exists(path) or journal.read_from_step(path) is not None:
+    exist or an in-place patch is pending (settling it decides what it holds)."""
+    if not os.path.exists(path) or journal.pending_step(path) is not None:
         return None
     with SafetensorsCheckpoint(path) as ck:
         return claimed_step(ck.metadata, path), ck.metadata.get(POLICY), ck.metadata.get(ROOT)
@@ -104,12 +104,13 @@ def exclusive(path: str | os.PathLike) -> Iterator[None]:
 
 @contextlib.contextmanager
 def consistent_state(path: str) -> Iterator[str]:
-    """Hold the lock of the state file at ``path`` and undo a cut-off in-place patch first, so a
-    reader inside sees exactly one step (receives wait meanwhile)::
+    """Hold the lock of the state file at ``path`` and settle an in-place patch first (a cut-off one
+    rolled back, a committed one rolled forward and fsynced), so a reader inside sees exactly one
+    step (receives wait meanwhile)::
 
         with consistent_state(path):
             weights = safetensors.torch.load_file(path)
     """
     with exclusive(path):
-        journal.roll_back(path)
+        journal.settle(path)
         yield path

@@ -7,6 +7,7 @@ point of the patch (no cleanup runs), and the parent checks what the next receiv
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 
 from dcr_core import events
 from dcr_core.bits import bits_of
-from dcr_core.errors import StateMismatchError
+from dcr_core.errors import IntegrityError, StateMismatchError
 from flows import run_publish, run_receive
 from flows.options import DELTA_CODECS, PublishOptions, ReceiveOptions
 from flows.receive import in_place, state_file
@@ -71,7 +72,11 @@ def test_in_place_refits_equal_the_rewrite_and_the_checkpoints_on_every_path(pub
     # one step, several combined, backward (several, then one), back to the keyframe by deltas
     for target, a in _walk(root, steps, (1, 4, 2, 6, 0, 5, 4), tmp_path):
         assert peek_state_step(str(a)) == target
-        assert not os.path.exists(state_journal.journal_path(str(a)))
+        assert not os.path.exists(state_journal.journal_path(str(a))), "no patch cut off"
+        # committed, its pages left to the kernel's writeback; the next receive settles it first
+        assert state_journal.pending_step(str(a)) == target
+    assert state_journal.settle(str(a)) == 4 and state_journal.pending_step(str(a)) is None
+    assert_bits_equal(load_file(a), steps[4])
 
 
 def test_a_large_delta_falls_back_to_the_rewrite(tmp_path):
@@ -131,10 +136,29 @@ def test_a_damaged_state_is_refused_and_left_untouched(published, tmp_path, whic
     assert not os.path.exists(state_journal.journal_path(str(state)))
 
 
+@pytest.mark.faults(component="receiver", outcome="a manifest entry that understates its changes: refused with a one-line error naming the tensor, before anything is written")
+def test_chunks_that_change_more_than_their_entry_says_are_refused():
+    from dcr_core.delta import Encoding
+    from dcr_core.digest import tensor_digest
+    from storage.manifest import ChunkTable, TensorEntry
+
+    held = np.arange(1000, dtype=np.uint16)
+    mask = np.zeros(1000, np.uint16)
+    mask[[3, 500, 999]] = 1
+    entry = TensorEntry("w", "BF16", (1000,), tensor_digest(held ^ mask), Encoding.XOR, "w", (1000,),
+                        ChunkTable((0,), ("0" * 64,), (10,)), changed=2)
+    with pytest.raises(IntegrityError, match="tensor 'w' .*change more than the 2 elements its manifest entry lists") as e:
+        in_place._xor_streamed(held, entry, entry, iter([(None, entry, 0, mask)]), True, 7)
+    assert "\n" not in str(e.value) and "step 7" in str(e.value)
+    exact = in_place._xor_streamed(held, dataclasses.replace(entry, changed=3), entry, iter([(None, entry, 0, mask)]))
+    assert [a.tolist() for a in exact] == [[3, 500, 999], [3, 500, 999], [2, 501, 998]]
+
+
 def _crash_child(root, state, step, point):
     """Run an in-place receive that dies (``os._exit(9)``, no cleanup) when it reports reaching
     ``point`` of the install (``dcr_core.events``): the journal in force, record N of the patch
-    written (-1: the last), or the patch and its header written (the journal not yet removed)."""
+    written (-1: the last), the patch and its header written (the journal not yet committed), or
+    the patch committed (the redo journal in force)."""
     def die_at(p, fields):
         if point == "journal written" and p == "receive.journal-written":
             os._exit(9)
@@ -143,6 +167,8 @@ def _crash_child(root, state, step, point):
             if fields["index"] == (at if at >= 0 else fields["of"] + at):
                 os._exit(9)
         if point == "header written" and p == "receive.patch-written":
+            os._exit(9)
+        if point == "committed" and p == "receive.patched":
             os._exit(9)
 
     with events.listening(die_at):
@@ -204,6 +230,52 @@ def test_after_a_cut_off_patch_readers_fresh_rewrites_and_interrupted_roll_backs
     assert not os.path.exists(state_journal.journal_path(state))
 
 
+@pytest.mark.faults(component="receiver", outcome="crash after the commit, then pages lost: the next receive rolls forward to the new step, bit-exact, and refits nothing")
+@pytest.mark.parametrize("held,target", [(1, 4), (1, 2), (3, 2)], ids=["3-steps-copied", "1-step-streamed", "back-1-streamed"])
+def test_a_committed_patch_is_rolled_forward_even_when_its_pages_were_lost(published, tmp_path, held, target):
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, held)
+    before = file_bytes(state)
+    _crash(root, state, target, "committed")
+    assert not os.path.exists(state_journal.journal_path(state))
+    assert peek_state_step(state) == target, "a committed patch reads as its new step"
+    assert_bits_equal(load_file(state), steps[target])
+    # What a power loss before the writeback can leave: the old bytes (every page), or a mix.
+    patched = file_bytes(state)
+    for torn in (before, bytes(b if i % 8192 < 4096 else a for i, (a, b) in enumerate(zip(before, patched)))):
+        with open(state, "r+b") as f:
+            f.write(torn)
+        redo = state_journal.journal_path(state, "redo")
+        kept = open(redo, "rb").read()
+        with events.failpoints("receive.patch-record=raise"), pytest.raises(events.FailpointError):
+            state_journal.settle(state)  # a roll forward cut off after its first record...
+        assert os.path.exists(redo)
+        res = _receive(root, state, target)  # ...is finished by the next receive, which refits nothing
+        assert (res.from_step, res.step, res.moves) == (target, target, [])
+        assert_bits_equal(load_file(state), steps[target])
+        assert file_bytes(state) == patched, "byte for byte the patched file"
+        assert not os.path.exists(redo)
+        open(redo, "wb").write(kept)  # the journal back, for the next torn case
+    with consistent_state(state):  # a reader outside DCR: rolled forward and fsynced first
+        assert_bits_equal(load_file(state), steps[target])
+    assert state_journal.pending_step(state) is None
+
+
+def test_each_receive_settles_the_previous_commit_first(published, tmp_path, monkeypatch):
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 1)
+    _receive(root, state, 3)
+    settled = []
+    real = state_journal.roll_forward
+    monkeypatch.setattr(state_journal, "roll_forward", lambda p: settled.append(real(p)) or settled[-1])
+    _receive(root, state, 5)
+    assert settled[0] == 3, "the commit of step 3 settled (fsynced) before the refit to 5"
+    assert state_journal.pending_step(state) == 5
+    assert_bits_equal(load_file(state), steps[5])
+
+
 @pytest.mark.faults(component="receiver", outcome="a journal beside another file is refused with a one-line error; the file untouched")
 def test_a_journal_left_beside_another_file_is_refused(published, tmp_path):
     root, steps = published
@@ -213,7 +285,7 @@ def test_a_journal_left_beside_another_file_is_refused(published, tmp_path):
     run_receive(root, "other", other, 6)
     shutil.copyfile(other, state)  # the user restores another file under the crashed one's name
     before = file_bytes(state)
-    with pytest.raises(StateMismatchError, match="undo journal of another file") as e:
+    with pytest.raises(StateMismatchError, match="journal of another file") as e:
         _receive(root, state, 4)
     assert "\n" not in str(e.value)
     assert file_bytes(state) == before
@@ -232,7 +304,7 @@ def test_a_damaged_journal_is_refused(published, tmp_path, where):
     data[at] ^= 0x01  # head: one digit of the first record's file offset
     open(path, "wb").write(bytes(data))
     before = file_bytes(state)
-    with pytest.raises(StateMismatchError, match="damaged undo journal") as e:
+    with pytest.raises(StateMismatchError, match="damaged journal") as e:
         _receive(root, state, 4)
     assert "\n" not in str(e.value)
     assert file_bytes(state) == before

@@ -129,7 +129,7 @@ def test_a_publish_killed_at_each_point_is_invisible_or_whole_and_a_rerun_is_exa
     assert_bits_equal(load_file(state), new)
 
 
-RECEIVE_POINTS = {  # point -> the state holds the new step afterwards (after a roll back, in place)
+RECEIVE_POINTS = {  # point -> the state holds the new step afterwards (in place: once settled)
     "rewrite": [("receive.planned", False), ("chunk.fetched@1", False), ("chunk.fetched@9", False),
                 ("receive.tensor-staged@1", False), ("receive.staged", False), ("receive.replaced", True),
                 ("receive.recorded", True)],
@@ -166,7 +166,7 @@ def test_a_receive_killed_at_each_point_leaves_one_whole_step_and_a_rerun_is_exa
     extra = ["--in-place"] if mode == "in-place" else []
     kill_at(point, "receive", root, "--receiver", "r", "--state", state, "--step", 1, "--io-workers", 1, *extra)
     if mode == "in-place":
-        state_journal.roll_back(str(state))  # what the next receive does first
+        state_journal.settle(str(state))  # what the next receive does first
     held = load_file(state)  # never torn: a complete safetensors file of one step
     assert_bits_equal(held, cks[1] if at_new else cks[0])
     dcr("receive", root, "--receiver", "r", "--state", state, *extra, check=0)
@@ -201,7 +201,7 @@ def test_a_receive_killed_after_each_chunk_and_record_in_turn_full_sweep(_receiv
     for point in points:
         kill_at(point, "receive", root, "--receiver", "r", "--state", state, "--step", 1, "--io-workers", 1, *extra)
         if mode == "in-place":
-            state_journal.roll_back(str(state))
+            state_journal.settle(str(state))
         assert_bits_equal(load_file(state), cks[0])
     dcr("receive", root, "--receiver", "r", "--state", state, *extra, check=0)
     assert_bits_equal(load_file(state), cks[1])

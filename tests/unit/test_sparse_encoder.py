@@ -17,7 +17,7 @@ from numcodecs import Zstd
 
 from dcr_core.bits import bits_of, torch_dtype
 from dcr_core.dtypes import DTYPES
-from dcr_core.sparse import _HEAD, DENSE, DENSE_ABOVE, MAGIC, SPARSE, decode_sparse, encode_sparse, nonzero
+from dcr_core.sparse import _HEAD, DENSE, DENSE_ABOVE, MAGIC, SPARSE, decode_sparse, encode_sparse, nonzero, xor_changes
 
 WIDTHS = [np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8")]
 
@@ -86,6 +86,49 @@ def test_nonzero_equals_flatnonzero(dtype, n, offset, density, seed):
     positions, values = nonzero(mask)
     assert positions.tolist() == np.flatnonzero(mask).tolist()
     assert values.dtype == mask.dtype and values.tobytes() == mask[mask != 0].tobytes()
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    dtype=st.sampled_from(WIDTHS),
+    n=st.integers(0, 3000),
+    offset=st.integers(0, 7),
+    density=st.sampled_from([0.0, 0.001, 0.03, 0.3, 1.0]),
+    wide=st.booleans(),
+    slack=st.integers(0, 9),
+    seed=st.integers(0, 2**31),
+)
+def test_xor_changes_equals_numpy(dtype, n, offset, density, wide, slack, seed):
+    """An in-place receiver's one pass per chunk: the new bits, and every change as (position, old,
+    new), equal to numpy's XOR, flatnonzero and gathers, on unaligned views too; outputs sized with
+    room to spare are filled only as far as the count says, and one too few is an error."""
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(dtype)
+    held = rng.integers(0, info.max, size=n + offset, dtype=dtype, endpoint=True)[offset:]
+    buf = np.zeros(n + offset, dtype=dtype)
+    hit = rng.random(n) < density
+    buf[offset:][hit] = rng.integers(1, info.max, size=int(hit.sum()), dtype=dtype, endpoint=True)
+    mask = buf[offset:]
+    k0, base = int(hit.sum()), int(rng.integers(0, 1 << 20))
+    pos = np.empty(k0 + slack, np.dtype("<i8") if wide else np.dtype("<u4"))
+    old, new, out = np.empty(k0 + slack, dtype), np.empty(k0 + slack, dtype), np.empty(n, dtype)
+    assert xor_changes(held, mask, out, pos, old, new, base=base) == k0
+    nz = np.flatnonzero(mask)
+    assert out.tobytes() == (held ^ mask).tobytes()
+    assert pos[:k0].tolist() == (nz + base).tolist()
+    assert old[:k0].tobytes() == held[nz].tobytes() and new[:k0].tobytes() == out[nz].tobytes()
+    if k0:
+        with pytest.raises(ValueError, match=f"more than the {k0 - 1} changes expected"):
+            xor_changes(held, mask, out, pos[: k0 - 1], old[: k0 - 1], new[: k0 - 1])
+
+
+def test_xor_changes_refuses_mixed_dtypes_and_positions_past_32_bits():
+    a = np.zeros(8, np.uint16)
+    with pytest.raises(ValueError, match="share one dtype"):
+        xor_changes(a, a.view(np.int16), a.copy(), np.empty(0, "<u4"), a[:0], a[:0])
+    with pytest.raises(ValueError, match="bad arguments"):
+        xor_changes(a, a, a.copy(), np.empty(0, "<u4"), a[:0], a[:0], base=(1 << 32) - 4)
+    assert xor_changes(a, a, a.copy(), np.empty(0, "<i8"), a[:0], a[:0], base=(1 << 32) - 4) == 0
 
 
 @pytest.mark.parametrize("dtype", WIDTHS)
