@@ -12,6 +12,11 @@ Commands: ``dcr publish`` of the keyframe, ``dcr publish`` of the delta (warm ba
 ``zstd -q -1 -T1`` of the new file for scale. The machine's memory-read and disk-write speeds are
 measured beside them: one read of the checkpoint at memory speed is the floor of a publisher that
 compares every element, one write of the changed bytes the floor of a receiver.
+
+Every command starts with nothing dirty in the page cache (``sync`` first), so none pays for the
+writeback of the one before. What a command leaves the disk to write after it returns (the
+publisher's baseline cache, the in-place receiver's patched pages: neither is fsynced on the
+command's path) is timed apart, as the ``sync`` that follows it (``*_writeback_s``).
 """
 
 from __future__ import annotations
@@ -61,8 +66,17 @@ def _write(path: str, shapes: list[tuple[int, int]], seed: int, changes: int | N
     w.commit()
 
 
+def _writeback() -> float:
+    """Seconds until everything dirty in the page cache is on disk."""
+    t0 = time.perf_counter()
+    os.sync()
+    return time.perf_counter() - t0
+
+
 def _run(argv: list[str], env: dict) -> tuple[float, int]:
-    """Wall seconds and peak resident bytes of one command (GNU time's %M)."""
+    """Wall seconds and peak resident bytes of one command (GNU time's %M), started with nothing
+    dirty in the page cache."""
+    os.sync()
     t0 = time.perf_counter()
     out = subprocess.run(["/usr/bin/time", "-f", "%M", *argv], env=env, capture_output=True, text=True)
     elapsed = time.perf_counter() - t0
@@ -106,10 +120,12 @@ def _one(work: str, size: float, changes: int, seed: int, env: dict, dcr: list[s
     for m, s in states.items():
         _run([*dcr, "receive", root, "--receiver", m.replace("_", "-"), "--state", s, *common], e)
     row["publish_delta_s"], row["publish_delta_rss"] = _run([*dcr, "publish", root, new, "--step", "1", *common], e)
+    row["publish_delta_writeback_s"] = _writeback()
     row["receive_rewrite_s"], row["receive_rewrite_rss"] = _run(
         [*dcr, "receive", root, "--receiver", "rewrite", "--state", states["rewrite"], *common], e)
     row["receive_in_place_s"], row["receive_in_place_rss"] = _run(
         [*dcr, "receive", root, "--receiver", "in-place", "--state", states["in_place"], "--in-place", *common], e)
+    row["receive_in_place_writeback_s"] = _writeback()
     zstd = shutil.which("zstd")
     if zstd:
         out = os.path.join(d, "new.zst")
@@ -147,19 +163,26 @@ def markdown(res: dict) -> list[str]:
         (f"BF16 checkpoints of 4096-wide tensors; *fixed rate*: {100 * res['rate']:g}% of elements one unit away; "
          f"*fixed change*: as many changes as {100 * res['rate']:g}% of the smallest. Each command its own process; "
          f"peak RSS in MB. This machine: memory read {res['memory_read_gbps']:.1f} GB/s, disk write "
-         f"{res['disk_write_gbps']:.2f} GB/s (one read of the checkpoint at memory speed: `read s`).\n"),
-        ("| pattern | GB | changed | publish keyframe s | publish delta s | zstd -1 -T1 s | receive rewrite s | "
-         "receive --in-place s | read s | peak RSS MB (pub delta / in-place) | exact |"),
+         f"{res['disk_write_gbps']:.2f} GB/s (one read of the checkpoint at memory speed: `read s`). Every command "
+         "starts with nothing dirty; `(+N)`: the writeback it left, timed as the `sync` after it.\n"),
+        ("| pattern | GB | changed | publish keyframe s | publish delta s (+writeback) | zstd -1 -T1 s | receive rewrite s | "
+         "receive --in-place s (+writeback) | read s | peak RSS MB (pub delta / in-place) | exact |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|:--:|",
     ]
     for r in res["rows"]:
         z = r.get("zstd_1_T1_s")
         lines.append(
             f"| {r['pattern']} | {r['bytes'] / 1e9:.2f} | {r['changed']:,} | {r['publish_keyframe_s']:.2f} | "
-            f"{r['publish_delta_s']:.2f} | {'n/a' if z is None else f'{z:.2f}'} | {r['receive_rewrite_s']:.2f} | "
-            f"{r['receive_in_place_s']:.2f} | {r['bytes'] / 1e9 / res['memory_read_gbps']:.3f} | "
+            f"{r['publish_delta_s']:.2f}{_left(r, 'publish_delta')} | {'n/a' if z is None else f'{z:.2f}'} | "
+            f"{r['receive_rewrite_s']:.2f} | {r['receive_in_place_s']:.2f}{_left(r, 'receive_in_place')} | "
+            f"{r['bytes'] / 1e9 / res['memory_read_gbps']:.3f} | "
             f"{r['publish_delta_rss'] / 1e6:.0f} / {r['receive_in_place_rss'] / 1e6:.0f} | {'yes' if r['exact'] else 'NO'} |")
     return lines
+
+
+def _left(row: dict, what: str) -> str:
+    s = row.get(f"{what}_writeback_s")
+    return "" if s is None else f" (+{s:.2f})"
 
 
 def plot(res: dict, out: str, plt) -> str:

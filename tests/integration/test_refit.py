@@ -76,7 +76,9 @@ def materialized(root, step, path) -> dict[str, torch.Tensor]:
     return read_state(path)
 
 
-@pytest.fixture(scope="module", params=["local", "memory", "local-cond", "local-blocks"])
+# The column-block chain is the slowest (about 60 s of refits): it runs with the slow suite (make
+# test-slow); tests/unit/test_core.py, test_cond.py and test_module_refit.py cover blocks by default.
+@pytest.fixture(scope="module", params=["local", "memory", "local-cond", pytest.param("local-blocks", marks=pytest.mark.slow)])
 def chain(request, tmp_path_factory):
     """A ROOT with a keyframe and 6 deltas of nasty data, and each step's state file. ``-cond``:
     deltas coded against the old bits (``dcr-cond``), half of the changes ulp steps. ``-blocks``:

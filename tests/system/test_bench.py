@@ -27,6 +27,7 @@ def test_synthetic_update_is_small_steps_plus_specials():
     assert steps.abs().max().item() <= 3 and bool(((n[body] ^ o[body]) & 0x8000).eq(0).all())
 
 
+@pytest.mark.slow  # about 70 s (every section, the scaling commands each a process): with make test-slow
 def test_quick_bench_writes_results(tmp_path):
     rc = main(["--quick", "--out", str(tmp_path), "--sizes", "200000", "--rates", "0.01,0.05",
                "--sources", "synthetic", "--backends", "local"])
@@ -54,6 +55,7 @@ def test_quick_bench_writes_results(tmp_path):
     sc = results["scaling"]["rows"]
     assert [r["pattern"] for r in sc] == ["fixed rate"] * 2 + ["fixed change"] * 2 and all(r["exact"] for r in sc)
     assert sc[2]["changed"] == sc[3]["changed"] < sc[1]["changed"] and sc[0]["bytes"] < sc[1]["bytes"]
+    assert all(r["receive_in_place_writeback_s"] >= 0 and r["publish_delta_writeback_s"] >= 0 for r in sc)
     md = (tmp_path / "results.md").read_text()
     assert "Bytes per changed element" in md and "End to end" in md
     assert "Per-rank pulls" in md and "zstd -q -1 -T1" in md and "Cost against model size" in md
