@@ -17,6 +17,7 @@ from dcr_zarr_codec.sparse import (
     SPARSE,
     VERSION,
     SparseFrameError,
+    TooManyChanges,
     encode_sparse,
     nonzero,
     xor_changes,
@@ -24,7 +25,7 @@ from dcr_zarr_codec.sparse import (
 
 from dcr_core.errors import IntegrityError
 
-__all__ = ["_HEAD", "DENSE", "DENSE_ABOVE", "MAGIC", "SPARSE", "VERSION", "decode_sparse", "encode_sparse", "nonzero", "xor_changes"]
+__all__ = ["_HEAD", "DENSE", "DENSE_ABOVE", "MAGIC", "SPARSE", "VERSION", "TooManyChanges", "decode_sparse", "encode_sparse", "nonzero", "xor_changes"]
 
 
 def decode_sparse(data: bytes, storage: np.dtype, n: int) -> np.ndarray:

@@ -20,7 +20,7 @@ import struct
 import numpy as np
 from numcodecs import Zstd
 
-from dcr_zarr_codec import _condk  # the C kernels (built with this package)
+from dcr_zarr_codec import _condk  # the C kernels, built with this package (here: xor_changes)
 
 
 class SparseFrameError(ValueError):
@@ -98,20 +98,29 @@ def nonzero(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return _changes(mask, *_word_hits(mask))
 
 
+class TooManyChanges(ValueError):
+    """A mask with more changes than the outputs given to ``xor_changes`` hold."""
+
+
 def xor_changes(held: np.ndarray, mask: np.ndarray, out: np.ndarray, positions: np.ndarray, old: np.ndarray,
                 new: np.ndarray, base: int = 0) -> int:
     """``out = held ^ mask`` (flat, one unsigned dtype) and every change the mask makes, in one pass:
     for the j-th non-zero element i of ``mask``, ``positions[j] = base + i`` (``positions`` is uint32
     or int64), ``old[j] = held[i]``, ``new[j] = out[i]``. Returns how many there are; ``ValueError``
-    when the outputs cannot hold them all (the caller sized them from what it was told to expect)."""
+    when the arguments do not fit, ``TooManyChanges`` when the outputs cannot hold every change (the
+    caller sized them from what it was told to expect). Outputs past the count may be overwritten;
+    no output may overlap an input. Inputs not aligned to their element size are copied first."""
     if not (held.dtype == mask.dtype == out.dtype == old.dtype == new.dtype) or positions.dtype not in (
         np.dtype("<u4"), np.dtype("<i8")
     ) or not (positions.size == old.size == new.size):
         raise ValueError("xor_changes: held, mask, out, old and new share one dtype; positions are uint32 or int64")
+    if not all(a.flags.c_contiguous and a.flags.aligned and a.flags.writeable for a in (out, positions, old, new)):
+        raise ValueError("xor_changes: outputs must be writable, C-contiguous and aligned")
+    held, mask = (np.require(a, requirements=["C", "A"]) for a in (held, mask))  # a packed file's tensors may not be
     k = _condk.xor_changes(held, mask, out, positions, old, new, held.dtype.itemsize, positions.dtype.itemsize == 8,
                            base)
     if k < 0:
-        raise ValueError(f"the mask has more than the {old.size} changes expected")
+        raise TooManyChanges(f"the mask has more than the {old.size} changes expected")
     return k
 
 

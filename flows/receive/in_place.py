@@ -28,7 +28,8 @@ A crash before the commit leaves ``.undo``: the next receive of that state (unde
 rolls the file back to its old step before anything else, so a retry ends bit-exact. A crash or a
 power loss after it leaves ``.redo``: the next receive rolls the file forward to the new step. Not atomic
 for other readers: a process reading the state file while a patch runs, or after a crash cut one
-off and before the next receive, can see a mix of two steps. Readers outside DCR read inside
+off (or a power loss followed a committed one) and before the next receive, can see a mix of two
+steps. Readers outside DCR read inside
 ``storage.local.state.consistent_state(path)``, or use the default rewrite. Memory: the journal is
 built in memory before it is staged, 8 bytes per changed BF16 element (3.2 GB for an 8B-parameter
 model at 5% changed). Chosen only for a held single-file state, no restart from a keyframe, a
@@ -111,7 +112,7 @@ def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = Tr
         try:
             k += sparse.xor_changes(held_chunk, np.ascontiguousarray(payload).view(held_bits.dtype), chunk,
                                     positions[k:], old[k:], new[k:], base=start)
-        except ValueError:
+        except sparse.TooManyChanges:
             raise IntegrityError(f"tensor {e.name!r} (refit to step {step}): its stored chunks change more than the "
                                  f"{e.changed} elements its manifest entry lists") from None
         h.update(chunk)

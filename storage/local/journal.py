@@ -27,6 +27,7 @@ journal left beside another file of the same name is refused too.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -259,10 +260,29 @@ def roll_forward(state_path: str) -> int | None:
         return None
     if os.path.exists(state_path):
         _check_header(state_path, journal, path)
-        put(state_path, journal, "new", differing=True)
+        # After a failed fsync the page cache may hold values the disk never got, and Linux reports
+        # a write-back error once: every value is written again until an fsync succeeds.
+        failed = path + FAILED_SUFFIX
+        try:
+            put(state_path, journal, "new", differing=not os.path.exists(failed))
+        except OSError:
+            with contextlib.suppress(OSError):
+                _touch_durably(failed)
+            raise
+        if os.path.exists(failed):
+            os.unlink(failed)
     os.unlink(path)
     fsync_dir(os.path.dirname(path))
     return journal.to_step
+
+
+FAILED_SUFFIX = ".fsync-failed"  # beside a redo journal: a roll forward's write or fsync failed once
+
+
+def _touch_durably(path: str) -> None:
+    with open(path, "wb") as f:
+        os.fsync(f.fileno())
+    fsync_dir(os.path.dirname(path))
 
 
 def settle(state_path: str) -> int | None:
@@ -274,18 +294,26 @@ def settle(state_path: str) -> int | None:
 
 
 def _check_header(state_path: str, journal: Journal, path: str) -> None:
+    """The file's header is one side of the journal's patch, or a mix of the two byte by byte (a
+    power loss can write back some of its pages and not others); else the journal belongs to
+    another file."""
     with open(state_path, "rb") as f:
         head = f.read(len(journal.old_header))
-    if head not in (journal.old_header, journal.new_header):  # every crash leaves one of the two
-        raise StateMismatchError(
-            f"{path}: journal of another file (the header of {state_path} is neither side of its patch); "
-            "remove the journal if the file is intact"
-        )
+    if head in (journal.old_header, journal.new_header):
+        return
+    if len(head) == len(journal.old_header):
+        h, a, b = (np.frombuffer(x, np.uint8) for x in (head, journal.old_header, journal.new_header))
+        if bool(np.all((h == a) | (h == b))):
+            return
+    raise StateMismatchError(
+        f"{path}: journal of another file (the header of {state_path} is neither side of its patch); "
+        "remove the journal if the file is intact"
+    )
 
 
 def remove(state_path: str) -> None:
     """Delete both journals of ``state_path`` (a fresh rewrite replaces the whole file)."""
-    for kind in ("undo", "redo"):
+    for kind in ("undo", "redo", "redo" + FAILED_SUFFIX):
         path = journal_path(state_path, kind)
         if os.path.exists(path):
             os.unlink(path)
@@ -300,5 +328,7 @@ def roll_back(state_path: str) -> int | None:
     if os.path.exists(state_path):
         _check_header(state_path, journal, journal_path(state_path))
         put(state_path, journal, "old")
-    remove(state_path)
+    path = journal_path(state_path)  # only the undo journal: a redo journal is settled forward
+    os.unlink(path)
+    fsync_dir(os.path.dirname(path))
     return journal.from_step

@@ -136,7 +136,7 @@ def test_a_damaged_state_is_refused_and_left_untouched(published, tmp_path, whic
     assert not os.path.exists(state_journal.journal_path(str(state)))
 
 
-@pytest.mark.faults(component="receiver", outcome="a manifest entry that understates its changes: refused with a one-line error naming the tensor, before anything is written")
+@pytest.mark.faults(component="receiver", outcome="a manifest entry that understates its changes: refused with a one-line error naming the tensor and step, in the compute step (nothing written yet)")
 def test_chunks_that_change_more_than_their_entry_says_are_refused():
     from dcr_core.delta import Encoding
     from dcr_core.digest import tensor_digest
@@ -243,7 +243,11 @@ def test_a_committed_patch_is_rolled_forward_even_when_its_pages_were_lost(publi
     assert_bits_equal(load_file(state), steps[target])
     # What a power loss before the writeback can leave: the old bytes (every page), or a mix.
     patched = file_bytes(state)
-    for torn in (before, bytes(b if i % 8192 < 4096 else a for i, (a, b) in enumerate(zip(before, patched)))):
+    header_end = 8 + int.from_bytes(patched[:8], "little")
+    assert before[:header_end] != patched[:header_end]
+    for torn in (before, bytes(b if i % 8192 < 4096 else a for i, (a, b) in enumerate(zip(before, patched))),
+                 bytes(b if (i % 2 if i < header_end else i % 8192 >= 4096) else a  # the header torn too
+                       for i, (a, b) in enumerate(zip(before, patched)))):
         with open(state, "r+b") as f:
             f.write(torn)
         redo = state_journal.journal_path(state, "redo")
@@ -260,6 +264,32 @@ def test_a_committed_patch_is_rolled_forward_even_when_its_pages_were_lost(publi
     with consistent_state(state):  # a reader outside DCR: rolled forward and fsynced first
         assert_bits_equal(load_file(state), steps[target])
     assert state_journal.pending_step(state) is None
+
+
+@pytest.mark.faults(component="receiver", outcome="the fsync of a roll forward fails: the redo journal stays, and the next settle writes every value again before it trusts an fsync")
+def test_a_failed_fsync_of_a_roll_forward_rewrites_every_value_next_time(published, tmp_path, monkeypatch):
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 1)
+    _crash(root, state, 2, "committed")
+    redo = state_journal.journal_path(state, "redo")
+    assert not state_journal.roll_back(state) and os.path.exists(redo), "a roll back leaves a committed patch alone"
+    real_fsync, calls = os.fsync, []
+
+    def failing_fsync(fd):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(state_journal.os, "fsync", failing_fsync)
+    with pytest.raises(OSError, match="Input/output error"):
+        state_journal.settle(state)
+    monkeypatch.setattr(state_journal.os, "fsync", real_fsync)
+    assert os.path.exists(redo) and os.path.exists(redo + state_journal.FAILED_SUFFIX)
+    real_put = state_journal.put
+    monkeypatch.setattr(state_journal, "put", lambda *a, **k: calls.append(k.get("differing")) or real_put(*a, **k))
+    assert state_journal.settle(state) == 2
+    assert calls == [False], "every value written again, not only those that differ"
+    assert not os.path.exists(redo) and not os.path.exists(redo + state_journal.FAILED_SUFFIX)
+    assert_bits_equal(load_file(state), steps[2])
 
 
 def test_each_receive_settles_the_previous_commit_first(published, tmp_path, monkeypatch):

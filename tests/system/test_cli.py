@@ -158,7 +158,7 @@ def _receiver_setup(made, tmp_path):
     return d / "bucket", cks, d / "rx" / "s.safetensors"
 
 
-@pytest.mark.faults(component="process", outcome="kill -9 at a reported point: the state file holds one whole step (in place: after its roll back); a rerun ends bit-exact")
+@pytest.mark.faults(component="process", outcome="kill -9 at a reported point: the state file holds one whole step (in place: once settled, back before the commit, forward after it); a rerun ends bit-exact")
 @pytest.mark.parametrize("mode,point,at_new", [(m, p, n) for m, pts in RECEIVE_POINTS.items() for p, n in pts],
                          ids=[f"{m}-{p}" for m, pts in RECEIVE_POINTS.items() for p, _ in pts])
 def test_a_receive_killed_at_each_point_leaves_one_whole_step_and_a_rerun_is_exact(_receiver_once, tmp_path, mode, point, at_new):
