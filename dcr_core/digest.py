@@ -1,5 +1,12 @@
 """Digests: per chunk, per tensor, and one policy digest per step.
 
+A tensor's digest follows its manifest's digest scheme (``DigestScheme``): manifests of schema 1
+use the flat scheme (BLAKE3 of the tensor's raw bits); schema 2 uses block digests, a two-level
+Merkle tree: the tensor's raw bytes cut into blocks of ``block_bytes`` (the last one shorter), each
+block hashed, and the tensor digest BLAKE3 over the scheme's name, the block size and the block
+digests in order. A receiver that keeps the block digests of the state it holds re-hashes only the
+blocks a refit changes and still proves the whole new tensor (``storage.local.sidecar``).
+
 BLAKE3 (256-bit): it is a cryptographic hash, so a signed manifest binds the exact bits of every
 chunk and tensor (a fast non-cryptographic hash such as xxHash or Adler-32 would not), and it is
 fast enough not to matter next to I/O (about 8 GB/s on one core here, versus about 1.5 GB/s for
@@ -9,6 +16,7 @@ BLAKE2b). Digests cover raw little-endian bits, so they are float-agnostic.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import blake3
 import numpy as np
@@ -42,6 +50,90 @@ class TensorHasher:
         return self._h.hexdigest()
 
 
+BLOCKS_SCHEME = "dcr-blocks-v1"
+LEAF_BYTES = 32  # one block digest, raw
+DEFAULT_BLOCK_BYTES = 1 << 20
+
+
+def _raw(bits: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(bits)).cast("B")
+
+
+class BlockHasher:
+    """The block digests of bits fed in order, piece by piece (equal to hashing them at once)."""
+
+    def __init__(self, block_bytes: int) -> None:
+        self.block_bytes = block_bytes
+        self._h = blake3.blake3()
+        self._filled = 0
+        self._leaves = bytearray()
+
+    def update(self, bits: np.ndarray) -> None:
+        data = _raw(bits) if bits.size else memoryview(b"")
+        at, n, b = 0, len(data), self.block_bytes
+        while at < n:
+            take = min(b - self._filled, n - at)
+            self._h.update(data[at : at + take])
+            at += take
+            self._filled += take
+            if self._filled == b:
+                self._leaves += self._h.digest()
+                self._h = blake3.blake3()
+                self._filled = 0
+
+    def leaves(self) -> np.ndarray:
+        """``(blocks, 32)`` uint8: every block digest so far, a partial last block included."""
+        out = bytes(self._leaves) + (self._h.digest() if self._filled else b"")
+        return np.frombuffer(out, np.uint8).reshape(-1, LEAF_BYTES)
+
+    def hexdigest(self) -> str:
+        return blocks_root(self.block_bytes, self.leaves())
+
+
+def block_leaves(bits: np.ndarray, block_bytes: int) -> np.ndarray:
+    """``(blocks, 32)`` uint8: the digest of every block of ``bits``' raw bytes."""
+    h = BlockHasher(block_bytes)
+    h.update(bits)
+    return h.leaves()
+
+
+def block_count(nbytes: int, block_bytes: int) -> int:
+    return -(-nbytes // block_bytes)
+
+
+def blocks_root(block_bytes: int, leaves: np.ndarray) -> str:
+    """The tensor digest of the block scheme, from its block digests."""
+    h = blake3.blake3(f"{BLOCKS_SCHEME}\n{block_bytes}\n".encode())
+    h.update(np.ascontiguousarray(leaves, np.uint8).tobytes())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class DigestScheme:
+    """How a manifest's tensor digests are built: ``block_bytes`` None is the flat scheme."""
+
+    block_bytes: int | None = None
+
+    @property
+    def blocked(self) -> bool:
+        return self.block_bytes is not None
+
+    def hasher(self) -> TensorHasher | BlockHasher:
+        return TensorHasher() if self.block_bytes is None else BlockHasher(self.block_bytes)
+
+    def digest(self, bits: np.ndarray) -> str:
+        if self.block_bytes is None:
+            return tensor_digest(bits)
+        return blocks_root(self.block_bytes, block_leaves(bits, self.block_bytes))
+
+    def to_dict(self) -> dict | None:
+        return None if self.block_bytes is None else {"name": BLOCKS_SCHEME, "block_bytes": self.block_bytes}
+
+
+FLAT = DigestScheme()
+BLOCKS = DigestScheme(DEFAULT_BLOCK_BYTES)
+
+
 def chunk_digest(payload: np.ndarray) -> str:
     """Digest of one chunk payload's raw bits (unpadded)."""
     return tensor_digest(payload)
@@ -69,12 +161,12 @@ PIECES_SCHEME = "dcr-pieces-v1"
 _BATCH_BYTES = 1 << 20
 
 
-def runs_digest(bits: np.ndarray, starts: np.ndarray, length: int) -> str:
-    """Digest of ``bits[s:s+length]`` for every ``s`` in ``starts``, concatenated in order.
+def runs_digest(bits: np.ndarray, starts: np.ndarray, length: int, scheme: DigestScheme = FLAT) -> str:
+    """Digest (in ``scheme``) of ``bits[s:s+length]`` for every ``s`` in ``starts``, concatenated in order.
 
     Evenly spaced short runs (the rows of a column block) are gathered through a strided view into
     a bounded buffer (at most 1 MiB) and hashed in one call per batch."""
-    h = blake3.blake3()
+    h = scheme.hasher()
     flat = np.ascontiguousarray(bits).reshape(-1)
     if not length or not starts.size:
         return h.hexdigest()
@@ -86,10 +178,10 @@ def runs_digest(bits: np.ndarray, starts: np.ndarray, length: int) -> str:
         for i in range(0, starts.size, per):
             rows = min(per, starts.size - i)
             view = as_strided(flat[int(starts[i]):], shape=(rows, length), strides=(step * it, it))
-            h.update(memoryview(np.ascontiguousarray(view)).cast("B"))
+            h.update(np.ascontiguousarray(view))
         return h.hexdigest()
     for s in starts.tolist():
-        h.update(memoryview(flat[s : s + length]).cast("B"))
+        h.update(flat[s : s + length])
     return h.hexdigest()
 
 

@@ -41,6 +41,7 @@ POINTS = frozenset({
     # receiver (state file)
     "receive.planned", "receive.leased", "receive.tensor-staged", "receive.staged",
     "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patch-written",
+    "receive.blocks-hashed", "receive.blocks-written",
     "receive.patched", "receive.replaced",
     "receive.recorded",
     # receiver (a vLLM engine): each tensor handed to vLLM's reload, then the reload done

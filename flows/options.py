@@ -14,6 +14,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dcr_core.codec import CodecSpec
+from dcr_core.digest import DEFAULT_BLOCK_BYTES
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
 
@@ -71,6 +72,12 @@ class PublishOptions(_Options):
     use_cache: bool = Field(True, description="keep the committed step as the next baseline on local disk")
     keyframe_policy: KeyframePolicy = Field(
         default_factory=KeyframePolicy, description="when a delta step also stores a full snapshot (a restart point)",
+    )
+    digest_block_bytes: int | None = Field(
+        DEFAULT_BLOCK_BYTES, ge=1 << 12, le=1 << 30, multiple_of=8,
+        description="tensor digests over blocks of this many bytes (manifest schema 2: receivers that keep "
+        "the block digests of their state re-hash only the blocks a refit changes); None: flat digests "
+        "(schema 1, what DCR before block digests reads)",
     )
     stream: bool = Field(
         True, description="expose chunks as they are stored (building.json, stream indexes) so following "

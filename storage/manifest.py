@@ -18,14 +18,28 @@ from dcr_core.chain import DELTA, KEYFRAME
 from dcr_core.chunking import ChunkGrid
 from dcr_core.codec import CodecSpec
 from dcr_core.delta import Encoding
-from dcr_core.digest import DIGEST_ALGORITHM, PIECES_SCHEME, box_digest, pieces_digest, policy_digest, tensor_digest
+from dcr_core.digest import (
+    BLOCKS_SCHEME,
+    DIGEST_ALGORITHM,
+    FLAT,
+    PIECES_SCHEME,
+    DigestScheme,
+    box_digest,
+    pieces_digest,
+    policy_digest,
+)
 from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import IntegrityError, UsageError
 from dcr_core.shard_spec import Piece, c_strides, check_cover
 from storage import layout
 from storage.fields import MAX_DIM, MAX_NDIM, fail, parse_attempt, parse_digest, parse_int, parse_shape
 
-SCHEMA_VERSION = 1
+# Schema 2: tensor digests are block digests (``dcr_core.digest``, named by ``digest_scheme``).
+# Schema 1 (flat digests) is still read, and written where a publisher asks for flat digests.
+SCHEMA_VERSION = 2
+FLAT_SCHEMA_VERSION = 1
+READABLE_SCHEMA_VERSIONS = (FLAT_SCHEMA_VERSION, SCHEMA_VERSION)
+MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 1 << 12, 1 << 30
 FORMAT = "dcr-manifest"
 
 # Limits a manifest must respect (a hostile one must not exhaust memory).
@@ -207,6 +221,7 @@ class TensorEntry:
     changed: int = 0  # elements whose bits differ from the base (keyframes: non-zero elements)
     pieces: PieceTable | None = None  # piecewise digest (published from shards); None: plain digest
     parts: PartTable | None = None  # chunks shared by several ranks (published from shards)
+    scheme: DigestScheme = FLAT  # the manifest's digest scheme (plain digests; pieces have their own)
 
     @property
     def grid(self) -> ChunkGrid:
@@ -262,7 +277,7 @@ class TensorEntry:
     def matches(self, bits) -> bool:
         """Whether ``bits`` (the whole tensor, flat raw bits) are this entry's bits at its step."""
         if self.pieces is None:
-            return tensor_digest(bits) == self.digest
+            return self.scheme.digest(bits) == self.digest
         for start, extent, digest in self.pieces.records():
             if box_digest(bits, self.shape, start, extent) != digest:
                 return False
@@ -287,7 +302,7 @@ class TensorEntry:
         return d
 
     @classmethod
-    def from_dict(cls, name: str, d: Any, where: str) -> TensorEntry:
+    def from_dict(cls, name: str, d: Any, where: str, scheme: DigestScheme = FLAT) -> TensorEntry:
         what = f"{where} tensor {name!r}"
         if not isinstance(d, dict):
             raise fail(what, "entry must be an object")
@@ -335,6 +350,7 @@ class TensorEntry:
             changed=parse_int(d.get("changed_elements", 0), what),
             pieces=pieces,
             parts=parts,
+            scheme=scheme,
         )
 
 
@@ -351,7 +367,7 @@ class Manifest:
     tensors: dict[str, TensorEntry]
     created_at: str = ""
     producer: dict = field(default_factory=dict)
-    schema_version: int = SCHEMA_VERSION
+    digest_scheme: DigestScheme = FLAT  # how its tensor digests are built (schema 1: flat)
     # A delta may also carry a full copy of its step (a restart point for new or far-behind
     # receivers, written by the keyframe policy); same names, digests and codec, encoding full.
     snapshot: dict[str, TensorEntry] = field(default_factory=dict)
@@ -384,6 +400,10 @@ class Manifest:
             "invertible": self.invertible,
         } | ({"snapshot_bytes": sum(t.stored_bytes for t in self.snapshot.values())} if self.snapshot else {})
 
+    @property
+    def schema_version(self) -> int:
+        return SCHEMA_VERSION if self.digest_scheme.blocked else FLAT_SCHEMA_VERSION
+
     def computed_policy_digest(self) -> str:
         return policy_digest((t.name, t.dtype, t.shape, t.digest) for t in self.tensors.values())
 
@@ -391,6 +411,7 @@ class Manifest:
         return {
             "format": FORMAT,
             "schema_version": self.schema_version,
+            **({"digest_scheme": self.digest_scheme.to_dict()} if self.digest_scheme.blocked else {}),
             "step": self.step,
             "kind": self.kind,
             "base_step": self.base_step,
@@ -425,8 +446,10 @@ class Manifest:
         if not isinstance(d, dict) or d.get("format") != FORMAT:
             raise fail(where, "not a DCR manifest")
         version = d.get("schema_version")
-        if version != SCHEMA_VERSION:
-            raise fail(where, f"schema_version {version!r} is not supported (this DCR reads {SCHEMA_VERSION})")
+        if version not in READABLE_SCHEMA_VERSIONS or isinstance(version, bool):
+            raise fail(where, f"schema_version {version!r} is not supported (this DCR reads "
+                              f"{', '.join(map(str, READABLE_SCHEMA_VERSIONS))})")
+        scheme = _parse_scheme(d.get("digest_scheme"), version, where)
         if d.get("digest_algorithm", DIGEST_ALGORITHM) != DIGEST_ALGORITHM:
             raise fail(where, f"digest algorithm {d.get('digest_algorithm')!r} is not supported")
         kind = d.get("kind")
@@ -446,7 +469,7 @@ class Manifest:
             raise fail(where, f"tensors must be an object of at most {MAX_TENSORS} entries")
         tensors = {}
         for name, td in tensors_d.items():
-            entry = TensorEntry.from_dict(name, td, where)
+            entry = TensorEntry.from_dict(name, td, where, scheme)
             if kind == KEYFRAME and entry.encoding not in (Encoding.FULL,):
                 raise fail(where, f"keyframe tensor {name!r} has encoding {entry.encoding.value}")
             if kind == DELTA and entry.encoding is Encoding.FULL:
@@ -458,7 +481,7 @@ class Manifest:
             if kind != DELTA or not isinstance(snap_d, dict) or set(snap_d) != set(tensors):
                 raise fail(where, "a snapshot belongs to a delta and holds exactly its tensors")
             for name, td in snap_d.items():
-                entry = TensorEntry.from_dict(name, td, f"{where} snapshot")
+                entry = TensorEntry.from_dict(name, td, f"{where} snapshot", scheme)
                 t = tensors[name]
                 if entry.encoding is not Encoding.FULL or (entry.dtype, entry.shape, entry.digest) != (
                     t.dtype, t.shape, t.digest
@@ -486,7 +509,21 @@ class Manifest:
             created_at=str(d.get("created_at", "")),
             producer=d.get("producer") if isinstance(d.get("producer"), dict) else {},
             snapshot=snapshot,
+            digest_scheme=scheme,
         )
         if m.computed_policy_digest() != m.policy_digest:
             raise fail(where, "policy digest does not match its tensors")
         return m
+
+
+def _parse_scheme(d: Any, version: int, where: str) -> DigestScheme:
+    if version == FLAT_SCHEMA_VERSION:
+        if d is not None:
+            raise fail(where, "a schema 1 manifest has flat digests (no digest_scheme)")
+        return FLAT
+    if not isinstance(d, dict) or d.get("name") != BLOCKS_SCHEME or set(d) != {"name", "block_bytes"}:
+        raise fail(where, f"digest_scheme must be {{'name': {BLOCKS_SCHEME!r}, 'block_bytes': N}}")
+    block = parse_int(d.get("block_bytes"), f"{where} digest_scheme block_bytes", MIN_BLOCK_BYTES, MAX_BLOCK_BYTES)
+    if block % 8:
+        raise fail(where, "digest_scheme block_bytes must be a multiple of 8 (no element straddles two blocks)")
+    return DigestScheme(block)

@@ -5,10 +5,14 @@ weights ~N(0, 0.02)) and each of two change patterns, every command runs as a us
 process, ``--orchestrator none``, a local ROOT), timed wall clock with its peak resident memory:
 
 - *fixed rate*: ``rate`` of the elements move by one unit at every size;
-- *fixed change*: the same number of elements changes at every size (``rate`` of the smallest).
+- *fixed change*: the same number of elements changes at every size (``rate`` of the smallest);
+- *frozen 3/4*: ``rate`` of the elements of every fourth tensor change, the others keep every bit
+  (frozen layers): what block digests kept beside an in-place receiver's state save.
 
 Commands: ``dcr publish`` of the keyframe, ``dcr publish`` of the delta (warm baseline cache),
-``dcr receive`` of the delta by rewrite and ``--in-place`` (each receiver at the keyframe first), and
+``dcr receive`` of the delta by rewrite and ``--in-place`` (each receiver at the keyframe first; the
+in-place one in its steady state: a receive with nothing to apply ran once, which keeps its block
+digests, and a second one is timed as *idle*: what a receiver polling an idle ROOT pays), and
 ``zstd -q -1 -T1`` of the new file for scale. The machine's memory-read and disk-write speeds are
 measured beside them: one read of the checkpoint at memory speed is the floor of a publisher that
 compares every element, one write of the changed bytes the floor of a receiver.
@@ -34,6 +38,7 @@ from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensor
 
 WIDTH = 4096
 ROWS = (4096, 11008, 4096, 4096, 11008, 11008)  # a layer's q, gate, k, o, up, down (transposed): cycled
+PATTERNS = ("fixed rate", "fixed change", "frozen 3/4")
 FULL_SIZES = (200e6, 700e6, 1.35e9, 2.7e9)
 QUICK_SIZES = (10e6, 40e6)
 
@@ -49,16 +54,16 @@ def _shapes(size: float) -> list[tuple[int, int]]:
     return out
 
 
-def _write(path: str, shapes: list[tuple[int, int]], seed: int, changes: int | None) -> None:
-    """The checkpoint of ``shapes``; with ``changes``, that many elements (spread evenly over the
-    tensors, at random places) one unit away from the ``changes=None`` file of the same seed."""
-    n_total = sum(r * c for r, c in shapes)
+def _write(path: str, shapes: list[tuple[int, int]], seed: int, changes: int | None, every: int = 1) -> None:
+    """The checkpoint of ``shapes``; with ``changes``, that many elements (spread evenly over every
+    ``every``-th tensor, at random places) one unit away from the ``changes=None`` file of the same seed."""
+    n_total = sum(r * c for i, (r, c) in enumerate(shapes) if i % every == 0)
     infos = [TensorInfo(f"layers.{i:03d}.weight", "BF16", s) for i, s in enumerate(shapes)]
     w = StreamingSafetensorsWriter(path, infos, durable=False)
     for i, (info, (r, c)) in enumerate(zip(infos, shapes)):
         rng = np.random.default_rng((seed, i))
         bits = ((rng.standard_normal(r * c, dtype=np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
-        if changes:
+        if changes and i % every == 0:
             k = round(changes * r * c / n_total)
             pos = np.random.default_rng((seed, i, 1)).choice(r * c, size=k, replace=False)
             bits[pos] += np.where(pos % 2 == 0, 1, -1).astype(np.uint16)
@@ -104,13 +109,13 @@ def machine_speeds(work: str, nbytes: int = 1 << 30) -> dict:
     return {"memory_read_gbps": nbytes / best / 1e9, "disk_write_gbps": nbytes / write_s / 1e9}
 
 
-def _one(work: str, size: float, changes: int, seed: int, env: dict, dcr: list[str]) -> dict:
+def _one(work: str, size: float, changes: int, seed: int, env: dict, dcr: list[str], every: int = 1) -> dict:
     d = os.path.join(work, f"scale-{int(size)}")
     os.makedirs(d, exist_ok=True)
     shapes = _shapes(size)
     old, new = os.path.join(d, "old.safetensors"), os.path.join(d, "new.safetensors")
     _write(old, shapes, seed, None)
-    _write(new, shapes, seed, changes)
+    _write(new, shapes, seed, changes, every)
     root = os.path.join(d, "root")
     common = ["--orchestrator", "none", "-q"]
     e = {**env, "DCR_CACHE_DIR": os.path.join(d, "cache")}
@@ -119,12 +124,14 @@ def _one(work: str, size: float, changes: int, seed: int, env: dict, dcr: list[s
     states = {m: os.path.join(d, f"state-{m}.safetensors") for m in ("rewrite", "in_place")}
     for m, s in states.items():
         _run([*dcr, "receive", root, "--receiver", m.replace("_", "-"), "--state", s, *common], e)
+    in_place = [*dcr, "receive", root, "--receiver", "in-place", "--state", states["in_place"], "--in-place", *common]
+    _run(in_place, e)  # nothing to apply: the state hashed once, its block digests kept (steady state)
+    row["receive_idle_s"], _ = _run(in_place, e)
     row["publish_delta_s"], row["publish_delta_rss"] = _run([*dcr, "publish", root, new, "--step", "1", *common], e)
     row["publish_delta_writeback_s"] = _writeback()
     row["receive_rewrite_s"], row["receive_rewrite_rss"] = _run(
         [*dcr, "receive", root, "--receiver", "rewrite", "--state", states["rewrite"], *common], e)
-    row["receive_in_place_s"], row["receive_in_place_rss"] = _run(
-        [*dcr, "receive", root, "--receiver", "in-place", "--state", states["in_place"], "--in-place", *common], e)
+    row["receive_in_place_s"], row["receive_in_place_rss"] = _run(in_place, e)
     row["receive_in_place_writeback_s"] = _writeback()
     zstd = shutil.which("zstd")
     if zstd:
@@ -148,10 +155,11 @@ def measure(work: str, quick: bool = False, rate: float = 0.03, seed: int = 0, s
     dcr, env = _dcr_argv(), dict(os.environ)
     fixed_changes = round(rate * min(sizes) / 2)
     rows = []
-    for pattern in ("fixed rate", "fixed change"):
+    for pattern in PATTERNS:
+        every = 4 if pattern == "frozen 3/4" else 1
         for size in sizes:
-            changes = round(rate * size / 2) if pattern == "fixed rate" else fixed_changes
-            rows.append({"pattern": pattern, "size_target": size, **_one(work, size, changes, seed, env, dcr)})
+            changes = fixed_changes if pattern == "fixed change" else round(rate * size / 2 / every)
+            rows.append({"pattern": pattern, "size_target": size, **_one(work, size, changes, seed, env, dcr, every)})
     speeds = machine_speeds(work, 256 << 20 if quick else 1 << 30)
     shutil.rmtree(work, ignore_errors=True)
     return {"rate": rate, "rows": rows, **speeds}
@@ -161,13 +169,15 @@ def markdown(res: dict) -> list[str]:
     lines = [
         "\n## Cost against model size (commands, local ROOT)\n",
         (f"BF16 checkpoints of 4096-wide tensors; *fixed rate*: {100 * res['rate']:g}% of elements one unit away; "
-         f"*fixed change*: as many changes as {100 * res['rate']:g}% of the smallest. Each command its own process; "
+         f"*fixed change*: as many changes as {100 * res['rate']:g}% of the smallest; *frozen 3/4*: "
+         f"{100 * res['rate']:g}% of every fourth tensor. Each command its own process; "
          f"peak RSS in MB. This machine: memory read {res['memory_read_gbps']:.1f} GB/s, disk write "
          f"{res['disk_write_gbps']:.2f} GB/s (one read of the checkpoint at memory speed: `read s`). Every command "
-         "starts with nothing dirty; `(+N)`: the writeback it left, timed as the `sync` after it.\n"),
+         "starts with nothing dirty; `(+N)`: the writeback it left, timed as the `sync` after it. The in-place "
+         "receiver is in its steady state (block digests kept); `idle s`: its receive with nothing to apply.\n"),
         ("| pattern | GB | changed | publish keyframe s | publish delta s (+writeback) | zstd -1 -T1 s | receive rewrite s | "
-         "receive --in-place s (+writeback) | read s | peak RSS MB (pub delta / in-place) | exact |"),
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|:--:|",
+         "receive --in-place s (+writeback) | idle s | read s | peak RSS MB (pub delta / in-place) | exact |"),
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|:--:|",
     ]
     for r in res["rows"]:
         z = r.get("zstd_1_T1_s")
@@ -175,6 +185,7 @@ def markdown(res: dict) -> list[str]:
             f"| {r['pattern']} | {r['bytes'] / 1e9:.2f} | {r['changed']:,} | {r['publish_keyframe_s']:.2f} | "
             f"{r['publish_delta_s']:.2f}{_left(r, 'publish_delta')} | {'n/a' if z is None else f'{z:.2f}'} | "
             f"{r['receive_rewrite_s']:.2f} | {r['receive_in_place_s']:.2f}{_left(r, 'receive_in_place')} | "
+            f"{r['receive_idle_s']:.2f} | "
             f"{r['bytes'] / 1e9 / res['memory_read_gbps']:.3f} | "
             f"{r['publish_delta_rss'] / 1e6:.0f} / {r['receive_in_place_rss'] / 1e6:.0f} | {'yes' if r['exact'] else 'NO'} |")
     return lines
@@ -188,9 +199,8 @@ def _left(row: dict, what: str) -> str:
 def plot(res: dict, out: str, plt) -> str:
     """Time against size, one panel per pattern, with one memory-speed read and one disk-speed write
     of the checkpoint for scale; returns the PNG's path."""
-    patterns = ("fixed rate", "fixed change")
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5), squeeze=False)
-    for ax, pattern in zip(axes[0], patterns):
+    fig, axes = plt.subplots(1, len(PATTERNS), figsize=(16, 4.5), squeeze=False)
+    for ax, pattern in zip(axes[0], PATTERNS):
         rows = sorted((r for r in res["rows"] if r["pattern"] == pattern), key=lambda r: r["bytes"])
         gb = [r["bytes"] / 1e9 for r in rows]
         for key, label in (("publish_delta_s", "dcr publish (delta)"), ("zstd_1_T1_s", "zstd -1 -T1"),

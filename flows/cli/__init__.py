@@ -25,6 +25,7 @@ COMMANDS = {
     "publish": ("flows.cli.publish", "publish a checkpoint as step N (keyframe or delta)"),
     "receive": ("flows.cli.receive", "bring a receiver's state file to step N (default latest)"),
     "materialize": ("flows.cli.receive", "write the full checkpoint of step N"),
+    "verify-state": ("flows.cli.state", "hash a receiver's state file against the step it holds (and refresh its block digests)"),
     "ls": ("flows.cli.bucket", "one row per step"),
     "verify": ("flows.cli.bucket", "re-read stored payloads and check their digests"),
     "show": ("flows.cli.bucket", "one step, tensor by tensor: encoding, changed elements, bytes, chunks, digests"),

@@ -39,7 +39,6 @@ import numpy as np
 
 from dcr_core import events
 from dcr_core.chain import KEYFRAME
-from dcr_core.digest import TensorHasher
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError
 from flows import refs
@@ -158,7 +157,7 @@ def _hashes_to(ck: SafetensorsCheckpoint, name: str, entry, buf: np.ndarray) -> 
         return entry.matches(ck.bits(name))
     storage = np.dtype(DTYPES[entry.dtype].storage)
     count, per = ck.infos[name].nbytes // storage.itemsize, len(buf) // storage.itemsize
-    h = TensorHasher()
+    h = entry.scheme.hasher()
     for start in range(0, count, per):
         h.update(ck.read_into(name, start, buf[: min(per, count - start) * storage.itemsize].view(storage)))
     return h.hexdigest() == entry.digest

@@ -49,6 +49,7 @@ def write_manifest(
         created_at=utc_now(),
         producer={"tool": "dcr", "source": plan.source_name},
         snapshot=dict(snapshot or {}),
+        digest_scheme=plan.scheme,
     )
     data = m.to_json()
     try:  # what every receiver will do first: a manifest they would refuse is never committed

@@ -35,7 +35,6 @@ from dcr_core import events
 from dcr_core.chain import KEYFRAME
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chunks
-from dcr_core.digest import TensorHasher, tensor_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, SchemaMismatchError
 from flows.publish.plan import PublishPlan
@@ -206,7 +205,7 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
         for meta, array_fut, chunk_futs in pending:
             table = _chunk_table(chunk_futs)
             array_fut.result()
-            entries[meta["name"]] = TensorEntry(chunks=table, **meta)
+            entries[meta["name"]] = TensorEntry(chunks=table, scheme=plan.scheme, **meta)
         if announcer is not None:
             announcer.finish()  # the last index, before the manifest: followers know they have it all
     events.reached("publish.tensors-stored", step=plan.step, tensors=len(entries))
@@ -235,8 +234,8 @@ def _encode_streamed(
             if not base_entry.matches(base_src.bits(name)):
                 raise _mismatch(check, name, plan)
         else:
-            base_hash = TensorHasher()
-    new_hash = TensorHasher()
+            base_hash = base_entry.scheme.hasher()
+    new_hash = plan.scheme.hasher()
     changed = 0
     futs: list[Future] = []
     for i in range(grid.n_chunks):
@@ -294,7 +293,7 @@ def _encode_whole(
         if encoding is Encoding.XOR and plan.codec.conditional:
             held = grid.take(base, c.index)
         futs.append(uploads.submit((), array, grid, c.index, c.payload, announce, held, dtype))
-    return encoding, tensor_digest(new), changed, futs
+    return encoding, plan.scheme.digest(new), changed, futs
 
 
 def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, TensorEntry]) -> dict[str, TensorEntry]:

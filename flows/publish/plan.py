@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from dcr_core import events
 from dcr_core.chain import DELTA, KEYFRAME
 from dcr_core.chunking import choose_chunk_shape
+from dcr_core.digest import DigestScheme
 from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import InvalidCheckpointError, SchemaMismatchError, StepConflictError, UsageError
 from flows.options import PublishOptions
@@ -50,6 +51,11 @@ class PublishPlan:
     @property
     def codec(self):
         return self.options.keyframe_codec if self.kind == KEYFRAME else self.options.delta_codec
+
+    @property
+    def scheme(self) -> DigestScheme:
+        """The digest scheme of the step's manifest."""
+        return DigestScheme(self.options.digest_block_bytes)
 
     def base_entries(self) -> dict[str, TensorEntry]:
         """The base step's entries (empty for a keyframe), from its pinned manifest."""

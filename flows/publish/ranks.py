@@ -304,7 +304,7 @@ def merge_partials(plan: PublishPlan, partials: list[RankPartial]) -> dict[str, 
             name=name, dtype=first.dtype, shape=first.shape, digest=pieces_digest(table.records()),
             encoding=encoding, array=first.array, chunk_shape=first.chunk_shape,
             chunks=ChunkTable(tuple(c[0] for c in chunks), tuple(c[1] for c in chunks), tuple(c[2] for c in chunks)),
-            base_digest=base[name].digest if plan.kind == DELTA else None, changed=changed[name], pieces=table,
+            base_digest=base[name].digest if plan.kind == DELTA else None, changed=changed[name], pieces=table, scheme=plan.scheme,
             parts=None if not parts else PartTable(
                 layout.parts_array(first.array), plan.world, tuple(p[1] for p in parts), tuple(p[0] for p in parts),
                 tuple(p[2] for p in parts), tuple(p[3] for p in parts),

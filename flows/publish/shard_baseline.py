@@ -21,7 +21,7 @@ import numpy as np
 from dcr_core.chain import KEYFRAME, Direction
 from dcr_core.chunking import ChunkGrid
 from dcr_core.delta import apply_chunk
-from dcr_core.digest import runs_digest
+from dcr_core.digest import FLAT, runs_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError, StateMismatchError
 from dcr_core.projection import chunks_touched, scatter_chunk, shard_runs
@@ -46,14 +46,20 @@ def rank_cache_path(plan: PublishPlan) -> str:
     return cache_path(plan, f"shards-rank{plan.rank}-of{plan.world}.safetensors")
 
 
-def piece_records(snap: ShardSnapshot, bits: list[np.ndarray]) -> dict[str, list]:
-    """``(start, extent, digest)`` of every non-empty piece of the rank, by canonical tensor."""
+def piece_records(snap: ShardSnapshot, bits: list[np.ndarray], base: dict[str, TensorEntry] | None = None,
+                  ) -> dict[str, list]:
+    """``(start, extent, digest)`` of every non-empty piece of the rank, by canonical tensor. With
+    ``base``: a piece that is a whole tensor whose base entry has a plain digest is hashed in the
+    base manifest's scheme (block digests), so ``_verified`` can compare it with that digest."""
     out: dict[str, list] = {}
     for spec, b in zip(snap.specs, bits):
         for p in spec.pieces:
             c, local, n = p.runs()
             if p.numel:
-                out.setdefault(p.name, []).append((p.start, p.extent, runs_digest(b, local, n)))
+                e = None if base is None else base.get(p.name)
+                whole = e is not None and e.pieces is None and tuple(p.extent) == tuple(e.shape)
+                scheme = e.scheme if whole else FLAT
+                out.setdefault(p.name, []).append((p.start, p.extent, runs_digest(b, local, n, scheme)))
     return out
 
 
@@ -93,7 +99,7 @@ def _cached(plan: PublishPlan, snap: ShardSnapshot) -> list[np.ndarray] | None:
     except (DCRError, OSError):
         return None  # a missing or broken cache is only a cache
     base = plan.base_entries()
-    for name, recs in piece_records(snap, bits).items():
+    for name, recs in piece_records(snap, bits, base).items():
         if not _verified(base[name], recs):
             return None
     return bits
@@ -147,7 +153,7 @@ def rebuild(plan: PublishPlan, snap: ShardSnapshot) -> list[np.ndarray]:
                 scatter_chunk(buf, cs, runs[name], out)
         finally:
             stream.close()
-    for name, recs in piece_records(snap, out).items():
+    for name, recs in piece_records(snap, out, base).items():
         e = base[name]
         if e.pieces is not None:
             boxes = {(tuple(a), tuple(x)) for a, x, _ in e.pieces.records()}

@@ -38,25 +38,28 @@ header that fits and a journal under half the state file; otherwise the refit re
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass
 
+import blake3
 import numpy as np
 
 from dcr_core import events, sparse
 from dcr_core.delta import Encoding, apply_chunk, resolve
-from dcr_core.digest import TensorHasher
+from dcr_core.digest import block_count, block_leaves, blocks_root
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, StateMismatchError
 from flows.options import ReceiveOptions
 from storage import reader
 from storage.chunk_io import stream_chunks
-from storage.local import journal, state
+from storage.local import journal, sidecar, state
 from storage.local.safetensors import SafetensorsCheckpoint
 from storage.reader import RefitPlan
 from storage.root import open_root
 
+log = logging.getLogger("dcr.receive")
 MAX_JOURNAL_FRACTION = 0.5  # a rewrite writes the whole state; a journal this big already costs half
 
 
@@ -65,6 +68,41 @@ class StagedPatch:
     journal: str  # the staged (not yet active) journal
     bytes_pulled: int
     journal_bytes: int
+    sidecar: str | None = None  # the staged block digests of the new state (``storage.local.sidecar``)
+    blocks_hashed: int = 0  # blocks hashed (with block digests: changed, sampled or untrusted ones)
+
+
+def blocked(*manifests) -> int | None:
+    """The block size when every manifest has the same block digests and no piecewise tensor."""
+    schemes = {m.digest_scheme for m in manifests}
+    if len(schemes) != 1 or not (scheme := schemes.pop()).blocked:
+        return None
+    if any(e.pieces is not None for m in manifests for e in m.tensors.values()):
+        return None
+    return scheme.block_bytes
+
+
+def trusted_sidecar(state_path: str, held, ck: SafetensorsCheckpoint, block: int) -> sidecar.Sidecar | None:
+    """The held state's block digests if the trust policy allows them (``storage.local.sidecar``):
+    whole, stamped with the file as it is, consistent with the held step's digests, and a random
+    sample of blocks hashing to them. None otherwise: the refit then hashes every tensor."""
+    sc = sidecar.load(state_path, held.step, held.policy_digest, block)
+    if sc is None or set(sc.leaves) != set(held.tensors):
+        return None
+    for name, e in held.tensors.items():
+        leaves = sc.leaves[name]
+        if leaves.shape[0] != block_count(e.nbytes, block) or blocks_root(block, leaves) != e.digest:
+            return None
+    for name, b in sidecar.sample(sc, {n: e.nbytes for n, e in held.tensors.items()}):
+        bits = ck.mapped_bits(name)
+        item = bits.dtype.itemsize
+        got = blake3.blake3(memoryview(np.ascontiguousarray(bits[b * block // item : (b + 1) * block // item]))
+                            .cast("B")).digest()
+        if got != sc.leaves[name][b].tobytes():
+            log.warning("%s: tensor %r differs from the block digests kept beside it (changed outside DCR?); "
+                        "checking every tensor", state_path, name)
+            return None
+    return sc
 
 
 def _merged(ranges: set[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -87,18 +125,67 @@ def _streamable(entries, e_target):
     return e if all(e.encoding_at(p) is Encoding.XOR for p in range(e.n_stored)) else None
 
 
-def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = True, step: int | None = None):
+def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = True, step: int | None = None,
+                  held_leaves: np.ndarray | None = None):
     """The changes one XOR delta makes to a tensor, from its masks alone (chunks in index order):
     positions are the masks' non-zero elements, found with the new bits in one pass per chunk
     (``sparse.xor_changes``) into arrays sized by the entry's count of changed elements; the new
-    tensor is hashed as it streams by (held bits between stored chunks, held XOR mask within them).
-    False if the result misses its digest."""
-    h = TensorHasher()
-    grid = e.grid
-    buf = np.empty(min(math.prod(grid.chunk_shape), held_bits.size), held_bits.dtype)  # reused per chunk
+    tensor is hashed as it streams by (held bits between stored chunks, held XOR mask within them),
+    or, given the held state's block digests (``held_leaves``), only the blocks with a change: a
+    block within one chunk from the chunk's new bits at once, one across chunks at the end (its held
+    bytes with the changes). Returns ``(positions, old, new, block digests of the result or None,
+    blocks hashed)``; False if the result misses its digest."""
     cap = min(e.changed, held_bits.size)  # an XOR mask's non-zero elements are the changed ones
     positions = np.empty(cap, _position_dtype(held_bits.size))
     old, new = np.empty(cap, held_bits.dtype), np.empty(cap, held_bits.dtype)
+    chunks = _chunk_changes(held_bits, e, stream, forward, step, positions, old, new)
+    if held_leaves is None:
+        h = e_target.scheme.hasher()
+        at = k = 0
+        for start, stop, chunk, _, end in chunks:
+            h.update(held_bits[at:start])
+            h.update(chunk)
+            at, k = stop, end
+        h.update(held_bits[at:])
+        if h.hexdigest() != e_target.digest:
+            return False
+        leaves = h.leaves() if e_target.scheme.blocked else None
+        return positions[:k], old[:k], new[:k], leaves, 0 if leaves is None else leaves.shape[0]
+    block, item = e_target.scheme.block_bytes, held_bits.dtype.itemsize
+    leaves = held_leaves.copy()
+    k = hashed = 0
+    across: set[int] = set()
+    for start, stop, chunk, k0, k in chunks:
+        raw = memoryview(chunk).cast("B")
+        lo_chunk, hi_chunk = start * item, stop * item
+        # The blocks the chunk overlaps that hold a change: positions are sorted, so a block's
+        # changes are the ones between its first and last element (no sort, no pass per change).
+        first, last = lo_chunk // block, (hi_chunk - 1) // block
+        edges = np.arange(first, last + 2, dtype=np.int64) * (block // item)
+        for b in (np.flatnonzero(np.diff(np.searchsorted(positions[k0:k], edges))) + first).tolist():
+            lo, hi = b * block, min((b + 1) * block, held_bits.nbytes)
+            if lo >= lo_chunk and hi <= hi_chunk:
+                leaves[b] = np.frombuffer(blake3.blake3(raw[lo - lo_chunk : hi - lo_chunk]).digest(), np.uint8)
+                hashed += 1
+            else:
+                across.add(b)
+    pos = positions[:k]
+    for b in sorted(across):
+        lo, hi = b * block // item, min((b + 1) * block // item, held_bits.size)
+        work = np.array(held_bits[lo:hi])
+        i, j = np.searchsorted(pos, [lo, hi])
+        work[pos[i:j].astype(np.int64) - lo] = new[i:j]
+        leaves[b] = np.frombuffer(blake3.blake3(memoryview(work).cast("B")).digest(), np.uint8)
+    if blocks_root(block, leaves) != e_target.digest:
+        return False
+    return positions[:k], old[:k], new[:k], leaves, hashed + len(across)
+
+
+def _chunk_changes(held_bits: np.ndarray, e, stream, forward: bool, step: int | None, positions, old, new):
+    """Per stored chunk of ``e`` (in index order): ``(start, stop, new bits, k0, k)``, its changes
+    written to ``positions/old/new[k0:k]``. The new bits live in one buffer, reused per chunk."""
+    grid = e.grid
+    buf = np.empty(min(math.prod(grid.chunk_shape), held_bits.size), held_bits.dtype)
     at = k = 0
     for _ in range(e.n_stored):
         _, _, index, payload = next(stream)
@@ -107,20 +194,16 @@ def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = Tr
         payload = resolve(payload, held_chunk, forward)
         if start < at or payload.shape != (stop - start,):
             raise StateMismatchError(f"tensor {e.name!r}: chunk {index} out of order or of the wrong size")
-        h.update(held_bits[at:start])
         chunk = buf[: stop - start]
+        k0 = k
         try:
             k += sparse.xor_changes(held_chunk, np.ascontiguousarray(payload).view(held_bits.dtype), chunk,
                                     positions[k:], old[k:], new[k:], base=start)
         except sparse.TooManyChanges:
             raise IntegrityError(f"tensor {e.name!r} (refit to step {step}): its stored chunks change more than the "
                                  f"{e.changed} elements its manifest entry lists") from None
-        h.update(chunk)
+        yield start, stop, chunk, k0, k
         at = stop
-    h.update(held_bits[at:])
-    if h.hexdigest() != e_target.digest:
-        return False
-    return positions[:k], old[:k], new[:k]
 
 
 def _position_dtype(numel: int) -> np.dtype:
@@ -128,9 +211,11 @@ def _position_dtype(numel: int) -> np.dtype:
     return np.dtype("<u4") if numel < 1 << 32 else np.dtype("<i8")
 
 
-def _applied_on_copy(held_bits: np.ndarray, entries, e_target, stream, scratch: np.ndarray, forwards: list[bool]):
+def _applied_on_copy(held_bits: np.ndarray, entries, e_target, stream, scratch: np.ndarray, forwards: list[bool],
+                     held_leaves: np.ndarray | None = None):
     """The general case (several moves, overwrites, shared parts, piecewise digests): apply every
-    chunk to a copy of the tensor and compare it with the held bits where chunks landed."""
+    chunk to a copy of the tensor and compare it with the held bits where chunks landed. Given the
+    held state's block digests, only the blocks a chunk landed in are hashed."""
     work = scratch[: held_bits.nbytes].view(held_bits.dtype)
     np.copyto(work, held_bits)
     touched: set[tuple[int, int]] = set()
@@ -140,12 +225,26 @@ def _applied_on_copy(held_bits: np.ndarray, entries, e_target, stream, scratch: 
             _, _, index, payload = next(stream)
             apply_chunk(work, grid, index, payload, e.encoding_at(pos), forward)
             touched.add(grid.chunk_span(index))
-    if not e_target.matches(work):
+    leaves, block, item = None, e_target.scheme.block_bytes, work.dtype.itemsize
+    if e_target.pieces is not None or block is None:
+        if not e_target.matches(work):
+            return False
+        hashed = 0
+    elif held_leaves is None:
+        leaves = block_leaves(work, block)
+        hashed = leaves.shape[0]
+    else:
+        leaves, raw = held_leaves.copy(), memoryview(work).cast("B")
+        blocks = sorted({k for a, b in _merged(touched) for k in range(a * item // block, (b * item - 1) // block + 1)})
+        for k in blocks:
+            leaves[k] = np.frombuffer(blake3.blake3(raw[k * block : (k + 1) * block]).digest(), np.uint8)
+        hashed = len(blocks)
+    if leaves is not None and blocks_root(block, leaves) != e_target.digest:
         return False
     positions = np.concatenate(
         [np.flatnonzero(work[a:b] != held_bits[a:b]) + a for a, b in _merged(touched)] or [np.empty(0, np.int64)]
     )
-    return positions, np.asarray(held_bits[positions]), work[positions].copy()
+    return positions, np.asarray(held_bits[positions]), work[positions].copy(), leaves, hashed
 
 
 def eligible(plan: RefitPlan, state_path: str) -> bool:
@@ -185,6 +284,10 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
         forwards = reader.move_forwards(plan)
         records: list[journal.Record] = []
         pulled = 0
+        block = blocked(*ms.values())
+        sc = trusted_sidecar(state_path, held, ck, block) if block else None
+        new_leaves: dict[str, np.ndarray] = {}
+        hashed = 0
         scratch: np.ndarray | None = None  # one buffer for every copied tensor: no fresh pages per tensor
         stream = stream_chunks(root, reader.chunk_jobs(names, chosen, tables), workers=options.io_workers)
         try:
@@ -192,17 +295,31 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
                 e_target = target.tensors[name]
                 held_bits = ck.mapped_bits(name)
                 entries = [t[name] for t in tables]
+                before = None if sc is None else sc.leaves[name]
                 if not any(e.n_stored for e in entries):
-                    if not e_target.matches(held_bits):
+                    if before is not None and blocks_root(block, before) == e_target.digest:
+                        new_leaves[name] = before  # unchanged, and trusted (the sidecar's policy)
+                    elif block:
+                        new_leaves[name] = block_leaves(held_bits, block)
+                        hashed += new_leaves[name].shape[0]
+                        if blocks_root(block, new_leaves[name]) != e_target.digest:
+                            raise reader.held_mismatch(state_path, name, held.step)
+                    elif not e_target.matches(held_bits):
                         raise reader.held_mismatch(state_path, name, held.step)
                     changes = None
                 elif (one := _streamable(entries, e_target)) is not None:
                     forward = next(f for e, f in zip(entries, forwards) if e is one)
-                    changes = _xor_streamed(held_bits, one, e_target, stream, forward, plan.target_step)
+                    changes = _xor_streamed(held_bits, one, e_target, stream, forward, plan.target_step,
+                                            before if block else None)
                 else:
                     if scratch is None:
                         scratch = np.empty(max(e.nbytes for e in target.tensors.values()), np.uint8)
-                    changes = _applied_on_copy(held_bits, entries, e_target, stream, scratch, forwards)
+                    changes = _applied_on_copy(held_bits, entries, e_target, stream, scratch, forwards,
+                                               before if block else None)
+                if changes:
+                    hashed += changes[4]
+                    if changes[3] is not None:
+                        new_leaves[name] = changes[3]
                 pulled += sum(e.stored_bytes for e in entries)
                 events.reached("tensor.done", name=name, nbytes=e_target.nbytes)
                 if changes is False:  # the result does not match step N's digest
@@ -212,7 +329,7 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
                 if changes is not None and changes[0].size:
                     records.append(journal.Record(
                         ck.data_offset(name), held_bits.dtype.itemsize,
-                        changes[0].astype(_position_dtype(held_bits.size), copy=False), *changes[1:],
+                        changes[0].astype(_position_dtype(held_bits.size), copy=False), *changes[1:3],
                     ))
             if next(stream, None) is not None:
                 raise StateMismatchError("more chunks fetched than applied")  # pragma: no cover - invariant
@@ -221,4 +338,9 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
     finally:
         ck.close()
     patch = journal.Journal(plan.current_step, plan.target_step, header.raw, new_header, records)
-    return StagedPatch(journal.stage(state_path, patch), pulled, patch.nbytes)
+    staged_blocks = None
+    if block and set(new_leaves) == set(target.tensors):
+        staged_blocks = sidecar.stage(state_path, sidecar.Sidecar(plan.target_step, target.policy_digest, block, new_leaves))
+    events.reached("receive.blocks-hashed", blocks=hashed, trusted=sc is not None)
+    return StagedPatch(journal.stage(state_path, patch), pulled, patch.nbytes, staged_blocks, hashed)
+

@@ -18,8 +18,10 @@ State machine of one receiver (held on the module as ``_dcr_refit``):
   again and overwrite-path tensors already reloaded get their base values back, so the module
   returns to the exact bits of the step it held (checked by its fingerprint) and stays known to be
   there; a retry then takes the delta path again.
-- After each refit a fingerprint of every parameter and buffer bit is recorded; the next refit
-  first checks it, so a module changed behind DCR's back is reloaded densely instead of patched.
+- After each refit the block digests of every parameter and buffer are recorded (only the slots
+  the refit wrote are hashed again); the next refit first checks the module against them
+  (``flows.receive.module_digests``: stamps, a sampled block per slot), so a module changed behind
+  DCR's back is reloaded densely instead of patched.
 
 The steps exchange the module, and the payloads fetched for it, as ``LocalRef`` handles: they run
 in the process that holds the module.
@@ -40,7 +42,7 @@ from dcr_core.dtypes import DTYPES
 from dcr_core.errors import StateMismatchError
 from flows import refs
 from flows.options import ReceiveOptions, default_cache_dir
-from flows.receive import placement
+from flows.receive import module_digests, placement
 from flows.receive.state_file import stage_rewrite
 from flows.refs import LocalRef
 from storage import reader
@@ -75,7 +77,7 @@ def plan_module_refit(root: RootRef, module: LocalRef, step: int | None) -> Refi
     target = refs.get(module)
     held = held_by(target)
     current = None
-    if held and held.get("root") == root.url and held.get("fingerprint") == placement.fingerprint(target):
+    if held and held.get("root") == root.url and module_digests.still_holds(target, held.get("slots")):
         current = held["step"]
     r = open_root(root)
     plan = reader.plan_refit(r, current, step, where=type(target).__name__)
@@ -201,7 +203,10 @@ def apply_to_module(plan: RefitPlan, module: LocalRef, fetched: LocalRef, mirror
     modify_wall = time.perf_counter() - t0
     if table.names(placement.OVERWRITE):
         _write_mirror(mirror, plan.target_step, manifest, mirror_bits)
+    slots = placement.slots_of(target)
+    written = sorted({slots[i].qualname for n in direct + over for i in table.probes[n].slots})
     return {"mode": "delta", "bytes_pulled": payloads.bytes_pulled, "fetch_seconds": payloads.seconds,
+            "slots_written": written,
             "pause_seconds": pause, "modify_wall_seconds": modify_wall,
             "tensors_loaded": len(direct) + len(over), "direct": len(direct), "overwrite": len(over)}
 

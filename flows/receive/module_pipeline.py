@@ -9,7 +9,7 @@ import os
 from dcr_core.errors import UsageError
 from flows import refs
 from flows.options import ReceiveOptions
-from flows.receive import module, placement, state_file
+from flows.receive import module, module_digests, state_file
 from flows.receive.pipeline import check_arguments, with_replans
 from flows.results import ReceiveResult, as_dict
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
@@ -58,11 +58,16 @@ def receive_into_module(
                     tasks.release_leases(ref, receiver_id, list(leased))
                     leased.clear()
 
+            before = module.held_by(target)
             plan, info = with_replans(lambda: tasks.plan_module_refit(ref, mod, step), refit, release,
                                       type(target).__name__)
             policy = manifests(plan)[plan.target_step].policy_digest
+            # Slot digests: after a delta only the slots it wrote are hashed again (module_digests).
+            written = set(info.pop("slots_written", ()))
+            previous = before.get("slots") if before and info["mode"] != "dense" else None
+            slots = module_digests.record(target, previous, written)
             module.set_held(target, {"root": ref.url, "step": plan.target_step, "policy_digest": policy,
-                                     "fingerprint": placement.fingerprint(target)})
+                                     "slots": slots, "fingerprint": module_digests.fingerprint(slots)})
             record = {"from_step": plan.current_step, "moves": plan.describe(), "policy_digest": policy,
                       "probe": module.probe_counts(target), **info}
             tasks.record_receiver_commit(ref, receiver_id, plan.target_step, record)
@@ -97,7 +102,7 @@ def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOpti
         fetched = tasks.fetch_module_payloads(plan, mod, options)  # every payload verified before the module is touched
         return tasks.apply_to_module(plan, mod, fetched, mirror)
     except BaseException:
-        if placement.fingerprint(target) == held["fingerprint"]:
+        if module_digests.still_holds(target, held.get("slots"), full=True):
             module.set_held(target, held)  # rolled back (or never touched): still at the held step
         raise
     finally:

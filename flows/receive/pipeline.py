@@ -21,7 +21,7 @@ from flows.receive import state_file
 from flows.results import ReceiveResult
 from flows.steps import InProcess, Runner, Step, StepTable
 from storage import layout
-from storage.local import journal, state
+from storage.local import journal, sidecar, state
 from storage.reader import RefitPlan, manifests
 from storage.root import RootRef
 
@@ -82,10 +82,12 @@ def run_receive(
             with contextlib.suppress(StateMismatchError):  # a damaged or foreign journal: moot here
                 journal.settle(state_path)
             journal.remove(state_path)
+            sidecar.remove(state_path)
         else:  # an in-place patch: a committed one rolled forward (and fsynced), a cut-off one back
             cut_off = os.path.exists(journal.journal_path(state_path))
             if journal.settle(state_path) is not None and cut_off:
                 log.warning("%s: rolled back an interrupted in-place refit", state_path)
+                sidecar.remove(state_path)  # its stamp already fails (the roll back wrote); hash it all next time
         leased: list[int] = []
         try:
             def stage(p: RefitPlan):

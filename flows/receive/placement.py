@@ -34,7 +34,6 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import blake3
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -426,12 +425,3 @@ def _xor_slot(slot: Slot, scratch: torch.Tensor) -> None:
     np.bitwise_xor(b, bits_of(scratch), out=b)
     live.copy_(host.to(live.device))
 
-
-def fingerprint(module) -> str:
-    """BLAKE3 over the bits of every slot, in order: detects any change made outside DCR."""
-    h = blake3.blake3()
-    for s in slots_of(module):
-        t = s.get().detach()
-        h.update(s.qualname.encode() + b"\0" + str(t.dtype).encode() + b"\0" + str(tuple(t.shape)).encode())
-        h.update(memoryview(bits_of(t)).cast("B"))
-    return h.hexdigest()

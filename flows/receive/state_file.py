@@ -15,12 +15,13 @@ import os
 from dataclasses import dataclass
 
 from dcr_core import events
+from dcr_core.digest import block_leaves, blocks_root
 from dcr_core.errors import StateMismatchError, StepVanishedError
 from flows.options import ReceiveOptions
 from flows.receive import in_place
 from storage import layout, leases, reader
 from storage.catalog import Catalog, utc_now
-from storage.local import journal, state
+from storage.local import journal, sidecar, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
 from storage.reader import RefitPlan
 from storage.root import RootRef, open_root, same_root
@@ -37,6 +38,7 @@ class Staged:
     in_place: bool
     bytes_pulled: int
     journal_bytes: int = 0
+    sidecar: str | None = None  # in place: the staged block digests of the new state
 
 
 def plan_receive(root: RootRef, state_path: str, step: int | None, fresh: bool = False) -> RefitPlan:
@@ -114,7 +116,7 @@ def stage_refit(plan: RefitPlan, state_path: str, options: ReceiveOptions | None
         patch = in_place.stage_patch(plan, state_path, options)
         if patch is not None:
             events.reached("receive.staged", path=patch.journal)
-            return Staged(state_path, patch.journal, True, patch.bytes_pulled, patch.journal_bytes)
+            return Staged(state_path, patch.journal, True, patch.bytes_pulled, patch.journal_bytes, patch.sidecar)
     return stage_rewrite(plan, state_path, options)
 
 
@@ -181,21 +183,40 @@ def install_state(staged: Staged) -> None:
                         staged.state_path, undo)
         raise
     events.reached("receive.patch-written", path=staged.state_path)
+    if staged.sidecar is not None:  # stamped with the patched file; a crash before the commit rolls back (new stamp)
+        sidecar.install(staged.state_path, staged.sidecar)
+        events.reached("receive.blocks-written", path=staged.state_path)
     journal.commit(staged.state_path)
     events.reached("receive.patched", path=staged.state_path)
 
 
 def verify_held_state(plan: RefitPlan, state_path: str) -> None:
-    """Check, tensor by tensor, that the state file holds exactly the step it claims."""
+    """Check, tensor by tensor, that the state file holds exactly the step it claims; with block
+    digests kept beside it and trusted (``in_place.trusted_sidecar``: its stamp and a sample of
+    blocks), only those checks run: a receiver polling an idle ROOT does not re-hash its state.
+    Otherwise every block is hashed, and the digests are kept for the next time."""
     held = reader.manifests(plan)[plan.current_step]
     ck = SafetensorsCheckpoint(state_path)
     try:
         reader.check_schema(held, ck.infos, state_path)
+        block = in_place.blocked(held)
+        if block and in_place.trusted_sidecar(state_path, held, ck, block) is not None:
+            events.reached("receive.blocks-hashed", blocks=0, trusted=True)
+            return
+        leaves = {}
         for name, e in held.tensors.items():
-            if not e.matches(ck.bits(name)):
+            if block:
+                leaves[name] = block_leaves(ck.mapped_bits(name), block)
+                ok = blocks_root(block, leaves[name]) == e.digest
+            else:
+                ok = e.matches(ck.bits(name))
+            if not ok:
                 raise reader.held_mismatch(state_path, name, held.step)
     finally:
         ck.close()
+    if block:
+        sidecar.write(state_path, sidecar.Sidecar(held.step, held.policy_digest, block, leaves))
+        events.reached("receive.blocks-hashed", blocks=sum(x.shape[0] for x in leaves.values()), trusted=False)
 
 
 def record_receiver_commit(root: RootRef, receiver_id: str, step: int, record: dict) -> bool:

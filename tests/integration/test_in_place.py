@@ -25,6 +25,7 @@ from flows.options import DELTA_CODECS, PublishOptions, ReceiveOptions
 from flows.receive import in_place, state_file
 from storage import reader
 from storage.local import journal as state_journal
+from storage.local import sidecar
 from storage.local.safetensors import Header, SafetensorsCheckpoint
 from storage.local.state import consistent_state
 from storage.local.state import peek_step as peek_state_step
@@ -151,7 +152,8 @@ def test_chunks_that_change_more_than_their_entry_says_are_refused():
         in_place._xor_streamed(held, entry, entry, iter([(None, entry, 0, mask)]), True, 7)
     assert "\n" not in str(e.value) and "step 7" in str(e.value)
     exact = in_place._xor_streamed(held, dataclasses.replace(entry, changed=3), entry, iter([(None, entry, 0, mask)]))
-    assert [a.tolist() for a in exact] == [[3, 500, 999], [3, 500, 999], [2, 501, 998]]
+    assert [a.tolist() for a in exact[:3]] == [[3, 500, 999], [3, 500, 999], [2, 501, 998]]
+    assert exact[3] is None  # flat digests: no block digests
 
 
 def _crash_child(root, state, step, point):
@@ -168,6 +170,8 @@ def _crash_child(root, state, step, point):
                 os._exit(9)
         if point == "header written" and p == "receive.patch-written":
             os._exit(9)
+        if point == "blocks written" and p == "receive.blocks-written":
+            os._exit(9)
         if point == "committed" and p == "receive.patched":
             os._exit(9)
 
@@ -177,7 +181,8 @@ def _crash_child(root, state, step, point):
 
 
 @pytest.mark.faults(component="receiver", outcome="crash mid-patch: the next receive rolls back to the old step, then ends bit-exact")
-@pytest.mark.parametrize("point", ["journal written", "record 0", "record 3", "record -1", "header written"])
+@pytest.mark.parametrize("point", ["journal written", "record 0", "record 3", "record -1", "header written",
+                                   "blocks written"])
 @pytest.mark.parametrize("held,target", [(1, 4), (1, 2), (3, 2)], ids=["3-steps-copied", "1-step-streamed", "back-1-streamed"])
 def test_a_patch_cut_off_anywhere_is_rolled_back_and_the_retry_is_exact(published, tmp_path, point, held, target):
     root, steps = published
@@ -188,10 +193,13 @@ def test_a_patch_cut_off_anywhere_is_rolled_back_and_the_retry_is_exact(publishe
     journal = state_journal.read(state)
     assert journal is not None and (journal.from_step, journal.to_step) == (held, target)
     assert peek_state_step(state) == held, "a cut-off patch reads as its old step"
-    if point == "header written":  # everything written, only the journal left
+    if point in ("header written", "blocks written"):  # everything written, only the journal left
         assert SafetensorsCheckpoint(state).metadata["dcr.step"] == str(target) and file_bytes(state) != before
+    if point == "blocks written":  # the new step's block digests, stamped with the patched file
+        assert sidecar.read(state).step == target
     assert state_journal.roll_back(state) == held
     assert file_bytes(state) == before, "rolled back byte for byte"
+    assert not _blocks_trusted(root, state, target), "the roll back wrote the file: its block digests no longer match"
     assert state_journal.roll_back(state) is None
     # The crash once more, then a plain retry: the receive rolls back first, then refits.
     _crash(root, state, target, point)
@@ -199,6 +207,15 @@ def test_a_patch_cut_off_anywhere_is_rolled_back_and_the_retry_is_exact(publishe
     assert (res.from_step, res.step) == (held, target)
     assert_bits_equal(load_file(state), steps[target])
     assert not os.path.exists(state_journal.journal_path(state))
+    assert _blocks_trusted(root, state, target)
+
+
+def _blocks_trusted(root, state, step):
+    from storage.catalog import Catalog
+
+    kept = sidecar.read(state)
+    policy = Catalog(open_root(root)).manifest(step).policy_digest
+    return kept is not None and sidecar.load(state, step, policy, kept.block_bytes) is not None
 
 
 def _crash(root, state, target, point):
