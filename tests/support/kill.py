@@ -15,6 +15,8 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -45,3 +47,14 @@ def kill_at(point: str, *args, env: dict | None = None, timeout: float = 120.0) 
             proc.wait()
     assert proc.returncode == -signal.SIGKILL, f"dcr {args[0]} ended with {proc.returncode}, not by the kill at {spec}"
     return "".join(seen)
+
+
+def sweep(cases: list, default: set, key=None) -> list:
+    """A kill sweep's cases for ``pytest.mark.parametrize``: those whose ``key`` (the case, or the
+    case's point) is in ``default`` run in the default suite, every other one with the slow suite
+    (``make test-slow``), so each sweep keeps a representative in every run."""
+    def k(c):
+        return key(c) if key else (c[0] if isinstance(c, tuple) else c)
+
+    return [c if k(c) in default else pytest.param(*(c if isinstance(c, tuple) else (c,)), marks=pytest.mark.slow)
+            for c in cases]
