@@ -215,7 +215,7 @@ def verify_held_state(plan: RefitPlan, state_path: str) -> None:
     finally:
         ck.close()
     if block:
-        sidecar.write(state_path, sidecar.Sidecar(held.step, held.policy_digest, block, leaves))
+        sidecar.keep(state_path, sidecar.Sidecar(held.step, held.policy_digest, block, leaves))
         events.reached("receive.blocks-hashed", blocks=sum(x.shape[0] for x in leaves.values()), trusted=False)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 import random
 import struct
@@ -45,6 +46,7 @@ import numpy as np
 
 from dcr_core.digest import LEAF_BYTES
 
+log = logging.getLogger("dcr.receive")
 MAGIC = b"DCRBLKS1"
 SAMPLE_BLOCKS = 8
 MAX_HEAD_BYTES = 256 << 20
@@ -117,7 +119,7 @@ def write(state_path: str, sidecar: Sidecar) -> None:
 
 
 def remove(state_path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
+    with contextlib.suppress(OSError):
         os.unlink(sidecar_path(state_path))
 
 
@@ -169,9 +171,22 @@ def stage(state_path: str, sidecar: Sidecar) -> str:
 
 
 def install(state_path: str, staged: str) -> None:
-    """Stamp the staged sidecar with the state file as it is now and put it in place."""
-    with open(staged, "rb") as f:
-        s = Sidecar.from_bytes(f.read())
-    os.unlink(staged)
-    if s is not None:
-        write(state_path, s)
+    """Stamp the staged sidecar with the state file as it is now and put it in place. Best effort:
+    a sidecar that cannot be written only costs the next refit a full hash (never the refit)."""
+    try:
+        with open(staged, "rb") as f:
+            s = Sidecar.from_bytes(f.read())
+        os.unlink(staged)
+        if s is not None:
+            write(state_path, s)
+    except OSError as e:
+        log.warning("%s: cannot keep its block digests (%s); the next refit hashes every block", state_path, e)
+        remove(state_path)
+
+
+def keep(state_path: str, sidecar: Sidecar) -> None:
+    """``write``, best effort (as ``install``)."""
+    try:
+        write(state_path, sidecar)
+    except OSError as e:
+        log.warning("%s: cannot keep its block digests (%s); the next refit hashes every block", state_path, e)
