@@ -33,7 +33,7 @@ POINTS = frozenset({
     # publisher
     "chunk.stored", "chunk.fetched",
     "publish.planned", "publish.tensors-stored", "publish.manifest-written",
-    "publish.committed", "publish.baseline-kept",
+    "publish.committed", "publish.baseline-kept", "publish.baseline-patched-record",
     # streaming: a publisher's stream index written; a receiver's index read, a chunk prefetched
     "stream.index-written", "stream.index-read", "stream.chunk-prefetched",
     # a rank of a sharded publish

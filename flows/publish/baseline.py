@@ -6,8 +6,14 @@ Where it comes from, cheapest first:
    not re-checked (its digests are the ones this process computed from that very private copy);
 2. the local baseline cache (``<cache_dir>/<ROOT key>/baseline.safetensors``), see "Trust" below;
 3. rebuilt from ROOT through the shared reader (keyframe plus deltas, streamed), into the cache.
-After the commit the published policy becomes the next baseline (in memory or in the cache: a
-checkpoint file's tensors are copied into it by the kernel, ``copy_file_range``, not through memory).
+After the commit the published policy becomes the next baseline, in memory or in the cache. A delta
+encoded against the cache file patches it in place: the encode pass logged the positions and new
+bits of every changed element (``storage.local.patch_log``), and only those are written, through the
+page cache, with the header's step and policy digest (the cache is unstamped meanwhile, so a crash
+there leaves a cache that is hashed in full and rebuilt before its next use). Otherwise (a
+keyframe, a baseline held in memory or rebuilt elsewhere, a log that fails its check, a cache whose
+header has no room) the checkpoint is copied into a new cache file whole: a checkpoint file's
+tensors by the kernel (``copy_file_range``), not through memory.
 
 Trust (the cache must never feed a wrong baseline into a delta, and should cost no pass of its own):
 - Every use is checked. The encode pass reads each base tensor anyway (to XOR it against the new
@@ -28,6 +34,7 @@ Trust (the cache must never feed a wrong baseline into a delta, and should cost 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -46,7 +53,7 @@ from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, open_source, opened
 from flows.refs import LocalRef
 from storage import reader
-from storage.local import safetensors, state
+from storage.local import patch_log, safetensors, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter
 from storage.marker import CommitMarker
 from storage.root import open_root
@@ -60,9 +67,40 @@ HASH_BUFFER_BYTES = 4 << 20  # a cache checked in full is read through one buffe
 
 
 def cache_path(plan: PublishPlan, file_name: str = BASELINE_FILE) -> str:
-    """A file of this ROOT's publisher cache (keyed by the ROOT URL)."""
-    key = blake3.blake3(plan.root.url.encode()).hexdigest()[:16]
+    """A file of this ROOT's publisher cache (keyed by the ROOT URL; a local path by its real path, so
+    ``dcr publish bucket`` and ``dcr publish /abs/bucket`` share one cache)."""
+    url = plan.root.url if "://" in plan.root.url else os.path.realpath(plan.root.url)
+    key = blake3.blake3(url.encode()).hexdigest()[:16]
     return os.path.join(plan.options.cache_dir, key, file_name)
+
+
+PATCH_LOG_SUFFIX = ".patch"
+
+
+def patch_log_path(plan: PublishPlan) -> str:
+    """The log of the elements this attempt changes in the cache (``storage.local.patch_log``)."""
+    return cache_path(plan, f"{BASELINE_FILE}.{plan.attempt}{PATCH_LOG_SUFFIX}")
+
+
+def patch_log_head(plan: PublishPlan) -> dict:
+    """What a patch log says it does: the cache of which ROOT, from which step to which attempt."""
+    return {"root": plan.root.url, "from_step": plan.base_step, "from_policy_digest": plan.base_policy_digest,
+            "step": plan.step, "attempt": plan.attempt}
+
+
+def _remove_patch_logs(plan: PublishPlan) -> None:
+    """Logs left by publishes that never patched the cache (a failed commit, a crash)."""
+    directory = os.path.dirname(cache_path(plan))
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        if name.startswith((f"{BASELINE_FILE}.", f".{BASELINE_FILE}.")) and PATCH_LOG_SUFFIX in name:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except OSError:
+                pass
 
 
 @dataclass(frozen=True)
@@ -187,6 +225,7 @@ def load_baseline(plan: PublishPlan, held: LocalRef | None = None, recheck: bool
             return refs.put(baseline.source, "baseline")
     path = cache_path(plan)
     if plan.options.use_cache:
+        _remove_patch_logs(plan)
         if recheck:
             drop_stamp(path)
         if os.path.exists(path):
@@ -212,7 +251,7 @@ def rebuild(plan: PublishPlan, path: str) -> None:
     target = ms[plan.base_step]
     infos = [target.tensors[n].info for n in sorted(target.tensors)]
     meta = state.metadata(plan.base_step, target.policy_digest, plan.root.url)
-    writer = StreamingSafetensorsWriter(path, infos, meta, durable=False)
+    writer = StreamingSafetensorsWriter(path, infos, meta, durable=False, header_room=state.HEADER_ROOM)
     try:
         for name, bits, _ in reader.refit_tensors(root, rplan, ms, None, plan.options.io_workers):
             writer.write(name, bits)
@@ -226,21 +265,33 @@ def remember_baseline(
     plan: PublishPlan, source: SourceRef, marker: CommitMarker, baseline: SourceRef | None = None, hold: bool = False,
 ) -> LocalRef | None:
     """Keep the committed policy as the next delta's baseline: with ``hold`` (``source`` is a
-    snapshot this publish made), in memory (a ``HeldBaseline``, returned); else in the cache file.
+    snapshot this publish made), in memory (a ``HeldBaseline``, returned); else in the cache file,
+    patched in place when this delta was encoded against it (see module doc), else copied whole.
 
     Runs after the commit: a failure here only costs the cache (the next publish rebuilds it)."""
     if isinstance(baseline, str) and not plan.options.use_cache and os.path.exists(baseline):
         os.unlink(baseline)  # the private temp baseline of a --no-cache publish
     if hold:
+        with contextlib.suppress(OSError):  # the cache stays at its step; the next delta uses the held copy
+            os.unlink(patch_log_path(plan))
         held = HeldBaseline(plan.root.url, marker.step, marker.policy_digest, open_source(source))
         events.reached("publish.baseline-kept", step=marker.step, where="memory")
         return refs.put(held, "held")
     if not plan.options.use_cache:
         return None
-    names = sorted(plan.infos)
     meta = state.metadata(marker.step, marker.policy_digest, plan.root.url)
+    log_path = patch_log_path(plan)
+    if os.path.exists(log_path):
+        try:
+            if baseline == cache_path(plan) and _patch_cache(plan, log_path, marker, meta):
+                return None
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(log_path)
+    names = sorted(plan.infos)
     try:
-        writer = StreamingSafetensorsWriter(cache_path(plan), [plan.infos[n] for n in names], meta, durable=False)
+        writer = StreamingSafetensorsWriter(cache_path(plan), [plan.infos[n] for n in names], meta, durable=False,
+                                            header_room=state.HEADER_ROOM)
     except OSError as e:
         log.warning("cannot write the baseline cache (%s); the next delta rebuilds its baseline from ROOT", e)
         return None
@@ -260,3 +311,25 @@ def remember_baseline(
         writer.abort()
         log.warning("cannot write the baseline cache (%s); the next delta rebuilds its baseline from ROOT", e)
     return None
+
+
+def _patch_cache(plan: PublishPlan, log_path: str, marker: CommitMarker, meta: dict[str, str]) -> bool:
+    """Patch the cache file (the base step, as the delta just committed was encoded against it)
+    into the committed step with the encode pass's log; False (the cache then gets copied whole)
+    when the log is not this attempt's or does not apply."""
+    path = cache_path(plan)
+    try:
+        if patch_log.read_head(log_path) != patch_log_head(plan):
+            return False
+    except (OSError, DCRError):
+        return False
+    drop_stamp(path)  # from here until the new stamp, the cache is hashed in full before any use
+    try:
+        written = patch_log.apply(log_path, path, meta, progress=lambda i: events.reached(
+            "publish.baseline-patched-record", index=i))
+    except (OSError, DCRError, ValueError) as e:
+        log.warning("cannot patch the baseline cache in place (%s); copying the checkpoint into it", e)
+        return False
+    write_stamp(path, marker.step, marker.policy_digest)
+    events.reached("publish.baseline-kept", step=marker.step, where=path, patched=written)
+    return True

@@ -12,8 +12,17 @@ private copy, so the digest, the XOR and the codec all see the same bits even if
 meanwhile. Memory: the buffers of the chunks in flight (``_window``), whatever the model's size.
 Sources held in memory (a snapshot, a held baseline) are sliced in place.
 
+A delta whose baseline is the publisher's cache file also logs, per changed chunk, the positions and
+new values of its changed elements (``storage.local.patch_log``); once the step is committed the
+cache is patched with them in place instead of copied whole (``flows.publish.baseline``).
+
+Hashing runs beside the encoding: the new tensors' bits and the base's are fed, chunk by chunk and
+in order, to one thread each (``_HashLane``; a chunk's buffer goes back once it is hashed), so on a
+machine with a spare core a delta costs about one read of the two checkpoints, not a read plus two
+hashes in a row.
+
 A file baseline is checked as a by-product of this pass: the bits of every base chunk are hashed
-as they are XORed, and each tensor's digest must be the base step's before the next tensor starts
+as they are XORed, and each tensor's digest must be the base step's before the manifest is written
 (``BaselineMismatchError`` otherwise: the pipeline discards the attempt and publishes again from a
 baseline checked in full or rebuilt from ROOT). So a baseline file trusted without hashing it first
 (``flows.publish.baseline``) can never make a wrong delta.
@@ -26,8 +35,10 @@ import dataclasses
 import functools
 import mmap
 import os
+import threading
 from collections import deque
-from concurrent.futures import Future, wait
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
 
@@ -37,10 +48,13 @@ from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chunks
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, SchemaMismatchError
+from dcr_core.sparse import nonzero
+from flows.publish import baseline as baseline_cache
 from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, opened
 from storage import layout
 from storage.chunk_io import StepWriter, StoredChunk
+from storage.local.patch_log import PatchLogWriter
 from storage.local.safetensors import SafetensorsCheckpoint
 from storage.manifest import ChunkTable, TensorEntry
 from storage.root import open_root
@@ -94,6 +108,65 @@ class _Buffers:
 
     def give(self, *raws: np.ndarray | None) -> None:
         self._free.extend(r for r in raws if r is not None)
+
+    def give_after(self, futures: list[Future | None], *raws: np.ndarray | None) -> None:
+        """Give ``raws`` back once every one of ``futures`` is done (from the thread that ends the
+        last one: list appends and pops are atomic, and only the encoding thread takes)."""
+        pending = [f for f in futures if f is not None and not f.done()]
+        if not pending:
+            self.give(*raws)
+            return
+        left, lock = [len(pending)], threading.Lock()
+
+        def done(_):
+            with lock:
+                left[0] -= 1
+                last = not left[0]
+            if last:
+                self.give(*raws)
+
+        for f in pending:
+            f.add_done_callback(done)
+
+
+class _HashLane:
+    """Feeds digests in order on a thread of its own, so hashing a chunk overlaps reading, XORing
+    and encoding the next (BLAKE3 releases the GIL). One lane per stream of bits (the new tensors,
+    the base's): a digest is a sequence of updates, so a lane is one ordered thread, not a pool.
+    At most ``depth`` updates wait: the encoding thread never runs further ahead, so the buffers
+    held for hashing stay bounded."""
+
+    def __init__(self, name: str, depth: int = 4):
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+        self._pending: deque[Future] = deque()
+        self.depth = depth
+
+    def update(self, hasher, bits: np.ndarray) -> Future:
+        while len(self._pending) >= self.depth:
+            self._pending.popleft().result()
+        f = self._pool.submit(hasher.update, bits)
+        self._pending.append(f)
+        return f
+
+    def digest(self, hasher) -> Future:
+        """The hex digest once every update submitted before it is in."""
+        return self._pool.submit(hasher.hexdigest)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+@dataclasses.dataclass
+class _Lanes:
+    new: _HashLane
+    base: _HashLane
+
+    @classmethod
+    def open(cls, stack: contextlib.ExitStack) -> _Lanes:
+        lanes = cls(_HashLane("dcr-hash-new"), _HashLane("dcr-hash-base"))
+        stack.callback(lanes.base.close)
+        stack.callback(lanes.new.close)
+        return lanes
 
 
 class _Reader:
@@ -169,6 +242,11 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     announcer = stack.enter_context(StreamAnnouncer(root, plan.step, plan.attempt, plan.codec)) if opts.stream else None
     grids = _grids(plan)
     buffers = _Buffers(_buffer_bytes(plan, grids))
+    lanes = _Lanes.open(stack)
+    patch = None
+    if from_file and opts.use_cache and baseline == baseline_cache.cache_path(plan):
+        patch = PatchLogWriter(baseline_cache.patch_log_path(plan), baseline_cache.patch_log_head(plan))
+        stack.callback(patch.abort)  # a no-op once finished
     with stack, StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
         uploads = _Uploads(w, buffers, _window(plan, root))
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
@@ -184,13 +262,15 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
                 encoding = None  # chosen from a count of the changes: the whole tensor first
             base_entry = base_entries.get(name)
             if encoding is None or grid.is_blocked:  # blocks are not flat ranges: the whole tensor at once
-                encoding, digest, changed, chunk_futs = _encode_whole(
+                encoding, whole_digest, changed, chunk_futs = _encode_whole(
                     plan, uploads, src, base_src, baseline if from_file else None, base_entry, name, grid, array,
-                    announce, encoding)
+                    announce, encoding, patch)
+                digest = functools.partial(str, whole_digest)
             else:
                 check = baseline if from_file and encoding is Encoding.XOR else None
                 digest, changed, chunk_futs = _encode_streamed(
-                    plan, uploads, src, base_src, check, base_entry, name, grid, array, announce, encoding)
+                    plan, uploads, src, base_src, check, base_entry, name, grid, array, announce, encoding, patch,
+                    lanes)
             if encoding is Encoding.XOR and not changed:
                 encoding = Encoding.UNCHANGED
             attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": encoding.value, "step": plan.step}}
@@ -205,9 +285,12 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
         for meta, array_fut, chunk_futs in pending:
             table = _chunk_table(chunk_futs)
             array_fut.result()
+            meta["digest"] = meta["digest"]()  # once its hash lanes are done; may raise BaselineMismatchError
             entries[meta["name"]] = TensorEntry(chunks=table, scheme=plan.scheme, **meta)
         if announcer is not None:
             announcer.finish()  # the last index, before the manifest: followers know they have it all
+        if patch is not None:
+            patch.finish()
     events.reached("publish.tensors-stored", step=plan.step, tensors=len(entries))
     return entries
 
@@ -220,9 +303,14 @@ def _mismatch(baseline: str, name: str, plan: PublishPlan) -> BaselineMismatchEr
 def _encode_streamed(
     plan: PublishPlan, uploads: _Uploads, src: Source, base_src: Source | None, check: str | None,
     base_entry: TensorEntry | None, name: str, grid: ChunkGrid, array: str, announce, encoding: Encoding,
-) -> tuple[str, int, list[Future]]:
-    """One tensor, chunk by chunk (``full`` or ``xor``): its digest, changed elements and uploads.
-    ``check``: the baseline file, whose bits are hashed as they are used and must be the base's."""
+    patch: PatchLogWriter | None = None, lanes: _Lanes | None = None,
+) -> tuple[Callable[[], str], int, list[Future]]:
+    """One tensor, chunk by chunk (``full`` or ``xor``): its digest (a call that waits for the hash
+    lanes), changed elements and uploads. ``check``: the baseline file, whose bits are hashed as
+    they are used and must be the base's (the digest call raises ``BaselineMismatchError``
+    otherwise). ``patch``: where the changed elements' positions and new values go (``xor`` only).
+    ``lanes``: hash there, beside the encoding (else inline). A chunk's buffers are given back once
+    nothing uses them: its hash, its upload (which may carry the old bits), the XOR."""
     dtype = plan.infos[name].dtype
     buffers = uploads.buffers
     conditional = encoding is Encoding.XOR and plan.codec.conditional
@@ -236,44 +324,74 @@ def _encode_streamed(
         else:
             base_hash = base_entry.scheme.hasher()
     new_hash = plan.scheme.hasher()
+
+    def hashed(lane: _HashLane | None, hasher, bits: np.ndarray) -> Future | None:
+        if lane is None:
+            hasher.update(bits)
+            return None
+        return lane.update(hasher, bits)
+
+    new_lane, base_lane = (None, None) if lanes is None else (lanes.new, lanes.base)
     changed = 0
     futs: list[Future] = []
     for i in range(grid.n_chunks):
         start, stop = grid.chunk_range(i)
         n, n_raw = new_r.read(start, stop)
-        new_hash.update(n)
+        n_hashed = hashed(new_lane, new_hash, n)
         if base_r is None:  # full values (a keyframe): all-zero chunks are not stored
             nz = int(np.count_nonzero(n))
             if nz:
                 changed += nz
-                futs.append(uploads.submit((n_raw,), array, grid, i, n, announce, None, dtype))
+                up = uploads.submit((), array, grid, i, n, announce, None, dtype)
+                futs.append(up)
+                buffers.give_after([n_hashed, up], n_raw)
             else:
-                buffers.give(n_raw)
+                buffers.give_after([n_hashed], n_raw)
             continue
         b, b_raw = base_r.read(start, stop)
-        if base_hash is not None:
-            base_hash.update(b)
+        b_hashed = None if base_hash is None else hashed(base_lane, base_hash, b)
         m_raw = buffers.take()
         mask = np.bitwise_xor(n, b, out=m_raw[: n.nbytes].view(n.dtype))
-        buffers.give(n_raw)
-        c = int(np.count_nonzero(mask))
+        if patch is None:
+            c = int(np.count_nonzero(mask))
+        else:  # the changed elements, found through 64-bit words (the mask is sparse), and their new bits
+            pos, _ = nonzero(mask)
+            c = int(pos.size)
+            patch.add(name, grid.numel, pos + start, n[pos])
+        buffers.give_after([n_hashed], n_raw)
         if not c:  # unchanged chunks are not stored
-            buffers.give(m_raw, b_raw)
+            buffers.give(m_raw)
+            buffers.give_after([b_hashed], b_raw)
             continue
         changed += c
-        if conditional:  # the codec codes the mask against the old bits: they travel with it
-            futs.append(uploads.submit((m_raw, b_raw), array, grid, i, mask, announce, b, dtype))
-        else:
-            buffers.give(b_raw)
-            futs.append(uploads.submit((m_raw,), array, grid, i, mask, announce, None, dtype))
-    if base_hash is not None and base_hash.hexdigest() != base_entry.digest:
-        raise _mismatch(check, name, plan)
-    return new_hash.hexdigest(), changed, futs
+        # The codec codes the mask against the old bits when it is conditional: they travel with it.
+        up = uploads.submit((m_raw,), array, grid, i, mask, announce, b if conditional else None, dtype)
+        futs.append(up)
+        buffers.give_after([b_hashed, up] if conditional else [b_hashed], b_raw)
+    new_digest = _done_call(new_hash.hexdigest) if new_lane is None else new_lane.digest(new_hash).result
+    if base_hash is None:
+        return new_digest, changed, futs
+    base_digest = _done_call(base_hash.hexdigest) if base_lane is None else base_lane.digest(base_hash).result
+
+    def checked() -> str:
+        if base_digest() != base_entry.digest:
+            raise _mismatch(check, name, plan)
+        return new_digest()
+
+    if base_lane is None:
+        checked()  # inline: checked before the next tensor
+    return checked, changed, futs
+
+
+def _done_call(fn: Callable[[], str]) -> Callable[[], str]:
+    """``fn``'s value now, returned by a call later."""
+    return functools.partial(str, fn())
 
 
 def _encode_whole(
     plan: PublishPlan, uploads: _Uploads, src: Source, base_src: Source, check: str | None,
     base_entry: TensorEntry, name: str, grid: ChunkGrid, array: str, announce, encoding: Encoding | None = None,
+    patch: PatchLogWriter | None = None,
 ) -> tuple[Encoding, str, int, list[Future]]:
     """One tensor read whole, then encoded (the form without reused buffers): for an encoding that
     depends on how much of it changed (``encoding`` None: ``overwrite_above`` below 1) and for
@@ -284,6 +402,10 @@ def _encode_whole(
         raise _mismatch(check, name, plan)
     if encoding is None:
         encoding = choose_encoding(count_changed(new, base), new.size, plan.options.overwrite_above)
+    if patch is not None and base is not None:
+        flat = np.ascontiguousarray(new).reshape(-1)
+        pos, _ = nonzero(np.bitwise_xor(flat, np.ascontiguousarray(base).reshape(-1)))
+        patch.add(name, flat.size, pos, flat[pos])
     dtype = plan.infos[name].dtype
     changed = 0
     futs = []
@@ -322,7 +444,7 @@ def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, Tens
             array_fut = w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs)
             digest, _, futs = _encode_streamed(plan, uploads, src, None, None, None, name, grid, array, None,
                                                Encoding.FULL)
-            if digest != e.digest:
+            if digest() != e.digest:
                 raise IntegrityError(f"{plan.source_name or 'source'}: tensor {name!r} changed while publishing")
             pending.append((e, array, array_fut, futs))
         for e, array, array_fut, futs in pending:

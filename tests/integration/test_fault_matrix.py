@@ -22,6 +22,7 @@ from flows import PublishOptions, ReceiveOptions, run_materialize, run_publish, 
 from flows.publish.baseline import BASELINE_FILE
 from storage import layout
 from storage.catalog import Catalog
+from storage.local import patch_log
 from storage.local.safetensors import StreamingSafetensorsWriter
 from storage.root import Root
 from tests.support.fault_report import FaultCase
@@ -76,7 +77,8 @@ PUBLISHER = [
     FaultCase("publisher", "killed after every chunk, before the manifest", "nothing visible; a retry commits the step bit-exact"),
     FaultCase("publisher", "killed after the manifest, before the commit marker", "nothing visible; a retry commits the step bit-exact"),
     FaultCase("publisher", "killed right after the commit marker was created (reply lost)", "the step is committed and exact; a rerun reports it already committed"),
-    FaultCase("publisher", "killed while rewriting its baseline cache after the commit", "the step is committed and exact; the next delta rebuilds the baseline from ROOT"),
+    FaultCase("publisher", "killed while patching its baseline cache in place after the commit", "the step is committed and exact; the half-patched cache is unstamped: the next delta hashes it, rebuilds it from ROOT and is exact"),
+    FaultCase("publisher", "killed while copying a keyframe into its baseline cache after the commit", "the step is committed and exact; the next delta rebuilds the baseline from ROOT"),
 ]
 
 
@@ -124,6 +126,16 @@ def test_publisher_fault_points(case, tmp_path, monkeypatch):
             raise Killed(case.fault) if made else AssertionError("marker not created")
 
         monkeypatch.setattr(Root, "create_if_absent", create)
+    elif which == 7:
+        real_apply = patch_log.apply
+
+        def apply(path, target, meta, progress=None):
+            def cut(i):
+                if i == 1:  # the second record written: the cache holds part of the patch
+                    raise Killed(case.fault)
+            return real_apply(path, target, meta, cut)
+
+        monkeypatch.setattr(patch_log, "apply", apply)
     else:
         real_w = StreamingSafetensorsWriter.write
 
@@ -135,7 +147,7 @@ def test_publisher_fault_points(case, tmp_path, monkeypatch):
         monkeypatch.setattr(StreamingSafetensorsWriter, "write", cache_write)
 
     with pytest.raises(Killed):
-        run_publish(root, cks[2], 2, options=opts(tmp_path))
+        run_publish(root, cks[2], 2, keyframe=which == 8, options=opts(tmp_path))
     monkeypatch.undo()
     for seen in observed:
         assert_bits_equal(seen, cks[1])  # never a mix of steps 1 and 2

@@ -94,6 +94,7 @@ PUBLISH_POINTS = [  # (point, committed afterwards?)
     ("publish.tensors-stored", False),  # every chunk, no manifest
     ("publish.manifest-written", False),  # the manifest, no marker
     ("publish.committed", True),  # the marker created, the baseline cache not yet written
+    ("publish.baseline-patched-record@2", True),  # the baseline cache half patched in place
 ]
 
 
@@ -121,7 +122,7 @@ def test_a_publish_killed_at_each_point_is_invisible_or_whole_and_a_rerun_is_exa
     dcr("receive", root, "--receiver", "r", "--state", state, check=0)
     assert_bits_equal(load_file(state), new if committed else base)
     dcr("publish", root, d / "c1.safetensors", "--step", 1, check=3 if committed else 0, env=env)  # the rerun
-    if committed:  # killed before its baseline cache was written: the next delta rebuilds it from ROOT
+    if committed:  # killed before its baseline cache was written (or whole): the next delta rebuilds it from ROOT
         newer = evolve(new, 2)
         write_safetensors(d / "c2.safetensors", newer)
         dcr("publish", root, d / "c2.safetensors", "--step", 2, check=0, env=env)

@@ -1,0 +1,186 @@
+"""A log of the elements a publish changed, to patch the publisher's baseline cache in place.
+
+A delta publish compares every new tensor with the baseline anyway; beside each changed chunk it
+appends the positions and new raw values of the chunk's changed elements to this log (a file in
+the cache directory, written sequentially while encoding). Once the step is committed the cache
+file is patched with them (``apply``): only the changed elements are written, through the page
+cache, instead of a copy of the whole checkpoint. Memory stays bounded by one chunk: the log is on
+disk, and ``apply`` streams it record by record.
+
+The log is only ever applied to the cache it was computed against, after the commit, and never
+trusted blindly: its BLAKE3 trailer is checked over the whole file before the first element is
+written, every record must name a tensor of the cache with its element size and positions inside
+it, and the patched cache is checked as the next delta reads it (``flows.publish.baseline``,
+"Trust"). A log cut off by a crash has no trailer (it is written under a temp name and renamed
+when whole) and is never applied.
+
+Layout: ``DCRPLOG1``, u64 length of a JSON head (free-form: the steps it takes the cache from and
+to), the head; per record a ``<IQBB`` prefix (length of the tensor's UTF-8 name, count, element
+size, 1 when positions are int64 instead of uint32), the name, the positions (ascending) and the
+values; an end prefix (name length ``0xFFFFFFFF``); then a 32-byte BLAKE3 of everything before it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import uuid
+from collections.abc import Callable, Mapping
+
+import blake3
+import numpy as np
+
+from dcr_core.dtypes import DTYPES
+from dcr_core.errors import IntegrityError
+from storage.local.safetensors import SafetensorsCheckpoint, read_header
+
+MAGIC = b"DCRPLOG1"
+_RECORD = struct.Struct("<IQBB")
+_END = 0xFFFFFFFF
+_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+READ_BYTES = 4 << 20  # the trailer check reads the log through one buffer of this size
+
+
+class PatchLogWriter:
+    """Appends records to a new log under a temp name; ``finish`` renames it into place whole."""
+
+    def __init__(self, path: str, head: Mapping[str, object]):
+        self.path = path
+        self.tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+        os.makedirs(os.path.dirname(self.tmp) or ".", exist_ok=True)
+        self._f = open(self.tmp, "wb", buffering=1 << 20)
+        self._h = blake3.blake3()
+        raw = json.dumps(dict(head)).encode()
+        self._put(MAGIC + struct.pack("<Q", len(raw)) + raw)
+        self.elements = 0
+
+    def _put(self, data) -> None:
+        self._f.write(data)
+        self._h.update(data)
+
+    def add(self, name: str, numel: int, positions: np.ndarray, values: np.ndarray) -> None:
+        """The changed elements of tensor ``name`` (``numel`` elements): ascending positions in the
+        flat tensor and its new raw values (unsigned ints of the element size) there."""
+        if not positions.size:
+            return
+        wide = numel > 0xFFFFFFFF
+        pos = np.ascontiguousarray(positions, dtype="<i8" if wide else "<u4")
+        vals = np.ascontiguousarray(values).reshape(-1)
+        encoded = name.encode()
+        self._put(_RECORD.pack(len(encoded), pos.size, vals.dtype.itemsize, int(wide)) + encoded)
+        self._put(memoryview(pos).cast("B"))
+        self._put(memoryview(vals.view(_UINT[vals.dtype.itemsize])).cast("B"))
+        self.elements += pos.size
+
+    def finish(self) -> str:
+        """Close the log and put it in place (no fsync: a log lost to a power loss costs one copy of
+        the whole checkpoint into the cache, nothing else)."""
+        self._put(_RECORD.pack(_END, 0, 0, 0))
+        self._f.write(self._h.digest())
+        self._f.close()
+        os.replace(self.tmp, self.path)
+        return self.path
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            self._f.close()
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+
+def _damaged(path: str, why: str) -> IntegrityError:
+    return IntegrityError(f"{path}: not a whole patch log ({why}); nothing was applied")
+
+
+def _check_trailer(path: str) -> int:
+    """The log's size once its trailer has been checked (every byte before it hashed)."""
+    size = os.path.getsize(path)
+    if size < len(MAGIC) + 8 + 32:
+        raise _damaged(path, "too short")
+    h = blake3.blake3()
+    buf = bytearray(READ_BYTES)
+    with open(path, "rb") as f:
+        left = size - 32
+        while left:
+            n = f.readinto(memoryview(buf)[: min(left, len(buf))])
+            if not n:
+                raise _damaged(path, "truncated")
+            h.update(memoryview(buf)[:n])
+            left -= n
+        if f.read(32) != h.digest():
+            raise _damaged(path, "trailer digest")
+    return size
+
+
+def read_head(path: str) -> dict:
+    """The log's head (unchecked: ``apply`` checks the whole log before using it)."""
+    with open(path, "rb") as f:
+        data = f.read(16)
+        if len(data) < 16 or data[:8] != MAGIC:
+            raise _damaged(path, "no header")
+        try:
+            head = json.loads(f.read(struct.unpack("<Q", data[8:])[0]))
+        except ValueError:
+            raise _damaged(path, "header") from None
+    if not isinstance(head, dict):
+        raise _damaged(path, "header")
+    return head
+
+
+def apply(path: str, target: str, metadata: Mapping[str, str],
+          progress: Callable[[int], None] | None = None) -> int:
+    """Write the log's values into the safetensors file ``target`` in place, then merge ``metadata``
+    into its header (same length: nothing moves). The whole log is checked first; a record that
+    does not fit ``target`` raises ``IntegrityError`` before that record is written (``target`` may
+    then hold part of the patch: the caller discards it). ``progress(i)`` after the i-th record.
+    Returns the number of elements written."""
+    size = _check_trailer(path)
+    with SafetensorsCheckpoint(target) as ck:
+        layout = {n: (ck.data_offset(n), i.nbytes, DTYPES[i.dtype].itemsize) for n, i in ck.infos.items()}
+    written = 0
+    with open(path, "rb") as log, open(target, "r+b") as f:
+        header = read_header(target, f.fileno())
+        new_header = header.with_metadata(metadata)
+        if new_header is None:
+            raise IntegrityError(f"{target}: no room in its header for the new step's metadata")
+        log.seek(16 + struct.unpack("<Q", log.read(16)[8:])[0])
+        view = None
+        try:
+            i = 0
+            while True:
+                prefix = log.read(_RECORD.size)
+                if len(prefix) != _RECORD.size:
+                    raise _damaged(path, "truncated record")
+                name_len, count, itemsize, wide = _RECORD.unpack(prefix)
+                if name_len == _END:
+                    break
+                name = log.read(name_len).decode(errors="replace")
+                if name not in layout or layout[name][2] != itemsize:
+                    raise IntegrityError(f"{path}: record {i} names {name!r}, which {target} does not hold as logged")
+                offset, nbytes, _ = layout[name]
+                pos = np.frombuffer(log.read(count * (8 if wide else 4)), "<i8" if wide else "<u4")
+                vals = np.frombuffer(log.read(count * itemsize), _UINT[itemsize])
+                if pos.size != count or vals.size != count:
+                    raise _damaged(path, "truncated record")
+                if count and not 0 <= int(pos[0]) <= int(pos[-1]) < nbytes // itemsize:
+                    raise IntegrityError(f"{path}: record {i} for {name!r} falls outside it in {target}")
+                if count:  # mapped for this record only: the pages it touches are not kept mapped after it
+                    first = int(pos[0])
+                    view = np.memmap(f, _UINT[itemsize], "r+", offset + first * itemsize, (int(pos[-1]) - first + 1,))
+                    try:
+                        view[pos - first] = vals
+                    except IndexError:  # positions out of order
+                        raise IntegrityError(f"{path}: record {i} for {name!r} falls outside it in {target}") from None
+                    view = None
+                written += count
+                if progress is not None:
+                    progress(i)
+                i += 1
+            if log.tell() != size - 32:
+                raise _damaged(path, "bytes after the end record")
+        finally:
+            view = None
+        f.seek(0)
+        f.write(new_header)
+    return written

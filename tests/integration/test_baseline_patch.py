@@ -1,0 +1,218 @@
+"""The publisher's baseline cache is patched in place after a delta, never left wrong.
+
+A delta encoded against the cache file logs the positions and new bits of every changed element;
+after the commit only those are written into the cache (same inode), with the new step in its
+header. The patched cache must equal, byte for byte, the checkpoint just published (the dense
+reference: what a whole copy would have written), for every dtype, special value and odd shape,
+and with the encodings that read tensors whole (``overwrite_above`` below 1, column blocks). A log
+that is damaged, or a cache whose header has no room, falls back to a whole copy; a publisher
+killed halfway through the patch leaves a cache the next delta does not trust (it is hashed and
+rebuilt), and that delta is exact.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from dcr_core import events
+from dcr_core.dtypes import TensorInfo
+from dcr_core.errors import IntegrityError
+from flows import run_materialize, run_publish
+from flows.options import PublishOptions
+from flows.publish import baseline as ps
+from storage.local import patch_log
+from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter
+from tests.support.cli import dcr
+from tests.support.helpers import chain_of_steps, write_safetensors
+from tests.support.kill import kill_at
+
+
+def _cache_file(cache_dir) -> str:
+    (path,) = glob.glob(os.path.join(str(cache_dir), "*", ps.BASELINE_FILE))
+    return path
+
+
+def _file_bits(path) -> dict[str, bytes]:
+    with SafetensorsCheckpoint(path) as ck:
+        return {n: ck.bits(n).tobytes() for n in ck.infos}
+
+
+def _publish_chain(tmp_path, opts: PublishOptions, n: int = 4, seed: int = 3):
+    root = str(tmp_path / "root")
+    files, kept = [], []
+    for i, s in enumerate(chain_of_steps(n, seed=seed, wide=True, ulps=0.5)):
+        files.append(str(tmp_path / f"c{i}.safetensors"))
+        write_safetensors(files[-1], s)
+        with events.listening(lambda p, f: kept.append(f) if p == "publish.baseline-kept" else None):
+            run_publish(root, files[-1], i, options=opts)
+    return root, files, kept
+
+
+@pytest.mark.parametrize("overwrite_above,column_blocks", [(1.0, 1), (0.3, 1), (1.0, 4)],
+                         ids=["streamed", "whole-tensors", "column-blocks"])
+def test_every_delta_patches_the_cache_in_place_to_the_bits_of_the_step(tmp_path, overwrite_above, column_blocks):
+    cache = tmp_path / "cache"
+    opts = PublishOptions(chunk_bytes=128, cache_dir=str(cache), overwrite_above=overwrite_above,
+                          column_blocks=column_blocks)
+    root = str(tmp_path / "root")
+    files = []
+    inodes, patched = [], []
+    for i, s in enumerate(chain_of_steps(4, seed=3, wide=True, ulps=0.5)):
+        files.append(str(tmp_path / f"c{i}.safetensors"))
+        write_safetensors(files[-1], s)
+        kept: list[dict] = []
+        with events.listening(lambda p, f, kept=kept: kept.append(f) if p == "publish.baseline-kept" else None):
+            res = run_publish(root, files[-1], i, options=opts)
+        path = _cache_file(cache)
+        inodes.append(os.stat(path).st_ino)
+        patched.append(kept[-1].get("patched"))
+        assert _file_bits(path) == _file_bits(files[-1]), f"step {i}: the cache is not the published bits"
+        with SafetensorsCheckpoint(path) as ck:
+            assert ck.metadata["dcr.step"] == str(i) and ck.metadata["dcr.policy_digest"] == res.policy_digest
+        assert not glob.glob(os.path.join(os.path.dirname(path), "*.patch*")), "the log is removed once applied"
+    assert patched[0] is None  # a keyframe copies the checkpoint whole
+    assert all(p and p > 0 for p in patched[1:]), patched  # every delta patched the changed elements only
+    assert inodes[1] == inodes[2] == inodes[3], "patched in place, not replaced"
+    # And the deltas computed from the patched caches are exact: the last step rebuilt from ROOT.
+    out = tmp_path / "m.safetensors"
+    run_materialize(root, 3, str(out))
+    assert _file_bits(out) == _file_bits(files[3])
+
+
+def test_a_damaged_log_is_never_applied_and_the_cache_is_copied_whole(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    opts = PublishOptions(chunk_bytes=128, cache_dir=str(cache))
+    real_apply = patch_log.apply
+    seen = []
+
+    def damage_then_apply(path, target, meta, progress=None):
+        with open(path, "r+b") as f:  # one bit of a value flipped after the log was finished
+            f.seek(os.path.getsize(path) - 40)
+            b = f.read(1)
+            f.seek(-1, os.SEEK_CUR)
+            f.write(bytes([b[0] ^ 1]))
+        before = _file_bits(target)
+        with pytest.raises(IntegrityError, match="trailer"):
+            real_apply(path, target, meta, progress)
+        assert _file_bits(target) == before, "nothing applied from a damaged log"
+        seen.append(path)
+        return real_apply(path, target, meta, progress)  # raises again: the publisher copies instead
+
+    monkeypatch.setattr(patch_log, "apply", damage_then_apply)
+    root, files, kept = _publish_chain(tmp_path, opts, n=3)
+    assert len(seen) == 2
+    assert all("patched" not in k for k in kept), "copied whole after the damaged log"
+    assert _file_bits(_cache_file(cache)) == _file_bits(files[-1])
+
+
+def test_a_cache_header_without_room_is_copied_whole(tmp_path):
+    cache = tmp_path / "cache"
+    opts = PublishOptions(chunk_bytes=128, cache_dir=str(cache))
+    root = str(tmp_path / "root")
+    files = [str(tmp_path / f"c{i}.safetensors") for i in range(3)]
+    for f, s in zip(files, chain_of_steps(3, seed=5)):
+        write_safetensors(f, s)
+    for i in range(2):
+        run_publish(root, files[i], i, options=opts)
+    # Fill the cache header's spare room (as a cache written by an older DCR): step 1 -> 10 does not fit.
+    path = _cache_file(cache)
+    with open(path, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        body = f.read(n).rstrip(b" ")
+        spare = n - len(body)
+        assert spare >= 9
+        full = body.replace(b'"__metadata__":{', b'"__metadata__":{"pad":"' + b"y" * (spare - 9) + b'",', 1)
+        assert len(full) == n
+        f.seek(8)
+        f.write(full)
+    with SafetensorsCheckpoint(path) as ck:
+        ps.write_stamp(path, 1, ck.metadata["dcr.policy_digest"])
+    kept = []
+    with events.listening(lambda p, f: kept.append(f) if p == "publish.baseline-kept" else None):
+        run_publish(root, files[2], 10, options=opts)
+    assert "patched" not in kept[-1], "no room for the new step: copied whole"
+    assert _file_bits(_cache_file(cache)) == _file_bits(files[2])
+    with SafetensorsCheckpoint(_cache_file(cache)) as ck:
+        assert ck.metadata["dcr.step"] == "10"
+
+
+@pytest.mark.faults(component="publisher", outcome="killed while patching its baseline cache: the next delta hashes the cache, rebuilds it from ROOT and is exact")
+def test_a_publisher_killed_while_patching_its_cache_leaves_no_trusted_wrong_baseline(tmp_path):
+    cache = tmp_path / "cache"
+    env = {"DCR_CACHE_DIR": str(cache)}
+    root = tmp_path / "root"
+    steps = chain_of_steps(3, seed=9)
+    files = [tmp_path / f"c{i}.safetensors" for i in range(3)]
+    for f, s in zip(files, steps):
+        write_safetensors(f, s)
+    dcr("publish", root, files[0], "--step", 0, "--chunk-bytes", 128, check=0, env=env)
+    kill_at("publish.baseline-patched-record@3", "publish", root, files[1], "--step", 1, "--chunk-bytes", 128,
+            env=env)
+    path = _cache_file(cache)
+    mixed = _file_bits(path)
+    assert mixed != _file_bits(files[0]) and mixed != _file_bits(files[1]), "killed halfway through the patch"
+    with pytest.raises(OSError):
+        os.getxattr(path, ps.STAMP_XATTR)  # unstamped from the first patched byte on
+    dcr("publish", root, files[2], "--step", 2, "--chunk-bytes", 128, check=0, env=env)
+    out = tmp_path / "m.safetensors"
+    run_materialize(str(root), 2, str(out))
+    assert _file_bits(out) == _file_bits(files[2])
+    assert _file_bits(_cache_file(cache)) == _file_bits(files[2])
+
+
+# -- the log itself ---------------------------------------------------------------------------------
+
+
+def _target(tmp_path, n=1000):
+    rng = np.random.default_rng(0)
+    bits = {"a": rng.integers(0, 2**16, n, dtype=np.uint16), "b": rng.integers(0, 2**32, 7, dtype=np.uint32)}
+    infos = [TensorInfo("a", "BF16", (n,)), TensorInfo("b", "F32", (7,))]
+    path = str(tmp_path / "t.safetensors")
+    w = StreamingSafetensorsWriter(path, infos, {"dcr.step": "1"}, header_room=64)
+    w.write("a", bits["a"])
+    w.write("b", bits["b"])
+    w.commit()
+    return path, bits
+
+
+def test_a_log_applies_exactly_the_values_it_holds_and_the_metadata(tmp_path):
+    path, bits = _target(tmp_path)
+    w = patch_log.PatchLogWriter(str(tmp_path / "p.patch"), {"to": 2})
+    w.add("a", 1000, np.array([0, 5, 999]), np.array([1, 2, 3], np.uint16))
+    w.add("b", 7, np.array([6]), np.array([0xFFFFFFFF], np.uint32))
+    assert w.finish() == str(tmp_path / "p.patch")
+    assert patch_log.read_head(str(tmp_path / "p.patch")) == {"to": 2}
+    assert patch_log.apply(str(tmp_path / "p.patch"), path, {"dcr.step": "10"}) == 4
+    want_a, want_b = bits["a"].copy(), bits["b"].copy()
+    want_a[[0, 5, 999]] = [1, 2, 3]
+    want_b[6] = 0xFFFFFFFF
+    with SafetensorsCheckpoint(path) as ck:
+        assert ck.bits("a").tobytes() == want_a.tobytes() and ck.bits("b").tobytes() == want_b.tobytes()
+        assert ck.metadata["dcr.step"] == "10"
+
+
+@pytest.mark.parametrize("bad", ["unknown tensor", "outside", "itemsize", "cut off"])
+def test_a_log_that_does_not_fit_its_target_is_refused(tmp_path, bad):
+    path, bits = _target(tmp_path)
+    log = str(tmp_path / "p.patch")
+    w = patch_log.PatchLogWriter(log, {})
+    if bad == "unknown tensor":
+        w.add("c", 1000, np.array([1]), np.array([1], np.uint16))
+    elif bad == "outside":
+        w.add("a", 2000, np.array([1500]), np.array([1], np.uint16))
+    elif bad == "itemsize":
+        w.add("a", 1000, np.array([1]), np.array([1], np.uint64))
+    if bad == "cut off":
+        w.add("a", 1000, np.array([1]), np.array([1], np.uint16))
+        w._f.flush()
+        os.replace(w.tmp, log)  # never finished: no end record, no trailer
+    else:
+        w.finish()
+    with pytest.raises(IntegrityError, match="p.patch"):
+        patch_log.apply(log, path, {"dcr.step": "2"})
+    with SafetensorsCheckpoint(path) as ck:
+        assert ck.bits("a").tobytes() == bits["a"].tobytes() and ck.metadata["dcr.step"] == "1"
