@@ -129,6 +129,9 @@ class _Buffers:
             f.add_done_callback(done)
 
 
+LANE_MIN_BYTES = 256 << 10  # chunks smaller than this are hashed inline: a hand-off costs more than it saves
+
+
 class _HashLane:
     """Feeds digests in order on a thread of its own, so hashing a chunk overlaps reading, XORing
     and encoding the next (BLAKE3 releases the GIL). One lane per stream of bits (the new tensors,
@@ -309,7 +312,7 @@ def _encode_streamed(
     lanes), changed elements and uploads. ``check``: the baseline file, whose bits are hashed as
     they are used and must be the base's (the digest call raises ``BaselineMismatchError``
     otherwise). ``patch``: where the changed elements' positions and new values go (``xor`` only).
-    ``lanes``: hash there, beside the encoding (else inline). A chunk's buffers are given back once
+    ``lanes``: hash there, beside the encoding, when chunks are large enough (else inline). A chunk's buffers are given back once
     nothing uses them: its hash, its upload (which may carry the old bits), the XOR."""
     dtype = plan.infos[name].dtype
     buffers = uploads.buffers
@@ -331,7 +334,9 @@ def _encode_streamed(
             return None
         return lane.update(hasher, bits)
 
-    new_lane, base_lane = (None, None) if lanes is None else (lanes.new, lanes.base)
+    chunk_bytes = grid.chunk_numel * np.dtype(DTYPES[dtype].storage).itemsize
+    use_lanes = lanes is not None and chunk_bytes >= LANE_MIN_BYTES
+    new_lane, base_lane = (lanes.new, lanes.base) if use_lanes else (None, None)
     changed = 0
     futs: list[Future] = []
     for i in range(grid.n_chunks):

@@ -24,6 +24,7 @@ from dcr_core.errors import IntegrityError
 from flows import run_materialize, run_publish
 from flows.options import PublishOptions
 from flows.publish import baseline as ps
+from flows.publish import encode
 from storage.local import patch_log
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter
 from tests.support.cli import dcr
@@ -52,9 +53,13 @@ def _publish_chain(tmp_path, opts: PublishOptions, n: int = 4, seed: int = 3):
     return root, files, kept
 
 
-@pytest.mark.parametrize("overwrite_above,column_blocks", [(1.0, 1), (0.3, 1), (1.0, 4)],
-                         ids=["streamed", "whole-tensors", "column-blocks"])
-def test_every_delta_patches_the_cache_in_place_to_the_bits_of_the_step(tmp_path, overwrite_above, column_blocks):
+@pytest.mark.parametrize("overwrite_above,column_blocks,lanes", [(1.0, 1, False), (1.0, 1, True), (0.3, 1, False),
+                                                                 (1.0, 4, False)],
+                         ids=["streamed", "streamed-hash-lanes", "whole-tensors", "column-blocks"])
+def test_every_delta_patches_the_cache_in_place_to_the_bits_of_the_step(tmp_path, monkeypatch, overwrite_above,
+                                                                        column_blocks, lanes):
+    if lanes:
+        monkeypatch.setattr(encode, "LANE_MIN_BYTES", 0)
     cache = tmp_path / "cache"
     opts = PublishOptions(chunk_bytes=128, cache_dir=str(cache), overwrite_above=overwrite_above,
                           column_blocks=column_blocks)

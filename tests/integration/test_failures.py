@@ -554,7 +554,7 @@ def test_a_state_file_whose_step_is_a_non_ascii_digit_is_refused(published):
     assert state.read_bytes() == before
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("memory", marks=pytest.mark.backend)])
 def test_a_long_non_ascii_tensor_name_is_refused_before_commit_or_round_trips(tmp_path, kind):
     root = str(tmp_path / "root") if kind == "local" else f"memory://t-{uuid.uuid4().hex}"
     name = "layer." + "\u00fc" * 60 + ".weight"  # 60 two-byte characters: 360 escaped characters
@@ -587,7 +587,7 @@ def test_a_missing_manifest_is_an_integrity_error(published):
 
 
 @pytest.mark.faults(component="publisher", outcome="nothing visible; a retry commits the step bit-exact")
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("memory", marks=pytest.mark.backend)])
 @pytest.mark.parametrize("crash_at", ["create_if_absent", "write_manifest", "encode_and_write"])
 def test_a_publish_that_crashes_before_commit_is_invisible_and_a_retry_is_exact(tmp_path, monkeypatch, kind, crash_at):
     root = str(tmp_path / "root") if kind == "local" else f"memory://t-{uuid.uuid4().hex}"

@@ -20,6 +20,7 @@ import pytest
 from flows import run_materialize, run_publish
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish import baseline as ps
+from flows.publish import encode
 from flows.publish.steps import PUBLISH
 from storage import layout
 from storage.catalog import Catalog
@@ -54,8 +55,10 @@ def _cache_file(cache_dir) -> str:
     return path
 
 
-@pytest.mark.parametrize("codec", ["sparse", "cond"])
-def test_a_cache_damaged_behind_a_matching_stamp_is_caught_while_encoding_and_rebuilt(tmp_path, monkeypatch, codec):
+@pytest.mark.parametrize("codec,lanes", [("sparse", False), ("cond", False), ("sparse", True), ("cond", True)])
+def test_a_cache_damaged_behind_a_matching_stamp_is_caught_while_encoding_and_rebuilt(tmp_path, monkeypatch, codec, lanes):
+    if lanes:  # every chunk hashed on the hash lanes, beside the encoding (as large chunks are)
+        monkeypatch.setattr(encode, "LANE_MIN_BYTES", 0)
     root = str(tmp_path / "root")
     cache = tmp_path / "cache"
     opts = PublishOptions(chunk_bytes=256, cache_dir=str(cache), overwrite_above=1.0, delta_codec=DELTA_CODECS[codec])

@@ -86,7 +86,7 @@ def baselines(monkeypatch):
 # the same deltas as with the baseline file, bit-exact, from memory
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("memory", marks=pytest.mark.backend)])
 @pytest.mark.parametrize("policy", [None, KeyframePolicy(every=2)], ids=["deltas", "restart-points"])
 def test_a_publisher_stores_the_same_deltas_as_the_file_cache_and_receivers_get_every_bit(tmp_path, kind, policy, baselines):
     steps = chain_of_steps(5, seed=4, big=8)

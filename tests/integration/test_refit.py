@@ -78,7 +78,7 @@ def materialized(root, step, path) -> dict[str, torch.Tensor]:
 
 # The column-block chain is the slowest (about 60 s of refits): it runs with the slow suite (make
 # test-slow); tests/unit/test_core.py, test_cond.py and test_module_refit.py cover blocks by default.
-@pytest.fixture(scope="module", params=["local", "memory", "local-cond", pytest.param("local-blocks", marks=pytest.mark.slow)])
+@pytest.fixture(scope="module", params=["local", pytest.param("memory", marks=pytest.mark.backend), "local-cond", pytest.param("local-blocks", marks=pytest.mark.slow)])
 def chain(request, tmp_path_factory):
     """A ROOT with a keyframe and 6 deltas of nasty data, and each step's state file. ``-cond``:
     deltas coded against the old bits (``dcr-cond``), half of the changes ulp steps. ``-blocks``:
@@ -215,7 +215,7 @@ def test_receiving_the_step_already_held_changes_no_byte(chain, tmp_path):
 # overwrite encoding, second keyframe
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("memory", marks=pytest.mark.backend)])
 def test_overwrite_step_round_trips_forward_and_backward_across_it_uses_the_keyframe(kind, tmp_path):
     root = make_root(kind, tmp_path)
     try:
@@ -253,7 +253,7 @@ def test_overwrite_step_round_trips_forward_and_backward_across_it_uses_the_keyf
         drop_root(root)
 
 
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("memory", marks=pytest.mark.backend)])
 def test_a_second_keyframe_mid_chain_starts_a_new_lineage(kind, tmp_path):
     root = make_root(kind, tmp_path)
     try:
@@ -339,7 +339,7 @@ def _break_with_a_stale_step(path, saved):
     ],
     ids=lambda f: f.__name__[1:],
 )
-@pytest.mark.parametrize("kind", ["local", "memory"])
+@pytest.mark.parametrize("kind", ["local", pytest.param("memory", marks=pytest.mark.backend)])
 def test_a_damaged_baseline_cache_is_rebuilt_from_root_and_deltas_stay_exact(kind, damage, tmp_path):
     root = make_root(kind, tmp_path)
     try:

@@ -127,7 +127,7 @@ def prefect_api(tmp_path_factory):
 
 
 @pytest.fixture(params=[
-    "local", "memory", pytest.param("s3", marks=pytest.mark.backend), pytest.param("gcs", marks=pytest.mark.backend),
+    "local", pytest.param("memory", marks=pytest.mark.backend), pytest.param("s3", marks=pytest.mark.backend), pytest.param("gcs", marks=pytest.mark.backend),
 ])
 def backend(request, tmp_path):
     """The name of a backend, with its server running (if it has one)."""
