@@ -39,6 +39,7 @@ import json
 import logging
 import os
 import tempfile
+import time
 from dataclasses import dataclass
 
 import blake3
@@ -88,19 +89,24 @@ def patch_log_head(plan: PublishPlan) -> dict:
             "step": plan.step, "attempt": plan.attempt}
 
 
-def _remove_patch_logs(plan: PublishPlan) -> None:
-    """Logs left by publishes that never patched the cache (a failed commit, a crash)."""
+STALE_LOG_SECONDS = 3600  # a log unchanged this long belongs to no live publish
+
+
+def _remove_stale_patch_logs(plan: PublishPlan) -> None:
+    """Logs left by publishes that never patched the cache (a failed commit, a crash). Only stale
+    ones: a publisher racing this one for the same ROOT may be writing or applying its own now."""
     directory = os.path.dirname(cache_path(plan))
     try:
         names = os.listdir(directory)
     except OSError:
         return
+    now = time.time()
     for name in names:
         if name.startswith((f"{BASELINE_FILE}.", f".{BASELINE_FILE}.")) and PATCH_LOG_SUFFIX in name:
-            try:
-                os.unlink(os.path.join(directory, name))
-            except OSError:
-                pass
+            path = os.path.join(directory, name)
+            with contextlib.suppress(OSError):
+                if now - os.stat(path).st_mtime > STALE_LOG_SECONDS:
+                    os.unlink(path)
 
 
 @dataclass(frozen=True)
@@ -225,7 +231,7 @@ def load_baseline(plan: PublishPlan, held: LocalRef | None = None, recheck: bool
             return refs.put(baseline.source, "baseline")
     path = cache_path(plan)
     if plan.options.use_cache:
-        _remove_patch_logs(plan)
+        _remove_stale_patch_logs(plan)
         if recheck:
             drop_stamp(path)
         if os.path.exists(path):

@@ -22,7 +22,9 @@ values; an end prefix (name length ``0xFFFFFFFF``); then a 32-byte BLAKE3 of eve
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import os
 import struct
 import uuid
@@ -39,21 +41,38 @@ MAGIC = b"DCRPLOG1"
 _RECORD = struct.Struct("<IQBB")
 _END = 0xFFFFFFFF
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-READ_BYTES = 4 << 20  # the trailer check reads the log through one buffer of this size
+READ_BYTES = 4 << 20
+log = logging.getLogger("dcr.publish")  # the trailer check reads the log through one buffer of this size
 
 
 class PatchLogWriter:
-    """Appends records to a new log under a temp name; ``finish`` renames it into place whole."""
+    """Appends records to a new log under a temp name; ``finish`` renames it into place whole.
+
+    Best effort, as the cache it serves: a log that cannot be written (a full or read-only cache
+    directory) is dropped with a warning and nothing is raised; ``finish`` then returns None and the
+    caller copies the checkpoint into the cache whole."""
 
     def __init__(self, path: str, head: Mapping[str, object]):
         self.path = path
         self.tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-        os.makedirs(os.path.dirname(self.tmp) or ".", exist_ok=True)
-        self._f = open(self.tmp, "wb", buffering=1 << 20)
+        self._f = None
         self._h = blake3.blake3()
-        raw = json.dumps(dict(head)).encode()
-        self._put(MAGIC + struct.pack("<Q", len(raw)) + raw)
         self.elements = 0
+        raw = json.dumps(dict(head)).encode()
+        try:
+            os.makedirs(os.path.dirname(self.tmp) or ".", exist_ok=True)
+            self._f = open(self.tmp, "wb", buffering=1 << 20)
+            self._put(MAGIC + struct.pack("<Q", len(raw)) + raw)
+        except OSError as e:
+            self._drop(e)
+
+    @property
+    def dropped(self) -> bool:
+        return self._f is None
+
+    def _drop(self, error: OSError) -> None:
+        log.warning("cannot write the patch log %s (%s); the cache will be copied whole", self.path, error)
+        self.abort()
 
     def _put(self, data) -> None:
         self._f.write(data)
@@ -62,31 +81,45 @@ class PatchLogWriter:
     def add(self, name: str, numel: int, positions: np.ndarray, values: np.ndarray) -> None:
         """The changed elements of tensor ``name`` (``numel`` elements): ascending positions in the
         flat tensor and its new raw values (unsigned ints of the element size) there."""
-        if not positions.size:
+        if not positions.size or self._f is None:
             return
         wide = numel > 0xFFFFFFFF
         pos = np.ascontiguousarray(positions, dtype="<i8" if wide else "<u4")
         vals = np.ascontiguousarray(values).reshape(-1)
         encoded = name.encode()
-        self._put(_RECORD.pack(len(encoded), pos.size, vals.dtype.itemsize, int(wide)) + encoded)
-        self._put(memoryview(pos).cast("B"))
-        self._put(memoryview(vals.view(_UINT[vals.dtype.itemsize])).cast("B"))
+        try:
+            self._put(_RECORD.pack(len(encoded), pos.size, vals.dtype.itemsize, int(wide)) + encoded)
+            self._put(memoryview(pos).cast("B"))
+            self._put(memoryview(vals.view(_UINT[vals.dtype.itemsize])).cast("B"))
+        except OSError as e:
+            self._drop(e)
+            return
         self.elements += pos.size
 
-    def finish(self) -> str:
+    def finish(self) -> str | None:
         """Close the log and put it in place (no fsync: a log lost to a power loss costs one copy of
-        the whole checkpoint into the cache, nothing else)."""
-        self._put(_RECORD.pack(_END, 0, 0, 0))
-        self._f.write(self._h.digest())
-        self._f.close()
-        os.replace(self.tmp, self.path)
+        the whole checkpoint into the cache, nothing else); None when it was dropped."""
+        if self._f is None:
+            return None
+        try:
+            self._put(_RECORD.pack(_END, 0, 0, 0))
+            self._f.write(self._h.digest())
+            self._f.close()
+            os.replace(self.tmp, self.path)
+        except OSError as e:
+            self._drop(e)
+            return None
+        self._f = None
         return self.path
 
     def abort(self) -> None:
-        if not self._f.closed:
-            self._f.close()
-        if os.path.exists(self.tmp):
-            os.unlink(self.tmp)
+        """Close and remove the unfinished log (a no-op once finished or dropped)."""
+        f, self._f = self._f, None
+        if f is not None:
+            with contextlib.suppress(OSError):
+                f.close()
+            with contextlib.suppress(OSError):
+                os.unlink(self.tmp)
 
 
 def _damaged(path: str, why: str) -> IntegrityError:

@@ -221,3 +221,40 @@ def test_a_log_that_does_not_fit_its_target_is_refused(tmp_path, bad):
         patch_log.apply(log, path, {"dcr.step": "2"})
     with SafetensorsCheckpoint(path) as ck:
         assert ck.bits("a").tobytes() == bits["a"].tobytes() and ck.metadata["dcr.step"] == "1"
+
+
+def test_a_log_that_cannot_be_written_costs_a_whole_copy_never_the_publish(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    opts = PublishOptions(chunk_bytes=128, cache_dir=str(cache))
+    real_put = patch_log.PatchLogWriter._put
+    calls = []
+
+    def put(self, data):
+        calls.append(1)
+        if len(calls) == 5:
+            raise OSError(28, "No space left on device")
+        return real_put(self, data)
+
+    monkeypatch.setattr(patch_log.PatchLogWriter, "_put", put)
+    root, files, kept = _publish_chain(tmp_path, opts, n=2)
+    assert len(calls) >= 5, "the fault landed while logging"
+    assert "patched" not in kept[-1]
+    assert _file_bits(_cache_file(cache)) == _file_bits(files[-1])
+    assert not glob.glob(os.path.join(os.path.dirname(_cache_file(cache)), "*patch*")), "the dropped log is removed"
+
+
+def test_stale_logs_are_removed_and_a_live_publishers_log_is_left_alone(tmp_path):
+    cache = tmp_path / "cache"
+    opts = PublishOptions(chunk_bytes=128, cache_dir=str(cache))
+    root, files, _ = _publish_chain(tmp_path, opts, n=2)
+    directory = os.path.dirname(_cache_file(cache))
+    stale = os.path.join(directory, f"{ps.BASELINE_FILE}.dead{ps.PATCH_LOG_SUFFIX}")
+    live = os.path.join(directory, f".{ps.BASELINE_FILE}.other{ps.PATCH_LOG_SUFFIX}.tmp-1")
+    for p in (stale, live):
+        with open(p, "wb") as f:
+            f.write(b"x")
+    old = os.stat(stale).st_mtime - ps.STALE_LOG_SECONDS - 60
+    os.utime(stale, (old, old))
+    write_safetensors(tmp_path / "c2.safetensors", chain_of_steps(3, seed=3, wide=True, ulps=0.5)[2])
+    run_publish(root, str(tmp_path / "c2.safetensors"), 2, options=opts)
+    assert not os.path.exists(stale) and os.path.exists(live)
