@@ -29,7 +29,10 @@ BLOSC_DELTAS = CodecSpec(name="blosc", clevel=1, shuffle="shuffle", blocksize=1 
 # XOR entropy bound (0.71-0.77x of it on the bench's AdamW steps); decodes only with the held bits, so
 # stock zarr cannot read its arrays as masks, and training ranks (which hold shards) cannot publish it.
 COND_DELTAS = CodecSpec(name="dcr-cond", clevel=3)
-KEYFRAMES = CodecSpec(clevel=3, shuffle="shuffle")
+# Keyframes: bit shuffle then zstd level 1. On BF16 weights (64 MB, one thread) it keeps 98% of the
+# ratio of byte shuffle + zstd level 3 (1.32 against 1.35) and encodes 4.8x faster (1.16 against
+# 0.24 GB/s), decodes 5.5x faster (3.7 against 0.68 GB/s). Older ROOTs keep the codec their manifests name.
+KEYFRAMES = CodecSpec(clevel=1, shuffle="bitshuffle")
 DELTA_CODECS = {"sparse": SPARSE_DELTAS, "cond": COND_DELTAS, "blosc": BLOSC_DELTAS}
 
 
