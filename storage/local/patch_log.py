@@ -178,42 +178,39 @@ def apply(path: str, target: str, metadata: Mapping[str, str],
         if new_header is None:
             raise IntegrityError(f"{target}: no room in its header for the new step's metadata")
         log.seek(16 + struct.unpack("<Q", log.read(16)[8:])[0])
-        view = None
-        try:
-            i = 0
-            while True:
-                prefix = log.read(_RECORD.size)
-                if len(prefix) != _RECORD.size:
-                    raise _damaged(path, "truncated record")
-                name_len, count, itemsize, wide = _RECORD.unpack(prefix)
-                if name_len == _END:
-                    break
-                name = log.read(name_len).decode(errors="replace")
-                if name not in layout or layout[name][2] != itemsize:
-                    raise IntegrityError(f"{path}: record {i} names {name!r}, which {target} does not hold as logged")
-                offset, nbytes, _ = layout[name]
-                pos = np.frombuffer(log.read(count * (8 if wide else 4)), "<i8" if wide else "<u4")
-                vals = np.frombuffer(log.read(count * itemsize), _UINT[itemsize])
-                if pos.size != count or vals.size != count:
-                    raise _damaged(path, "truncated record")
-                if count and not 0 <= int(pos[0]) <= int(pos[-1]) < nbytes // itemsize:
-                    raise IntegrityError(f"{path}: record {i} for {name!r} falls outside it in {target}")
-                if count:  # mapped for this record only: the pages it touches are not kept mapped after it
-                    first = int(pos[0])
-                    view = np.memmap(f, _UINT[itemsize], "r+", offset + first * itemsize, (int(pos[-1]) - first + 1,))
-                    try:
-                        view[pos - first] = vals
-                    except IndexError:  # positions out of order
-                        raise IntegrityError(f"{path}: record {i} for {name!r} falls outside it in {target}") from None
-                    view = None
-                written += count
-                if progress is not None:
-                    progress(i)
-                i += 1
-            if log.tell() != size - 32:
-                raise _damaged(path, "bytes after the end record")
-        finally:
-            view = None
+        i = 0
+        while True:
+            prefix = log.read(_RECORD.size)
+            if len(prefix) != _RECORD.size:
+                raise _damaged(path, "truncated record")
+            name_len, count, itemsize, wide = _RECORD.unpack(prefix)
+            if name_len == _END:
+                break
+            name = log.read(name_len).decode(errors="replace")
+            if name not in layout or layout[name][2] != itemsize:
+                raise IntegrityError(f"{path}: record {i} names {name!r}, which {target} does not hold as logged")
+            offset, nbytes, _ = layout[name]
+            pos = np.frombuffer(log.read(count * (8 if wide else 4)), "<i8" if wide else "<u4")
+            vals = np.frombuffer(log.read(count * itemsize), _UINT[itemsize])
+            if pos.size != count or vals.size != count:
+                raise _damaged(path, "truncated record")
+            if count and not 0 <= int(pos[0]) <= int(pos[-1]) < nbytes // itemsize:
+                raise IntegrityError(f"{path}: record {i} for {name!r} falls outside it in {target}")
+            if count:  # mapped for this record only: its pages are not kept mapped after it
+                first = int(pos[0])
+                view = np.memmap(f, _UINT[itemsize], "r+", offset + first * itemsize, (int(pos[-1]) - first + 1,))
+                idx = (pos - first).view(np.uint64) if wide else pos - first  # out of order: huge, refused
+                try:
+                    view[idx] = vals
+                except IndexError:  # positions out of order
+                    raise IntegrityError(f"{path}: record {i} for {name!r} falls outside it in {target}") from None
+                del view
+            written += count
+            if progress is not None:
+                progress(i)
+            i += 1
+        if log.tell() != size - 32:
+            raise _damaged(path, "bytes after the end record")
         f.seek(0)
         f.write(new_header)
     return written
