@@ -35,6 +35,7 @@ Trust (the cache must never feed a wrong baseline into a delta, and should cost 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -87,6 +88,15 @@ def patch_log_head(plan: PublishPlan) -> dict:
     """What a patch log says it does: the cache of which ROOT, from which step to which attempt."""
     return {"root": plan.root.url, "from_step": plan.base_step, "from_policy_digest": plan.base_policy_digest,
             "step": plan.step, "attempt": plan.attempt}
+
+
+PATCH_LOG_SHARE = 4  # a log past 1/4 of the checkpoint's bytes: the step changed so much that a copy is cheaper
+PATCH_LOG_FLOOR = 1 << 20  # below this, either way costs next to nothing
+
+
+def patch_log_limit(plan: PublishPlan) -> int:
+    """The bytes past which a step's patch log is dropped and the cache copied whole instead."""
+    return max(PATCH_LOG_FLOOR, sum(i.nbytes for i in plan.infos.values()) // PATCH_LOG_SHARE)
 
 
 STALE_LOG_SECONDS = 3600  # a log unchanged this long belongs to no live publish
@@ -327,15 +337,32 @@ def _patch_cache(plan: PublishPlan, log_path: str, marker: CommitMarker, meta: d
     try:
         if patch_log.read_head(log_path) != patch_log_head(plan):
             return False
+        f = open(path, "r+b")
     except (OSError, DCRError):
         return False
-    drop_stamp(path)  # from here until the new stamp, the cache is hashed in full before any use
-    try:
-        written = patch_log.apply(log_path, path, meta, progress=lambda i: events.reached(
-            "publish.baseline-patched-record", index=i))
-    except (OSError, DCRError, ValueError) as e:
-        log.warning("cannot patch the baseline cache in place (%s); copying the checkpoint into it", e)
-        return False
-    write_stamp(path, marker.step, marker.policy_digest)
+    with f:
+        try:  # no other publisher reads (shared lock, while encoding) or patches this file now
+            fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # busy: the copy replaces it by a rename, which its readers never see
+        # Still the base the log was computed against: the same file, stamped with the base step
+        # (another publisher of this ROOT may have patched or replaced it since).
+        if os.fstat(f.fileno()).st_ino != os.stat(path).st_ino or not _cache_trusted(path, plan):
+            return False
+        drop_stamp(path)  # from here until the new stamp, the cache is hashed in full before any use
+        try:
+            written = patch_log.apply(log_path, path, meta, progress=lambda i: events.reached(
+                "publish.baseline-patched-record", index=i))
+        except (OSError, DCRError, ValueError) as e:
+            log.warning("cannot patch the baseline cache in place (%s); copying the checkpoint into it", e)
+            return False
+        write_stamp(path, marker.step, marker.policy_digest)
     events.reached("publish.baseline-kept", step=marker.step, where=path, patched=written)
     return True
+
+
+def share_cache(src: Source) -> None:
+    """Hold a shared lock on the cache file ``src`` reads (until it is closed): no publisher patches
+    it in place meanwhile (``_patch_cache`` takes the lock exclusively, or copies instead)."""
+    if isinstance(src, SafetensorsCheckpoint) and src.infos:
+        fcntl.flock(src.file_of(next(iter(src.infos)))[0], fcntl.LOCK_SH)

@@ -37,7 +37,6 @@ import mmap
 import os
 import threading
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 
 import numpy as np
@@ -143,17 +142,30 @@ class _HashLane:
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
         self._pending: deque[Future] = deque()
         self.depth = depth
+        self._error: BaseException | None = None  # the first update that failed: no digest after it
+
+    def _update(self, hasher, bits: np.ndarray) -> None:
+        try:
+            hasher.update(bits)
+        except BaseException as e:
+            self._error = self._error or e
+            raise
+
+    def _digest(self, hasher) -> str:
+        if self._error is not None:
+            raise self._error
+        return hasher.hexdigest()
 
     def update(self, hasher, bits: np.ndarray) -> Future:
         while len(self._pending) >= self.depth:
             self._pending.popleft().result()
-        f = self._pool.submit(hasher.update, bits)
+        f = self._pool.submit(self._update, hasher, bits)
         self._pending.append(f)
         return f
 
     def digest(self, hasher) -> Future:
-        """The hex digest once every update submitted before it is in."""
-        return self._pool.submit(hasher.hexdigest)
+        """The hex digest once every update submitted before it is in (raises if any update failed)."""
+        return self._pool.submit(self._digest, hasher)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -248,12 +260,17 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     lanes = _Lanes.open(stack)
     patch = None
     if from_file and opts.use_cache and baseline == baseline_cache.cache_path(plan):
-        patch = PatchLogWriter(baseline_cache.patch_log_path(plan), baseline_cache.patch_log_head(plan))
+        baseline_cache.share_cache(base_src)
+        patch = PatchLogWriter(baseline_cache.patch_log_path(plan), baseline_cache.patch_log_head(plan),
+                               limit_bytes=baseline_cache.patch_log_limit(plan))
         stack.callback(patch.abort)  # a no-op once finished
     with stack, StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
         uploads = _Uploads(w, buffers, _window(plan, root))
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
         for name in sorted(plan.infos):
+            for meta, _, _ in pending:  # a base found wrong on the lanes stops the encoding here
+                if isinstance(meta["digest"], _Digest):
+                    meta["digest"].check_base()
             info, grid = plan.infos[name], grids[name]
             array = _unique(layout.array_segment(name), used)
             announce = None if announcer is None else functools.partial(announcer.stored, name, info.dtype, grid)
@@ -307,12 +324,13 @@ def _encode_streamed(
     plan: PublishPlan, uploads: _Uploads, src: Source, base_src: Source | None, check: str | None,
     base_entry: TensorEntry | None, name: str, grid: ChunkGrid, array: str, announce, encoding: Encoding,
     patch: PatchLogWriter | None = None, lanes: _Lanes | None = None,
-) -> tuple[Callable[[], str], int, list[Future]]:
+) -> tuple[_Digest, int, list[Future]]:
     """One tensor, chunk by chunk (``full`` or ``xor``): its digest (a call that waits for the hash
     lanes), changed elements and uploads. ``check``: the baseline file, whose bits are hashed as
-    they are used and must be the base's (the digest call raises ``BaselineMismatchError``
-    otherwise). ``patch``: where the changed elements' positions and new values go (``xor`` only).
-    ``lanes``: hash there, beside the encoding, when chunks are large enough (else inline). A chunk's buffers are given back once
+    they are used and must be the base's (``BaselineMismatchError`` otherwise, from the digest's
+    check). ``patch``: where the changed elements' positions and new values go (``xor`` only).
+    ``lanes``: hash there, beside the encoding, when chunks are large enough (else inline, and a
+    wrong base raises here, before the next tensor). A chunk's buffers are given back once
     nothing uses them: its hash, its upload (which may carry the old bits), the XOR."""
     dtype = plan.infos[name].dtype
     buffers = uploads.buffers
@@ -373,24 +391,41 @@ def _encode_streamed(
         up = uploads.submit((m_raw,), array, grid, i, mask, announce, b if conditional else None, dtype)
         futs.append(up)
         buffers.give_after([b_hashed, up] if conditional else [b_hashed], b_raw)
-    new_digest = _done_call(new_hash.hexdigest) if new_lane is None else new_lane.digest(new_hash).result
-    if base_hash is None:
-        return new_digest, changed, futs
-    base_digest = _done_call(base_hash.hexdigest) if base_lane is None else base_lane.digest(base_hash).result
-
-    def checked() -> str:
-        if base_digest() != base_entry.digest:
-            raise _mismatch(check, name, plan)
-        return new_digest()
-
-    if base_lane is None:
-        checked()  # inline: checked before the next tensor
-    return checked, changed, futs
+    new_digest = _done(new_hash.hexdigest()) if new_lane is None else new_lane.digest(new_hash)
+    base_digest = None
+    if base_hash is not None:
+        base_digest = _done(base_hash.hexdigest()) if base_lane is None else base_lane.digest(base_hash)
+    digest = _Digest(name, new_digest, base_digest, None if base_entry is None else base_entry.digest, check, plan)
+    digest.check_base()  # inline: before the next tensor; on the lanes, once they get there
+    return digest, changed, futs
 
 
-def _done_call(fn: Callable[[], str]) -> Callable[[], str]:
-    """``fn``'s value now, returned by a call later."""
-    return functools.partial(str, fn())
+def _done(value: str) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+@dataclasses.dataclass
+class _Digest:
+    """A tensor's digest as its lanes finish it, with its base's check (``BaselineMismatchError``).
+    ``check_base`` raises as soon as the base's digest is known to be wrong (the encoding thread
+    asks before each tensor), so a damaged baseline stops the encoding early; calling it waits."""
+
+    name: str
+    new: Future
+    base: Future | None
+    want: str | None
+    baseline: str | None
+    plan: PublishPlan
+
+    def check_base(self, wait_for_it: bool = False) -> None:
+        if self.base is not None and (wait_for_it or self.base.done()) and self.base.result() != self.want:
+            raise _mismatch(self.baseline, self.name, self.plan)
+
+    def __call__(self) -> str:
+        self.check_base(wait_for_it=True)
+        return self.new.result()
 
 
 def _encode_whole(
@@ -407,10 +442,13 @@ def _encode_whole(
         raise _mismatch(check, name, plan)
     if encoding is None:
         encoding = choose_encoding(count_changed(new, base), new.size, plan.options.overwrite_above)
-    if patch is not None and base is not None:
-        flat = np.ascontiguousarray(new).reshape(-1)
-        pos, _ = nonzero(np.bitwise_xor(flat, np.ascontiguousarray(base).reshape(-1)))
-        patch.add(name, flat.size, pos, flat[pos])
+    if patch is not None and base is not None:  # flat runs of a chunk's size: bounded temporaries
+        flat, old = np.ascontiguousarray(new).reshape(-1), np.ascontiguousarray(base).reshape(-1)
+        run = max(1, grid.chunk_numel)
+        for start in range(0, flat.size, run):
+            n = flat[start:start + run]
+            pos, _ = nonzero(np.bitwise_xor(n, old[start:start + run]))
+            patch.add(name, flat.size, pos + start, n[pos])
     dtype = plan.infos[name].dtype
     changed = 0
     futs = []

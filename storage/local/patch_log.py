@@ -5,7 +5,7 @@ appends the positions and new raw values of the chunk's changed elements to this
 the cache directory, written sequentially while encoding). Once the step is committed the cache
 file is patched with them (``apply``): only the changed elements are written, through the page
 cache, instead of a copy of the whole checkpoint. Memory stays bounded by one chunk: the log is on
-disk, and ``apply`` streams it record by record.
+disk, one record per chunk, and ``apply`` streams it record by record.
 
 The log is only ever applied to the cache it was computed against, after the commit, and never
 trusted blindly: its BLAKE3 trailer is checked over the whole file before the first element is
@@ -41,7 +41,8 @@ MAGIC = b"DCRPLOG1"
 _RECORD = struct.Struct("<IQBB")
 _END = 0xFFFFFFFF
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-READ_BYTES = 4 << 20
+READ_BYTES = 4 << 20  # the trailer check reads the log through one buffer of this size
+MAX_HEAD_BYTES = 1 << 20
 log = logging.getLogger("dcr.publish")  # the trailer check reads the log through one buffer of this size
 
 
@@ -50,10 +51,13 @@ class PatchLogWriter:
 
     Best effort, as the cache it serves: a log that cannot be written (a full or read-only cache
     directory) is dropped with a warning and nothing is raised; ``finish`` then returns None and the
-    caller copies the checkpoint into the cache whole."""
+    caller copies the checkpoint into the cache whole. So is a log that grows past ``limit_bytes``
+    (a step that changed so much that writing its changes costs more than a copy)."""
 
-    def __init__(self, path: str, head: Mapping[str, object]):
+    def __init__(self, path: str, head: Mapping[str, object], limit_bytes: int | None = None):
         self.path = path
+        self.limit_bytes = limit_bytes
+        self.nbytes = 0
         self.tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
         self._f = None
         self._h = blake3.blake3()
@@ -70,13 +74,17 @@ class PatchLogWriter:
     def dropped(self) -> bool:
         return self._f is None
 
-    def _drop(self, error: OSError) -> None:
-        log.warning("cannot write the patch log %s (%s); the cache will be copied whole", self.path, error)
+    def _drop(self, error: OSError | None) -> None:
+        if error is None:
+            log.info("the changes outgrow a copy of the checkpoint; the cache will be copied whole")
+        else:
+            log.warning("cannot write the patch log %s (%s); the cache will be copied whole", self.path, error)
         self.abort()
 
     def _put(self, data) -> None:
         self._f.write(data)
         self._h.update(data)
+        self.nbytes += len(data) if isinstance(data, bytes) else data.nbytes
 
     def add(self, name: str, numel: int, positions: np.ndarray, values: np.ndarray) -> None:
         """The changed elements of tensor ``name`` (``numel`` elements): ascending positions in the
@@ -95,6 +103,8 @@ class PatchLogWriter:
             self._drop(e)
             return
         self.elements += pos.size
+        if self.limit_bytes is not None and self.nbytes > self.limit_bytes:
+            self._drop(None)
 
     def finish(self) -> str | None:
         """Close the log and put it in place (no fsync: a log lost to a power loss costs one copy of
@@ -152,8 +162,11 @@ def read_head(path: str) -> dict:
         data = f.read(16)
         if len(data) < 16 or data[:8] != MAGIC:
             raise _damaged(path, "no header")
+        (n,) = struct.unpack("<Q", data[8:])
+        if n > MAX_HEAD_BYTES:
+            raise _damaged(path, "header length")
         try:
-            head = json.loads(f.read(struct.unpack("<Q", data[8:])[0]))
+            head = json.loads(f.read(n))
         except ValueError:
             raise _damaged(path, "header") from None
     if not isinstance(head, dict):

@@ -17,7 +17,9 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
+from dcr_core import digest as digest_mod
 from dcr_core import events
 from dcr_core.dtypes import TensorInfo
 from dcr_core.errors import IntegrityError
@@ -25,8 +27,10 @@ from flows import run_materialize, run_publish
 from flows.options import PublishOptions
 from flows.publish import baseline as ps
 from flows.publish import encode
+from storage.catalog import Catalog
 from storage.local import patch_log
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter
+from storage.root import Root
 from tests.support.cli import dcr
 from tests.support.helpers import chain_of_steps, write_safetensors
 from tests.support.kill import kill_at
@@ -258,3 +262,82 @@ def test_stale_logs_are_removed_and_a_live_publishers_log_is_left_alone(tmp_path
     write_safetensors(tmp_path / "c2.safetensors", chain_of_steps(3, seed=3, wide=True, ulps=0.5)[2])
     run_publish(root, str(tmp_path / "c2.safetensors"), 2, options=opts)
     assert not os.path.exists(stale) and os.path.exists(live)
+
+
+def _two_steps(tmp_path, new_of=None):
+    steps = chain_of_steps(2, seed=4)
+    if new_of is not None:
+        steps[1] = new_of(steps[0])
+    files = [str(tmp_path / f"c{i}.safetensors") for i in range(2)]
+    for f, s in zip(files, steps):
+        write_safetensors(f, s)
+    return files
+
+
+def _publish_kept(root, path, step, opts) -> dict:
+    kept: list[dict] = []
+    with events.listening(lambda p, f: kept.append(f) if p == "publish.baseline-kept" else None):
+        run_publish(root, path, step, options=opts)
+    return kept[-1]
+
+
+def test_a_step_that_changes_most_elements_copies_the_cache_instead_of_logging_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(ps, "PATCH_LOG_FLOOR", 0)
+    opts = PublishOptions(chunk_bytes=128, cache_dir=str(tmp_path / "cache"))
+    files = _two_steps(tmp_path, lambda s: {  # every element's lowest bit flipped (bools stay bools)
+        n: (t.reshape(-1).view(torch.uint8) ^ 1).view(t.dtype).reshape(t.shape) for n, t in s.items()})
+    root = str(tmp_path / "root")
+    run_publish(root, files[0], 0, options=opts)
+    assert "patched" not in _publish_kept(root, files[1], 1, opts), "past the log's limit: a whole copy"
+    assert _file_bits(_cache_file(tmp_path / "cache")) == _file_bits(files[1])
+
+
+def test_a_cache_another_publisher_is_reading_is_replaced_not_patched_under_it(tmp_path):
+    opts = PublishOptions(chunk_bytes=128, cache_dir=str(tmp_path / "cache"))
+    files = _two_steps(tmp_path)
+    root = str(tmp_path / "root")
+    run_publish(root, files[0], 0, options=opts)
+    with SafetensorsCheckpoint(_cache_file(tmp_path / "cache")) as reading:  # a publisher encoding against it
+        ps.share_cache(reading)
+        assert "patched" not in _publish_kept(root, files[1], 1, opts)
+        assert {n: reading.bits(n).tobytes() for n in reading.infos} == _file_bits(files[0]), "its bits never moved"
+    assert _file_bits(_cache_file(tmp_path / "cache")) == _file_bits(files[1])
+
+
+def test_a_cache_changed_after_the_encode_is_not_patched(tmp_path, monkeypatch):
+    opts = PublishOptions(chunk_bytes=128, cache_dir=str(tmp_path / "cache"))
+    files = _two_steps(tmp_path)
+    root = str(tmp_path / "root")
+    run_publish(root, files[0], 0, options=opts)
+    path = _cache_file(tmp_path / "cache")
+
+    def touch(point, fields):
+        if point == "publish.committed":  # another writer between the encode and the patch
+            os.utime(path, ns=(1, 1))
+
+    with events.listening(touch):
+        kept = _publish_kept(root, files[1], 1, opts)
+    assert "patched" not in kept
+    assert _file_bits(_cache_file(tmp_path / "cache")) == _file_bits(files[1])
+
+
+def test_a_hash_that_fails_on_a_lane_fails_the_publish_and_commits_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(encode, "LANE_MIN_BYTES", 0)
+    opts = PublishOptions(chunk_bytes=128, cache_dir=str(tmp_path / "cache"))
+    files = _two_steps(tmp_path)
+    root = str(tmp_path / "root")
+    run_publish(root, files[0], 0, options=opts)
+    real = digest_mod.BlockHasher.update
+    calls = []
+
+    def update(self, bits):
+        calls.append(1)
+        if len(calls) == 7:
+            raise MemoryError("injected")
+        return real(self, bits)
+
+    monkeypatch.setattr(digest_mod.BlockHasher, "update", update)
+    with pytest.raises(MemoryError, match="injected"):
+        run_publish(root, files[1], 1, options=opts)
+    monkeypatch.undo()
+    assert Catalog(Root(root)).committed_steps() == [0]
