@@ -364,5 +364,5 @@ def _patch_cache(plan: PublishPlan, log_path: str, marker: CommitMarker, meta: d
 def share_cache(src: Source) -> None:
     """Hold a shared lock on the cache file ``src`` reads (until it is closed): no publisher patches
     it in place meanwhile (``_patch_cache`` takes the lock exclusively, or copies instead)."""
-    if isinstance(src, SafetensorsCheckpoint) and src.infos:
+    if isinstance(src, safetensors.SafetensorsCheckpoint) and src.infos:
         fcntl.flock(src.file_of(next(iter(src.infos)))[0], fcntl.LOCK_SH)
