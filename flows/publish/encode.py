@@ -267,10 +267,10 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     with stack, StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
         uploads = _Uploads(w, buffers, _window(plan, root))
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
+        unchecked: deque[_Digest] = deque()  # bases still hashing on their lane, in lane order
         for name in sorted(plan.infos):
-            for meta, _, _ in pending:  # a base found wrong on the lanes stops the encoding here
-                if isinstance(meta["digest"], _Digest):
-                    meta["digest"].check_base()
+            while unchecked and unchecked[0].check_base():  # a base found wrong stops the encoding here
+                unchecked.popleft()
             info, grid = plan.infos[name], grids[name]
             array = _unique(layout.array_segment(name), used)
             announce = None if announcer is None else functools.partial(announcer.stored, name, info.dtype, grid)
@@ -291,6 +291,7 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
                 digest, changed, chunk_futs = _encode_streamed(
                     plan, uploads, src, base_src, check, base_entry, name, grid, array, announce, encoding, patch,
                     lanes)
+                unchecked.append(digest)
             if encoding is Encoding.XOR and not changed:
                 encoding = Encoding.UNCHANGED
             attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": encoding.value, "step": plan.step}}
@@ -419,9 +420,15 @@ class _Digest:
     baseline: str | None
     plan: PublishPlan
 
-    def check_base(self, wait_for_it: bool = False) -> None:
-        if self.base is not None and (wait_for_it or self.base.done()) and self.base.result() != self.want:
+    def check_base(self, wait_for_it: bool = False) -> bool:
+        """Whether the base is checked (raises if it is wrong); False while its hash is not done."""
+        if self.base is None:
+            return True
+        if not (wait_for_it or self.base.done()):
+            return False
+        if self.base.result() != self.want:
             raise _mismatch(self.baseline, self.name, self.plan)
+        return True
 
     def __call__(self) -> str:
         self.check_base(wait_for_it=True)
