@@ -42,8 +42,8 @@ _RECORD = struct.Struct("<IQBB")
 _END = 0xFFFFFFFF
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 READ_BYTES = 4 << 20  # the trailer check reads the log through one buffer of this size
-MAX_HEAD_BYTES = 1 << 20
-log = logging.getLogger("dcr.publish")  # the trailer check reads the log through one buffer of this size
+MAX_HEAD_BYTES = 1 << 20  # a header longer than this is damage, not a head to parse
+log = logging.getLogger("dcr.publish")
 
 
 class PatchLogWriter:
