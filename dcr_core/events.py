@@ -42,7 +42,7 @@ POINTS = frozenset({
     "receive.planned", "receive.leased", "receive.tensor-staged", "receive.staged",
     "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patch-written",
     "receive.blocks-hashed", "receive.blocks-written",
-    "receive.patched", "receive.replaced",
+    "receive.patched", "receive.settled", "receive.replaced",
     "receive.recorded",
     # receiver (a vLLM engine): each tensor handed to vLLM's reload, then the reload done
     "receive.engine-tensor", "receive.engine-reloaded",

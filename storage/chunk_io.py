@@ -128,25 +128,54 @@ class StepWriter:
         return self._pool.submit(work)
 
 
-def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int) -> tuple[int, np.ndarray]:
+@dataclass(frozen=True)
+class UncheckedChunk:
+    """A chunk's stored bytes, fetched and size-checked but neither decoded nor digest-checked: for a
+    reader that applies the stored form directly and verifies what it builds from it against a digest
+    that covers it (the in-place refit: the new tensor against the step's tensor digest). ``checked``
+    decodes and verifies it as ``read_chunk`` does, to name the object when the result is wrong."""
+
+    url: str
+    key: str
+    data: bytes
+    codec: CodecSpec
+    dtype: str
+    grid: ChunkGrid
+    index: int
+    digest: str
+
+    def checked(self) -> np.ndarray | HeldCoded:
+        payload = decode_chunk(self.url, self.key, self.data, self.codec, self.dtype, self.grid, self.index,
+                               len(self.data))
+        if payload_digest(payload) != self.digest:
+            raise IntegrityError(f"{self.url}/{self.key}: chunk digest does not match the manifest")
+        return payload
+
+
+def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, checked: bool = True
+               ) -> tuple[int, np.ndarray | HeldCoded | UncheckedChunk]:
     """Fetch (or take from the prefetched chunks, ``storage.prefetched``), decompress and verify the
-    ``pos``-th stored chunk of ``entry`` (main chunks, then parts)."""
+    ``pos``-th stored chunk of ``entry`` (main chunks, then parts); unless ``checked`` is false: then
+    its stored bytes, size-checked only (``UncheckedChunk``)."""
     rel, index, digest, nbytes = entry.stored_at(pos)
     key = layout.store_key(manifest.step, manifest.attempt, rel)
     grid = entry.grid
     data = PREFETCHED.take(root.url, key, verified_as(manifest.codec, entry.dtype, grid, index, digest, nbytes))
-    if data is not None:  # verified against this very digest, size, dtype, range and codec when it landed
-        payload = decode_chunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, nbytes)
-        events.reached("chunk.fetched", key=key, nbytes=nbytes, prefetched=True)
-        return index, payload
-    try:
-        data = root.read(key, limit=nbytes)  # a larger object is refused without being read
-    except FileNotFoundError:
-        raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
+    prefetched = data is not None  # then verified against this very digest, size, dtype, range and codec when it landed
+    if not prefetched:
+        try:
+            data = root.read(key, limit=nbytes)  # a larger object is refused without being read
+        except FileNotFoundError:
+            raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
+    if not checked:
+        if len(data) != nbytes:
+            raise IntegrityError(f"{root.url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
+        events.reached("chunk.fetched", key=key, nbytes=nbytes, prefetched=prefetched)
+        return index, UncheckedChunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, digest)
     payload = decode_chunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, nbytes)
-    if payload_digest(payload) != digest:
+    if not prefetched and payload_digest(payload) != digest:
         raise IntegrityError(f"{root.url}/{key}: chunk digest does not match the manifest")
-    events.reached("chunk.fetched", key=key, nbytes=nbytes)
+    events.reached("chunk.fetched", key=key, nbytes=nbytes, prefetched=prefetched)
     return index, payload
 
 
@@ -187,11 +216,13 @@ def verified_as(codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int, diges
 ChunkJob = tuple[Manifest, TensorEntry, int]  # a manifest, one of its entries, a stored position
 
 
-def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = 8, window: int | None = None
-                  ) -> Iterator[tuple[Manifest, TensorEntry, int, np.ndarray]]:
+def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = 8, window: int | None = None,
+                  unchecked: Callable[[Manifest, TensorEntry], bool] | None = None
+                  ) -> Iterator[tuple[Manifest, TensorEntry, int, np.ndarray | HeldCoded | UncheckedChunk]]:
     """Fetch and verify chunks in the order of ``jobs``, reading ahead across tensors and steps
     with at most ``window`` chunks in flight (default ``2 * workers``): memory stays bounded, and
-    many small tensors do not cost one round trip each."""
+    many small tensors do not cost one round trip each. Chunks of the entries ``unchecked`` picks
+    come as ``UncheckedChunk`` (the caller verifies what it builds from them)."""
     it = iter(jobs)
     workers = root.backend.read_workers(workers)
     window = max(1, window or 2 * workers)
@@ -204,7 +235,8 @@ def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = 8, window
                     if job is None:
                         break
                     m, e, pos = job
-                    pending.append((m, e, pool.submit(read_chunk, root, m, e, pos)))
+                    pending.append((m, e, pool.submit(read_chunk, root, m, e, pos,
+                                                              unchecked is None or not unchecked(m, e))))
                 if not pending:
                     return
                 m, e, fut = pending.popleft()

@@ -10,7 +10,8 @@
  * (held = new). All arithmetic is on integers: bit-exact by construction.
  *
  * Python glue and the frame layout: cond.py. These functions release the GIL. Beside them, the XOR-mask
- * change scan of an in-place refit (``xor_changes``: sparse.py's ``xor_changes``).
+ * change scan of an in-place refit (``xor_changes``, and ``xor_planes`` straight from a sparse frame's
+ * sections: sparse.py's ``xor_changes`` and ``xor_frame``).
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -506,10 +507,89 @@ done:
     return result;
 }
 
+/* xor_planes(held, gaps, values, out, positions, old, new, itemsize, wide, base) -> k: the same
+ * outputs as xor_changes for the mask a sparse frame describes, from the frame's decompressed
+ * sections themselves (no dense mask is built or read): ``gaps`` holds 4 byte planes of k uint32
+ * gaps (position i = gap_0 + ... + gap_i + i), ``values`` itemsize byte planes of the k XOR values.
+ * ``out = held`` with every value XORed in. A zero value changes nothing and is not listed (as
+ * xor_changes does not list a zero mask element). -1 when there are more changes than the outputs
+ * hold, -2 when a position falls outside ``held`` (the caller decides what that means). */
+#define PIECE 8192 /* elements copied ahead of the changes at a time */
+#define XOR_PLANES(T, P)                                                                           \
+    static Py_ssize_t xor_planes_##T##_##P(const T *restrict held, const uint8_t *restrict g,       \
+                                           const uint8_t *restrict v, Py_ssize_t kk, T *restrict out, \
+                                           Py_ssize_t n, P *restrict pos, T *restrict old,            \
+                                           T *restrict nw, Py_ssize_t cap, int64_t base) {          \
+        uint64_t p = 0, copied = 0; /* out[:copied] holds held's bits: copied a piece at a time, */ \
+        Py_ssize_t k = 0;           /* just ahead of the changes, so a piece is patched in cache */ \
+        for (Py_ssize_t j = 0; j < kk; j++) {                                                      \
+            const uint64_t gap = (uint64_t)g[j] | (uint64_t)g[kk + j] << 8 |                       \
+                                 (uint64_t)g[2 * kk + j] << 16 | (uint64_t)g[3 * kk + j] << 24;    \
+            p += gap + (j > 0);                                                                    \
+            if (p >= (uint64_t)n) return -2;                                                       \
+            if (p >= copied) {                                                                     \
+                uint64_t to = (p / PIECE + 1) * PIECE;                                             \
+                if (to > (uint64_t)n) to = (uint64_t)n;                                            \
+                memcpy(out + copied, held + copied, (size_t)(to - copied) * sizeof(T));            \
+                copied = to;                                                                       \
+            }                                                                                      \
+            T x = 0;                                                                               \
+            for (size_t b = 0; b < sizeof(T); b++) x |= (T)((T)v[b * kk + j] << (8 * b));          \
+            if (!x) continue;                                                                      \
+            if (k == cap) return -1;                                                               \
+            const T o = out[p], r = (T)(o ^ x);                                                    \
+            out[p] = r; pos[k] = (P)(base + (int64_t)p); old[k] = o; nw[k] = r; k++;                \
+        }                                                                                          \
+        if (copied < (uint64_t)n) memcpy(out + copied, held + copied, (size_t)((uint64_t)n - copied) * sizeof(T)); \
+        return k;                                                                                  \
+    }
+#define XOR_PLANES_2(T) XOR_PLANES(T, uint32_t) XOR_PLANES(T, int64_t)
+XOR_PLANES_2(uint8_t)
+XOR_PLANES_2(uint16_t)
+XOR_PLANES_2(uint32_t)
+XOR_PLANES_2(uint64_t)
+
+static PyObject *xor_planes(PyObject *self, PyObject *args) {
+    Py_buffer held, gaps, vals, out, pos, old, nw;
+    int itemsize, wide;
+    long long base;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*w*w*w*ipL", &held, &gaps, &vals, &out, &pos, &old, &nw, &itemsize, &wide,
+                          &base))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t n = held.len / (itemsize > 0 ? itemsize : 1), cap = old.len / (itemsize > 0 ? itemsize : 1);
+    Py_ssize_t kk = gaps.len / 4;
+    if (!(itemsize == 1 || itemsize == 2 || itemsize == 4 || itemsize == 8) || held.len % itemsize ||
+        gaps.len % 4 || vals.len != kk * itemsize || out.len != held.len || old.len != nw.len ||
+        old.len % itemsize || pos.len != cap * (wide ? 8 : 4) || base < 0 ||
+        (!wide && base + n > ((long long)1 << 32))) {
+        PyErr_SetString(PyExc_ValueError, "xor_planes: bad arguments");
+        goto done;
+    }
+    Py_ssize_t k = 0;
+    Py_BEGIN_ALLOW_THREADS
+    switch (itemsize) {
+#define CALL(T) k = wide ? xor_planes_##T##_int64_t(held.buf, gaps.buf, vals.buf, kk, out.buf, n, pos.buf, old.buf, nw.buf, cap, base) \
+                     : xor_planes_##T##_uint32_t(held.buf, gaps.buf, vals.buf, kk, out.buf, n, pos.buf, old.buf, nw.buf, cap, base)
+    case 1: CALL(uint8_t); break;
+    case 2: CALL(uint16_t); break;
+    case 4: CALL(uint32_t); break;
+    default: CALL(uint64_t); break;
+#undef CALL
+    }
+    Py_END_ALLOW_THREADS
+    result = PyLong_FromSsize_t(k);
+done:
+    PyBuffer_Release(&held); PyBuffer_Release(&gaps); PyBuffer_Release(&vals); PyBuffer_Release(&out);
+    PyBuffer_Release(&pos); PyBuffer_Release(&old); PyBuffer_Release(&nw);
+    return result;
+}
+
 static PyMethodDef methods[] = {
     {"encode", encode, METH_VARARGS, "encode(old, mask, itemsize, eshift, ebits, k) -> sections"},
     {"decode", decode, METH_VARARGS, "decode(held, out, itemsize, eshift, ebits, forward, in_place, *sections)"},
     {"xor_changes", xor_changes, METH_VARARGS, "xor_changes(held, mask, out, positions, old, new, itemsize, wide, base) -> k"},
+    {"xor_planes", xor_planes, METH_VARARGS, "xor_planes(held, gaps, values, out, positions, old, new, itemsize, wide, base) -> k"},
     {NULL, NULL, 0, NULL},
 };
 

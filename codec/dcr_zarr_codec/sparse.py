@@ -124,6 +124,54 @@ def xor_changes(held: np.ndarray, mask: np.ndarray, out: np.ndarray, positions: 
     return k
 
 
+class OutsideHeld(ValueError):
+    """A frame whose changes reach past the held elements given to ``xor_frame`` (into a last
+    chunk's padding): the caller decodes the frame whole instead, which ignores the padding."""
+
+
+def frame_changes(frame: bytes, itemsize: int, n: int) -> int:
+    """How many changes (non-zero elements) a sparse frame of ``n`` elements of ``itemsize`` bytes
+    says it holds, from its header alone; ``SparseFrameError`` if it is not such a frame."""
+    if len(frame) < _HEAD.size:
+        raise SparseFrameError("chunk is too short to be a sparse frame")
+    magic, version, mode, size, _, n_frame, k = _HEAD.unpack_from(frame)
+    if magic != MAGIC or version != VERSION or mode not in (SPARSE, DENSE):
+        raise SparseFrameError("chunk is not a DCR sparse frame (bad magic, version or mode)")
+    if size != itemsize or n_frame != n or k > n:
+        raise SparseFrameError(f"sparse frame holds {n_frame} x {size} B (k={k}), expected {n} x {itemsize} B")
+    return k
+
+
+def xor_frame(held: np.ndarray, frame: bytes, n: int, out: np.ndarray, positions: np.ndarray, old: np.ndarray,
+              new: np.ndarray, base: int = 0) -> int:
+    """``xor_changes(held, mask, ...)`` for the mask of the sparse frame ``frame`` (``n`` elements of
+    ``held``'s dtype, ``held`` its first ``held.size``), without building the mask: the frame's
+    sections are decompressed and applied as they are (``_condk.xor_planes``: a copy of ``held``,
+    then one step per change). Dense frames are decoded and passed to ``xor_changes``.
+    ``SparseFrameError`` for anything but such a frame, ``OutsideHeld`` for changes past ``held``,
+    ``TooManyChanges`` as ``xor_changes``. The frame's digest is not checked here."""
+    if not (held.dtype == out.dtype == old.dtype == new.dtype) or held.size > n or out.size != held.size:
+        raise ValueError("xor_frame: held, out, old and new share one dtype; held holds at most n elements")
+    k, itemsize = frame_changes(frame, held.dtype.itemsize, n), held.dtype.itemsize
+    if frame[5] == DENSE:
+        return xor_changes(held, decode_sparse(frame, held.dtype, n)[: held.size], out, positions, old, new, base)
+    gaps, off = _read_section_array(frame, _HEAD.size, 4 * k)
+    values, off = _read_section_array(frame, off, k * itemsize)
+    if off != len(frame):
+        raise SparseFrameError("sparse frame has trailing bytes")
+    if positions.dtype not in (np.dtype("<u4"), np.dtype("<i8")) or not (positions.size == old.size == new.size):
+        raise ValueError("xor_frame: positions are uint32 or int64, as many as old and new")
+    if not all(a.flags.c_contiguous and a.flags.aligned and a.flags.writeable for a in (out, positions, old, new)):
+        raise ValueError("xor_frame: outputs must be writable, C-contiguous and aligned")
+    held = np.require(held, requirements=["C", "A"])
+    got = _condk.xor_planes(held, gaps, values, out, positions, old, new, itemsize, positions.dtype.itemsize == 8, base)
+    if got == -1:
+        raise TooManyChanges(f"the frame has more than the {old.size} changes expected")
+    if got == -2:
+        raise OutsideHeld(f"the frame changes elements past the {held.size} held")
+    return got
+
+
 def encode_sparse(mask: np.ndarray, level: int = 3) -> bytes:
     """Encode one chunk of raw bits (any unsigned dtype, flat)."""
     mask = np.ascontiguousarray(mask).reshape(-1)

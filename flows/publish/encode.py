@@ -17,7 +17,7 @@ new values of its changed elements (``storage.local.patch_log``); once the step 
 cache is patched with them in place instead of copied whole (``flows.publish.baseline``).
 
 Hashing runs beside the encoding: the new tensors' bits and the base's are fed, chunk by chunk and
-in order, to one thread each (``_HashLane``; a chunk's buffer goes back once it is hashed), so on a
+in order, to one thread each (``dcr_core.hash_lane``; a chunk's buffer goes back once it is hashed), so on a
 machine with a spare core a delta costs about one read of the two checkpoints, not a read plus two
 hashes in a row.
 
@@ -37,7 +37,7 @@ import mmap
 import os
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, wait
 
 import numpy as np
 
@@ -47,6 +47,7 @@ from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chunks
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, SchemaMismatchError
+from dcr_core.hash_lane import LANE_MIN_BYTES, HashLane
 from dcr_core.sparse import nonzero
 from flows.publish import baseline as baseline_cache
 from flows.publish.plan import PublishPlan
@@ -128,57 +129,14 @@ class _Buffers:
             f.add_done_callback(done)
 
 
-LANE_MIN_BYTES = 256 << 10  # chunks smaller than this are hashed inline: a hand-off costs more than it saves
-
-
-class _HashLane:
-    """Feeds digests in order on a thread of its own, so hashing a chunk overlaps reading, XORing
-    and encoding the next (BLAKE3 releases the GIL). One lane per stream of bits (the new tensors,
-    the base's): a digest is a sequence of updates, so a lane is one ordered thread, not a pool.
-    At most ``depth`` updates wait: the encoding thread never runs further ahead, so the buffers
-    held for hashing stay bounded."""
-
-    def __init__(self, name: str, depth: int = 4):
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
-        self._pending: deque[Future] = deque()
-        self.depth = depth
-        self._error: BaseException | None = None  # the first update that failed: no digest after it
-
-    def _update(self, hasher, bits: np.ndarray) -> None:
-        try:
-            hasher.update(bits)
-        except BaseException as e:
-            self._error = self._error or e
-            raise
-
-    def _digest(self, hasher) -> str:
-        if self._error is not None:
-            raise self._error
-        return hasher.hexdigest()
-
-    def update(self, hasher, bits: np.ndarray) -> Future:
-        while len(self._pending) >= self.depth:
-            self._pending.popleft().result()
-        f = self._pool.submit(self._update, hasher, bits)
-        self._pending.append(f)
-        return f
-
-    def digest(self, hasher) -> Future:
-        """The hex digest once every update submitted before it is in (raises if any update failed)."""
-        return self._pool.submit(self._digest, hasher)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-
 @dataclasses.dataclass
 class _Lanes:
-    new: _HashLane
-    base: _HashLane
+    new: HashLane
+    base: HashLane
 
     @classmethod
     def open(cls, stack: contextlib.ExitStack) -> _Lanes:
-        lanes = cls(_HashLane("dcr-hash-new"), _HashLane("dcr-hash-base"))
+        lanes = cls(HashLane("dcr-hash-new"), HashLane("dcr-hash-base"))
         stack.callback(lanes.base.close)
         stack.callback(lanes.new.close)
         return lanes
@@ -347,7 +305,7 @@ def _encode_streamed(
             base_hash = base_entry.scheme.hasher()
     new_hash = plan.scheme.hasher()
 
-    def hashed(lane: _HashLane | None, hasher, bits: np.ndarray) -> Future | None:
+    def hashed(lane: HashLane | None, hasher, bits: np.ndarray) -> Future | None:
         if lane is None:
             hasher.update(bits)
             return None

@@ -171,8 +171,9 @@ def install_state(staged: Staged) -> None:
         install(staged.path, staged.state_path)
         events.reached("receive.replaced", path=staged.state_path)
         return
+    patch = journal.take_staged(staged.path)  # staged by this process: applied without reading it back
     journal.activate(staged.state_path, staged.path)
-    patch = journal.read(staged.state_path)
+    patch = patch or journal.read(staged.state_path)
     try:
         journal.put(staged.state_path, patch, "new", durable=False)
     except BaseException:

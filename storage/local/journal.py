@@ -32,6 +32,7 @@ import json
 import os
 import struct
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import blake3
@@ -84,41 +85,121 @@ def write(state_path: str, journal: Journal) -> str:
 def stage(state_path: str, journal: Journal) -> str:
     """Write the journal durably under a temp name beside ``state_path`` (not yet in force: the
     state's lock removes it if this process dies); ``activate`` puts it in force."""
-    if len(journal.old_header) != len(journal.new_header):
-        raise ValueError("old and new headers differ in length")  # pragma: no cover - caller invariant
-    if any(r.positions.dtype.str not in _POS or r.itemsize not in _UINT for r in journal.records):
-        raise ValueError("journal records need uint32/int64 positions and 1/2/4/8-byte values")
-    head = json.dumps({
-        "state": os.path.basename(state_path),
-        "from_step": journal.from_step,
-        "to_step": journal.to_step,
-        "old_header": journal.old_header.hex(),
-        "new_header": journal.new_header.hex(),
-        "records": [[r.offset, r.itemsize, int(r.positions.size), r.positions.dtype.str] for r in journal.records],
-    }).encode()
-    directory = os.path.dirname(journal_path(state_path))
-    state_name = os.path.basename(os.path.realpath(state_path))
-    # A killed write's leftover matches the temp files the state's lock removes (checkpoint.exclusive).
-    tmp = os.path.join(directory, f".{state_name}.tmp-undo-{uuid.uuid4().hex}")
-    h = blake3.blake3()
+    stager = Stager(state_path, journal.from_step, journal.to_step, journal.old_header, journal.new_header,
+                    len(journal.records))
     try:
-        with open(tmp, "wb") as f:
-            for part in (MAGIC + struct.pack("<Q", len(head)) + head,):
-                f.write(part)
-                h.update(part)
-            for r in journal.records:
-                for a in (r.positions, r.old, r.new):
-                    view = memoryview(np.ascontiguousarray(a)).cast("B")
-                    f.write(view)
-                    h.update(view)
-            f.write(h.digest())  # trailer: BLAKE3 of everything before it, head included
-            f.flush()
-            os.fsync(f.fileno())
+        for r in journal.records:
+            stager.add(r)
     except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+        stager.abort()
         raise
-    return tmp
+    return stager.finish()
+
+
+_RECORD_ROOM = 64  # room in the head per record: `[offset, itemsize, count, "<u4"], ` takes at most 56 characters
+
+
+class Stager:
+    """Stages a journal while its records are still being computed: each record goes to the temp
+    file on a thread of its own as it is added, so writing it overlaps computing the next. The head
+    (which lists the records) is written last, into room reserved for ``max_records`` records and
+    padded with spaces (it is JSON); then the trailer (hashed from the records in memory) and one
+    fsync. ``finish`` returns the staged path (``activate`` puts it in force); ``abort`` removes it.
+    The file is the layout of the module doc, whatever order its parts were written in."""
+
+    def __init__(self, state_path: str, from_step: int, to_step: int, old_header: bytes, new_header: bytes,
+                 max_records: int):
+        if len(old_header) != len(new_header):
+            raise ValueError("old and new headers differ in length")  # pragma: no cover - caller invariant
+        self.state_path, self.max_records = state_path, max_records
+        self.journal = Journal(from_step, to_step, old_header, new_header, [])
+        self._room = len(self._head()) + _RECORD_ROOM * max_records
+        directory = os.path.dirname(journal_path(state_path))
+        state_name = os.path.basename(os.path.realpath(state_path))
+        # A killed write's leftover matches the temp files the state's lock removes (checkpoint.exclusive).
+        self.path = os.path.join(directory, f".{state_name}.tmp-undo-{uuid.uuid4().hex}")
+        self._f = open(self.path, "wb")  # closed by finish or abort
+        self._f.seek(16 + self._room)
+        self._writer = ThreadPoolExecutor(1, "dcr-journal")
+        self._writes: list = []
+
+    def _head(self) -> bytes:
+        j = self.journal
+        return json.dumps({
+            "state": os.path.basename(self.state_path),
+            "boot_id": boot_id(),
+            "from_step": j.from_step,
+            "to_step": j.to_step,
+            "old_header": j.old_header.hex(),
+            "new_header": j.new_header.hex(),
+            "records": [[r.offset, r.itemsize, int(r.positions.size), r.positions.dtype.str] for r in j.records],
+        }).encode()
+
+    def _write(self, r: Record) -> None:
+        for a in (r.positions, r.old, r.new):
+            self._f.write(memoryview(a).cast("B"))
+
+    def add(self, r: Record) -> None:
+        """Append one record (its arrays are kept, and must not change, until the journal is applied)."""
+        if r.positions.dtype.str not in _POS or r.itemsize not in _UINT:
+            raise ValueError("journal records need uint32/int64 positions and 1/2/4/8-byte values")
+        if len(self.journal.records) == self.max_records:
+            raise ValueError(f"more than the {self.max_records} records room was made for")
+        r = Record(r.offset, r.itemsize, *(np.ascontiguousarray(a) for a in (r.positions, r.old, r.new)))
+        self.journal.records.append(r)
+        self._writes.append(self._writer.submit(self._write, r))
+
+    def finish(self) -> str:
+        try:
+            for w in self._writes:
+                w.result()
+            head = self._head()
+            head += b" " * (self._room - len(head))
+            prefix = MAGIC + struct.pack("<Q", len(head)) + head
+            h = blake3.blake3(prefix)
+            for r in self.journal.records:
+                for a in (r.positions, r.old, r.new):
+                    h.update(memoryview(a).cast("B"))
+            self._f.write(h.digest())  # trailer: BLAKE3 of everything before it, head included
+            self._f.seek(0)
+            self._f.write(prefix)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+        except BaseException:
+            self.abort()
+            raise
+        finally:
+            self._writer.shutdown()
+        _STAGED.clear()  # the latest staged journal only: an abandoned one is not kept alive
+        _STAGED[self.path] = self.journal
+        return self.path
+
+    def abort(self) -> None:
+        self._writer.shutdown(cancel_futures=True)
+        self._f.close()
+        if os.path.exists(self.path):
+            os.unlink(self.path)
+
+
+# The journal this process staged last, by its temp path: the patch applies what it just made
+# durable instead of reading it back (``take_staged``); a recovery reads the file.
+_STAGED: dict[str, Journal] = {}
+
+
+def take_staged(staged: str) -> Journal | None:
+    """The journal staged at ``staged`` if this process staged it (once), else None: ``read`` it."""
+    return _STAGED.pop(staged, None)
+
+
+def boot_id() -> str | None:
+    """This boot of the machine (Linux), or None: a redo journal committed in the same boot needs no
+    roll forward, only an fsync (the page cache still holds the patch; ``roll_forward``)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
 
 
 def activate(state_path: str, staged: str) -> str:
@@ -150,19 +231,26 @@ def _head(data: bytes | memoryview, path: str, state_path: str) -> tuple[dict, i
     return head, 16 + n
 
 
+def _read_head(path: str, state_path: str) -> dict | None:
+    """The head of the journal at ``path`` (not verified: the trailer covers the whole file), or None."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(16)
+            if len(data) == 16 and data[:8] == MAGIC:
+                data += f.read(min(struct.unpack("<Q", data[8:16])[0], 64 << 20))
+    except FileNotFoundError:
+        return None
+    return _head(data, path, state_path)[0]
+
+
 def pending_step(state_path: str) -> int | None:
     """The step ``settle`` leaves ``state_path`` at (heads only, unverified): a committed patch's new
     step (``.redo``), a cut-off one's old step (``.undo``); None when no journal is pending."""
     for kind, key in (("redo", "to_step"), ("undo", "from_step")):
         path = journal_path(state_path, kind)
-        try:
-            with open(path, "rb") as f:
-                data = f.read(16)
-                if len(data) == 16 and data[:8] == MAGIC:
-                    data += f.read(min(struct.unpack("<Q", data[8:16])[0], 64 << 20))
-        except FileNotFoundError:
+        head = _read_head(path, state_path)
+        if head is None:
             continue
-        head, _ = _head(data, path, state_path)
         step = head.get(key)
         if not isinstance(step, int) or step < 0:
             raise _damaged(path, state_path)
@@ -215,7 +303,7 @@ def put(state_path: str, journal: Journal, which: str, durable: bool = True, dif
     unless ``durable`` is false (the point ``receive.patch-record``, or ``receive.rollback-record``,
     is reached after each record). With ``differing``, only elements that differ are written (a
     roll forward over a patch that is mostly in place dirties no page twice)."""
-    with open(state_path, "r+b") as f:
+    with open(state_path, "r+b") as f, ThreadPoolExecutor(_SCATTER_THREADS, "dcr-put") as pool:
         size = os.fstat(f.fileno()).st_size
         for i, r in enumerate(journal.records):
             if r.positions.size:
@@ -224,11 +312,14 @@ def put(state_path: str, journal: Journal, which: str, durable: bool = True, dif
                     raise StateMismatchError(f"{state_path}: shorter than its journal says; remove both and receive again")
                 view = np.memmap(f, dtype=_UINT[r.itemsize], mode="r+", offset=r.offset, shape=(count,))
                 values = r.old if which == "old" else r.new
-                if differing:
-                    off = np.flatnonzero(view[r.positions] != values)
-                    view[r.positions[off]] = values[off]
-                else:
-                    view[r.positions] = values  # the page cache has it; fsync below or later writes it back
+
+                # Each page written is a fault of the map: a large record is split across threads
+                # (numpy's indexed assignment releases the GIL), 1.7x faster on two cores.
+                n, parts = r.positions.size, _SCATTER_THREADS if r.positions.size >= _SCATTER_SPLIT else 1
+                cuts = [n * j // parts for j in range(parts + 1)]
+                for fut in [pool.submit(_put_part, view, r.positions[a:b], values[a:b], differing)
+                            for a, b in zip(cuts, cuts[1:])]:
+                    fut.result()
                 del view
             events.reached("receive.patch-record" if which == "new" else "receive.rollback-record",
                            index=i, of=len(journal.records))
@@ -242,6 +333,18 @@ def put(state_path: str, journal: Journal, which: str, durable: bool = True, dif
             os.fsync(f.fileno())
 
 
+def _put_part(view: np.ndarray, positions: np.ndarray, values: np.ndarray, differing: bool) -> None:
+    if differing:
+        off = np.flatnonzero(view[positions] != values)
+        view[positions[off]] = values[off]
+    else:
+        view[positions] = values  # the page cache has it; fsync below or later writes it back
+
+
+_SCATTER_THREADS = max(1, min(4, os.cpu_count() or 1))
+_SCATTER_SPLIT = 1 << 18  # changes in a record from which it is written by every thread
+
+
 def commit(state_path: str) -> str:
     """The patch is written whole (not yet fsynced): rename the undo journal to the redo journal
     (directory fsync). From here on the file settles forward, to the new step."""
@@ -253,8 +356,27 @@ def commit(state_path: str) -> str:
 
 def roll_forward(state_path: str) -> int | None:
     """Finish a committed patch of ``state_path``: its new values where the file differs, fsync,
-    delete the redo journal; returns the step it holds (None: no redo journal)."""
+    delete the redo journal; returns the step it holds (None: no redo journal).
+
+    A journal committed in this boot (its head names this boot, the file's header is the patch's
+    new one, no fsync of it failed before) is finished by an fsync alone: the whole patch was in
+    the page cache before the commit, and without a reboot the kernel loses no page of it (it
+    writes it back, or reports the failure to the fsync). Its records are not read."""
     path = journal_path(state_path, "redo")
+    failed = path + FAILED_SUFFIX
+    if os.path.exists(state_path) and not os.path.exists(failed):
+        quick = _committed_this_boot(state_path, path)
+        if quick is not None:
+            try:
+                _fsync(state_path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    _touch_durably(failed)
+                raise
+            os.unlink(path)
+            fsync_dir(os.path.dirname(path))
+            events.reached("receive.settled", path=state_path, records_read=False)
+            return quick
     journal = read(state_path, path)
     if journal is None:
         return None
@@ -262,7 +384,6 @@ def roll_forward(state_path: str) -> int | None:
         _check_header(state_path, journal, path)
         # After a failed fsync the page cache may hold values the disk never got, and Linux reports
         # a write-back error once: every value is written again until an fsync succeeds.
-        failed = path + FAILED_SUFFIX
         try:
             put(state_path, journal, "new", differing=not os.path.exists(failed))
         except OSError:
@@ -273,7 +394,33 @@ def roll_forward(state_path: str) -> int | None:
             os.unlink(failed)
     os.unlink(path)
     fsync_dir(os.path.dirname(path))
+    events.reached("receive.settled", path=state_path, records_read=True)
     return journal.to_step
+
+
+def _committed_this_boot(state_path: str, path: str) -> int | None:
+    """The step of the redo journal at ``path`` if it was committed in this boot and the file's
+    header is its new header; else None (or no such journal)."""
+    head = _read_head(path, state_path)
+    if head is None:
+        return None
+    this_boot, step = boot_id(), head.get("to_step")
+    if this_boot is None or head.get("boot_id") != this_boot or not isinstance(step, int):
+        return None
+    try:
+        new_header = bytes.fromhex(head["new_header"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    with open(state_path, "rb") as f:
+        return step if f.read(len(new_header)) == new_header else None
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 FAILED_SUFFIX = ".fsync-failed"  # beside a redo journal: a roll forward's write or fsync failed once

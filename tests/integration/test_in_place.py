@@ -17,13 +17,16 @@ import numpy as np
 import pytest
 from safetensors.torch import load_file
 
-from dcr_core import events
+from dcr_core import events, sparse
 from dcr_core.bits import bits_of
+from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, StateMismatchError
 from flows import run_publish, run_receive
 from flows.options import DELTA_CODECS, PublishOptions, ReceiveOptions
 from flows.receive import in_place, state_file
-from storage import reader
+from storage import layout, reader
+from storage.catalog import Catalog
+from storage.layout import store_dir
 from storage.local import journal as state_journal
 from storage.local import sidecar
 from storage.local.safetensors import Header, SafetensorsCheckpoint
@@ -251,7 +254,8 @@ def test_after_a_cut_off_patch_readers_fresh_rewrites_and_interrupted_roll_backs
 
 @pytest.mark.faults(component="receiver", outcome="crash after the commit, then pages lost: the next receive rolls forward to the new step, bit-exact, and refits nothing")
 @pytest.mark.parametrize("held,target", [(1, 4), (1, 2), (3, 2)], ids=["3-steps-copied", "1-step-streamed", "back-1-streamed"])
-def test_a_committed_patch_is_rolled_forward_even_when_its_pages_were_lost(published, tmp_path, held, target):
+def test_a_committed_patch_is_rolled_forward_even_when_its_pages_were_lost(published, tmp_path, held, target,
+                                                                          monkeypatch):
     root, steps = published
     state = str(tmp_path / "s.safetensors")
     _receive(root, state, held)
@@ -260,7 +264,9 @@ def test_a_committed_patch_is_rolled_forward_even_when_its_pages_were_lost(publi
     assert not os.path.exists(state_journal.journal_path(state))
     assert peek_state_step(state) == target, "a committed patch reads as its new step"
     assert_bits_equal(load_file(state), steps[target])
-    # What a power loss before the writeback can leave: the old bytes (every page), or a mix.
+    # What a power loss before the writeback can leave: the old bytes (every page), or a mix; and
+    # the machine boots again (a journal of another boot is rolled forward from its records).
+    monkeypatch.setattr(state_journal, "boot_id", lambda: "the boot after the power loss")
     patched = file_bytes(state)
     header_end = 8 + int.from_bytes(patched[:8], "little")
     assert before[:header_end] != patched[:header_end]
@@ -283,6 +289,46 @@ def test_a_committed_patch_is_rolled_forward_even_when_its_pages_were_lost(publi
     with consistent_state(state):  # a reader outside DCR: rolled forward and fsynced first
         assert_bits_equal(load_file(state), steps[target])
     assert state_journal.pending_step(state) is None
+
+
+@pytest.mark.parametrize("same_boot", [True, False], ids=["same-boot", "after-a-reboot"])
+def test_a_commit_of_this_boot_settles_with_an_fsync_and_reads_no_record(published, tmp_path, monkeypatch, same_boot):
+    """Back-to-back receives: the previous commit's pages are still in the page cache (no reboot
+    since), so settling it is an fsync; after a reboot the journal's records are applied."""
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 1)
+    _crash(root, state, 2, "committed")
+    if not same_boot:
+        monkeypatch.setattr(state_journal, "boot_id", lambda: "another boot")
+    puts, settled = [], []
+    real_put, real_fsync = state_journal.put, state_journal._fsync
+    monkeypatch.setattr(state_journal, "put", lambda *a, **k: puts.append(k.get("differing")) or real_put(*a, **k))
+    fsynced = []
+    monkeypatch.setattr(state_journal, "_fsync", lambda p: fsynced.append(p) or real_fsync(p))
+    with events.listening(lambda p, f: settled.append(f["records_read"]) if p == "receive.settled" else None):
+        assert state_journal.settle(state) == 2
+    assert settled == [not same_boot]
+    assert (puts, fsynced) == (([], [state]) if same_boot else ([True], []))
+    assert not os.path.exists(state_journal.journal_path(state, "redo"))
+    assert_bits_equal(load_file(state), steps[2])
+
+
+def test_a_commit_of_this_boot_whose_file_header_changed_is_rolled_forward_from_its_records(published, tmp_path):
+    """The shortcut trusts the page cache only for the file the patch wrote: a header that is not
+    the patch's new one (the file replaced or reverted behind DCR's back) takes the records' path."""
+    root, steps = published
+    state = str(tmp_path / "s.safetensors")
+    _receive(root, state, 1)
+    before = file_bytes(state)
+    _crash(root, state, 2, "committed")
+    with open(state, "r+b") as f:
+        f.write(before)  # every page back to the old step, in this boot
+    settled = []
+    with events.listening(lambda p, f: settled.append(f["records_read"]) if p == "receive.settled" else None):
+        assert state_journal.settle(state) == 2
+    assert settled == [True]
+    assert_bits_equal(load_file(state), steps[2])
 
 
 @pytest.mark.faults(component="receiver", outcome="the fsync of a roll forward fails: the redo journal stays, and the next settle writes every value again before it trusts an fsync")
@@ -406,3 +452,85 @@ def test_cond_coded_deltas_patch_in_place_forward_and_backward_exactly(tmp_path)
         run_publish(root, s, i, keyframe=(i == 0), options=opts)
     walked = [t for t, _ in _walk(root, steps, (1, 2, 1, 4, 3, 0, 2), tmp_path)]
     assert walked == [1, 2, 1, 4, 3, 0, 2]
+
+
+@pytest.fixture
+def applied_in_parallel(monkeypatch):
+    """Chunks of XOR deltas applied on the worker threads whatever their size (this file's chunks are
+    small); the names of the tensors that took that path."""
+    monkeypatch.setattr(in_place, "LANE_MIN_BYTES", 0)
+    names = []
+    real = in_place._xor_parallel
+    monkeypatch.setattr(in_place, "_xor_parallel", lambda *a, **k: names.append(a[1].name) or real(*a, **k))
+    return names
+
+
+def test_in_place_refits_with_chunks_applied_in_parallel_equal_the_rewrite(published, tmp_path, applied_in_parallel):
+    """With the held block digests trusted, an XOR delta's frames are applied and hashed chunk by
+    chunk on several threads, each into its own place in the journal's arrays."""
+    root, steps = published
+    for _ in _walk(root, steps, (1, 2, 3, 2, 6, 5, 0), tmp_path):
+        pass
+    assert len(set(applied_in_parallel)) > 3, "the parallel path ran for the changed tensors"
+
+
+def _chunk_objects(root, step):
+    m = Catalog(open_root(root)).manifest(step)
+    base = os.path.join(root, store_dir(step, m.attempt))
+    return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs if f != "zarr.json")
+
+
+def _reencoded_one_change_off(root, step) -> str:
+    """Rewrite one stored XOR chunk of ``step`` as a valid sparse frame of the same size whose mask
+    differs in one bit of one change (the object's size and format pass; its bits do not)."""
+    m = Catalog(open_root(root)).manifest(step)
+    for e in sorted(m.tensors.values(), key=lambda e: -e.nbytes):
+        if not e.n_stored or e.encoding_at(0).value != "xor":
+            continue
+        rel, _, _, nbytes = e.stored_at(0)
+        path = os.path.join(root, layout.store_key(step, m.attempt, rel))
+        storage = np.dtype(DTYPES[e.dtype].storage)
+        mask = sparse.decode_sparse(open(path, "rb").read(), storage, e.grid.chunk_numel)
+        for i in np.flatnonzero(mask)[:64]:
+            for bit in range(8 * storage.itemsize):
+                other = mask.copy()
+                other[i] ^= storage.type(1 << bit)
+                if other[i] == 0:
+                    continue
+                frame = sparse.encode_sparse(other, m.codec.clevel)
+                if len(frame) == nbytes:
+                    open(path, "wb").write(frame)
+                    return path
+    raise AssertionError("no XOR chunk could be re-encoded to its own size")  # pragma: no cover
+
+
+@pytest.mark.faults(component="receiver", outcome="a chunk of an in-place refit damaged in ROOT (its frame applied before its digest is checked): refused naming the object; the state byte-identical, no journal")
+@pytest.mark.parametrize("trusted", [True, False], ids=["block-digests-kept", "no-block-digests"])
+@pytest.mark.parametrize("damage", ["flipped", "one-change-off"])
+def test_a_damaged_chunk_of_an_in_place_refit_is_named_and_nothing_changes(published, tmp_path, monkeypatch,
+                                                                           trusted, damage):
+    src, _ = published
+    root = str(tmp_path / "root")
+    shutil.copytree(src, root)
+    monkeypatch.setattr(in_place, "LANE_MIN_BYTES", 0)
+    state = tmp_path / "s.safetensors"
+    _receive(root, state, 0)
+    _receive(root, state, 1)  # from here on, the state's block digests are kept beside it
+    if not trusted:
+        sidecar.remove(str(state))
+    files = _chunk_objects(root, 2)
+    if damage == "flipped":
+        victim = files[len(files) // 2]
+        data = bytearray(open(victim, "rb").read())
+        data[len(data) // 2] ^= 0x5A
+        open(victim, "wb").write(bytes(data))
+    else:  # a valid frame of this chunk, of the same size, one change off: only a digest can tell
+        victim = _reencoded_one_change_off(root, 2)
+    before = file_bytes(state)
+    with pytest.raises(IntegrityError) as ei:
+        _receive(root, state, 2)
+    assert "\n" not in str(ei.value)
+    assert os.path.relpath(victim, root).replace(os.sep, "/") in str(ei.value)
+    assert file_bytes(state) == before
+    assert not os.path.exists(state_journal.journal_path(str(state)))
+    assert peek_state_step(str(state)) == 1

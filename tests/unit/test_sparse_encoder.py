@@ -23,11 +23,15 @@ from dcr_core.sparse import (
     DENSE_ABOVE,
     MAGIC,
     SPARSE,
+    OutsideHeld,
+    SparseFrameError,
     TooManyChanges,
     decode_sparse,
     encode_sparse,
+    frame_changes,
     nonzero,
     xor_changes,
+    xor_frame,
 )
 
 WIDTHS = [np.dtype("<u1"), np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8")]
@@ -138,6 +142,69 @@ def test_xor_changes_equals_numpy(dtype, n, offset, density, wide, slack, seed):
     if k0:
         with pytest.raises(TooManyChanges, match=f"more than the {k0 - 1} changes expected"):
             xor_changes(held, mask, out, pos[: k0 - 1], old[: k0 - 1], new[: k0 - 1])
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    dtype=st.sampled_from(WIDTHS),
+    n=st.integers(0, 40000),
+    short=st.integers(0, 5),
+    density=st.sampled_from([0.0, 0.0005, 0.03, 0.2, DENSE_ABOVE, 0.3, 1.0]),
+    wide=st.booleans(),
+    slack=st.integers(0, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_xor_frame_equals_xor_changes_of_the_decoded_mask(dtype, n, short, density, wide, slack, seed):
+    """What an in-place receiver applies straight from a stored frame (no dense mask): the same new
+    bits and changes as decoding the frame and scanning its mask, for sparse and dense frames, any
+    width, sizes that are not multiples of the copy pieces, a held chunk shorter than the frame (a
+    last chunk: changes in its padding are ``OutsideHeld``), one output too few ``TooManyChanges``."""
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(dtype)
+    size = max(0, n - short)
+    held = rng.integers(0, info.max, size=size, dtype=dtype, endpoint=True)
+    mask = np.zeros(n, dtype)
+    hit = rng.random(n) < density
+    mask[hit] = rng.integers(1, info.max, size=int(hit.sum()), dtype=dtype, endpoint=True)
+    frame = encode_sparse(mask, 1)
+    assert frame_changes(frame, dtype.itemsize, n) == int(hit.sum())
+    k0, base = int(np.count_nonzero(mask[:size])), int(rng.integers(0, 1 << 20))
+    pos_dt = np.dtype("<i8") if wide else np.dtype("<u4")
+    got = {}
+    for how in ("frame", "mask"):
+        pos, old, new = np.empty(k0 + slack, pos_dt), np.empty(k0 + slack, dtype), np.empty(k0 + slack, dtype)
+        out = np.empty(size, dtype)
+        if how == "frame":
+            if mask[size:].any() and frame[5] == SPARSE:
+                with pytest.raises(OutsideHeld):
+                    xor_frame(held, frame, n, out, pos, old, new, base=base)
+                return
+            k = xor_frame(held, frame, n, out, pos, old, new, base=base)
+        else:
+            k = xor_changes(held, decode_sparse(frame, dtype, n)[:size], out, pos, old, new, base=base)
+        got[how] = (k, out.tobytes(), pos[:k].tobytes(), old[:k].tobytes(), new[:k].tobytes())
+    assert got["frame"] == got["mask"] and got["frame"][0] == k0
+    if k0:
+        pos, old, new = np.empty(k0 - 1, pos_dt), np.empty(k0 - 1, dtype), np.empty(k0 - 1, dtype)
+        with pytest.raises(TooManyChanges):
+            xor_frame(held, frame, n, np.empty(size, dtype), pos, old, new, base=base)
+
+
+def test_xor_frame_refuses_what_is_not_a_frame_of_the_chunk():
+    mask = np.zeros(1000, np.uint16)
+    mask[::7] = 3
+    frame = encode_sparse(mask, 1)
+    held, out = np.zeros(1000, np.uint16), np.empty(1000, np.uint16)
+    outs = (np.empty(200, np.uint32), np.empty(200, np.uint16), np.empty(200, np.uint16))
+    for bad, n, why in ((frame[:10], 1000, "too short"), (b"XXXX" + frame[4:], 1000, "not a DCR sparse frame"),
+                        (frame, 999, "expected 999"), (frame[:-3], 1000, "truncated|does not decode"),
+                        (frame + b"\0", 1000, "trailing bytes")):
+        with pytest.raises(SparseFrameError, match=why):
+            xor_frame(held[: min(n, 1000)], bad, n, out[: min(n, 1000)], *outs)
+    with pytest.raises(SparseFrameError, match="expected 1000 x 4 B"):
+        xor_frame(held.view(np.uint32), frame, 1000, out.view(np.uint32), outs[0], *(o.view(np.uint32) for o in outs[1:]))
+    with pytest.raises(ValueError, match="at most n elements"):
+        xor_frame(np.zeros(1001, np.uint16), frame, 1000, np.empty(1001, np.uint16), *outs)
 
 
 def test_xor_changes_refuses_mixed_dtypes_and_positions_past_32_bits():
