@@ -7,7 +7,10 @@ process, ``--orchestrator none``, a local ROOT), timed wall clock with its peak 
 - *fixed rate*: ``rate`` of the elements move by one unit at every size;
 - *fixed change*: the same number of elements changes at every size (``rate`` of the smallest);
 - *frozen 3/4*: ``rate`` of the elements of every fourth tensor change, the others keep every bit
-  (frozen layers): what block digests kept beside an in-place receiver's state save.
+  (frozen layers): what block digests kept beside an in-place receiver's state save;
+- *fixed change, clustered*: the changes of *fixed change*, all in the leading tensors that make up
+  the smallest size (the rest of a larger model frozen): the cost that follows the change alone,
+  where *fixed change* scatters the same changes over every block of the model.
 
 Commands: ``dcr publish`` of the keyframe, ``dcr publish`` of the delta (warm baseline cache),
 ``dcr receive`` of the delta by rewrite and ``--in-place`` (each receiver at the keyframe first; the
@@ -38,7 +41,7 @@ from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensor
 
 WIDTH = 4096
 ROWS = (4096, 11008, 4096, 4096, 11008, 11008)  # a layer's q, gate, k, o, up, down (transposed): cycled
-PATTERNS = ("fixed rate", "fixed change", "frozen 3/4")
+PATTERNS = ("fixed rate", "fixed change", "frozen 3/4", "fixed change, clustered")
 FULL_SIZES = (200e6, 700e6, 1.35e9, 2.7e9)
 QUICK_SIZES = (10e6, 40e6)
 
@@ -54,16 +57,23 @@ def _shapes(size: float) -> list[tuple[int, int]]:
     return out
 
 
-def _write(path: str, shapes: list[tuple[int, int]], seed: int, changes: int | None, every: int = 1) -> None:
+def _write(path: str, shapes: list[tuple[int, int]], seed: int, changes: int | None, every: int = 1,
+           first: int | None = None) -> None:
     """The checkpoint of ``shapes``; with ``changes``, that many elements (spread evenly over every
-    ``every``-th tensor, at random places) one unit away from the ``changes=None`` file of the same seed."""
-    n_total = sum(r * c for i, (r, c) in enumerate(shapes) if i % every == 0)
+    ``every``-th tensor of the ``first`` ones, at random places) one unit away from the
+    ``changes=None`` file of the same seed."""
+    first = len(shapes) if first is None else first
+
+    def changing(i: int) -> bool:
+        return i % every == 0 and i < first
+
+    n_total = sum(r * c for i, (r, c) in enumerate(shapes) if changing(i))
     infos = [TensorInfo(f"layers.{i:03d}.weight", "BF16", s) for i, s in enumerate(shapes)]
     w = StreamingSafetensorsWriter(path, infos, durable=False)
     for i, (info, (r, c)) in enumerate(zip(infos, shapes)):
         rng = np.random.default_rng((seed, i))
         bits = ((rng.standard_normal(r * c, dtype=np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
-        if changes and i % every == 0:
+        if changes and changing(i):
             k = round(changes * r * c / n_total)
             pos = np.random.default_rng((seed, i, 1)).choice(r * c, size=k, replace=False)
             bits[pos] += np.where(pos % 2 == 0, 1, -1).astype(np.uint16)
@@ -109,13 +119,14 @@ def machine_speeds(work: str, nbytes: int = 1 << 30) -> dict:
     return {"memory_read_gbps": nbytes / best / 1e9, "disk_write_gbps": nbytes / write_s / 1e9}
 
 
-def _one(work: str, size: float, changes: int, seed: int, env: dict, dcr: list[str], every: int = 1) -> dict:
+def _one(work: str, size: float, changes: int, seed: int, env: dict, dcr: list[str], every: int = 1,
+         first: int | None = None) -> dict:
     d = os.path.join(work, f"scale-{int(size)}")
     os.makedirs(d, exist_ok=True)
     shapes = _shapes(size)
     old, new = os.path.join(d, "old.safetensors"), os.path.join(d, "new.safetensors")
     _write(old, shapes, seed, None)
-    _write(new, shapes, seed, changes, every)
+    _write(new, shapes, seed, changes, every, first)
     root = os.path.join(d, "root")
     common = ["--orchestrator", "none", "-q"]
     e = {**env, "DCR_CACHE_DIR": os.path.join(d, "cache")}
@@ -157,9 +168,11 @@ def measure(work: str, quick: bool = False, rate: float = 0.03, seed: int = 0, s
     rows = []
     for pattern in PATTERNS:
         every = 4 if pattern == "frozen 3/4" else 1
+        first = len(_shapes(min(sizes))) if pattern == "fixed change, clustered" else None
         for size in sizes:
-            changes = fixed_changes if pattern == "fixed change" else round(rate * size / 2 / every)
-            rows.append({"pattern": pattern, "size_target": size, **_one(work, size, changes, seed, env, dcr, every)})
+            changes = fixed_changes if pattern.startswith("fixed change") else round(rate * size / 2 / every)
+            rows.append({"pattern": pattern, "size_target": size,
+                         **_one(work, size, changes, seed, env, dcr, every, first)})
     speeds = machine_speeds(work, 256 << 20 if quick else 1 << 30)
     shutil.rmtree(work, ignore_errors=True)
     return {"rate": rate, "rows": rows, **speeds}
@@ -170,7 +183,8 @@ def markdown(res: dict) -> list[str]:
         "\n## Cost against model size (commands, local ROOT)\n",
         (f"BF16 checkpoints of 4096-wide tensors; *fixed rate*: {100 * res['rate']:g}% of elements one unit away; "
          f"*fixed change*: as many changes as {100 * res['rate']:g}% of the smallest; *frozen 3/4*: "
-         f"{100 * res['rate']:g}% of every fourth tensor. Each command its own process; "
+         f"{100 * res['rate']:g}% of every fourth tensor; *fixed change, clustered*: the changes of *fixed change* "
+         "in the leading tensors that make up the smallest size. Each command its own process; "
          f"peak RSS in MB. This machine: memory read {res['memory_read_gbps']:.1f} GB/s, disk write "
          f"{res['disk_write_gbps']:.2f} GB/s (one read of the checkpoint at memory speed: `read s`). Every command "
          "starts with nothing dirty; `(+N)`: the writeback it left, timed as the `sync` after it. The in-place "
@@ -199,7 +213,7 @@ def _left(row: dict, what: str) -> str:
 def plot(res: dict, out: str, plt) -> str:
     """Time against size, one panel per pattern, with one memory-speed read and one disk-speed write
     of the checkpoint for scale; returns the PNG's path."""
-    fig, axes = plt.subplots(1, len(PATTERNS), figsize=(16, 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(PATTERNS), figsize=(5.3 * len(PATTERNS), 4.5), squeeze=False)
     for ax, pattern in zip(axes[0], PATTERNS):
         rows = sorted((r for r in res["rows"] if r["pattern"] == pattern), key=lambda r: r["bytes"])
         gb = [r["bytes"] / 1e9 for r in rows]
@@ -211,7 +225,7 @@ def plot(res: dict, out: str, plt) -> str:
         ax.plot(gb, [g / res["disk_write_gbps"] for g in gb], linestyle=":", color="gray", label="one write at disk speed")
         ax.set_xlabel("checkpoint GB")
         ax.set_ylabel("seconds")
-        ax.set_title(f"{pattern} ({100 * res['rate']:g}%{' of the smallest' if pattern == 'fixed change' else ''})")
+        ax.set_title(f"{pattern} ({100 * res['rate']:g}%{' of the smallest' if pattern.startswith('fixed change') else ''})")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()

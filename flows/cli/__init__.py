@@ -16,7 +16,6 @@ import importlib
 import os
 import sys
 import time
-from importlib.metadata import entry_points
 
 from dcr_core.errors import DCRError
 
@@ -40,6 +39,8 @@ PLUGIN_GROUP = "dcr.commands"
 
 
 def plugins() -> dict:
+    from importlib.metadata import entry_points  # noqa: PLC0415 - reads every distribution's metadata: only when listed
+
     return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name not in COMMANDS}
 
 

@@ -188,7 +188,7 @@ def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = Tr
         # The blocks the chunk overlaps that hold a change: positions are sorted, so a block's
         # changes are the ones between its first and last element (no sort, no pass per change).
         first, last = lo_chunk // block, (hi_chunk - 1) // block
-        edges = np.arange(first, last + 2, dtype=np.int64) * (block // item)
+        edges = _block_edges(first, last, block // item, held_bits.size, positions.dtype)
         inside = []
         for b in (np.flatnonzero(np.diff(np.searchsorted(positions[k0:k], edges))) + first).tolist():
             lo, hi = b * block, min((b + 1) * block, held_bits.nbytes)
@@ -367,7 +367,7 @@ def _apply_chunk(held_bits: np.ndarray, start: int, stop: int, payload: Unchecke
         raw = memoryview(chunk).cast("B")
         lo_chunk, hi_chunk = start * item, stop * item
         first, last = lo_chunk // block, (hi_chunk - 1) // block
-        edges = np.arange(first, last + 2, dtype=np.int64) * (block // item)
+        edges = _block_edges(first, last, block // item, held_bits.size, positions.dtype)
         inside, spanning = 0, []
         for b in (np.flatnonzero(np.diff(np.searchsorted(positions[:got], edges))) + first).tolist():
             lo, hi = b * block, min((b + 1) * block, held_bits.nbytes)
@@ -379,6 +379,12 @@ def _apply_chunk(held_bits: np.ndarray, start: int, stop: int, payload: Unchecke
         return got, inside, spanning
     finally:
         workers.give(buf)
+
+
+def _block_edges(first: int, last: int, per_block: int, size: int, dtype: np.dtype) -> np.ndarray:
+    """The first element of blocks ``first`` to ``last + 1`` (cut at ``size``), in the positions'
+    dtype: searching positions for them casts nothing."""
+    return np.minimum(np.arange(first, last + 2, dtype=np.int64) * per_block, size).astype(dtype)
 
 
 def _check(unchecked: list[UncheckedChunk]) -> None:

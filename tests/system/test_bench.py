@@ -53,9 +53,11 @@ def test_quick_bench_writes_results(tmp_path):
     c = results["commands"]
     assert c["publish_best_s"] > 0 and set(c["startup_s"]) == {"ls", "verify", "receive"}
     sc = results["scaling"]["rows"]
-    assert [r["pattern"] for r in sc] == ["fixed rate"] * 2 + ["fixed change"] * 2 + ["frozen 3/4"] * 2
+    assert [r["pattern"] for r in sc] == (["fixed rate"] * 2 + ["fixed change"] * 2 + ["frozen 3/4"] * 2
+                                          + ["fixed change, clustered"] * 2)
     assert all(r["exact"] for r in sc)
     assert sc[2]["changed"] == sc[3]["changed"] < sc[1]["changed"] and sc[0]["bytes"] < sc[1]["bytes"]
+    assert sc[6]["changed"] == sc[7]["changed"] == sc[2]["changed"]
     assert all(r["receive_in_place_writeback_s"] >= 0 and r["publish_delta_writeback_s"] >= 0 for r in sc)
     md = (tmp_path / "results.md").read_text()
     assert "Bytes per changed element" in md and "End to end" in md
