@@ -4,7 +4,9 @@ One mechanism moves every chunk: ``BoundedPool``, a thread pool that admits at m
 jobs at a time, so uploads start while later tensors are still being encoded, reads run ahead of
 the apply, and memory stays bounded by the window however large the model is. Writers compress,
 digest and upload; readers fetch, decompress into buffers of exactly the expected size and check
-each chunk's digest before returning anything (a bad chunk raises an error naming its object).
+each chunk's digest before returning anything (a bad chunk raises an error naming its object). A
+reader that applies a chunk's stored form directly (the in-place refit) takes it unchecked
+(``UncheckedChunk``) and checks what it builds from it against a digest that covers that instead.
 """
 
 from __future__ import annotations

@@ -7,22 +7,29 @@ cache still writes back every page they dirty: with changes scattered at 1% or m
 every 4 KiB page, so the disk writes about the file once either way; what is saved is the full
 read and the second copy):
 
-1. *Compute* (``stage_patch``; the file is not touched), tensor by tensor, with chunks fetched and
-   verified as they arrive. One XOR delta (the common case): one pass per chunk over the held bits
-   (memory-mapped) and the mask (``sparse.xor_changes``, C) gives the new bits of the chunk and
-   every change as (position, old value, new value), into arrays sized by the manifest's count of
-   changed elements; the new tensor is hashed as it streams by: no copy of the tensor. Otherwise
-   (several moves, overwrites, shared parts, piecewise digests, column blocks): the held bits are
-   copied into a scratch buffer, every chunk applied, and the elements that differ kept. Either
-   way the result is checked against the target step's digest, and a tensor no move touches is
-   checked in place. For XOR deltas the result matches its digest exactly when the held bits were
-   the base's, so this also checks the held state. The journal (``storage.local.journal``:
-   positions, old and new values, both headers) is staged durably under a temp name.
+1. *Compute* (``stage_patch``; the file is not touched), tensor by tensor, with chunks fetched as
+   they arrive. One XOR delta (the common case): one pass per chunk over the held bits
+   (memory-mapped) gives the new bits of the chunk and every change as (position, old value, new
+   value), into arrays sized by the manifest's count of changed elements; the new tensor is hashed
+   as it streams by (on a hash lane beside the next chunk's pass): no copy of the tensor. A
+   ``dcr-sparse`` chunk comes unchecked (``storage.chunk_io.UncheckedChunk``) and is applied from
+   its stored frame (``sparse.xor_frame``, C: its gap and value planes; no dense mask is built,
+   decoded or hashed); its digest covers the decoded mask, so it is checked only when the tensor's
+   result fails, to name the bad object. Other chunks are decoded, checked and scanned
+   (``sparse.xor_changes``). With the held block digests trusted, such a delta's chunks are applied
+   and hashed on worker threads (``_xor_parallel``). Otherwise (several moves, overwrites, shared
+   parts, piecewise digests, column blocks): the held bits are copied into a scratch buffer, every
+   chunk applied, and the elements that differ kept. Either way the result is checked against the
+   target step's digest, and a tensor no move touches is checked in place. For XOR deltas the
+   result matches its digest exactly when the held bits were the base's, so this also checks the
+   held state. The journal (``storage.local.journal``: positions, old and new values, both headers)
+   is written under a temp name as its records are computed (``journal.Stager``) and fsynced at the
+   end.
 2. *Install* (``flows.receive.state_file.install_state``): the journal is put in force (renamed
    ``.undo``), the new values and the new header (same length, padded) are written into the file's
    page cache, and the journal is renamed ``.redo``: committed. The file is not fsynced here; the
    kernel writes the pages back, and the next receive (or ``consistent_state``) settles the patch:
-   new values where the file differs, fsync, journal deleted.
+   an fsync in the same boot, new values where the file differs after a reboot; journal deleted.
 
 A crash before the commit leaves ``.undo``: the next receive of that state (under the state's lock)
 rolls the file back to its old step before anything else, so a retry ends bit-exact. A crash or a

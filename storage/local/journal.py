@@ -12,11 +12,16 @@ refit is committed. The header keeps its length (it is padded), so no tensor mov
   repaired by rolling back again), fsyncs the file and deletes the journal: the file holds its
   old step again, byte for byte, and the next receive redoes the refit.
 - ``.redo``: the patch was written whole, but the file's pages may not be on disk yet (a power
-  loss can still tear them). ``roll_forward`` writes the new values where the file differs (after
-  the same process or boot nothing differs, so no page is dirtied twice), fsyncs the file and
-  deletes the journal. The disk writes the patched pages in the background meanwhile (the
+  loss can still tear them). ``roll_forward`` writes the new values where the file differs (so no
+  page is dirtied twice), fsyncs the file and deletes the journal; a journal committed in this boot
+  (its head names it) over a file whose header is the new one needs the fsync alone: the page cache
+  holds the whole patch, and its records are not read. The disk writes the patched pages in the background meanwhile (the
   kernel's writeback), so a receive does not wait for them; the next writer of the file, or a
   reader inside ``consistent_state``, does (``settle``), usually finding them written.
+
+A journal is written while its records are computed (``Stager``: records on a thread of their own,
+the head last into room reserved for it, padded with spaces), and the process that staged it applies
+it from memory (``take_staged``); a recovery reads the file.
 
 File layout: ``DCRUNDO1``, u64 length of a JSON head, the head, then per record the positions
 (uint32, or int64 for tensors past 2^32 elements), the old values and the new values, then a
