@@ -93,18 +93,20 @@ class CodecSpec:
     def _blosc(self) -> Blosc:
         return Blosc(cname=self.cname, clevel=self.clevel, shuffle=_SHUFFLES[self.shuffle], blocksize=self.blocksize)
 
-    def encode(self, padded: np.ndarray, base: np.ndarray | None = None, dtype: str | None = None) -> bytes:
+    def encode(self, padded: np.ndarray, base: np.ndarray | None = None, dtype: str | None = None,
+               changes: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
         """Compress one full (padded) chunk of raw bits (deterministic: same bits, same bytes).
 
         ``dcr-cond`` codes an XOR mask against ``base`` (the chunk's old bits, padded the same way)
         and needs the tensor's ``dtype`` name; without a base it stores ``padded`` plainly. The
-        other codecs ignore both."""
+        other codecs ignore both. ``changes``: the chunk's non-zero elements (positions, values) if
+        the caller found them already; ``dcr-sparse`` then does not scan it again, the others ignore them."""
         if self.conditional:
             if dtype is None and base is not None:
                 raise UsageError("dcr-cond needs the tensor's dtype to code a chunk against its old bits")
             return encode_cond(padded, base, dtype, self.clevel)
         if self.name == "dcr-sparse":
-            return encode_sparse(padded, self.clevel)
+            return encode_sparse(padded, self.clevel, changes)
         return _blosc_single_threaded(self._blosc(), np.ascontiguousarray(padded))
 
     def decode(self, data: bytes, storage: np.dtype, n_padded: int, base: np.ndarray | None = None,

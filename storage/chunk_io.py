@@ -96,13 +96,15 @@ class StepWriter:
 
     def write_chunk(self, array: str, grid: ChunkGrid, index: int, payload: np.ndarray,
                     announce: Callable[[str, StoredChunk], None] | None = None,
-                    base: np.ndarray | None = None, dtype: str | None = None) -> Future:
+                    base: np.ndarray | None = None, dtype: str | None = None,
+                    changes: tuple[np.ndarray, np.ndarray] | None = None) -> Future:
         """Compress, digest and upload one chunk; the future gives its StoredChunk. ``announce(key
         in the store, stored chunk)`` is called once it is stored (streaming, ``storage.stream``).
         ``base``: the chunk's old bits, when ``payload`` is an XOR mask and the codec codes against
-        them (``dcr-cond``, which also needs the tensor's ``dtype``)."""
+        them (``dcr-cond``, which also needs the tensor's ``dtype``). ``changes``: the payload's
+        non-zero elements (positions, values), if the caller found them (``CodecSpec.encode``)."""
         return self._upload(layout.chunk_key(array, grid.grid_index(index)), grid, index, payload, announce,
-                            base, dtype)
+                            base, dtype, changes)
 
     def write_part(self, array: str, grid: ChunkGrid, slot: int, index: int, payload: np.ndarray) -> Future:
         """Compress, digest and upload one contributor's part of a shared chunk, at ``[slot, chunk]``
@@ -111,12 +113,13 @@ class StepWriter:
 
     def _upload(self, key_in_store: str, grid: ChunkGrid, index: int, payload: np.ndarray,
                 announce: Callable[[str, StoredChunk], None] | None = None,
-                base: np.ndarray | None = None, dtype: str | None = None) -> Future:
+                base: np.ndarray | None = None, dtype: str | None = None,
+                changes: tuple[np.ndarray, np.ndarray] | None = None) -> Future:
         key = self._key(key_in_store)
         n = grid.chunk_numel
 
         def work() -> StoredChunk:
-            data = self.codec.encode(pad(payload, n), None if base is None else pad(base, n), dtype)
+            data = self.codec.encode(pad(payload, n), None if base is None else pad(base, n), dtype, changes)
             self.root.write(key, data)
             with self._lock:
                 self.bytes_written += len(data)

@@ -172,21 +172,32 @@ def xor_frame(held: np.ndarray, frame: bytes, n: int, out: np.ndarray, positions
     return got
 
 
-def encode_sparse(mask: np.ndarray, level: int = 3) -> bytes:
-    """Encode one chunk of raw bits (any unsigned dtype, flat)."""
+def encode_sparse(mask: np.ndarray, level: int = 3, changes: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
+    """Encode one chunk of raw bits (any unsigned dtype, flat). ``changes``: its non-zero elements'
+    positions (ascending) and values if the caller found them already (``nonzero(mask)``): the same
+    frame, without scanning the mask again."""
     mask = np.ascontiguousarray(mask).reshape(-1)
     n = mask.size
     if n >= 1 << 32:
         raise ValueError("a chunk holds fewer than 2^32 elements")
-    word_hits, shift, whole = _word_hits(mask)
-    at_most = (int(np.count_nonzero(word_hits)) << shift) + n - whole  # elements in non-zero words
-    if n and at_most / n > DENSE_ABOVE:  # only then can the chunk be dense: count exactly
-        k = int(np.count_nonzero(mask))
-        if k / n > DENSE_ABOVE:
+    if changes is not None:
+        positions, values = changes
+        k = positions.size
+        if n and k / n > DENSE_ABOVE:
             head = _HEAD.pack(MAGIC, VERSION, DENSE, mask.dtype.itemsize, 0, n, k)
             return head + _section(_planes(mask), level)
-    positions, values = _changes(mask, word_hits, shift, whole)
-    k = positions.size
+        if values.dtype != mask.dtype or values.size != k:
+            raise ValueError("encode_sparse: the changes' values are the mask's elements at their positions")
+    else:
+        word_hits, shift, whole = _word_hits(mask)
+        at_most = (int(np.count_nonzero(word_hits)) << shift) + n - whole  # elements in non-zero words
+        if n and at_most / n > DENSE_ABOVE:  # only then can the chunk be dense: count exactly
+            k = int(np.count_nonzero(mask))
+            if k / n > DENSE_ABOVE:
+                head = _HEAD.pack(MAGIC, VERSION, DENSE, mask.dtype.itemsize, 0, n, k)
+                return head + _section(_planes(mask), level)
+        positions, values = _changes(mask, word_hits, shift, whole)
+        k = positions.size
     gaps = np.empty(k, dtype=np.uint32)
     if k:
         gaps[0] = positions[0]

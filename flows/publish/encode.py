@@ -334,10 +334,12 @@ def _encode_streamed(
         b_hashed = None if base_hash is None else hashed(base_lane, base_hash, b)
         m_raw = buffers.take()
         mask = np.bitwise_xor(n, b, out=m_raw[: n.nbytes].view(n.dtype))
+        changes = None
         if patch is None:
             c = int(np.count_nonzero(mask))
         else:  # the changed elements, found through 64-bit words (the mask is sparse), and their new bits
-            pos, _ = nonzero(mask)
+            changes = nonzero(mask)  # the codec takes them too: the mask is scanned once
+            pos = changes[0]
             c = int(pos.size)
             patch.add(name, grid.numel, pos + start, n[pos])
         buffers.give_after([n_hashed], n_raw)
@@ -347,7 +349,7 @@ def _encode_streamed(
             continue
         changed += c
         # The codec codes the mask against the old bits when it is conditional: they travel with it.
-        up = uploads.submit((m_raw,), array, grid, i, mask, announce, b if conditional else None, dtype)
+        up = uploads.submit((m_raw,), array, grid, i, mask, announce, b if conditional else None, dtype, changes)
         futs.append(up)
         buffers.give_after([b_hashed, up] if conditional else [b_hashed], b_raw)
     new_digest = _done(new_hash.hexdigest()) if new_lane is None else new_lane.digest(new_hash)

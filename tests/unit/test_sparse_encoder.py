@@ -61,6 +61,7 @@ def plain_encode(mask: np.ndarray, level: int) -> bytes:
 def _check(mask: np.ndarray, level: int = 1) -> None:
     frame = encode_sparse(mask, level)
     assert frame == plain_encode(mask, level)
+    assert encode_sparse(mask, level, nonzero(mask)) == frame, "the changes a publisher found already: the same frame"
     out = decode_sparse(frame, mask.dtype, mask.size)
     assert out.dtype == mask.dtype and out.tobytes() == np.ascontiguousarray(mask).tobytes()
 
