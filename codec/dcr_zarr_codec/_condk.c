@@ -474,6 +474,15 @@ XOR_CHANGES_2(uint16_t)
 XOR_CHANGES_2(uint32_t)
 XOR_CHANGES_2(uint64_t)
 
+/* k = NAME_<element type>_<position type>(...): the kernel for ``itemsize`` and ``wide`` (int64 positions). */
+#define BY_WIDTHS(NAME, ...)                                                                       \
+    switch (itemsize) {                                                                            \
+    case 1: k = wide ? NAME##_uint8_t_int64_t(__VA_ARGS__) : NAME##_uint8_t_uint32_t(__VA_ARGS__); break;     \
+    case 2: k = wide ? NAME##_uint16_t_int64_t(__VA_ARGS__) : NAME##_uint16_t_uint32_t(__VA_ARGS__); break;   \
+    case 4: k = wide ? NAME##_uint32_t_int64_t(__VA_ARGS__) : NAME##_uint32_t_uint32_t(__VA_ARGS__); break;   \
+    default: k = wide ? NAME##_uint64_t_int64_t(__VA_ARGS__) : NAME##_uint64_t_uint32_t(__VA_ARGS__); break;  \
+    }
+
 static PyObject *xor_changes(PyObject *self, PyObject *args) {
     Py_buffer held, mask, out, pos, old, nw;
     int itemsize, wide;
@@ -490,15 +499,7 @@ static PyObject *xor_changes(PyObject *self, PyObject *args) {
     }
     Py_ssize_t k = 0;
     Py_BEGIN_ALLOW_THREADS
-    switch (itemsize) {
-#define CALL(T) k = wide ? xor_changes_##T##_int64_t(held.buf, mask.buf, out.buf, n, pos.buf, old.buf, nw.buf, cap, base) \
-                     : xor_changes_##T##_uint32_t(held.buf, mask.buf, out.buf, n, pos.buf, old.buf, nw.buf, cap, base)
-    case 1: CALL(uint8_t); break;
-    case 2: CALL(uint16_t); break;
-    case 4: CALL(uint32_t); break;
-    default: CALL(uint64_t); break;
-#undef CALL
-    }
+    BY_WIDTHS(xor_changes, held.buf, mask.buf, out.buf, n, pos.buf, old.buf, nw.buf, cap, base);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(k);
 done:
@@ -568,15 +569,7 @@ static PyObject *xor_planes(PyObject *self, PyObject *args) {
     }
     Py_ssize_t k = 0;
     Py_BEGIN_ALLOW_THREADS
-    switch (itemsize) {
-#define CALL(T) k = wide ? xor_planes_##T##_int64_t(held.buf, gaps.buf, vals.buf, kk, out.buf, n, pos.buf, old.buf, nw.buf, cap, base) \
-                     : xor_planes_##T##_uint32_t(held.buf, gaps.buf, vals.buf, kk, out.buf, n, pos.buf, old.buf, nw.buf, cap, base)
-    case 1: CALL(uint8_t); break;
-    case 2: CALL(uint16_t); break;
-    case 4: CALL(uint32_t); break;
-    default: CALL(uint64_t); break;
-#undef CALL
-    }
+    BY_WIDTHS(xor_planes, held.buf, gaps.buf, vals.buf, kk, out.buf, n, pos.buf, old.buf, nw.buf, cap, base);
     Py_END_ALLOW_THREADS
     result = PyLong_FromSsize_t(k);
 done:

@@ -182,31 +182,48 @@ def _xor_streamed(held_bits: np.ndarray, e, e_target, stream, forward: bool = Tr
         return positions[:k], old[:k], new[:k], leaves, 0 if leaves is None else leaves.shape[0]
     block = e_target.scheme.block_bytes
     leaves = held_leaves.copy()
-
-    def hash_blocks(raw: memoryview, lo_chunk: int, inside: list[int]) -> None:
-        for b in inside:
-            lo = b * block - lo_chunk
-            leaves[b] = np.frombuffer(blake3.blake3(raw[lo : lo + block]).digest(), np.uint8)
-
     k = hashed = 0
     across: set[int] = set()
     for start, stop, chunk, k0, k in chunks:
-        lo_chunk, hi_chunk = start * item, stop * item
-        # The blocks the chunk overlaps that hold a change: positions are sorted, so a block's
-        # changes are the ones between its first and last element (no sort, no pass per change).
-        first, last = lo_chunk // block, (hi_chunk - 1) // block
-        edges = _block_edges(first, last, block // item, held_bits.size, positions.dtype)
-        inside = []
-        for b in (np.flatnonzero(np.diff(np.searchsorted(positions[k0:k], edges))) + first).tolist():
-            lo, hi = b * block, min((b + 1) * block, held_bits.nbytes)
-            if lo >= lo_chunk and hi <= hi_chunk:
-                inside.append(b)  # the slice is cut at the chunk's end, so the last block may be short
-            else:
-                across.add(b)
-        behind(hash_blocks, memoryview(chunk).cast("B"), lo_chunk, inside)
+        inside, spanning = _blocks_with_changes(positions[k0:k], start, stop, held_bits, block)
+        behind(_hash_inside, leaves, chunk, start, block, inside)
         hashed += len(inside)
+        across.update(spanning)
     if lane is not None:
         lane.drain()
+    return _finish_blocks(held_bits, positions, old, new, k, leaves, across, e_target, unchecked, hashed)
+
+
+def _blocks_with_changes(positions: np.ndarray, start: int, stop: int, held_bits: np.ndarray, block: int
+                         ) -> tuple[list[int], list[int]]:
+    """The blocks that the chunk ``[start, stop)`` overlaps and that hold one of its changes
+    (``positions``, ascending): those inside the chunk (the tensor's last block may be short), and
+    those reaching past it. Positions are sorted, so a block's changes are the ones between its
+    first and last element (no sort, no pass per change)."""
+    item = held_bits.dtype.itemsize
+    lo_chunk, hi_chunk = start * item, stop * item
+    first, last = lo_chunk // block, (hi_chunk - 1) // block
+    edges = _block_edges(first, last, block // item, held_bits.size, positions.dtype)
+    inside, across = [], []
+    for b in (np.flatnonzero(np.diff(np.searchsorted(positions, edges))) + first).tolist():
+        lo, hi = b * block, min((b + 1) * block, held_bits.nbytes)
+        (inside if lo >= lo_chunk and hi <= hi_chunk else across).append(b)
+    return inside, across
+
+
+def _hash_inside(leaves: np.ndarray, chunk: np.ndarray, start: int, block: int, inside: list[int]) -> None:
+    """The digests of blocks ``inside`` the chunk starting at element ``start``, from its new bits."""
+    raw, lo_chunk = memoryview(chunk).cast("B"), start * chunk.dtype.itemsize
+    for b in inside:
+        lo = b * block - lo_chunk
+        leaves[b] = np.frombuffer(blake3.blake3(raw[lo : lo + block]).digest(), np.uint8)
+
+
+def _finish_blocks(held_bits: np.ndarray, positions, old, new, k: int, leaves: np.ndarray, across, e_target,
+                   unchecked: list[UncheckedChunk], hashed: int):
+    """Hash the changed blocks that reach across chunks (their held bytes with the changes) and check
+    the tensor's block digests against the target's digest: ``_xor_streamed``'s result."""
+    block, item = e_target.scheme.block_bytes, held_bits.dtype.itemsize
     pos = positions[:k]
     for b in sorted(across):
         lo, hi = b * block // item, min((b + 1) * block // item, held_bits.size)
@@ -340,17 +357,7 @@ def _xor_parallel(held_bits: np.ndarray, e, e_target, stream, step: int | None, 
         for fut, _, _ in jobs:
             if not fut.cancelled():
                 fut.exception()  # wait: no thread still writes to the outputs or the leaves
-    pos = positions[:k]
-    for b in sorted(across):
-        lo, hi = b * block // item, min((b + 1) * block // item, held_bits.size)
-        work = np.array(held_bits[lo:hi])
-        i, j = np.searchsorted(pos, [lo, hi])
-        work[pos[i:j].astype(np.int64) - lo] = new[i:j]
-        leaves[b] = np.frombuffer(blake3.blake3(memoryview(work).cast("B")).digest(), np.uint8)
-    if blocks_root(block, leaves) != e_target.digest:
-        _check(unchecked)
-        return False
-    return positions[:k], old[:k], new[:k], leaves, hashed + len(across)
+    return _finish_blocks(held_bits, positions, old, new, k, leaves, across, e_target, unchecked, hashed)
 
 
 def _apply_chunk(held_bits: np.ndarray, start: int, stop: int, payload: UncheckedChunk, positions, old, new,
@@ -371,19 +378,9 @@ def _apply_chunk(held_bits: np.ndarray, start: int, stop: int, payload: Unchecke
             got = sparse.xor_changes(held_chunk, mask, chunk, positions, old, new, base=start)
         except sparse.TooManyChanges:
             return positions.size + 1, 0, []
-        raw = memoryview(chunk).cast("B")
-        lo_chunk, hi_chunk = start * item, stop * item
-        first, last = lo_chunk // block, (hi_chunk - 1) // block
-        edges = _block_edges(first, last, block // item, held_bits.size, positions.dtype)
-        inside, spanning = 0, []
-        for b in (np.flatnonzero(np.diff(np.searchsorted(positions[:got], edges))) + first).tolist():
-            lo, hi = b * block, min((b + 1) * block, held_bits.nbytes)
-            if lo >= lo_chunk and hi <= hi_chunk:
-                leaves[b] = np.frombuffer(blake3.blake3(raw[lo - lo_chunk : hi - lo_chunk]).digest(), np.uint8)
-                inside += 1
-            else:
-                spanning.append(b)
-        return got, inside, spanning
+        inside, spanning = _blocks_with_changes(positions[:got], start, stop, held_bits, block)
+        _hash_inside(leaves, chunk, start, block, inside)
+        return got, len(inside), spanning
     finally:
         workers.give(buf)
 
