@@ -172,16 +172,14 @@ def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, che
             data = root.read(key, limit=nbytes)  # a larger object is refused without being read
         except FileNotFoundError:
             raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
-    if not checked:
-        if len(data) != nbytes:
-            raise IntegrityError(f"{root.url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
-        events.reached("chunk.fetched", key=key, nbytes=nbytes, prefetched=prefetched)
-        return index, UncheckedChunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, digest)
-    payload = decode_chunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, nbytes)
-    if not prefetched and payload_digest(payload) != digest:
-        raise IntegrityError(f"{root.url}/{key}: chunk digest does not match the manifest")
+    if len(data) != nbytes:
+        raise IntegrityError(f"{root.url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
+    chunk = UncheckedChunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, digest)
+    if checked:  # a prefetched chunk was checked when it landed: decoded only
+        chunk = chunk.checked() if not prefetched else decode_chunk(root.url, key, data, manifest.codec,
+                                                                     entry.dtype, grid, index, nbytes)
     events.reached("chunk.fetched", key=key, nbytes=nbytes, prefetched=prefetched)
-    return index, payload
+    return index, chunk
 
 
 def decode_chunk(url: str, key: str, data: bytes, codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int,

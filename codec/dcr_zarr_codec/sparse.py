@@ -236,14 +236,8 @@ def _read_section_array(data: bytes, offset: int, expect: int) -> tuple[np.ndarr
 def decode_sparse(data: bytes, storage: np.dtype, n: int) -> np.ndarray:
     """Decode one chunk into exactly ``n`` elements of ``storage``, refusing anything else."""
     data = bytes(data)
-    if len(data) < _HEAD.size:
-        raise SparseFrameError("chunk is too short to be a sparse frame")
-    magic, version, mode, itemsize, _, n_frame, k = _HEAD.unpack_from(data)
-    if magic != MAGIC or version != VERSION or mode not in (SPARSE, DENSE):
-        raise SparseFrameError("chunk is not a DCR sparse frame (bad magic, version or mode)")
     storage = np.dtype(storage)
-    if itemsize != storage.itemsize or n_frame != n or k > n:
-        raise SparseFrameError(f"sparse frame holds {n_frame} x {itemsize} B (k={k}), expected {n} x {storage.itemsize} B")
+    k, mode, itemsize = frame_changes(data, storage.itemsize, n), data[5], storage.itemsize
     off = _HEAD.size
     if mode == DENSE:
         raw, off = _read_section_array(data, off, n * itemsize)

@@ -296,7 +296,7 @@ class _ChunkWorkers:
         try:
             buf = self._free.get_nowait()
         except queue.Empty:
-            buf = np.empty(0, np.uint8)
+            return np.empty(nbytes, np.uint8)
         return buf if buf.nbytes >= nbytes else np.empty(nbytes, np.uint8)
 
     def give(self, buf: np.ndarray) -> None:
