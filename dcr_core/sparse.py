@@ -23,13 +23,15 @@ from dcr_zarr_codec.sparse import (
     frame_changes,
     nonzero,
     xor_changes,
+    xor_diff,
     xor_frame,
 )
 
 from dcr_core.errors import IntegrityError
 
 __all__ = ["_HEAD", "DENSE", "DENSE_ABOVE", "MAGIC", "SPARSE", "VERSION", "OutsideHeld", "SparseFrameError", "TooManyChanges",
-           "decode_sparse", "encode_sparse", "frame_changes", "nonzero", "xor_changes", "xor_frame"]
+           "decode_sparse", "encode_sparse", "frame_changes", "nonzero", "xor_changes", "xor_diff",
+           "xor_frame"]
 
 
 def decode_sparse(data: bytes, storage: np.dtype, n: int) -> np.ndarray:

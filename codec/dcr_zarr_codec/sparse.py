@@ -124,6 +124,28 @@ def xor_changes(held: np.ndarray, mask: np.ndarray, out: np.ndarray, positions: 
     return k
 
 
+def xor_diff(new: np.ndarray, old: np.ndarray, mask: np.ndarray, cap: int) -> tuple[np.ndarray, np.ndarray,
+                                                                                np.ndarray] | None:
+    """``mask = new ^ old`` (flat, one unsigned dtype, written whole) and its changes in one pass:
+    ascending positions (uint32 when ``new`` has fewer than 2^32 elements, else int64), the mask's
+    values there and ``new``'s, each an array of its own. None when there are more than ``cap``
+    changes (``nonzero(mask)`` finds them then). Inputs not aligned to their element size are
+    copied first."""
+    if not (new.dtype == old.dtype == mask.dtype) or not (new.size == old.size == mask.size):
+        raise ValueError("xor_diff: new, old and mask share one dtype and size")
+    if not (mask.flags.c_contiguous and mask.flags.aligned and mask.flags.writeable):
+        raise ValueError("xor_diff: the mask must be writable, C-contiguous and aligned")
+    new, old = (np.require(a, requirements=["C", "A"]) for a in (new, old))
+    cap = max(0, min(int(cap), new.size))
+    wide = new.size > 0xFFFFFFFF
+    positions = np.empty(cap, dtype="<i8" if wide else "<u4")
+    values, news = np.empty(cap, dtype=new.dtype), np.empty(cap, dtype=new.dtype)
+    k = _condk.xor_diff(new, old, mask, positions, values, news, new.dtype.itemsize, wide, 0)
+    if k < 0:
+        return None
+    return positions[:k].copy(), values[:k].copy(), news[:k].copy()  # not holding the room for ``cap``
+
+
 class OutsideHeld(ValueError):
     """A frame whose changes reach past the held elements given to ``xor_frame`` (into a last
     chunk's padding): the caller decodes the frame whole instead, which ignores the padding."""

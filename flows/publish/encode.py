@@ -2,7 +2,9 @@
 
 Per tensor: read its bits (and the baseline's), XOR per chunk (or take the values of a keyframe),
 skip chunks that are all zero, compress and upload the rest on a bounded pool while later tensors
-are still being encoded. Nothing is visible to readers yet: no marker names the attempt.
+are still being encoded. A delta chunk's mask and its changes (positions, mask values, new bits)
+come from one C pass over the two chunks (``sparse.xor_diff``); the codec and the patch log both
+take those changes, so no mask is scanned twice. Nothing is visible to readers yet: no marker names the attempt.
 
 Reading: a checkpoint file (the source, or a file baseline) is read chunk by chunk into a few
 chunk-sized buffers that are reused across chunks and tensors (``_Buffers``: mapped and populated
@@ -48,7 +50,7 @@ from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chun
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, SchemaMismatchError
 from dcr_core.hash_lane import LANE_MIN_BYTES, HashLane
-from dcr_core.sparse import nonzero
+from dcr_core.sparse import DENSE_ABOVE, nonzero, xor_diff
 from flows.publish import baseline as baseline_cache
 from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, opened
@@ -333,15 +335,11 @@ def _encode_streamed(
         b, b_raw = base_r.read(start, stop)
         b_hashed = None if base_hash is None else hashed(base_lane, base_hash, b)
         m_raw = buffers.take()
-        mask = np.bitwise_xor(n, b, out=m_raw[: n.nbytes].view(n.dtype))
-        changes = None
-        if patch is None:
-            c = int(np.count_nonzero(mask))
-        else:  # the changed elements, found through 64-bit words (the mask is sparse), and their new bits
-            changes = nonzero(mask)  # the codec takes them too: the mask is scanned once
-            pos = changes[0]
-            c = int(pos.size)
-            patch.add(name, grid.numel, pos + start, n[pos])
+        mask = m_raw[: n.nbytes].view(n.dtype)
+        pos, values, news = _diff(n, b, mask)  # the codec takes the changes too: the mask is scanned once
+        c = int(pos.size)
+        if patch is not None:  # the changed elements' positions in the tensor and their new bits
+            patch.add(name, grid.numel, pos.astype(np.int64) + start, news)
         buffers.give_after([n_hashed], n_raw)
         if not c:  # unchanged chunks are not stored
             buffers.give(m_raw)
@@ -349,7 +347,7 @@ def _encode_streamed(
             continue
         changed += c
         # The codec codes the mask against the old bits when it is conditional: they travel with it.
-        up = uploads.submit((m_raw,), array, grid, i, mask, announce, b if conditional else None, dtype, changes)
+        up = uploads.submit((m_raw,), array, grid, i, mask, announce, b if conditional else None, dtype, (pos, values))
         futs.append(up)
         buffers.give_after([b_hashed, up] if conditional else [b_hashed], b_raw)
     new_digest = _done(new_hash.hexdigest()) if new_lane is None else new_lane.digest(new_hash)
@@ -359,6 +357,17 @@ def _encode_streamed(
     digest = _Digest(name, new_digest, base_digest, None if base_entry is None else base_entry.digest, check, plan)
     digest.check_base()  # inline: before the next tensor; on the lanes, once they get there
     return digest, changed, futs
+
+
+def _diff(new: np.ndarray, old: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``mask = new ^ old`` (flat) and its changes: positions (ascending), the mask's values and the
+    new bits there. One C pass (``xor_diff``); a chunk changed past ``DENSE_ABOVE`` (the codec stores
+    it dense) has its changes found in the mask instead."""
+    found = xor_diff(new, old, mask, int(mask.size * DENSE_ABOVE) + 1)
+    if found is None:
+        pos, values = nonzero(mask)
+        return pos, values, new[pos]
+    return found
 
 
 def _done(value: str) -> Future:
@@ -412,10 +421,11 @@ def _encode_whole(
     if patch is not None and base is not None:  # flat runs of a chunk's size: bounded temporaries
         flat, old = np.ascontiguousarray(new).reshape(-1), np.ascontiguousarray(base).reshape(-1)
         run = max(1, grid.chunk_numel)
+        mask = np.empty(min(run, flat.size), dtype=flat.dtype)
         for start in range(0, flat.size, run):
             n = flat[start:start + run]
-            pos, _ = nonzero(np.bitwise_xor(n, old[start:start + run]))
-            patch.add(name, flat.size, pos + start, n[pos])
+            pos, _, news = _diff(n, old[start:start + run], mask[: n.size])
+            patch.add(name, flat.size, pos.astype(np.int64) + start, news)
     dtype = plan.infos[name].dtype
     changed = 0
     futs = []

@@ -31,6 +31,7 @@ from dcr_core.sparse import (
     frame_changes,
     nonzero,
     xor_changes,
+    xor_diff,
     xor_frame,
 )
 
@@ -143,6 +144,58 @@ def test_xor_changes_equals_numpy(dtype, n, offset, density, wide, slack, seed):
     if k0:
         with pytest.raises(TooManyChanges, match=f"more than the {k0 - 1} changes expected"):
             xor_changes(held, mask, out, pos[: k0 - 1], old[: k0 - 1], new[: k0 - 1])
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    dtype=st.sampled_from(WIDTHS),
+    n=st.integers(0, 3000),
+    offset=st.integers(0, 7),
+    density=st.sampled_from([0.0, 0.001, 0.03, 0.3, 1.0]),
+    slack=st.integers(-2, 9),
+    seed=st.integers(0, 2**31),
+)
+def test_xor_diff_equals_numpy(dtype, n, offset, density, slack, seed):
+    """The publisher's one pass per chunk: the mask of two chunks, and its changes as (position,
+    mask value, new value), equal to numpy's XOR, flatnonzero and gathers, on views at any element
+    offset and on inputs not aligned to their element size; room for exactly the changes is enough,
+    one too few gives None with the mask still whole; the codec makes the same frame from them."""
+    rng = np.random.default_rng(seed)
+    info = np.iinfo(dtype)
+    old = rng.integers(0, info.max, size=n + offset, dtype=dtype, endpoint=True)[offset:]
+    new = old.copy()
+    hit = rng.random(n) < density
+    new[hit] ^= rng.integers(1, info.max, size=int(hit.sum()), dtype=dtype, endpoint=True)
+    k0, want = int(hit.sum()), old ^ new
+    nz = np.flatnonzero(want)
+    mask = np.full(n, 0x5A, dtype)  # written over whole, whatever it held
+    found = xor_diff(new, old, mask, k0 + slack)
+    assert mask.tobytes() == want.tobytes()
+    if slack < 0 and k0:
+        assert found is None
+        return
+    pos, values, news = found  # a cap below zero is taken as no room, which no changes need
+    assert pos.dtype == np.dtype("<u4") and values.dtype == news.dtype == dtype
+    assert pos.tolist() == nz.tolist()
+    assert values.tobytes() == want[nz].tobytes() and news.tobytes() == new[nz].tobytes()
+    assert encode_sparse(mask, 1, (pos, values)) == encode_sparse(mask, 1)
+    if dtype.itemsize > 1 and n:  # the same bits one byte off their alignment (a packed safetensors file)
+        raw = np.zeros(new.nbytes + 1, np.uint8)
+        raw[1:] = new.view(np.uint8)
+        odd = raw[1:].view(dtype)
+        assert not odd.flags.aligned
+        again = xor_diff(odd, old, mask, k0)
+        assert again is not None and again[0].tolist() == nz.tolist() and mask.tobytes() == want.tobytes()
+
+
+def test_xor_diff_refuses_what_does_not_fit():
+    a = np.zeros(8, np.uint16)
+    with pytest.raises(ValueError, match="share one dtype and size"):
+        xor_diff(a, a.view(np.int16), a.copy(), 8)
+    with pytest.raises(ValueError, match="share one dtype and size"):
+        xor_diff(a, a[:7], a.copy(), 8)
+    with pytest.raises(ValueError, match="writable, C-contiguous"):
+        xor_diff(a, a, np.zeros(16, np.uint16)[::2], 8)
 
 
 @settings(max_examples=200, deadline=None)
