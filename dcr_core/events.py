@@ -38,6 +38,8 @@ POINTS = frozenset({
     "stream.index-written", "stream.index-read", "stream.chunk-prefetched",
     # a rank of a sharded publish
     "publish.rank-partial-written",
+    # a group of tensors of a mapped publish (flows.publish.groups), where its task runs
+    "publish.group-started", "publish.group-done",
     # receiver (state file)
     "receive.planned", "receive.leased", "receive.tensor-staged", "receive.staged",
     "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patch-written",

@@ -86,6 +86,10 @@ class PublishOptions(_Options):
         True, description="expose chunks as they are stored (building.json, stream indexes) so following "
         "receivers fetch them before the commit",
     )
+    group_bytes: int | None = Field(
+        None, ge=1, description="on workers (flows.workers): raw bytes of tensors per mapped encoding task; None: "
+        "about a quarter of the model per worker thread, at least 64 MiB (flows.publish.groups)",
+    )
 
 
 class ReceiveOptions(_Options):

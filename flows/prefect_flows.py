@@ -26,11 +26,13 @@ from typing import Any
 
 from prefect import flow, get_run_logger, tags, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
-from prefect.runtime import flow_run
+from prefect.runtime import flow_run, task_run
 
 from dcr_core.errors import DCRError
+from flows import workers as cluster
 from flows.maintenance.gc import GcReport, run_gc
 from flows.maintenance.mirror import run_mirror
 from flows.options import GcOptions, PublishOptions, ReceiveOptions
@@ -52,11 +54,39 @@ def _task(step: Step):
     return task(step.fn, name=step.name, refresh_cache=True, result_serializer="json", persist_result=True, retries=0)
 
 
+@functools.cache
+def _mapped_task(step: Step):
+    # Mapped tasks run on workers: their results (manifest entries) come back through Dask, not
+    # through result storage (a path of this machine), and nothing about them is cached.
+    return task(step.fn, name=step.name, task_run_name=_mapped_name, persist_result=False, cache_policy=NO_CACHE,
+                retries=0)
+
+
+def _mapped_name() -> str:
+    group = task_run.parameters.get("group")
+    return f"{task_run.task_name}-{getattr(group, 'index', '?')}"
+
+
 class PrefectRunner:
-    """Runs each step as a Prefect task (call the pipeline inside a flow run)."""
+    """Runs each step as a Prefect task (call the pipeline inside a flow run); with ``task_runner``
+    (a started ``DaskTaskRunner``, ``flows.workers``), mapped steps run on its workers."""
+
+    def __init__(self, task_runner: Any = None):
+        self.task_runner = task_runner
 
     def wrap(self, step: Step):
         return _task(step)
+
+    @property
+    def mapped(self) -> bool:
+        return self.task_runner is not None
+
+    @property
+    def slots(self) -> int:
+        return cluster.slots(self.task_runner)
+
+    def map(self, step: Step, items: list[dict], shared: dict, each=None) -> list:
+        return cluster.run_mapped(self.task_runner, _mapped_task(step), items, shared, each)
 
 
 def _slug(text: str) -> str:
@@ -93,15 +123,21 @@ def _gc_name() -> str:
 @flow(name="dcr-publish-refit", flow_run_name=_publish_name, log_prints=True, result_serializer="json", persist_result=True)
 def publish_refit(
     root: str | Path, source: Any, step: int, keyframe: bool = False, storage_options: dict | None = None,
-    options: PublishOptions | None = None, attempt: str | None = None,
+    options: PublishOptions | None = None, attempt: str | None = None, workers: int | str | None = None,
+    task_runner: Any = None,
 ) -> dict:
     """Publish ``source`` as ``step`` of ``root``: a checkpoint path (what deployments pass), a
     name -> tensor mapping, this rank's ``ShardedSource`` (every rank runs the flow; rank 0
-    commits), or a list of every rank's ``ShardedSource`` (one process publishes them all)."""
+    commits), or a list of every rank's ``ShardedSource`` (one process publishes them all).
+
+    ``workers`` (N worker processes on this machine, or ``dask://HOST:PORT``) or ``task_runner``
+    (a ``prefect_dask.DaskTaskRunner``, not started): the encoding runs as tasks mapped over groups
+    of tensors on that Dask cluster (a checkpoint path only; ``flows.workers``)."""
     run_tags = ("dcr", "dcr-publish", f"root:{root}", f"step:{step}")
     _tag_run(*run_tags)
-    with tags(*run_tags):
-        result = run_publish(str(root), source, step, keyframe, storage_options, options, PrefectRunner(), attempt)
+    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
+        result = run_publish(str(root), source, step, keyframe, storage_options, options, PrefectRunner(mapped_on),
+                             attempt)
     _best_effort(_report_publish, str(root), storage_options, result)
     return asdict(result)
 

@@ -34,6 +34,17 @@ class Runner(Protocol):
         """The callable that runs ``step`` (the function itself, or a task around it)."""
 
 
+class MappingRunner(Runner, Protocol):
+    """A runner that can also map a step over items on workers (``flows.workers``)."""
+
+    mapped: bool  # whether ``map`` sends its tasks to workers
+    slots: int  # how many tasks the workers run at once
+
+    def map(self, step: Step, items: list[dict], shared: dict, each: Callable[[Any], None] | None = None) -> list:
+        """``step`` called with ``shared`` and each item's arguments, on the workers; results in
+        order, each passed to ``each`` once it and those before it are in."""
+
+
 class StepTable:
     """The steps of one pipeline, in the order they run."""
 
@@ -57,6 +68,34 @@ class Bound:
         self._table, self._runner = table, runner
         self._calls: dict[str, Callable[..., Any]] = {}
         self.timings: dict[str, float] = {}
+
+    @property
+    def mapped(self) -> bool:
+        """Whether ``map`` runs its calls on workers (else in this process, one after another)."""
+        return bool(getattr(self._runner, "mapped", False))
+
+    @property
+    def slots(self) -> int:
+        """How many mapped calls run at once (1 without workers)."""
+        return getattr(self._runner, "slots", 1) if self.mapped else 1
+
+    def map(self, key: str, items: list[dict], *, each: Callable[[Any], None] | None = None, **shared) -> list:
+        """Step ``key`` called with ``shared`` and each item's arguments: on the runner's workers
+        if it has them, else in turn here; results in the items' order, each passed to ``each``
+        (if given) as soon as it and those before it are in. Timed as one step."""
+        step = self._table.steps[key]
+        t0 = time.perf_counter()
+        try:
+            if self.mapped:
+                return self._runner.map(step, items, shared, each)
+            call, out = self._runner.wrap(step), []
+            for item in items:
+                out.append(call(**shared, **item))
+                if each is not None:
+                    each(out[-1])
+            return out
+        finally:
+            self.timings[step.name] = self.timings.get(step.name, 0.0) + time.perf_counter() - t0
 
     def __getattr__(self, key: str) -> Callable[..., Any]:
         try:

@@ -10,12 +10,14 @@ on failure the one-line ``dcr: error: ...`` with the error's exit code.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 
 from prefect.client.orchestration import get_client
 from prefect.logging.handlers import PrefectConsoleHandler
-from prefect.settings import PREFECT_UI_URL
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
 
 from flows import prefect_flows
 
@@ -36,11 +38,37 @@ def mute_prefect_console() -> None:
                 handler.addFilter(_NotPrefect())
 
 
-def run_flow(args, name: str, *params):
+@contextlib.contextmanager
+def _api_for_workers(workers) -> Iterator[None]:
+    """With workers and no ``PREFECT_API_URL``: one local API server for the flow and its Dask
+    workers (they take the flow's settings; without a URL each worker process would start a
+    temporary server of its own). Else nothing changes."""
+    if workers is None or PREFECT_API_URL.value():
+        yield
+        return
+    from prefect.server.api.server import SubprocessASGIServer  # noqa: PLC0415 - 1.3 s to import: only here
+
+    server = SubprocessASGIServer()
+    server.start()
+    try:
+        with temporary_settings({PREFECT_API_URL: server.api_url}):
+            yield
+    finally:
+        server.stop()
+
+
+def run_flow(args, name: str, *params, **kw):
     """The flow ``flows.prefect_flows.<name>`` run with ``params`` as a Prefect flow run: its result,
     or its exception re-raised."""
     mute_prefect_console()
-    state = getattr(prefect_flows, name)(*params, return_state=True)
+    if kw.get("workers") is not None:  # the scheduler of a LocalCluster runs here: its INFO lines are not ours
+        logging.getLogger("distributed").setLevel(logging.WARNING)
+    with _api_for_workers(kw.get("workers")):
+        return _run_flow(args, name, params, kw)
+
+
+def _run_flow(args, name: str, params: tuple, kw: dict):
+    state = getattr(prefect_flows, name)(*params, **kw, return_state=True)
     run_id = state.state_details.flow_run_id
     if not args.quiet:
         ui = PREFECT_UI_URL.value()

@@ -12,6 +12,7 @@ from flows.cli.progress import shown
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish.kinds import sharded_kind, sharded_sources
 from flows.publish.pipeline import run_publish
+from flows.workers import parse_workers
 
 
 def add_arguments(name: str, p) -> None:
@@ -39,6 +40,12 @@ def add_arguments(name: str, p) -> None:
         "--keyframe-above", type=float, default=0.0, metavar="F",
         help="keyframe policy: make this step a restart point once the stored delta bytes since the lineage's "
         "keyframe exceed F times the full size (e.g. 0.5)",
+    )
+    p.add_argument(
+        "--workers", default=None, metavar="N|dask://HOST:PORT",
+        help="encode on a Dask cluster, as Prefect tasks mapped over groups of tensors: N worker processes on this "
+        "machine (a LocalCluster on 127.0.0.1), or the scheduler at dask://HOST:PORT (its workers must reach ROOT, "
+        "CHECKPOINT and PREFECT_API_URL); runs the publish as a Prefect flow. Default: in this process",
     )
     p.add_argument(
         "--codec", choices=tuple(DELTA_CODECS), default="sparse",
@@ -89,8 +96,13 @@ def run(name: str, args) -> int:
 
 
 def _publish(args, source, so, options) -> dict:
-    if use_prefect(args):
+    workers = parse_workers(args.workers)
+    if workers is not None and not isinstance(source, str):
+        raise UsageError(f"{args.checkpoint}: --workers publishes a canonical checkpoint file; a sharded checkpoint "
+                         "is published by its own ranks")
+    if use_prefect(args) or workers is not None:
         from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
 
-        return run_flow(args, "publish_refit", args.root, source, args.step, args.keyframe, so, options)
+        return run_flow(args, "publish_refit", args.root, source, args.step, args.keyframe, so, options,
+                        workers=args.workers)
     return asdict(run_publish(args.root, source, args.step, args.keyframe, so, options))

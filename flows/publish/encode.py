@@ -39,6 +39,7 @@ import mmap
 import os
 import threading
 from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 
 import numpy as np
@@ -52,6 +53,7 @@ from dcr_core.errors import IntegrityError, SchemaMismatchError
 from dcr_core.hash_lane import LANE_MIN_BYTES, HashLane
 from dcr_core.sparse import DENSE_ABOVE, nonzero, xor_diff
 from flows.publish import baseline as baseline_cache
+from flows.publish.groups import TensorGroup, array_names, unique_array
 from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, opened
 from storage import layout
@@ -72,13 +74,6 @@ class BaselineMismatchError(IntegrityError):
 def _chunk_table(futures: list[Future]) -> ChunkTable:
     stored: list[StoredChunk] = sorted((f.result() for f in futures), key=lambda s: s.index)
     return ChunkTable(tuple(s.index for s in stored), tuple(s.digest for s in stored), tuple(s.nbytes for s in stored))
-
-
-def _unique(array: str, used: set[str]) -> str:
-    while array in used:  # two names escaping alike: keep arrays distinct
-        array += "_"
-    used.add(array)
-    return array
 
 
 def _window(plan: PublishPlan, root) -> int:
@@ -196,13 +191,52 @@ def _buffer_bytes(plan: PublishPlan, grids: dict[str, ChunkGrid]) -> int:
     return max((g.chunk_numel * DTYPES[plan.infos[n].dtype].itemsize for n, g in grids.items()), default=1)
 
 
-def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef | None) -> dict[str, TensorEntry]:
-    """Encode every tensor and upload its stored chunks; return the manifest entries.
+def encode_group(plan: PublishPlan, source: str, baseline: str | None, group: TensorGroup) -> dict[str, TensorEntry]:
+    """The tensors of ``group`` encoded and their chunks uploaded, where this runs (a worker of a
+    mapped publish, ``flows.publish.groups``): the source and the baseline are files it reads
+    itself; its manifest entries come back. No patch log (the cache is copied whole after the
+    commit) and no stream announcements (the flow announces a group's chunks as it returns:
+    ``announcing``)."""
+    events.reached("publish.group-started", step=plan.step, group=group.index, groups=group.count,
+                   tensors=len(group.names))
+    entries = encode_and_write(plan, source, baseline, group)
+    events.reached("publish.group-done", step=plan.step, group=group.index, groups=group.count,
+                   tensors=len(group.names))
+    return entries
+
+
+@contextlib.contextmanager
+def announcing(plan: PublishPlan) -> Iterator[Callable[[dict[str, TensorEntry]], None] | None]:
+    """For a mapped publish that streams (``options.stream``): a call that announces the chunks of a
+    group's entries (``storage.stream``); the last index once the block ends without error. None
+    when the plan does not stream."""
+    if not plan.options.stream:
+        yield None
+        return
+    with StreamAnnouncer(open_root(plan.root), plan.step, plan.attempt, plan.codec) as announcer:
+
+        def announce(entries: dict[str, TensorEntry]) -> None:
+            for name, e in entries.items():
+                grid = ChunkGrid(plan.infos[name].shape, e.chunk_shape)
+                for index, digest, nbytes in zip(e.chunks.indices, e.chunks.digests, e.chunks.nbytes):
+                    announcer.stored(name, e.dtype, grid, layout.chunk_key(e.array, grid.grid_index(index)),
+                                     StoredChunk(index, digest, nbytes))
+
+        yield announce
+        announcer.finish()  # the last index, before the manifest: followers know they have it all
+
+
+def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef | None,
+                     group: TensorGroup | None = None) -> dict[str, TensorEntry]:
+    """Encode every tensor (of ``group`` only, if given) and upload its stored chunks; return the
+    manifest entries.
 
     ``baseline``: a file (each tensor's bits checked against the base step's digest as they are
     used: ``BaselineMismatchError``) or a held in-memory snapshot (not re-checked, see
     ``flows.publish.baseline``)."""
     opts = plan.options
+    whole = group is None
+    arrays = array_names(plan.infos) if whole else dict(zip(group.names, group.arrays))
     stack = contextlib.ExitStack()
     src = stack.enter_context(opened(source))
     if src.infos != plan.infos:
@@ -212,15 +246,17 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     from_file = isinstance(baseline, str)
     base_src = None if baseline is None else stack.enter_context(opened(baseline))
     pending: list[tuple[dict, Future, list[Future]]] = []
-    used: set[str] = set()
     root = open_root(plan.root)
-    announcer = stack.enter_context(StreamAnnouncer(root, plan.step, plan.attempt, plan.codec)) if opts.stream else None
+    stream = opts.stream and whole
+    announcer = stack.enter_context(StreamAnnouncer(root, plan.step, plan.attempt, plan.codec)) if stream else None
     grids = _grids(plan)
     buffers = _Buffers(_buffer_bytes(plan, grids))
     lanes = _Lanes.open(stack)
     patch = None
-    if from_file and opts.use_cache and baseline == baseline_cache.cache_path(plan):
+    cached = from_file and opts.use_cache and baseline == baseline_cache.cache_path(plan)
+    if cached:
         baseline_cache.share_cache(base_src)
+    if cached and whole:  # a group's encoding logs nothing: the cache is copied whole after the commit
         patch = PatchLogWriter(baseline_cache.patch_log_path(plan), baseline_cache.patch_log_head(plan),
                                limit_bytes=baseline_cache.patch_log_limit(plan))
         stack.callback(patch.abort)  # a no-op once finished
@@ -228,11 +264,11 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
         uploads = _Uploads(w, buffers, _window(plan, root))
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
         unchecked: deque[_Digest] = deque()  # bases still hashing on their lane, in lane order
-        for name in sorted(plan.infos):
+        for name in sorted(arrays):
             while unchecked and unchecked[0].check_base():  # a base found wrong stops the encoding here
                 unchecked.popleft()
             info, grid = plan.infos[name], grids[name]
-            array = _unique(layout.array_segment(name), used)
+            array = arrays[name]
             announce = None if announcer is None else functools.partial(announcer.stored, name, info.dtype, grid)
             if plan.kind == KEYFRAME:
                 encoding = Encoding.FULL
@@ -457,7 +493,7 @@ def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, Tens
         pending = []
         for name in sorted(plan.infos):
             info, e = plan.infos[name], entries[name]
-            array = _unique(e.array + layout.SNAPSHOT_SUFFIX, used)
+            array = unique_array(e.array + layout.SNAPSHOT_SUFFIX, used)
             grid = ChunkGrid(info.shape, e.chunk_shape)
             attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": Encoding.FULL.value,
                              "step": plan.step, "snapshot": True}}

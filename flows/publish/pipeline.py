@@ -22,7 +22,8 @@ from dcr_core.errors import UsageError
 from flows import refs
 from flows.options import PublishOptions
 from flows.publish.baseline import BaselineSlot
-from flows.publish.encode import BaselineMismatchError
+from flows.publish.encode import BaselineMismatchError, announcing
+from flows.publish.groups import plan_groups
 from flows.publish.plan import DEFAULT_TIMEOUT
 from flows.publish.sources import as_source_ref
 from flows.publish.steps import PUBLISH
@@ -84,6 +85,38 @@ def run_publish(
     return _publish(tasks, ref, source, step, keyframe, options, held)
 
 
+def _encode(tasks: Bound, plan, snap, baseline) -> dict:
+    """The manifest entries of every tensor, encoded and stored: in one call here, or, with workers
+    (``tasks.mapped``), as tasks mapped over groups of tensors (``flows.publish.groups``), merged in
+    name order (so the manifest is the same however the work was split)."""
+    if not tasks.mapped:
+        return tasks.encode_and_write(plan, snap, baseline)
+    plan, snap, baseline = mappable(plan, snap, baseline)
+    groups = plan_groups(plan, tasks.slots)
+    log.info("step %d: encoding %d tensors in %d groups on %d worker slots", plan.step, len(plan.infos), len(groups),
+             tasks.slots)
+    with announcing(plan) as announce:  # streaming: each group's chunks announced as it returns
+        parts = tasks.map("encode_group", [{"group": g} for g in groups], each=announce, plan=plan, source=snap,
+                          baseline=baseline)
+    return {name: entry for part in parts for name, entry in part.items()}
+
+
+def mappable(plan, snap, baseline):
+    """The plan and files as workers can use them (local paths made absolute); ``UsageError`` for
+    what cannot leave this process: tensors held in memory, a ``memory://`` ROOT."""
+    if not isinstance(snap, str):
+        raise UsageError("publishing on workers reads a checkpoint file where each task runs; tensors held in this "
+                         "process cannot travel: pass a checkpoint path, or publish without workers")
+    if baseline is not None and not isinstance(baseline, str):
+        raise UsageError("publishing on workers needs a baseline file the workers can read, not one held in memory: "
+                         "publish without held=, or without workers")
+    if plan.root.url.startswith("memory://"):
+        raise UsageError(f"{plan.root.url}: a memory:// ROOT lives in one process; workers cannot write to it")
+    root = plan.root if "://" in plan.root.url else dataclasses.replace(plan.root, url=os.path.abspath(plan.root.url))
+    return (dataclasses.replace(plan, root=root), os.path.abspath(snap),
+            None if baseline is None else os.path.abspath(baseline))
+
+
 def result_of(marker, summary: dict, tasks: Bound) -> PublishResult:
     return PublishResult(marker.step, marker.kind, marker.base_step, marker.attempt, marker.policy_digest,
                          summary, dict(tasks.timings))
@@ -102,7 +135,7 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
         baseline = tasks.load_baseline(plan, held_ref)
         handles.append(baseline)
         try:
-            entries = tasks.encode_and_write(plan, snap, baseline)
+            entries = _encode(tasks, plan, snap, baseline)
         except BaselineMismatchError as e:
             if not options.use_cache:  # a private baseline rebuilt from ROOT just now: a real fault
                 raise
@@ -114,7 +147,7 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
             plan = dataclasses.replace(plan, attempt=uuid.uuid4().hex)
             baseline = tasks.load_baseline(plan, None, True)
             handles.append(baseline)
-            entries = tasks.encode_and_write(plan, snap, baseline)
+            entries = _encode(tasks, plan, snap, baseline)
         full = tasks.write_snapshot(plan, snap, entries) if plan.snapshot else None
         manifest = tasks.write_manifest(plan, entries, full)
         marker = tasks.commit_step(plan, manifest)

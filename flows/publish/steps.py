@@ -15,6 +15,7 @@ PUBLISH = StepTable(
     Step("plan-publish", plan_from_source),
     Step("load-baseline", baseline.load_baseline),
     Step("encode-and-write-chunks", encode.encode_and_write),
+    Step("encode-group", encode.encode_group),  # mapped over tensor groups on workers (flows.workers)
     Step("write-snapshot", encode.write_snapshot),
     Step("write-manifest", commit.write_manifest),
     Step("commit", commit.commit_step),

@@ -22,6 +22,9 @@ LAZY_OK = {
     "flows.cli.orchestrated",  # flows.cli: Prefect only with --orchestrator prefect
     "ctypes",  # flows.cli: only on Linux
     "importlib.metadata",  # flows.cli: only to list plugins (25 ms of every command's start otherwise)
+    "prefect.server.api.server",  # flows.cli.orchestrated: a local API for --workers only (1.3 s to import)
+    # flows.workers: Dask only when workers are asked for
+    "prefect_dask", "distributed", "distributed.comm.core", "distributed.scheduler",
     # flows.receive.vllm_worker and vllm_fixups: only inside a vLLM worker
     "vllm.config", "vllm.model_executor.model_loader.reload", "vllm.model_executor.layers.attention",
 }

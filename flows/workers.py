@@ -1,0 +1,127 @@
+"""Where a flow's mapped tasks run: in the flow's process (the default), on a ``LocalCluster`` of N
+worker processes on this machine (``--workers N``), or on an existing Dask cluster
+(``--workers dask://HOST:PORT``), through prefect-dask's ``DaskTaskRunner``.
+
+Only mapped steps travel (a publish's ``encode-group`` tasks, ``flows.publish.groups``); the other
+steps of a flow run in its own process, as without workers. A mapped task takes references only
+(the ROOT, a checkpoint path, the plan, its group) and returns its manifest entries; what it reads
+it reads where it runs. Retries belong to Dask: a task whose worker dies (kill -9, out of memory)
+is run again on another worker, up to the scheduler's ``allowed-failures``; since a group's output
+is a function of its input and every object write is atomic, a task run twice stores the same
+bytes. Losing the scheduler fails the flow before anything is committed (the manifest and the
+commit marker are written by the flow, after every group succeeded): run it again.
+
+prefect-dask and distributed are imported only when workers are asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from dcr_core.errors import DCRError, UsageError
+
+WorkersSpec = int | str | None
+PRELOAD = "flows.worker_setup"  # imported by every worker as it starts (``dask worker --preload``)
+_ADDRESS = re.compile(r"^dask://([^\s/:]+|\[[0-9a-fA-F:.]+\]):(\d{1,5})$")
+
+
+class WorkersLostError(DCRError):
+    """The Dask cluster could not finish a mapped step (a task killed its workers, the scheduler
+    went away): nothing was committed; the flow can be run again."""
+
+    exit_code = 1
+
+
+def parse_workers(spec: WorkersSpec) -> int | str | None:
+    """``None`` or 0: no workers (tasks run in the flow's process); ``N`` (an int or its digits):
+    a LocalCluster of N worker processes; ``dask://HOST:PORT``: that scheduler (as ``tcp://HOST:PORT``).
+    Anything else is a ``UsageError``."""
+    if spec is None or spec == 0 or spec == "0":
+        return None
+    if isinstance(spec, bool):
+        raise UsageError(f"workers must be N (worker processes) or dask://HOST:PORT, got {spec!r}")
+    if isinstance(spec, int) or (isinstance(spec, str) and spec.isdigit()):
+        n = int(spec)
+        if not 1 <= n <= 1024:
+            raise UsageError(f"workers must be 1 to 1024 worker processes, got {n}")
+        return n
+    m = _ADDRESS.match(spec) if isinstance(spec, str) else None
+    if m is None or not 0 < int(m.group(2)) < 65536:
+        raise UsageError(f"workers must be N (worker processes) or dask://HOST:PORT, got {spec!r}")
+    return f"tcp://{m.group(1)}:{m.group(2)}"
+
+
+def task_runner_for(spec: WorkersSpec):
+    """The ``DaskTaskRunner`` for ``spec`` (see ``parse_workers``), or None. Not started: enter it."""
+    target = parse_workers(spec)
+    if target is None:
+        return None
+    from prefect_dask import DaskTaskRunner  # noqa: PLC0415 - only when workers are asked for
+
+    if isinstance(target, int):  # one thread per process: a task uses threads of its own
+        return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
+            "n_workers": target, "threads_per_worker": 1, "processes": True, "host": "127.0.0.1",
+            "dashboard_address": None, "preload": [PRELOAD]})
+    return DaskTaskRunner(address=target)
+
+
+@contextlib.contextmanager
+def entered(workers: WorkersSpec = None, task_runner: Any = None) -> Iterator[Any]:
+    """The task runner to map steps on, started for the block: ``task_runner`` as given, else the
+    one ``workers`` names, else None (steps run in this process)."""
+    if task_runner is not None and parse_workers(workers) is not None:
+        raise UsageError("give workers or task_runner, not both")
+    runner = task_runner if task_runner is not None else task_runner_for(workers)
+    if runner is None:
+        yield None
+        return
+    with runner:
+        yield runner
+
+
+def slots(task_runner) -> int:
+    """How many tasks the cluster runs at once (its worker threads); 1 at least."""
+    client = getattr(task_runner, "client", None)
+    if client is None:
+        return 1
+    return max(1, sum(client.nthreads().values()))
+
+
+def run_mapped(task_runner, task, items: list[dict], shared: dict, each: Callable[[Any], None] | None = None) -> list:
+    """``task(**shared, **item)`` for every item, submitted to ``task_runner`` at once; the results
+    in the items' order, each passed to ``each`` once it and those before it are in. The first
+    failure cancels what has not started and is raised: the task's own exception as it is, a
+    cluster failure as ``WorkersLostError``."""
+    futures = [task_runner.submit(task, {**shared, **item}) for item in items]
+    out: list = []
+    try:
+        for f in futures:
+            out.append(f.result())
+            f.wrapped_future.release()  # its result is here: a worker lost later need not recompute it
+            if each is not None:
+                each(out[-1])
+        return out
+    except Exception as e:  # noqa: BLE001 - re-raised: the task's own error as it is, the cluster's as one line
+        for f in futures:
+            with contextlib.suppress(Exception):
+                f.wrapped_future.cancel()
+        raise _lost(e) or e from None
+
+
+def _lost(e: Exception) -> WorkersLostError | None:
+    """A failure of the cluster (not of the task) as one line, or None."""
+    from distributed import CancelledError  # noqa: PLC0415 - only when workers are asked for
+    from distributed.comm.core import CommClosedError  # noqa: PLC0415
+    from distributed.scheduler import KilledWorker  # noqa: PLC0415
+
+    why = " ".join(str(e).split()) or type(e).__name__  # one line
+    if isinstance(e, KilledWorker):
+        return WorkersLostError(f"a task killed every worker that ran it ({why}; out of memory?); nothing was "
+                                "committed, run it again")
+    if isinstance(e, (CancelledError, CommClosedError)):
+        return WorkersLostError(f"lost the Dask scheduler ({type(e).__name__}: {why}); nothing was committed, "
+                                "run it again")
+    return None
