@@ -84,7 +84,7 @@ def _attempt_objects(root: str, step: int) -> tuple[dict[str, bytes], dict]:
     return objects, manifest
 
 
-@pytest.mark.parametrize("codec", ["sparse", "cond"])
+@pytest.mark.parametrize("codec", ["sparse", pytest.param("cond", marks=pytest.mark.slow)])
 def test_workers_store_what_one_process_stores(cluster, prefect_settings, tmp_path, codec):
     """In-process, and on 2 workers with groups of every size from one tensor up: the same objects
     byte for byte, the same manifests and policy digests; then a receive is bit-exact."""
@@ -196,6 +196,7 @@ def test_what_cannot_travel_is_refused_in_one_line(cluster, prefect_settings, tm
     assert parse_workers(0) is None and parse_workers("2") == 2 and parse_workers("dask://[::1]:8786") == "tcp://[::1]:8786"
 
 
+@pytest.mark.slow
 def test_cli_publishes_on_its_own_local_cluster(tmp_path):
     """``dcr publish --workers 2`` with no Prefect API configured: the CLI starts one local API
     and a LocalCluster of 2 processes; receivers get the bits."""
