@@ -120,6 +120,7 @@ def test_workers_store_what_one_process_stores(cluster, prefect_settings, tmp_pa
     assert_bits_equal(read_state(state), read_state(paths[-1]))
 
 
+@pytest.mark.slow
 @pytest.mark.faults(component="Dask workers", outcome="the group runs again on another worker; the step commits once, "
                     "bit-exact")
 def test_a_worker_killed_mid_group_has_its_group_run_again(cluster, client, prefect_settings, tmp_path):
