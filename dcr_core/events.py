@@ -39,7 +39,9 @@ POINTS = frozenset({
     # a rank of a sharded publish
     "publish.rank-partial-written",
     # a group of tensors of a mapped publish (flows.publish.groups), where its task runs
-    "publish.group-started", "publish.group-done",
+    "publish.group-started", "publish.group-done", "publish.group-baseline-rebuilt",
+    # a group of tensors of a receive rewriting its state on workers (flows.receive.on_workers), where its task runs
+    "receive.group-started", "receive.group-done",
     # receiver (state file)
     "receive.planned", "receive.leased", "receive.tensor-staged", "receive.staged",
     "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patch-written",

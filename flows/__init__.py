@@ -3,6 +3,7 @@
 The public API, importable from here (loaded on first use: Prefect and torch are slow to import)::
 
     from flows import publish_refit, receive_refit, gc_refit        # Prefect flows
+    from flows import materialize_refit, verify_refit               # (with workers=: on a Dask cluster)
     from flows import mirror_refit, run_mirror, receive_nearest     # a relay tree of ROOTs
     from flows import run_publish, run_receive, run_materialize     # the same pipelines, in-process
     from flows import follow_receive                                # follow ROOT (streaming with stream=True)
@@ -21,6 +22,8 @@ _PUBLIC = {
     "receive_refit": "flows.prefect_flows",
     "gc_refit": "flows.prefect_flows",
     "mirror_refit": "flows.prefect_flows",
+    "materialize_refit": "flows.prefect_flows",
+    "verify_refit": "flows.prefect_flows",
     "run_mirror": "flows.maintenance.mirror",
     "receive_nearest": "flows.receive.nearest",
     "PrefectRunner": "flows.prefect_flows",

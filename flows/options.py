@@ -100,6 +100,10 @@ class ReceiveOptions(_Options):
     lease_seconds: float = Field(
         3600.0, gt=0.0, description="how long gc keeps the steps a refit reads (its leases), at most",
     )
+    group_bytes: int | None = Field(
+        None, ge=1, description="materialize on workers (flows.workers): raw bytes of tensors per mapped task; None: "
+        "about a quarter of the model per worker thread, at least 64 MiB (dcr_core.batches)",
+    )
 
 
 class GcOptions(_Options):

@@ -1,4 +1,5 @@
-"""The Prefect flows: ``publish_refit``, ``receive_refit`` and ``gc_refit``.
+"""The Prefect flows: ``publish_refit``, ``receive_refit``, ``materialize_refit``, ``verify_refit``,
+``mirror_refit`` and ``gc_refit``.
 
 Each flow runs the same pipeline as the in-process form (``flows.publish.pipeline`` and friends)
 with ``PrefectRunner``: every step of the step table becomes a Prefect task, so the Prefect API
@@ -31,14 +32,15 @@ from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.runtime import flow_run, task_run
 
-from dcr_core.errors import DCRError
+from dcr_core.errors import DCRError, UsageError
 from flows import workers as cluster
+from flows.maintenance.audit import VerifyReport, verify
 from flows.maintenance.gc import GcReport, run_gc
 from flows.maintenance.mirror import run_mirror
 from flows.options import GcOptions, PublishOptions, ReceiveOptions
 from flows.publish.pipeline import run_publish
 from flows.receive.module_pipeline import receive_into_module
-from flows.receive.pipeline import run_receive
+from flows.receive.pipeline import run_materialize, run_receive
 from flows.receive.vllm_refit import refit_engine
 from flows.results import PublishResult, as_dict
 from flows.steps import Step
@@ -63,8 +65,13 @@ def _mapped_task(step: Step):
 
 
 def _mapped_name() -> str:
-    group = task_run.parameters.get("group")
-    return f"{task_run.task_name}-{getattr(group, 'index', '?')}"
+    """``encode-group-3`` (a group of tensors, numbered); ``verify-tensors-<first name>``,
+    ``copy-objects-<first key>`` (a batch, by its first item)."""
+    p = task_run.parameters
+    if p.get("group") is not None:
+        return f"{task_run.task_name}-{getattr(p['group'], 'index', '?')}"
+    first = (p.get("names") or p.get("keys") or ("?",))[0]
+    return f"{task_run.task_name}-{str(first)[-48:]}"
 
 
 class PrefectRunner:
@@ -114,6 +121,16 @@ def _mirror_name() -> str:
     return f"mirror-{'all' if p.get('step') is None else 'step-' + str(p['step'])}"
 
 
+def _materialize_name() -> str:
+    step = flow_run.parameters.get("step")
+    return f"materialize-{'latest' if step is None else 'step-' + str(step)}"
+
+
+def _verify_name() -> str:
+    step = flow_run.parameters.get("step")
+    return f"verify-{'all' if step is None else 'step-' + str(step)}"
+
+
 def _gc_name() -> str:
     options = flow_run.parameters["options"]
     keep = options.keep_last if isinstance(options, GcOptions) else options.get("keep_last")
@@ -145,16 +162,23 @@ def publish_refit(
 @flow(name="dcr-receive-refit", flow_run_name=_receive_name, log_prints=True, result_serializer="json", persist_result=True)
 def receive_refit(
     root: str | Path, receiver_id: str, target: Any, step: int | None = None, storage_options: dict | None = None,
-    options: ReceiveOptions | None = None, state_path: str | None = None,
+    options: ReceiveOptions | None = None, state_path: str | None = None, workers: int | str | None = None,
+    task_runner: Any = None,
 ) -> dict:
     """Bring ``target`` to ``step`` (default: the latest): a state file path (what deployments
     pass), a running vLLM engine started with DCR's worker extension (``state_path``: each worker's
-    mirror), or a live module with ``load_weights`` (``state_path``: its partial mirror)."""
+    mirror), or a live module with ``load_weights`` (``state_path``: its partial mirror).
+
+    ``workers`` or ``task_runner`` (a state file only): a refit that rewrites the file runs as tasks
+    mapped over groups of tensors on that Dask cluster (``flows.receive.on_workers``)."""
+    if (task_runner is not None or cluster.parse_workers(workers) is not None) and not isinstance(target, (str, Path)):
+        raise UsageError("workers rewrite a state file; a live module or an engine receives in its own process")
     run_tags = ("dcr", "dcr-receive", f"root:{root}", f"receiver:{receiver_id}")
     _tag_run(*run_tags)
-    with tags(*run_tags):
+    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
         if isinstance(target, (str, Path)):
-            result = as_dict(run_receive(str(root), receiver_id, target, step, storage_options, options, PrefectRunner()))
+            result = as_dict(run_receive(str(root), receiver_id, target, step, storage_options, options,
+                                         PrefectRunner(mapped_on)))
         elif callable(getattr(target, "collective_rpc", None)):
             result = refit_engine(target, str(root), receiver_id, step, storage_options, options, state_path, PrefectRunner())
         else:
@@ -164,17 +188,55 @@ def receive_refit(
     return result
 
 
+@flow(name="dcr-materialize", flow_run_name=_materialize_name, log_prints=True, result_serializer="json",
+      persist_result=True)
+def materialize_refit(
+    root: str | Path, step: int | None, out: str | Path, storage_options: dict | None = None,
+    options: ReceiveOptions | None = None, workers: int | str | None = None, task_runner: Any = None,
+) -> dict:
+    """Write the full checkpoint of committed ``step`` (default: the latest) to ``out``
+    (``dcr materialize``); with ``workers`` or ``task_runner``, as tasks mapped over groups of
+    tensors on that Dask cluster (``flows.receive.materialize``: the workers must see ``out``)."""
+    run_tags = ("dcr", "dcr-materialize", f"root:{root}")
+    _tag_run(*run_tags)
+    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
+        result = as_dict(run_materialize(str(root), step, str(out), storage_options, options, PrefectRunner(mapped_on)))
+    get_run_logger().info("wrote step %d to %s (%d bytes pulled)", result["step"], out, result["bytes_pulled"])
+    return result
+
+
+@flow(name="dcr-verify", flow_run_name=_verify_name, log_prints=True, result_serializer="json", persist_result=True)
+def verify_refit(
+    root: str | Path, step: int | None = None, deep: bool = False, storage_options: dict | None = None,
+    io_workers: int = 8, workers: int | str | None = None, task_runner: Any = None, group_bytes: int | None = None,
+) -> dict:
+    """Re-read the stored chunks of ``step`` (default: every committed step) and check them against
+    their digests (``dcr verify``; ``deep``: deltas replayed too); with ``workers`` or
+    ``task_runner``, each step's tensors are checked in groups on that Dask cluster. Returns the
+    report: a failed check is in ``errors``, not raised."""
+    run_tags = ("dcr", "dcr-verify", f"root:{root}")
+    _tag_run(*run_tags)
+    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
+        report = verify(open_root(str(root), storage_options or {}), step, deep, io_workers,
+                        PrefectRunner(mapped_on), group_bytes)
+    _best_effort(_report_verify, report)
+    return asdict(report)
+
+
 @flow(name="dcr-mirror", flow_run_name=_mirror_name, log_prints=True, result_serializer="json", persist_result=True)
 def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_options: dict | None = None,
                  dst_storage_options: dict | None = None, as_id: str | None = None,
-                 io_workers: int = 8) -> dict:
+                 io_workers: int = 8, workers: int | str | None = None, task_runner: Any = None,
+                 group_bytes: int | None = None) -> dict:
     """Copy committed steps (``step``, or all newer than ``dst``'s newest) from ROOT ``src`` to ROOT
-    ``dst`` (``dcr mirror``); ``as_id``: registered in ``src`` as a receiver (gc there keeps what it needs)."""
+    ``dst`` (``dcr mirror``); ``as_id``: registered in ``src`` as a receiver (gc there keeps what it needs).
+    With ``workers`` or ``task_runner``, each step's objects are copied by tasks mapped over batches
+    on that Dask cluster (the marker last, by the flow)."""
     run_tags = ("dcr", "dcr-mirror", f"root:{src}", f"mirror:{dst}")
     _tag_run(*run_tags)
-    with tags(*run_tags):
-        result = run_mirror(str(src), str(dst), step, src_storage_options, dst_storage_options, PrefectRunner(),
-                            as_id=as_id, io_workers=io_workers)
+    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
+        result = run_mirror(str(src), str(dst), step, src_storage_options, dst_storage_options,
+                            PrefectRunner(mapped_on), as_id=as_id, io_workers=io_workers, group_bytes=group_bytes)
     get_run_logger().info("mirrored steps %s to %s (%d objects, %d bytes); already there: %d", result.copied_steps, dst,
                           result.objects_copied, result.bytes_copied, len(result.present_steps))
     return asdict(result)
@@ -263,6 +325,19 @@ def _report_receive(root: str, storage_options: dict | None, receiver_id: str, r
           "seconds": round(sum(r["timings"].values()), 3)},
          *({"receiver": f"task {name}", "seconds": round(t, 3)} for name, t in r["timings"].items())],
         key=f"dcr-receive-{_slug(receiver_id)}", description=f"receiver {receiver_id} at step {r['step']}",
+    )
+
+
+def _report_verify(report: VerifyReport) -> None:
+    get_run_logger().info("verify %s: %d steps, %d chunks, %d bytes checked, %d errors",
+                          "FAILED" if report.errors else "ok", len(report.steps), report.chunks, report.bytes,
+                          len(report.errors))
+    create_table_artifact(
+        [{"steps": ", ".join(map(str, report.steps)) or "-", "chunks": report.chunks, "bytes": report.bytes,
+          "deep": report.deep, "replayed": ", ".join(map(str, report.replayed)) or "-",
+          "errors": len(report.errors)},
+         *({"steps": "error", "chunks": e} for e in report.errors)],
+        key="dcr-verify", description="what verify checked" + (" (FAILED)" if report.errors else ""),
     )
 
 

@@ -1,10 +1,14 @@
 """Imported by each Dask worker process as it starts (``dask worker --preload flows.worker_setup``;
 ``--workers N`` preloads it on its LocalCluster): what a mapped DCR task needs (Prefect's task
-engine, the encoder and its codecs) is imported once per worker then, not inside the first task
-each worker runs (about 2 s here, which would otherwise land in the middle of a publish)."""
+engine, the encoder and its codecs, the receiver's and the maintenance tasks) is imported once per
+worker then, not inside the first task each worker runs (about 2 s here, which would otherwise land
+in the middle of a publish)."""
 
 from __future__ import annotations
 
 import prefect.task_engine  # noqa: F401 - imported for its side effect: loaded before the first task
 
-import flows.publish.encode  # noqa: F401
+import flows.maintenance.audit
+import flows.maintenance.mirror
+import flows.publish.encode
+import flows.receive.on_workers  # noqa: F401

@@ -2,10 +2,11 @@
 worker processes on this machine (``--workers N``), or on an existing Dask cluster
 (``--workers dask://HOST:PORT``), through prefect-dask's ``DaskTaskRunner``.
 
-Only mapped steps travel (a publish's ``encode-group`` tasks, ``flows.publish.groups``); the other
-steps of a flow run in its own process, as without workers. A mapped task takes references only
-(the ROOT, a checkpoint path, the plan, its group) and returns its manifest entries; what it reads
-it reads where it runs. Retries belong to Dask: a task whose worker dies (kill -9, out of memory)
+Only mapped steps travel: a publish's ``encode-group`` (``flows.publish.groups``), a rewriting
+receive's or a materialize's ``rewrite-group`` (``flows.receive.on_workers``), verify's
+``verify-tensors`` and mirror's ``copy-objects``; the other steps of a flow run in its own
+process, as without workers. A mapped task takes references only (a ROOT, file paths, the plan, its
+group) and returns small results (manifest entries, counts); what it reads it reads where it runs. Retries belong to Dask: a task whose worker dies (kill -9, out of memory)
 is run again on another worker, up to the scheduler's ``allowed-failures``; since a group's output
 is a function of its input and every object write is atomic, a task run twice stores the same
 bytes. Losing the scheduler fails the flow before anything is committed (the manifest and the
@@ -17,14 +18,20 @@ prefect-dask and distributed are imported only when workers are asked for.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from dcr_core.errors import DCRError, UsageError
+from storage.root import RootRef
 
 WorkersSpec = int | str | None
 PRELOAD = "flows.worker_setup"  # imported by every worker as it starts (``dask worker --preload``)
+# The workers of a LocalCluster print to this command's terminal: Prefect's per-task INFO lines stay
+# off it (they still reach the Prefect API); the command prints its own result.
+QUIET_WORKERS = {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"}
 _ADDRESS = re.compile(r"^dask://([^\s/:]+|\[[0-9a-fA-F:.]+\]):(\d{1,5})$")
 
 
@@ -64,7 +71,7 @@ def task_runner_for(spec: WorkersSpec):
     if isinstance(target, int):  # one thread per process: a task uses threads of its own
         return DaskTaskRunner(cluster_class="distributed.LocalCluster", cluster_kwargs={
             "n_workers": target, "threads_per_worker": 1, "processes": True, "host": "127.0.0.1",
-            "dashboard_address": None, "preload": [PRELOAD]})
+            "dashboard_address": None, "preload": [PRELOAD], "env": QUIET_WORKERS})
     return DaskTaskRunner(address=target)
 
 
@@ -80,6 +87,14 @@ def entered(workers: WorkersSpec = None, task_runner: Any = None) -> Iterator[An
         return
     with runner:
         yield runner
+
+
+def portable_root(ref: RootRef) -> RootRef:
+    """``ref`` as a task in another process opens it: a local path made absolute. A ``memory://``
+    ROOT lives in one process: ``UsageError``."""
+    if ref.url.startswith("memory://"):
+        raise UsageError(f"{ref.url}: a memory:// ROOT lives in one process; workers cannot reach it")
+    return ref if "://" in ref.url else dataclasses.replace(ref, url=os.path.abspath(ref.url))
 
 
 def slots(task_runner) -> int:

@@ -178,16 +178,17 @@ def result_mismatch(step: int, name: str) -> StateMismatchError:
 
 def refit_tensors(
     root: Root, plan: RefitPlan, ms: dict[int, Manifest], held: Callable[[str], np.ndarray] | None,
-    workers: int = 8, where: str = "state",
+    workers: int = 8, where: str = "state", names: Iterable[str] | None = None,
 ) -> Iterator[tuple[str, np.ndarray, int]]:
-    """Yield ``(name, bits, bytes pulled)`` of every target tensor, in name order, verified.
+    """Yield ``(name, bits, bytes pulled)`` of every target tensor (or of ``names`` only: a mapped
+    task's group), in name order, verified.
 
     ``held(name)`` gives the held bits of a tensor (a private, writable copy) unless the plan starts
     from a keyframe; they are checked against the held step's digest before anything is applied.
     Memory: one tensor plus the fetch window."""
     target = ms[plan.target_step]
     check_moves(plan, ms)
-    names = sorted(target.tensors)
+    names = sorted(target.tensors if names is None else names)
     chosen, tables = move_tables(plan, ms)
     forwards = move_forwards(plan)
     held_m = None if plan.from_keyframe or plan.current_step is None else ms[plan.current_step]

@@ -1,5 +1,5 @@
 """The commands that only read the bucket: ``dcr ls``, ``dcr show``, ``dcr status``, ``dcr verify``.
-None of them imports torch, Prefect or pydantic (``dcr gc``, with typed options and an orchestrator,
+None of them imports torch, Prefect or pydantic (but ``dcr verify --workers``, a Prefect flow; ``dcr gc``, with typed options and an orchestrator,
 is ``flows.cli.gc``)."""
 
 from __future__ import annotations
@@ -8,10 +8,11 @@ import sys
 from dataclasses import asdict
 
 from dcr_core.errors import IntegrityError
-from flows.cli.common import add_common, say, step_arg, storage_options
+from flows.cli.common import add_common, add_workers, say, step_arg, storage_options
 from flows.cli.progress import shown
-from flows.maintenance.audit import format_rows, list_steps, verify
+from flows.maintenance.audit import VerifyReport, format_rows, list_steps, verify
 from flows.maintenance.inspect import format_history, format_status, format_step, receiver_history, receiver_status, show_step
+from flows.workers import parse_workers
 from storage import layout
 from storage.root import open_root
 
@@ -27,6 +28,7 @@ def add_arguments(name: str, p) -> None:
     elif name == "verify":
         p.add_argument("--step", type=step_arg, default=None, metavar="N", help="verify only step N (default: every committed step)")
         p.add_argument("--deep", action="store_true", help="also replay every delta from its restart point and check tensor digests")
+        add_workers(p, "check each step's tensors")
 
 
 def run(name: str, args) -> int:
@@ -50,7 +52,13 @@ def run(name: str, args) -> int:
         return 0
     if name == "verify":
         with shown(args, "verify"):
-            report = verify(open_root(args.root, so), args.step, deep=args.deep, workers=args.io_workers)
+            if parse_workers(args.workers) is not None:
+                from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
+
+                report = VerifyReport(**run_flow(args, "verify_refit", args.root, args.step, args.deep, so,
+                                                 args.io_workers, workers=args.workers))
+            else:
+                report = verify(open_root(args.root, so), args.step, deep=args.deep, workers=args.io_workers)
         for err in report.errors:
             print(f"dcr: verify: {err}", file=sys.stderr)
         status = "FAILED" if report.errors else "ok"

@@ -27,6 +27,16 @@ def add_common(p: argparse.ArgumentParser, orchestrated: bool = False) -> None:
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
 
 
+def add_workers(p: argparse.ArgumentParser, what: str) -> None:
+    """``--workers N|dask://HOST:PORT`` (``flows.workers``): ``what`` runs as Prefect tasks mapped on a Dask cluster."""
+    p.add_argument(
+        "--workers", default=None, metavar="N|dask://HOST:PORT",
+        help=f"{what} on a Dask cluster, as Prefect tasks mapped over groups: N worker processes on this machine (a "
+        "LocalCluster on 127.0.0.1), or the scheduler at dask://HOST:PORT (its workers must reach what the command "
+        "reads and writes, and PREFECT_API_URL); runs the command as a Prefect flow. Default: in this process",
+    )
+
+
 def step_arg(text: str) -> int:
     try:
         value = int(text)

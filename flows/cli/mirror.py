@@ -7,11 +7,12 @@ import time
 from dataclasses import asdict
 
 from dcr_core.errors import UsageError
-from flows.cli.common import add_common, say, step_arg, storage_options
-from flows.maintenance.mirror import run_mirror
+from flows.cli.common import add_common, add_workers, say, step_arg, storage_options
+from flows.maintenance.mirror import MirrorResult, run_mirror
 from flows.maintenance.mirror_stream import Forwarder
 from flows.receive.follow import worth_retrying
 from flows.streaming import Streaming
+from flows.workers import parse_workers
 from storage.catalog import Catalog
 from storage.root import RootRef, open_root, parse_storage_options
 
@@ -31,6 +32,7 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--stream", action="store_true",
                    help="with --follow: forward each step's chunks downstream while it is published upstream (and "
                    "its stream indexes, so DST's followers stream too); the marker still follows the upstream commit")
+    add_workers(p, "copy each step's objects")
 
 
 def run(name: str, args) -> int:
@@ -38,6 +40,10 @@ def run(name: str, args) -> int:
         raise UsageError("--follow mirrors every new step; it takes no --step")
     if args.stream and not args.follow:
         raise UsageError("--stream works with --follow (it forwards the step being published upstream)")
+    workers = parse_workers(args.workers)
+    if workers is not None and args.follow:
+        raise UsageError("--workers copies one round of steps (a Prefect flow on a Dask cluster); it does not "
+                         "--follow yet: run it again, or follow without --workers")
     src_opts = storage_options(args)
     dst_opts = parse_storage_options(args.dst_storage_option)
     dst = RootRef(args.dst, dst_opts)
@@ -48,8 +54,14 @@ def run(name: str, args) -> int:
     backoff = args.interval
     while True:
         try:
-            r = run_mirror(args.root, args.dst, args.step, src_opts, dst_opts, as_id=args.as_id,
-                           io_workers=args.io_workers)
+            if workers is not None:
+                from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
+
+                r = MirrorResult(**run_flow(args, "mirror_refit", args.root, args.dst, args.step, src_opts, dst_opts,
+                                            args.as_id, args.io_workers, workers=args.workers))
+            else:
+                r = run_mirror(args.root, args.dst, args.step, src_opts, dst_opts, as_id=args.as_id,
+                               io_workers=args.io_workers)
             if stream is not None:
                 stream.done(max(r.copied_steps + r.present_steps))
         except Exception as e:

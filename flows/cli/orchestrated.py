@@ -16,8 +16,9 @@ import sys
 from collections.abc import Iterator
 
 from prefect.client.orchestration import get_client
-from prefect.logging.handlers import PrefectConsoleHandler
-from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL, temporary_settings
+from prefect.events.worker import EventsWorker
+from prefect.logging.handlers import APILogWorker, PrefectConsoleHandler
+from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_UI_URL, temporary_settings
 
 from flows import prefect_flows
 
@@ -39,20 +40,26 @@ def mute_prefect_console() -> None:
 
 
 @contextlib.contextmanager
-def _api_for_workers(workers) -> Iterator[None]:
+def _api_for_workers(workers) -> Iterator[bool]:
     """With workers and no ``PREFECT_API_URL``: one local API server for the flow and its Dask
     workers (they take the flow's settings; without a URL each worker process would start a
-    temporary server of its own). Else nothing changes."""
+    temporary server of its own); yields whether it started one. Else nothing changes."""
     if workers is None or PREFECT_API_URL.value():
-        yield
+        yield False
         return
     from prefect.server.api.server import SubprocessASGIServer  # noqa: PLC0415 - 1.3 s to import: only here
 
     server = SubprocessASGIServer()
-    server.start()
+    with temporary_settings({PREFECT_SERVER_ANALYTICS_ENABLED: False}):  # no telemetry from a throwaway server
+        server.start()
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url}):
-            yield
+            try:
+                yield True
+            finally:  # what the run logged and emitted goes out while its server is up: at exit, Prefect would
+                # retry sending it to the stopped server for over a minute
+                APILogWorker.drain_all(timeout=10)
+                EventsWorker.drain_all(timeout=10)
     finally:
         server.stop()
 
@@ -62,17 +69,21 @@ def run_flow(args, name: str, *params, **kw):
     or its exception re-raised."""
     mute_prefect_console()
     if kw.get("workers") is not None:  # the scheduler of a LocalCluster runs here: its INFO lines are not ours
+        import distributed  # noqa: F401, PLC0415 - only with workers; importing it sets its loggers' levels
+
         logging.getLogger("distributed").setLevel(logging.WARNING)
-    with _api_for_workers(kw.get("workers")):
-        return _run_flow(args, name, params, kw)
+    with _api_for_workers(kw.get("workers")) as temporary:
+        return _run_flow(args, name, params, kw, temporary)
 
 
-def _run_flow(args, name: str, params: tuple, kw: dict):
+def _run_flow(args, name: str, params: tuple, kw: dict, temporary: bool = False):
     state = getattr(prefect_flows, name)(*params, **kw, return_state=True)
     run_id = state.state_details.flow_run_id
     if not args.quiet:
         ui = PREFECT_UI_URL.value()
         where = f"{ui.rstrip('/')}/runs/flow-run/{run_id}" if ui else str(run_id)
+        if temporary:  # its server stops with this command: no page to link to
+            where = f"{run_id} (on a temporary local API: set PREFECT_API_URL to keep the runs)"
         try:
             with get_client(sync_client=True) as client:
                 name = client.read_flow_run(run_id).name

@@ -7,7 +7,7 @@ from dataclasses import asdict
 
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
-from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.cli.common import add_common, add_workers, say, step_arg, storage_options, use_prefect
 from flows.cli.progress import shown
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish.kinds import sharded_kind, sharded_sources
@@ -41,12 +41,7 @@ def add_arguments(name: str, p) -> None:
         help="keyframe policy: make this step a restart point once the stored delta bytes since the lineage's "
         "keyframe exceed F times the full size (e.g. 0.5)",
     )
-    p.add_argument(
-        "--workers", default=None, metavar="N|dask://HOST:PORT",
-        help="encode on a Dask cluster, as Prefect tasks mapped over groups of tensors: N worker processes on this "
-        "machine (a LocalCluster on 127.0.0.1), or the scheduler at dask://HOST:PORT (its workers must reach ROOT, "
-        "CHECKPOINT and PREFECT_API_URL); runs the publish as a Prefect flow. Default: in this process",
-    )
+    add_workers(p, "encode (the workers read CHECKPOINT)")
     p.add_argument(
         "--codec", choices=tuple(DELTA_CODECS), default="sparse",
         help="delta codec: sparse (default, near the entropy bound; stock zarr reads it with this package "

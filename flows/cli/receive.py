@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from dcr_core.errors import UsageError
-from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.cli.common import add_common, add_workers, say, step_arg, storage_options, use_prefect
 from flows.cli.progress import shown
 from flows.options import ReceiveOptions
 from flows.receive.follow import follow
@@ -13,6 +13,7 @@ from flows.receive.nearest import receive_nearest
 from flows.receive.pipeline import run_materialize, run_receive
 from flows.results import as_dict
 from flows.streaming import Streaming
+from flows.workers import parse_workers
 from storage.root import RootRef, parse_storage_options
 
 
@@ -21,6 +22,7 @@ def add_arguments(name: str, p) -> None:
         add_common(p)
         p.add_argument("--step", type=step_arg, default=None, metavar="N", help="default: the latest committed step")
         p.add_argument("--out", required=True, metavar="PATH", help="the .safetensors file to write")
+        add_workers(p, "rebuild the tensors (the workers must see PATH's directory)")
         return
     add_common(p, orchestrated=True)
     p.add_argument("--receiver", required=True, metavar="ID",
@@ -43,6 +45,7 @@ def add_arguments(name: str, p) -> None:
                    help="with --stream: stored bytes of prefetched chunks held at once, in MiB (default 2048)")
     p.add_argument("--lease-seconds", type=float, default=3600.0,
                    help="how long dcr gc keeps the steps a refit reads, at most (default 3600; released when done)")
+    add_workers(p, "rewrite the state file (the workers must see PATH's directory; not with --in-place, --follow)")
     p.add_argument(
         "--in-place", action="store_true",
         help="patch the state file in place (a journal; writes only the changed elements) instead of "
@@ -53,13 +56,24 @@ def add_arguments(name: str, p) -> None:
 def run(name: str, args) -> int:
     so = storage_options(args)
     if name == "materialize":
+        options = ReceiveOptions(io_workers=args.io_workers)
         with shown(args, "materialize"):
-            res = as_dict(run_materialize(args.root, args.step, args.out, so, ReceiveOptions(io_workers=args.io_workers)))
+            if parse_workers(args.workers) is not None:
+                from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
+
+                res = run_flow(args, "materialize_refit", args.root, args.step, args.out, so, options,
+                               workers=args.workers)
+            else:
+                res = as_dict(run_materialize(args.root, args.step, args.out, so, options))
         say(args, f"wrote step {res['step']} to {args.out}", res)
         return 0
     options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place, lease_seconds=args.lease_seconds)
+    workers = parse_workers(args.workers)
+    if workers is not None and (args.follow or args.in_place):
+        raise UsageError("--workers rewrites the state file once (a Prefect flow on a Dask cluster); not with "
+                         f"{'--follow' if args.follow else '--in-place'}")
     if args.fallback_root:
-        if args.follow or use_prefect(args):
+        if args.follow or use_prefect(args) or workers is not None:
             raise UsageError("--fallback-root works with one-shot, in-process receives (not with --follow or Prefect yet)")
         fallback_opts = parse_storage_options(args.fallback_storage_option)
         roots = [RootRef(args.root, so), *(RootRef(r, fallback_opts) for r in args.fallback_root)]
@@ -72,11 +86,12 @@ def run(name: str, args) -> int:
         how = ", ".join(res["moves"]) or "already there"
         say(args, f"receiver {args.receiver} at step {res['step']} ({how}; pulled {res['bytes_pulled']} bytes)", res)
         return 0
-    if use_prefect(args):
+    if use_prefect(args) or workers is not None:
         from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
 
         def receive_now(step):
-            return run_flow(args, "receive_refit", args.root, args.receiver, args.state, step, so, options)
+            return run_flow(args, "receive_refit", args.root, args.receiver, args.state, step, so, options,
+                            workers=args.workers)
     else:
         def receive_now(step):
             return as_dict(run_receive(args.root, args.receiver, args.state, step, so, options))

@@ -5,12 +5,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dcr_core import events
+from dcr_core.batches import byte_batches, target_bytes
 from dcr_core.chain import DELTA, Direction, Move
 from dcr_core.errors import DCRError, IntegrityError
+from flows.steps import InProcess, Runner, Step, StepTable
+from flows.workers import portable_root
 from storage import layout, reader
 from storage.catalog import Catalog
 from storage.chunk_io import stream_chunks
-from storage.root import Root
+from storage.root import Root, RootRef, open_root
 
 
 @dataclass
@@ -102,11 +105,52 @@ class VerifyReport:
     replayed: list[int] = field(default_factory=list)  # deltas replayed from their restart point (deep)
 
 
-def _replay(root: Root, plan: reader.RefitPlan, workers: int) -> None:
-    """Apply the plan tensor by tensor, checking every chunk and every result (nothing kept)."""
+def _replay(root: Root, plan: reader.RefitPlan, workers: int, names=None) -> None:
+    """Apply the plan tensor by tensor (``names`` only, if given), checking every chunk and every
+    result (nothing kept)."""
     ms = reader.manifests(plan, root)
-    for _ in reader.refit_tensors(root, plan, ms, None, workers):
+    for _ in reader.refit_tensors(root, plan, ms, None, workers, names=names):
         pass
+
+
+def verify_tensors(root: RootRef, step: int, names: tuple[str, ...] | None = None, deep: bool = False,
+                   io_workers: int = 8) -> dict:
+    """Check committed step ``step``'s stored chunks of ``names`` (default: every tensor): a delta's
+    own chunks read and checked against their digests, a restart point rebuilt and checked tensor
+    by tensor, and with ``deep`` a delta replayed from its restart point. A task: it returns what
+    it checked and the errors it found (``chunks``, ``bytes``, ``errors``, ``replayed``), and
+    raises nothing for the data's faults."""
+    out: dict = {"chunks": 0, "bytes": 0, "errors": [], "replayed": False}
+    r = open_root(root)
+    try:
+        cat = Catalog(r)
+        marker = cat.require_marker(step)
+        m = cat.manifest(step)
+        chosen = sorted(m.tensors if names is None else names)
+        restart = m.restart_entries()
+        if m.kind == DELTA:  # the delta's own chunks (a keyframe's are read by its rebuild below)
+            entries = [m.tensors[n] for n in chosen]
+            for _ in stream_chunks(r, ((m, e, pos) for e in entries for pos in range(e.n_stored)), io_workers):
+                pass
+            out["chunks"] += sum(e.n_stored for e in entries)
+            out["bytes"] += sum(e.stored_bytes for e in entries)
+        if restart is not None:
+            ref = reader.StepRef(step, marker.attempt, marker.manifest_digest)
+            plan = reader.RefitPlan(r.ref, step, None, (Move(step, Direction.KEYFRAME),), {step: ref})
+            _replay(r, plan, io_workers, chosen)
+            out["chunks"] += sum(restart[n].n_stored for n in chosen)
+            out["bytes"] += sum(restart[n].stored_bytes for n in chosen)
+        if deep and m.kind == DELTA:
+            _replay(r, reader.plan_refit(r, None, step), io_workers, chosen)
+            out["replayed"] = True
+    except DCRError as e:
+        out["errors"].append(str(e))
+    except Exception as e:  # noqa: BLE001 - an unreadable object is a verification failure too
+        out["errors"].append(f"step {step}: {type(e).__name__}: {e}")
+    return out
+
+
+VERIFY_STEPS = StepTable(Step("verify-tensors", verify_tensors))
 
 
 def _rebuilt_bytes(cat: Catalog, steps: list[int], deep: bool) -> int:
@@ -125,44 +169,44 @@ def _rebuilt_bytes(cat: Catalog, steps: list[int], deep: bool) -> int:
     return total
 
 
-def verify(root: Root, step: int | None = None, deep: bool = False, workers: int = 8) -> VerifyReport:
+def verify(root: Root, step: int | None = None, deep: bool = False, workers: int = 8,
+           runner: Runner | None = None, group_bytes: int | None = None) -> VerifyReport:
     """Re-read every stored chunk of the chosen steps and check it against its manifest.
 
     Restart points (keyframes, and deltas' full snapshots) are rebuilt and checked tensor by tensor.
     With ``deep``, every delta is replayed from its restart point and checked against its tensor
-    digests. Streamed: memory is one tensor plus the read window, whatever the model's size."""
+    digests. Streamed: memory is one tensor plus the read window, whatever the model's size.
+    ``workers``: objects read at once. With a runner that maps (``flows.workers``), each step's
+    tensors are checked as groups of about ``group_bytes`` raw bytes (default:
+    ``dcr_core.batches.target_bytes``) on its workers."""
     cat = Catalog(root)
+    tasks = VERIFY_STEPS.bind(runner or InProcess())
     report = VerifyReport(deep=deep)
     steps = [step] if step is not None else cat.committed_steps()
+    ref = portable_root(root.ref) if tasks.mapped else root.ref
     if events.listened():  # a progress bar: its total costs reading every manifest first
         events.reached("work.planned", what="verify", nbytes=_rebuilt_bytes(cat, steps, deep))
     for s in steps:
-        try:
-            marker = cat.require_marker(s)
-            m = cat.manifest(s)
-            restart = m.restart_entries()
-            if m.kind == DELTA:  # the delta's own chunks (a keyframe's are read by its rebuild below)
-                jobs = ((m, e, pos) for e in m.tensors.values() for pos in range(e.n_stored))
-                for _ in stream_chunks(root, jobs, workers):
-                    pass
-                report.chunks += sum(e.n_stored for e in m.tensors.values())
-                report.bytes += sum(e.stored_bytes for e in m.tensors.values())
-            if restart is not None:
-                ref = reader.StepRef(s, marker.attempt, marker.manifest_digest)
-                plan = reader.RefitPlan(root.ref, s, None, (Move(s, Direction.KEYFRAME),), {s: ref})
-                _replay(root, plan, workers)
-                report.chunks += sum(e.n_stored for e in restart.values())
-                report.bytes += sum(e.stored_bytes for e in restart.values())
-            if deep and m.kind == DELTA:
-                _replay(root, reader.plan_refit(root, None, s), workers)
-                report.replayed.append(s)
-        except DCRError as e:
-            report.errors.append(str(e))
-        except Exception as e:  # noqa: BLE001 - an unreadable object is a verification failure too
-            report.errors.append(f"step {s}: {type(e).__name__}: {e}")
+        if tasks.mapped:
+            try:
+                m = cat.manifest(s)
+            except DCRError as e:
+                report.errors.append(str(e))
+                report.steps.append(s)
+                continue
+            runs = byte_batches(((n, e.nbytes) for n, e in sorted(m.tensors.items())),
+                                group_bytes or target_bytes(sum(e.nbytes for e in m.tensors.values()), tasks.slots))
+            parts = tasks.map("verify_tensors", [{"names": tuple(r)} for r in runs], root=ref, step=s, deep=deep,
+                              io_workers=workers)
+        else:
+            parts = [tasks.verify_tensors(ref, s, None, deep, workers)]
+        for part in parts:
+            report.chunks += part["chunks"]
+            report.bytes += part["bytes"]
+            report.errors += part["errors"]
+        if parts and all(p["replayed"] for p in parts):
+            report.replayed.append(s)
         report.steps.append(s)
     if step is not None and not report.steps:
         raise IntegrityError(f"{root.url}: nothing to verify")
     return report
-
-

@@ -24,7 +24,8 @@ copy that the next gc deletes again. A crash anywhere before 4 leaves the step i
 downstream (no marker); a rerun copies what is missing and commits. Receivers verify everything
 they pull from a mirror against the origin's signature and digests, as from the origin.
 ``mirror_refit`` is the Prefect flow (``plan-mirror``, one ``copy-step`` task per step; the
-``mirror`` deployment of ``infra/prefect.yaml``). Forwarding an attempt while it is written
+``mirror`` deployment of ``infra/prefect.yaml``); with workers (``flows.workers``) a step's objects
+are copied by ``copy-objects`` tasks mapped over runs of them, and the marker by the flow. Forwarding an attempt while it is written
 upstream (``dcr mirror --follow --stream``) is ``flows.maintenance.mirror_stream``.
 """
 
@@ -34,8 +35,10 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from dcr_core import events
+from dcr_core.batches import byte_batches, target_bytes
 from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError, UsageError
-from flows.steps import InProcess, Runner, Step, StepTable
+from flows.steps import Bound, InProcess, Runner, Step, StepTable
+from flows.workers import portable_root
 from storage import layout, leases
 from storage.catalog import Catalog
 from storage.chunk_io import BoundedPool
@@ -66,11 +69,39 @@ def _copy_run(src: Root, dst: Root) -> None:
                                 "(give it an empty ROOT)")
 
 
+@dataclass(frozen=True)
+class MirrorJob:
+    """A committed step of SRC to copy to DST: its attempt, its marker's identity, and the objects
+    of the attempt DST lacks (keys and sizes)."""
+
+    step: int
+    attempt: str
+    manifest_digest: str
+    signature: str | None
+    todo: tuple[tuple[str, int], ...]
+
+
 def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None,
                 io_workers: int = 8) -> None:
     """Copy committed step ``step`` of ``src`` to ``dst`` (see the module docstring); a step already
     committed downstream is only checked (same attempt). ``as_id``: the mirror is also a receiver
     of ``src`` by that id and leases the step while copying it."""
+    job = open_step(src, dst, step, result, as_id)
+    if job is None:
+        return
+    try:
+        objects, nbytes = copy_objects(src, dst, [k for k, _ in job.todo], io_workers)
+        result.objects_copied += objects
+        result.bytes_copied += nbytes
+        commit_step(src, dst, job, result)
+    finally:
+        close_step(src, job, as_id)
+
+
+def open_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None) -> MirrorJob | None:
+    """Check upstream's marker, lease the step for ``as_id``, check the manifest, copy ``run.json``
+    if needed and list what to copy; None (and the step noted present) when DST already committed
+    the same attempt. Whoever gets a job releases it (``close_step``)."""
     scat = Catalog(src)
     marker = scat.require_marker(step)
     present = Catalog(dst).marker(step)
@@ -79,28 +110,30 @@ def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: st
             raise StepConflictError(f"{dst.url}: step {step} holds attempt {present.attempt}, upstream committed "
                                     f"{marker.attempt}; a mirror never replaces a committed step")
         result.present_steps.append(step)
-        return
+        return None
     if as_id is not None:
         leases.take(src, as_id, [step], step, LEASE_SECONDS)
     try:
-        _copy_step(src, dst, scat, marker, step, result, io_workers)
-    finally:
+        scat.manifest(step)  # read and checked against the marker's digest
+        _copy_run(src, dst)
+        prefix = layout.attempt_dir(step, marker.attempt)
+        have = {o.key: o.size for o in dst.objects(prefix)}
+        todo = tuple((o.key, o.size) for o in src.objects(prefix) if have.get(o.key) != o.size)
+    except BaseException:
         if as_id is not None:
             leases.release(src, as_id, [step])
+        raise
+    return MirrorJob(step, marker.attempt, marker.manifest_digest, marker.signature, todo)
 
 
-def _copy_step(src: Root, dst: Root, scat: Catalog, marker: CommitMarker, step: int, result: MirrorResult,
-               io_workers: int = 8) -> None:
-    scat.manifest(step)  # read and checked against the marker's digest
-    raw = src.read(layout.commit_key(step))
-    copied = CommitMarker.from_json(raw, f"{src.url}/{layout.commit_key(step)}", step)
-    if (copied.attempt, copied.manifest_digest, copied.signature) != (marker.attempt, marker.manifest_digest,
-                                                                      marker.signature):
-        raise IntegrityError(f"{src.url}/{layout.commit_key(step)}: changed while it was mirrored")
-    _copy_run(src, dst)
-    prefix = layout.attempt_dir(step, marker.attempt)
-    have = {o.key: o.size for o in dst.objects(prefix)}
-    todo = [obj.key for obj in src.objects(prefix) if have.get(obj.key) != obj.size]
+def close_step(src: Root, job: MirrorJob, as_id: str | None = None) -> None:
+    """Release the lease ``open_step`` took for ``as_id`` (copied or not)."""
+    if as_id is not None:
+        leases.release(src, as_id, [job.step])
+
+
+def copy_objects(src: Root, dst: Root, keys: list[str], io_workers: int = 8) -> tuple[int, int]:
+    """Copy ``keys`` byte for byte, ``io_workers`` at a time: (objects, bytes) copied."""
 
     def copy(key: str) -> int:
         data = src.read(key)
@@ -109,14 +142,22 @@ def _copy_step(src: Root, dst: Root, scat: Catalog, marker: CommitMarker, step: 
         return len(data)
 
     with BoundedPool(io_workers, name="dcr-mirror") as pool:
-        futures = [pool.submit(copy, key) for key in todo]
-        for f in futures:  # every object is there before the marker is written
-            result.objects_copied += 1
-            result.bytes_copied += f.result()
+        futures = [pool.submit(copy, key) for key in keys]
+        sizes = [f.result() for f in futures]  # every object is there before the marker is written
+    return len(sizes), sum(sizes)
+
+
+def commit_step(src: Root, dst: Root, job: MirrorJob, result: MirrorResult) -> None:
+    """Copy the marker last, byte for byte, after checking it still names the attempt copied."""
+    step = job.step
     events.reached("mirror.payload-copied", step=step)
+    raw = src.read(layout.commit_key(step))
+    copied = CommitMarker.from_json(raw, f"{src.url}/{layout.commit_key(step)}", step)
+    if (copied.attempt, copied.manifest_digest, copied.signature) != (job.attempt, job.manifest_digest, job.signature):
+        raise IntegrityError(f"{src.url}/{layout.commit_key(step)}: changed while it was mirrored")
     if not dst.create_if_absent(layout.commit_key(step), raw):
         winner = Catalog(dst).marker(step)
-        if winner is None or winner.attempt != marker.attempt:
+        if winner is None or winner.attempt != job.attempt:
             raise StepConflictError(f"{dst.url}: step {step} was committed by someone else while it was mirrored")
     events.reached("mirror.committed", step=step)
     result.copied_steps.append(step)
@@ -156,25 +197,56 @@ def copy_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = None, i
     return asdict(result)
 
 
+def open_mirror_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = None) -> MirrorJob | None:
+    """``open_step`` as a task (on workers: the flow maps ``copy_object_batch`` over its objects)."""
+    return open_step(open_root(src), open_root(dst), step, MirrorResult(), as_id)
+
+
+def copy_object_batch(src: RootRef, dst: RootRef, keys: tuple[str, ...], io_workers: int = 8) -> dict:
+    """A mapped task: copy ``keys`` where it runs; what it copied."""
+    objects, nbytes = copy_objects(open_root(src), open_root(dst), list(keys), io_workers)
+    return {"objects": objects, "bytes": nbytes}
+
+
+def commit_mirrored_step(src: RootRef, dst: RootRef, job: MirrorJob) -> None:
+    commit_step(open_root(src), open_root(dst), job, MirrorResult())
+
+
+def release_mirror_lease(src: RootRef, job: MirrorJob, as_id: str | None) -> None:
+    close_step(open_root(src), job, as_id)
+
+
 MIRROR_STEPS = StepTable(Step("plan-mirror", plan_mirror), Step("copy-step", copy_step),
+                         Step("open-mirror-step", open_mirror_step), Step("copy-objects", copy_object_batch),
+                         Step("commit-mirrored-step", commit_mirrored_step),
+                         Step("release-mirror-lease", release_mirror_lease),
                          Step("record-mirror-position", record_position))
 
 
 def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | None = None,
                dst_options: dict | None = None, runner: Runner | None = None, as_id: str | None = None,
-               io_workers: int = 8) -> MirrorResult:
+               io_workers: int = 8, group_bytes: int | None = None) -> MirrorResult:
     """Copy ``step`` (default: every committed step upstream that is newer than the newest ``dst``
     holds; those downstream already has are checked, not copied) from ROOT ``src`` to ``dst``, each
     with its own storage options, ``io_workers`` objects at a time. ``as_id``: register the mirror
-    upstream as a receiver (see ``mirror_step``)."""
+    upstream as a receiver (see ``mirror_step``). With a runner that maps (``flows.workers``), each
+    step's objects are copied by tasks mapped over batches of about ``group_bytes`` (default:
+    ``dcr_core.batches.target_bytes``) on its workers; the marker is still copied last, here."""
     if as_id is not None:
         layout.check_receiver(as_id)
+    if group_bytes is not None and group_bytes < 1:
+        raise UsageError(f"group_bytes must be at least 1, got {group_bytes}")
     s, d = RootRef(src, dict(src_options or {})), RootRef(dst, dict(dst_options or {}))
     tasks = MIRROR_STEPS.bind(runner or InProcess())
+    if tasks.mapped:
+        s, d = portable_root(s), portable_root(d)
     result = MirrorResult()
     if io_workers < 1:
         raise UsageError(f"io_workers must be at least 1, got {io_workers}")
     for st in tasks.plan_mirror(s, step, d):
+        if tasks.mapped:
+            _mirror_mapped(tasks, s, d, st, as_id, io_workers, group_bytes, result)
+            continue
         one = tasks.copy_step(s, d, st, as_id, io_workers)
         result.copied_steps += one["copied_steps"]
         result.present_steps += one["present_steps"]
@@ -183,3 +255,21 @@ def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | 
     if as_id is not None:
         tasks.record_position(s, d, as_id, max(result.copied_steps + result.present_steps))
     return result
+
+
+def _mirror_mapped(tasks: Bound, s: RootRef, d: RootRef, step: int, as_id: str | None, io_workers: int,
+                   group_bytes: int | None, result: MirrorResult) -> None:
+    job = tasks.open_mirror_step(s, d, step, as_id)
+    if job is None:
+        result.present_steps.append(step)
+        return
+    try:
+        target = group_bytes or target_bytes(sum(n for _, n in job.todo), tasks.slots)
+        batches = [{"keys": tuple(b)} for b in byte_batches(job.todo, target)]
+        for part in tasks.map("copy_object_batch", batches, src=s, dst=d, io_workers=io_workers):
+            result.objects_copied += part["objects"]
+            result.bytes_copied += part["bytes"]
+        tasks.commit_mirrored_step(s, d, job)
+        result.copied_steps.append(step)
+    finally:
+        tasks.release_mirror_lease(s, job, as_id)

@@ -79,24 +79,46 @@ def cache_path(plan: PublishPlan, file_name: str = BASELINE_FILE) -> str:
 PATCH_LOG_SUFFIX = ".patch"
 
 
-def patch_log_path(plan: PublishPlan) -> str:
-    """The log of the elements this attempt changes in the cache (``storage.local.patch_log``)."""
-    return cache_path(plan, f"{BASELINE_FILE}.{plan.attempt}{PATCH_LOG_SUFFIX}")
+def patch_log_path(plan: PublishPlan, group: int | None = None) -> str:
+    """The log of the elements this attempt changes in the cache (``storage.local.patch_log``); of
+    group ``group`` only, for a publish mapped over groups on workers that see the cache."""
+    part = "" if group is None else f".g{group}"
+    return cache_path(plan, f"{BASELINE_FILE}.{plan.attempt}{part}{PATCH_LOG_SUFFIX}")
 
 
-def patch_log_head(plan: PublishPlan) -> dict:
-    """What a patch log says it does: the cache of which ROOT, from which step to which attempt."""
-    return {"root": plan.root.url, "from_step": plan.base_step, "from_policy_digest": plan.base_policy_digest,
+def patch_log_head(plan: PublishPlan, group: int | None = None, groups: int | None = None) -> dict:
+    """What a patch log says it does: the cache of which ROOT, from which step to which attempt
+    (and, a group's log, which group of how many)."""
+    head = {"root": plan.root.url, "from_step": plan.base_step, "from_policy_digest": plan.base_policy_digest,
             "step": plan.step, "attempt": plan.attempt}
+    return head if group is None else {**head, "group": group, "groups": groups}
+
+
+def patch_logs(plan: PublishPlan) -> list[str]:
+    """The logs that together patch the cache into this attempt's step: the encode pass's one log,
+    or one per group when every group of a mapped publish left one; else none (the cache is then
+    copied whole)."""
+    whole = patch_log_path(plan)
+    if os.path.exists(whole):
+        return [whole]
+    first = patch_log_path(plan, 0)
+    try:
+        groups = patch_log.read_head(first).get("groups")
+    except (OSError, DCRError):
+        return []
+    logs = [patch_log_path(plan, g) for g in range(groups if isinstance(groups, int) else 0)]
+    return logs if logs and all(os.path.exists(p) for p in logs) else []
 
 
 PATCH_LOG_SHARE = 4  # a log past 1/4 of the checkpoint's bytes: the step changed so much that a copy is cheaper
 PATCH_LOG_FLOOR = 1 << 20  # below this, either way costs next to nothing
 
 
-def patch_log_limit(plan: PublishPlan) -> int:
-    """The bytes past which a step's patch log is dropped and the cache copied whole instead."""
-    return max(PATCH_LOG_FLOOR, sum(i.nbytes for i in plan.infos.values()) // PATCH_LOG_SHARE)
+def patch_log_limit(plan: PublishPlan, nbytes: int | None = None) -> int:
+    """The bytes past which a step's patch log (a group's: of ``nbytes`` of tensors) is dropped and
+    the cache copied whole instead."""
+    total = sum(i.nbytes for i in plan.infos.values()) if nbytes is None else nbytes
+    return max(PATCH_LOG_FLOOR, total // PATCH_LOG_SHARE)
 
 
 STALE_LOG_SECONDS = 3600  # a log unchanged this long belongs to no live publish
@@ -259,17 +281,19 @@ def load_baseline(plan: PublishPlan, held: LocalRef | None = None, recheck: bool
     return path
 
 
-def rebuild(plan: PublishPlan, path: str) -> None:
-    """Write the base step's bits to ``path`` from ROOT (streamed through the shared reader)."""
+def rebuild(plan: PublishPlan, path: str, names=None) -> None:
+    """Write the base step's bits (of tensors ``names`` only, if given: a group on a worker that
+    cannot reach the publisher's cache) to ``path`` from ROOT, streamed through the shared reader
+    (every chunk and every tensor verified)."""
     root = open_root(plan.root)
     rplan = reader.plan_refit(root, None, plan.base_step)
     ms = reader.manifests(rplan, root)
     target = ms[plan.base_step]
-    infos = [target.tensors[n].info for n in sorted(target.tensors)]
+    infos = [target.tensors[n].info for n in sorted(target.tensors if names is None else names)]
     meta = state.metadata(plan.base_step, target.policy_digest, plan.root.url)
     writer = StreamingSafetensorsWriter(path, infos, meta, durable=False, header_room=state.HEADER_ROOM)
     try:
-        for name, bits, _ in reader.refit_tensors(root, rplan, ms, None, plan.options.io_workers):
+        for name, bits, _ in reader.refit_tensors(root, rplan, ms, None, plan.options.io_workers, names=names):
             writer.write(name, bits)
         writer.commit()
     except BaseException:
@@ -296,14 +320,15 @@ def remember_baseline(
     if not plan.options.use_cache:
         return None
     meta = state.metadata(marker.step, marker.policy_digest, plan.root.url)
-    log_path = patch_log_path(plan)
-    if os.path.exists(log_path):
+    logs = patch_logs(plan)
+    if logs:
         try:
-            if baseline == cache_path(plan) and _patch_cache(plan, log_path, marker, meta):
+            if baseline == cache_path(plan) and _patch_cache(plan, logs, marker, meta):
                 return None
         finally:
-            with contextlib.suppress(OSError):
-                os.unlink(log_path)
+            for log_path in logs:
+                with contextlib.suppress(OSError):
+                    os.unlink(log_path)
     names = sorted(plan.infos)
     try:
         writer = StreamingSafetensorsWriter(cache_path(plan), [plan.infos[n] for n in names], meta, durable=False,
@@ -329,13 +354,16 @@ def remember_baseline(
     return None
 
 
-def _patch_cache(plan: PublishPlan, log_path: str, marker: CommitMarker, meta: dict[str, str]) -> bool:
+def _patch_cache(plan: PublishPlan, logs: list[str], marker: CommitMarker, meta: dict[str, str]) -> bool:
     """Patch the cache file (the base step, as the delta just committed was encoded against it)
-    into the committed step with the encode pass's log; False (the cache then gets copied whole)
-    when the log is not this attempt's or does not apply."""
+    into the committed step with the encode pass's log (or its groups' logs, in turn); False (the
+    cache then gets copied whole) when a log is not this attempt's or does not apply."""
     path = cache_path(plan)
     try:
-        if patch_log.read_head(log_path) != patch_log_head(plan):
+        if len(logs) == 1:
+            if patch_log.read_head(logs[0]) != patch_log_head(plan):
+                return False
+        elif [patch_log.read_head(p) for p in logs] != [patch_log_head(plan, g, len(logs)) for g in range(len(logs))]:
             return False
         f = open(path, "r+b")
     except (OSError, DCRError):
@@ -351,8 +379,10 @@ def _patch_cache(plan: PublishPlan, log_path: str, marker: CommitMarker, meta: d
             return False
         drop_stamp(path)  # from here until the new stamp, the cache is hashed in full before any use
         try:
-            written = patch_log.apply(log_path, path, meta, progress=lambda i: events.reached(
-                "publish.baseline-patched-record", index=i))
+            written = 0
+            for log_path in logs:  # the groups' logs touch disjoint tensors: any order gives the same file
+                written += patch_log.apply(log_path, path, meta, progress=lambda i: events.reached(
+                    "publish.baseline-patched-record", index=i))
         except (OSError, DCRError, ValueError) as e:
             log.warning("cannot patch the baseline cache in place (%s); copying the checkpoint into it", e)
             return False

@@ -16,7 +16,8 @@ Sources held in memory (a snapshot, a held baseline) are sliced in place.
 
 A delta whose baseline is the publisher's cache file also logs, per changed chunk, the positions and
 new values of its changed elements (``storage.local.patch_log``); once the step is committed the
-cache is patched with them in place instead of copied whole (``flows.publish.baseline``).
+cache is patched with them in place instead of copied whole (``flows.publish.baseline``); a
+publish mapped over groups on workers writes one log per group, and the cache is patched with all.
 
 Hashing runs beside the encoding: the new tensors' bits and the base's are fed, chunk by chunk and
 in order, to one thread each (``dcr_core.hash_lane``; a chunk's buffer goes back once it is hashed), so on a
@@ -37,6 +38,7 @@ import dataclasses
 import functools
 import mmap
 import os
+import tempfile
 import threading
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -194,15 +196,28 @@ def _buffer_bytes(plan: PublishPlan, grids: dict[str, ChunkGrid]) -> int:
 def encode_group(plan: PublishPlan, source: str, baseline: str | None, group: TensorGroup) -> dict[str, TensorEntry]:
     """The tensors of ``group`` encoded and their chunks uploaded, where this runs (a worker of a
     mapped publish, ``flows.publish.groups``): the source and the baseline are files it reads
-    itself; its manifest entries come back. No patch log (the cache is copied whole after the
-    commit) and no stream announcements (the flow announces a group's chunks as it returns:
-    ``announcing``)."""
+    itself; its manifest entries come back. A baseline file this worker cannot see (the
+    publisher's cache on another machine) is rebuilt for the group's tensors from ROOT into a temp
+    file here (verified chunk by chunk and tensor by tensor), never shipped; the cache is then
+    copied whole after the commit, else patched with every group's log. No stream announcements
+    (the flow announces a group's chunks as it returns: ``announcing``)."""
     events.reached("publish.group-started", step=plan.step, group=group.index, groups=group.count,
                    tensors=len(group.names))
-    entries = encode_and_write(plan, source, baseline, group)
+    with contextlib.ExitStack() as stack:
+        if baseline is not None and not os.path.exists(baseline):
+            baseline = os.path.join(tempfile.gettempdir(), f"dcr-group-baseline-{plan.attempt}-{group.index}.safetensors")
+            stack.callback(_remove, baseline)
+            baseline_cache.rebuild(plan, baseline, group.names)
+            events.reached("publish.group-baseline-rebuilt", step=plan.step, group=group.index)
+        entries = encode_and_write(plan, source, baseline, group)
     events.reached("publish.group-done", step=plan.step, group=group.index, groups=group.count,
                    tensors=len(group.names))
     return entries
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -256,9 +271,10 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     cached = from_file and opts.use_cache and baseline == baseline_cache.cache_path(plan)
     if cached:
         baseline_cache.share_cache(base_src)
-    if cached and whole:  # a group's encoding logs nothing: the cache is copied whole after the commit
-        patch = PatchLogWriter(baseline_cache.patch_log_path(plan), baseline_cache.patch_log_head(plan),
-                               limit_bytes=baseline_cache.patch_log_limit(plan))
+    if cached:  # the cache is patched with this log (a group's: with every group's) after the commit
+        index, count = (None, None) if whole else (group.index, group.count)
+        patch = PatchLogWriter(baseline_cache.patch_log_path(plan, index), baseline_cache.patch_log_head(plan, index, count),
+                               limit_bytes=baseline_cache.patch_log_limit(plan, None if whole else group.nbytes))
         stack.callback(patch.abort)  # a no-op once finished
     with stack, StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
         uploads = _Uploads(w, buffers, _window(plan, root))

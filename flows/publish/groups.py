@@ -1,7 +1,7 @@
 """Groups of tensors: the units a publish's encoding is mapped over when it runs on several workers.
 
 A group is a run of consecutive tensor names (in name order) whose raw bytes add up to about a
-target; a tensor larger than the target is a group of its own. It carries only names and the
+target (``dcr_core.batches``); a tensor larger than the target is a group of its own. It carries only names and the
 array each tensor is stored under, so it travels to a worker as a few hundred bytes, and the
 worker reads the tensors and their baseline where it runs (``flows.publish.encode.encode_group``).
 
@@ -16,11 +16,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from dcr_core.batches import byte_batches, target_bytes
 from flows.publish.plan import PublishPlan
 from storage import layout
-
-MIN_GROUP_BYTES = 64 << 20  # smaller groups cost more in task overhead than they gain in balance
-GROUPS_PER_SLOT = 4  # a few groups per worker thread: tensors differ in size, so one each balances badly
 
 
 @dataclass(frozen=True)
@@ -48,24 +46,12 @@ def array_names(names) -> dict[str, str]:
     return {n: unique_array(layout.array_segment(n), used) for n in sorted(names)}
 
 
-def group_bytes(total: int, slots: int) -> int:
-    """The target bytes per group for ``slots`` worker threads."""
-    return max(MIN_GROUP_BYTES, -(-total // max(1, slots * GROUPS_PER_SLOT)))
-
-
 def plan_groups(plan: PublishPlan, slots: int) -> list[TensorGroup]:
-    """The plan's tensors as groups of about ``options.group_bytes`` (default: ``group_bytes`` for
-    ``slots``), consecutive in name order."""
+    """The plan's tensors as groups of about ``options.group_bytes`` (default:
+    ``dcr_core.batches.target_bytes`` for ``slots``), consecutive in name order."""
     names = sorted(plan.infos)
     arrays = array_names(names)
-    target = plan.options.group_bytes or group_bytes(sum(i.nbytes for i in plan.infos.values()), slots)
-    runs: list[list[str]] = []
-    size = 0
-    for n in names:
-        if not runs or size >= target:
-            runs.append([])
-            size = 0
-        runs[-1].append(n)
-        size += plan.infos[n].nbytes
+    target = plan.options.group_bytes or target_bytes(sum(i.nbytes for i in plan.infos.values()), slots)
+    runs = byte_batches(((n, plan.infos[n].nbytes) for n in names), target)
     return [TensorGroup(i, len(runs), tuple(r), tuple(arrays[n] for n in r), sum(plan.infos[n].nbytes for n in r))
             for i, r in enumerate(runs)]

@@ -30,6 +30,7 @@ from flows.publish.steps import PUBLISH
 from flows.refs import LocalRef
 from flows.results import PublishResult
 from flows.steps import Bound, InProcess, Runner
+from flows.workers import portable_root
 from storage.commit import discard_attempt
 from storage.root import RootRef, open_root
 
@@ -110,10 +111,7 @@ def mappable(plan, snap, baseline):
     if baseline is not None and not isinstance(baseline, str):
         raise UsageError("publishing on workers needs a baseline file the workers can read, not one held in memory: "
                          "publish without held=, or without workers")
-    if plan.root.url.startswith("memory://"):
-        raise UsageError(f"{plan.root.url}: a memory:// ROOT lives in one process; workers cannot write to it")
-    root = plan.root if "://" in plan.root.url else dataclasses.replace(plan.root, url=os.path.abspath(plan.root.url))
-    return (dataclasses.replace(plan, root=root), os.path.abspath(snap),
+    return (dataclasses.replace(plan, root=portable_root(plan.root)), os.path.abspath(snap),
             None if baseline is None else os.path.abspath(baseline))
 
 

@@ -4,6 +4,8 @@
   patch settled first), plan, then stage the refit and install it (or verify the held state
   when there is nothing to apply), then record the receiver's commit;
 - ``run_materialize``: the same into a fresh file, with no receiver record.
+With a runner that maps (``flows.workers``), a refit that rewrites the file is staged by tasks
+mapped over groups of tensors on its workers (``flows.receive.on_workers``).
 A live module's pipeline is ``flows.receive.module_pipeline`` (it needs torch; this one does not).
 """
 
@@ -17,9 +19,10 @@ from typing import TypeVar
 
 from dcr_core.errors import IntegrityError, StateMismatchError, StepVanishedError, UsageError
 from flows.options import ReceiveOptions
-from flows.receive import state_file
+from flows.receive import on_workers, state_file
 from flows.results import ReceiveResult
 from flows.steps import InProcess, Runner, Step, StepTable
+from flows.workers import portable_root
 from storage import layout
 from storage.local import journal, sidecar, state
 from storage.reader import RefitPlan, manifests
@@ -32,6 +35,8 @@ STATE_STEPS = StepTable(
     Step("resolve-chain", state_file.plan_receive),
     Step("take-leases", state_file.take_leases),
     Step("fetch-apply-verify", state_file.stage_refit),
+    Step("reserve-file", on_workers.reserve_file),
+    Step("rewrite-group", on_workers.rewrite_group),
     Step("replace-state", state_file.install_state),
     Step("verify-held-state", state_file.verify_held_state),
     Step("record-receiver-commit", state_file.record_receiver_commit),
@@ -57,6 +62,15 @@ def with_replans(plan: Callable[[], RefitPlan], run: Callable[[RefitPlan], T], u
     raise AssertionError("unreachable")
 
 
+def clear_for_rewrite(state_path: str) -> None:
+    """Before a file is rewritten whole (under its lock): a pending in-place patch settled (so a
+    failed rewrite leaves one whole step), then its journal and block digests removed."""
+    with contextlib.suppress(StateMismatchError):  # a damaged or foreign journal: moot here
+        journal.settle(state_path)
+    journal.remove(state_path)
+    sidecar.remove(state_path)
+
+
 def check_arguments(receiver_id: str | None, step: int | None, options) -> ReceiveOptions:
     if receiver_id is not None:
         layout.check_receiver(receiver_id)
@@ -77,12 +91,12 @@ def run_receive(
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
     state_path = state_file.check_path(state_path)
     tasks = STATE_STEPS.bind(runner or InProcess())
+    mapped = tasks.mapped and not options.in_place  # an in-place patch runs here (see flows.receive.on_workers)
+    if mapped:
+        ref, state_path = portable_root(ref), os.path.abspath(state_path)
     with state.exclusive(state_path):  # one writer per state file; leftovers of a killed one removed
         if fresh:  # rewritten whole; still settle a patch first, so a failed rewrite leaves a whole step
-            with contextlib.suppress(StateMismatchError):  # a damaged or foreign journal: moot here
-                journal.settle(state_path)
-            journal.remove(state_path)
-            sidecar.remove(state_path)
+            clear_for_rewrite(state_path)
         else:  # an in-place patch: a committed one rolled forward (and fsynced), a cut-off one back
             cut_off = os.path.exists(journal.journal_path(state_path))
             if journal.settle(state_path) is not None and cut_off:
@@ -93,7 +107,11 @@ def run_receive(
             def stage(p: RefitPlan):
                 if record:
                     leased[:] = tasks.take_leases(ref, receiver_id, p, options.lease_seconds)
-                return tasks.stage_refit(p, state_path, options) if p.moves else None
+                if not p.moves:
+                    return None
+                if mapped:
+                    return on_workers.stage_on_workers(tasks, p, state_path, options)
+                return tasks.stage_refit(p, state_path, options)
 
             def release() -> None:
                 if leased:
@@ -124,5 +142,6 @@ def run_materialize(
     root: str | os.PathLike, step: int | None, out: str | os.PathLike, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, runner: Runner | None = None,
 ) -> ReceiveResult:
-    """Write the full checkpoint of a committed step to ``out`` (no receiver record)."""
+    """Write the full checkpoint of a committed step to ``out`` (no receiver record); with a runner
+    that maps, as groups of tensors on its workers."""
     return run_receive(root, "materialize", out, step, storage_options, options, runner, record=False, fresh=True)

@@ -274,24 +274,23 @@ class StreamingSafetensorsWriter:
         self.durable = durable
         directory = os.path.dirname(os.path.abspath(self.path))
         os.makedirs(directory, exist_ok=True)
-        self.tmp = os.path.join(directory, f".{os.path.basename(self.path)}.tmp-{uuid.uuid4().hex}")
+        self.tmp = temp_path(self.path)
         self._order = [i.name for i in infos]
         self._sizes = {i.name: i.nbytes for i in infos}
-        header: dict[str, object] = {}
-        if metadata:
-            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-        offset = 0
-        for info in infos:
-            header[info.name] = {
-                "dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes],
-            }
-            offset += info.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * header_room  # spare room: the header can later be rewritten in place
-        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        raw, self.offsets = header_bytes(infos, metadata, header_room)
+        self.size = len(raw) + sum(self._sizes.values())  # the finished file's bytes
         self._f = open(self.tmp, "wb")
-        self._f.write(struct.pack("<Q", len(raw)) + raw)
+        self._f.write(raw)
         self._next = 0
+
+    def reserve(self) -> dict[str, int]:
+        """Give the temp file its full size at once and return every tensor's byte offset in it:
+        the tensors are then written there by others, in any order (``write_at``: the tasks of a
+        mapped materialize, each fsyncing what it wrote), and ``finish`` closes the file."""
+        self._f.flush()
+        os.ftruncate(self._f.fileno(), self.size)
+        self._next = len(self._order)
+        return dict(self.offsets)
 
     def write(self, name: str, data) -> None:
         if self._next >= len(self._order) or self._order[self._next] != name:
@@ -361,6 +360,51 @@ class StreamingSafetensorsWriter:
             self._f.close()
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
+
+
+def temp_path(path: str) -> str:
+    """A fresh temp name beside ``path`` (hidden; removed by the next writer holding its lock)."""
+    return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
+
+
+def header_bytes(infos: list[TensorInfo], metadata: Mapping[str, str] | None = None,
+                 header_room: int = 0) -> tuple[bytes, dict[str, int]]:
+    """The header of a safetensors file of ``infos`` in that order (length prefix, JSON, padding
+    to 8 bytes) and each tensor's byte offset in the file."""
+    header: dict[str, object] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset, rel = 0, {}
+    for info in infos:
+        header[info.name] = {
+            "dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes],
+        }
+        rel[info.name] = offset
+        offset += info.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * header_room  # spare room: the header can later be rewritten in place
+    raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+    start = 8 + len(raw)
+    return struct.pack("<Q", len(raw)) + raw, {n: start + o for n, o in rel.items()}
+
+
+def write_at(path: str, placed: Mapping[str, int], tensors: Iterator[tuple[str, object]]) -> int:
+    """Write each ``(name, bits)`` of ``tensors`` at its offset ``placed[name]`` of the existing
+    file ``path`` (a reserved temp file, ``StreamingSafetensorsWriter.reserve``), then fsync it;
+    the bytes written. The file must exist: a worker that cannot see it fails here, naming it."""
+    fd = os.open(path, os.O_WRONLY)
+    written = 0
+    try:
+        for name, data in tensors:
+            view = memoryview(data).cast("B")
+            done = 0
+            while done < view.nbytes:
+                done += os.pwrite(fd, view[done:], placed[name] + done)
+            written += done
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return written
 
 
 def install(tmp: str, path: str, durable: bool = True) -> None:

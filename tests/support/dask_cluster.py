@@ -1,6 +1,7 @@
 """A Dask ``LocalCluster`` of worker processes on 127.0.0.1 for the tests, and a worker plugin that
 logs the DCR points each worker process reaches (``dcr_core.events``) to a file: which process
-started and finished which group of a mapped publish, including processes that replace a killed
+started and finished which group of a mapped publish or receive, or copied which object of a
+mapped mirror, including processes that replace a killed
 worker (plugins reach them too)."""
 
 from __future__ import annotations
@@ -20,8 +21,11 @@ def local_cluster(n_workers: int = 2) -> LocalCluster:
                         dashboard_address=None)
 
 
+LOGGED = ("publish.group-", "receive.group-", "mirror.object-copied")  # the points mapped tasks reach
+
+
 class EventLog(WorkerPlugin):
-    """Appends ``{"pid", "point", **fields}`` for every group point a worker process reaches to ``path``."""
+    """Appends ``{"pid", "point", **fields}`` for every ``LOGGED`` point a worker process reaches to ``path``."""
 
     name = "dcr-event-log"
 
@@ -33,7 +37,7 @@ class EventLog(WorkerPlugin):
         lock = threading.Lock()
 
         def listener(point: str, fields: dict) -> None:
-            if point.startswith("publish.group-"):
+            if point.startswith(LOGGED):
                 line = json.dumps({"pid": os.getpid(), "point": point, **fields}) + "\n"
                 with lock, open(self.path, "a") as f:
                     f.write(line)

@@ -8,6 +8,7 @@ ones intended. Byte order is little-endian (the only order DCR supports).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 from collections.abc import Mapping
@@ -18,6 +19,7 @@ from safetensors.torch import save_file
 
 from dcr_core.bits import dtype_of, torch_dtype
 from dcr_core.dtypes import DTYPES
+from storage import layout
 
 # Shapes every dtype gets: 0-d, empty, empty with an inner zero, shapes not divisible by any small
 # chunk, one large enough to give many chunks at chunk_bytes of 64..512.
@@ -314,3 +316,20 @@ def file_bytes(path: str | os.PathLike) -> bytes | None:
             return f.read()
     except FileNotFoundError:
         return None
+
+
+def attempt_objects(root: str, step: int) -> tuple[dict[str, bytes], dict]:
+    """Every stored object of ``step``'s committed attempt (relative to it, stream indexes aside) and
+    its manifest with what differs between any two publishes (attempt id, time) taken out."""
+    marker = json.loads(open(os.path.join(root, layout.commit_key(step))).read())
+    attempt_dir = os.path.dirname(os.path.join(root, layout.manifest_key(step, marker["attempt"])))
+    objects = {}
+    for dirpath, _, files in os.walk(attempt_dir):
+        for f in files:
+            rel = os.path.relpath(os.path.join(dirpath, f), attempt_dir)
+            if not rel.startswith("stream/"):  # announcements: per chunk in one process, per group on workers
+                objects[rel] = open(os.path.join(dirpath, f), "rb").read()
+    manifest = json.loads(objects.pop(os.path.basename(layout.manifest_key(step, marker["attempt"]))))
+    for k in ("attempt", "created_at", "created", "time"):
+        manifest.pop(k, None)
+    return objects, manifest

@@ -265,7 +265,7 @@ def test_serve_selects_deployments_by_their_file_names(tmp_path, monkeypatch):
     served = {d.name: d for d in deployments()}  # every deployment of the file, the mirror's too
     assert set(served) == {"serve-receiver", "serve-publisher", "serve-gc", "serve-mirror"}
     mirror = served["serve-mirror"]
-    assert mirror.parameters == {"dst": str(tmp_path / "b")} and not mirror.schedules  # a run names its upstream
+    assert mirror.parameters == {"dst": str(tmp_path / "b"), "workers": None} and not mirror.schedules  # a run names its upstream
     assert "src" in mirror._parameter_openapi_schema.required
     monkeypatch.setenv("DCR_RECEIVER_STATE", "relative.safetensors")
     with pytest.raises(UsageError, match="must be an absolute path"):

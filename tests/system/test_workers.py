@@ -20,6 +20,7 @@ from dcr_core import events
 from dcr_core.errors import UsageError
 from storage import layout
 from tests.support.helpers import assert_bits_equal, chain_of_steps, read_state, write_safetensors
+from tests.support.helpers import attempt_objects as _attempt_objects
 
 pytestmark = pytest.mark.prefect
 
@@ -65,23 +66,6 @@ def _checkpoints(tmp_path, n: int = 3) -> list[str]:
         write_safetensors(path, ck)
         paths.append(path)
     return paths
-
-
-def _attempt_objects(root: str, step: int) -> tuple[dict[str, bytes], dict]:
-    """Every stored object of ``step``'s committed attempt (relative to it, stream indexes aside) and
-    its manifest with what differs between any two publishes (attempt id, time) taken out."""
-    marker = json.loads(open(os.path.join(root, layout.commit_key(step))).read())
-    attempt_dir = os.path.dirname(os.path.join(root, layout.manifest_key(step, marker["attempt"])))
-    objects = {}
-    for dirpath, _, files in os.walk(attempt_dir):
-        for f in files:
-            rel = os.path.relpath(os.path.join(dirpath, f), attempt_dir)
-            if not rel.startswith("stream/"):  # announcements: per chunk in one process, per group on workers
-                objects[rel] = open(os.path.join(dirpath, f), "rb").read()
-    manifest = json.loads(objects.pop(os.path.basename(layout.manifest_key(step, marker["attempt"]))))
-    for k in ("attempt", "created_at", "created", "time"):
-        manifest.pop(k, None)
-    return objects, manifest
 
 
 @pytest.mark.parametrize("codec", ["sparse", pytest.param("cond", marks=pytest.mark.slow)])
@@ -180,8 +164,59 @@ def test_a_worker_killed_mid_group_has_its_group_run_again(cluster, client, pref
     client.wait_for_workers(2, timeout=60)  # the nanny restarted the victim: the cluster is whole again
 
 
+@pytest.mark.slow
+@pytest.mark.faults(component="Dask workers", outcome="the group runs again on another worker; the materialized file "
+                    "is the one-process file, byte for byte")
+def test_a_worker_killed_mid_rewrite_group_has_its_group_run_again(cluster, client, prefect_settings, tmp_path):
+    """SIGKILL of the worker process paused inside a ``rewrite-group`` of a materialize (as it
+    reported): Dask runs the group again elsewhere; the file equals an in-process materialize."""
+    from flows import materialize_refit
+    from flows.options import PublishOptions, ReceiveOptions
+    from flows.publish.pipeline import run_publish
+    from flows.receive.pipeline import run_materialize
+
+    paths = _checkpoints(tmp_path, 2)
+    root = str(tmp_path / "root")
+    for step, path in enumerate(paths):
+        run_publish(root, path, step, options=PublishOptions(cache_dir=str(tmp_path / "c"), chunk_bytes=1 << 12))
+    log = str(tmp_path / "events.jsonl")
+    client.register_plugin(EventLog(log))
+    pids = client.run(os.getpid)
+    victim_addr = sorted(pids)[0]
+    victim = pids[victim_addr]
+    client.run(events.set_failpoints, "receive.group-started@1=pause", workers=[victim_addr])
+    killed: dict = {}
+
+    def kill_when_paused():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            hits = [e for e in read_log(log) if e["pid"] == victim and e["point"] == "receive.group-started"]
+            if hits:
+                time.sleep(0.2)  # it is blocked at the point now (pause never returns)
+                killed["group"] = hits[0]["group"]
+                os.kill(victim, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_when_paused, daemon=True)
+    killer.start()
+    out, want = str(tmp_path / "w.safetensors"), str(tmp_path / "l.safetensors")
+    materialize_refit(root, 1, out, options=ReceiveOptions(group_bytes=8 << 10), workers=_address(cluster))
+    killer.join(10)
+    assert "group" in killed, "the victim never reached a group"
+    done = [e for e in read_log(log) if e["point"] == "receive.group-done"]
+    assert [e for e in done if e["group"] == killed["group"]] and all(e["pid"] != victim for e in done)
+    assert {e["group"] for e in done} == set(range(done[0]["groups"]))
+    run_materialize(root, 1, want)
+    assert open(out, "rb").read() == open(want, "rb").read()
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+    client.wait_for_workers(2, timeout=60)
+
+
 def test_what_cannot_travel_is_refused_in_one_line(cluster, prefect_settings, tmp_path):
-    from flows import publish_refit
+    import torch
+
+    from flows import materialize_refit, publish_refit, receive_refit
     from flows.workers import parse_workers
 
     ck = chain_of_steps(1, seed=1)[0]
@@ -191,6 +226,10 @@ def test_what_cannot_travel_is_refused_in_one_line(cluster, prefect_settings, tm
     write_safetensors(path, ck)
     with pytest.raises(UsageError, match="memory:// ROOT lives in one process"):
         publish_refit("memory://dask-test", path, 0, workers=_address(cluster))
+    with pytest.raises(UsageError, match="memory:// ROOT lives in one process"):
+        materialize_refit("memory://dask-test", None, str(tmp_path / "m.safetensors"), workers=_address(cluster))
+    with pytest.raises(UsageError, match="a live module or an engine receives in its own process"):
+        receive_refit(str(tmp_path / "r"), "x", torch.nn.Linear(2, 2), workers=_address(cluster))
     for bad in ("tcp://h:1", "dask://h", "dask://h:0", "-1", "two", True, 5000):
         with pytest.raises(UsageError, match="workers must be"):
             parse_workers(bad)
@@ -216,6 +255,51 @@ def test_cli_publishes_on_its_own_local_cluster(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert_bits_equal(read_state(state), read_state(paths[-1]))
+
+
+@pytest.mark.slow
+def test_cli_mirrors_materializes_receives_and_verifies_on_its_own_local_cluster(tmp_path):
+    """``dcr mirror|materialize|receive|verify --workers 2`` with no Prefect API configured: each
+    starts a local API and a LocalCluster of 2 processes; the results are bit-exact, and a damaged
+    chunk fails ``verify --workers`` naming it."""
+    paths = _checkpoints(tmp_path, 2)
+    origin, mirror = str(tmp_path / "origin"), str(tmp_path / "mirror")
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect-home"), DCR_CACHE_DIR=str(tmp_path / "cache"))
+    dcr = [sys.executable, "-m", "flows.cli"]
+
+    def run(*argv: str, ok: bool = True) -> subprocess.CompletedProcess:
+        out = subprocess.run([*dcr, *argv], env=env, capture_output=True, text=True, timeout=300)
+        assert (out.returncode == 0) == ok, out.stderr[-3000:]
+        return out
+
+    for step, path in enumerate(paths):
+        run("publish", origin, path, "--step", str(step), "--chunk-bytes", "4096", "-q")
+    assert json.loads(run("mirror", origin, mirror, "--workers", "2", "--json").stdout)["copied_steps"] == [0, 1]
+    out = str(tmp_path / "full.safetensors")
+    run("materialize", mirror, "--step", "1", "--out", out, "--workers", "2", "-q")
+    assert_bits_equal(read_state(out), read_state(paths[1]))
+    state = str(tmp_path / "state.safetensors")
+    run("receive", mirror, "--receiver", "r", "--state", state, "--step", "0", "-q")
+    run("receive", mirror, "--receiver", "r", "--state", state, "--workers", "2", "-q")
+    assert_bits_equal(read_state(state), read_state(paths[1]))
+    report = json.loads(run("verify", mirror, "--deep", "--workers", "2", "--json").stdout)
+    assert report["steps"] == [0, 1] and report["replayed"] == [1] and not report["errors"]
+    marker = json.loads(open(os.path.join(mirror, layout.commit_key(1))).read())
+    store = os.path.join(mirror, layout.store_dir(1, marker["attempt"]))
+    chunk = max((os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if f != "zarr.json"),
+                key=os.path.getsize)
+    data = bytearray(open(chunk, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(chunk, "wb").write(bytes(data))
+    failed = run("verify", mirror, "--workers", "2", ok=False)
+    assert "dcr: verify:" in failed.stderr and os.path.basename(chunk) in failed.stderr, failed.stderr[-2000:]
+    for argv, why in ((["mirror", origin, mirror, "--workers", "2", "--follow"], "does not --follow"),
+                      (["receive", mirror, "--receiver", "r", "--state", state, "--workers", "2", "--in-place"],
+                       "not with --in-place"),
+                      (["verify", mirror, "--workers", "dask://nowhere"], "workers must be")):
+        bad = run(*argv, ok=False)
+        assert why in bad.stderr and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
 
 
 def _start_cluster(tmp_path, tag: str, failpoints: str | None = None) -> tuple[subprocess.Popen, subprocess.Popen, str]:
@@ -296,3 +380,87 @@ def test_losing_the_scheduler_commits_nothing_and_a_rerun_succeeds(prefect_setti
     objs, manifest = _attempt_objects(root, 1)
     want_objs, want_manifest = _attempt_objects(ref, 1)
     assert objs == want_objs and manifest == want_manifest
+
+
+def _files(root: str) -> dict[str, bytes]:
+    """Every file under ``root`` (relative path -> bytes)."""
+    out = {}
+    for dirpath, _, files in os.walk(root):
+        for f in files:
+            path = os.path.join(dirpath, f)
+            out[os.path.relpath(path, root)] = open(path, "rb").read()
+    return out
+
+
+def test_mirror_materialize_receive_and_verify_through_workers(cluster, client, prefect_settings, tmp_path):
+    """The way down from the origin through one LocalCluster of 2 processes: mirror on workers
+    (the mirror holds the origin's committed objects byte for byte), materialize and receive on
+    workers (the files an in-process materialize and receive write, byte for byte), verify on
+    workers (the in-process report; a damaged chunk named)."""
+    from flows import materialize_refit, mirror_refit, receive_refit, run_publish, verify_refit
+    from flows.maintenance.audit import verify
+    from flows.options import PublishOptions, ReceiveOptions
+    from flows.receive.pipeline import run_materialize, run_receive
+    from storage.root import open_root
+
+    paths = _checkpoints(tmp_path)
+    origin, mirror, address = str(tmp_path / "origin"), str(tmp_path / "mirror"), _address(cluster)
+    log = str(tmp_path / "events.jsonl")
+    client.register_plugin(EventLog(log))
+    workers = set(client.run(os.getpid).values())
+    for step, path in enumerate(paths):  # publishing on workers: test_workers_store_what_one_process_stores
+        run_publish(origin, path, step, options=PublishOptions(cache_dir=str(tmp_path / "cache"), chunk_bytes=1 << 12))
+
+    res = mirror_refit(origin, mirror, workers=address, group_bytes=16 << 10)
+    assert res["copied_steps"] == [0, 1, 2] and res["objects_copied"] > 3
+    held = _files(mirror)
+    origin_files = _files(origin)
+    assert held and all(origin_files[k] == v for k, v in held.items())  # byte for byte, the origin's objects
+    for step in range(3):
+        objs, _ = _attempt_objects(mirror, step)
+        want, _ = _attempt_objects(origin, step)
+        assert objs == want
+    copied = [e for e in read_log(log) if e["point"] == "mirror.object-copied"]
+    assert len(copied) == res["objects_copied"] and {e["pid"] for e in copied} <= workers
+
+    mapped, local = str(tmp_path / "w.safetensors"), str(tmp_path / "l.safetensors")
+    r = materialize_refit(mirror, 2, mapped, options=ReceiveOptions(group_bytes=8 << 10), workers=address)
+    run_materialize(mirror, 2, local)
+    assert r["step"] == 2 and r["bytes_pulled"] > 0
+    assert open(mapped, "rb").read() == open(local, "rb").read()
+    assert_bits_equal(read_state(mapped), read_state(paths[2]))
+    assert not [f for f in os.listdir(tmp_path) if ".tmp-" in f]
+    done = [e for e in read_log(log) if e["point"] == "receive.group-done"]
+    assert {e["pid"] for e in done} <= workers and len({(e["step"], e["group"]) for e in done}) == len(done)
+    assert {e["group"] for e in done if e["step"] == 2} == set(range(done[-1]["groups"])) and done[-1]["groups"] > 3
+
+    # A receiver on workers: from nothing to step 1, then from its held step 1 to 2 (the held bits
+    # read and checked where each group runs); the same files as a receiver in one process.
+    before = len(read_log(log))
+    on_workers, here = str(tmp_path / "state-w.safetensors"), str(tmp_path / "state-l.safetensors")
+    for step in (1, None):
+        r = receive_refit(mirror, "rw", on_workers, step, options=ReceiveOptions(group_bytes=8 << 10), workers=address)
+        run_receive(mirror, "rl", here, step)
+        assert open(on_workers, "rb").read() == open(here, "rb").read()
+    assert r["moves"] == ["forward:2"] and r["bytes_pulled"] > 0
+    assert_bits_equal(read_state(on_workers), read_state(paths[-1]))
+    grouped = [e for e in read_log(log)[before:] if e["point"] == "receive.group-done"]
+    assert {e["step"] for e in grouped} == {1, 2} and {e["pid"] for e in grouped} <= workers
+
+    checked = verify_refit(mirror, deep=True, workers=address, group_bytes=8 << 10)
+    local = verify(open_root(mirror), deep=True)
+    assert not checked["errors"] and not local.errors
+    assert (checked["chunks"], checked["bytes"], checked["replayed"]) == (local.chunks, local.bytes, local.replayed)
+    assert checked["replayed"] == [1, 2] and checked["steps"] == [0, 1, 2]
+
+    marker = json.loads(open(os.path.join(mirror, layout.commit_key(1))).read())
+    store = os.path.join(mirror, layout.store_dir(1, marker["attempt"]))
+    chunk = max((os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if f != "zarr.json"),
+                key=os.path.getsize)
+    data = bytearray(open(chunk, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(chunk, "wb").write(bytes(data))
+    damaged = verify_refit(mirror, 1, workers=address, group_bytes=8 << 10)
+    assert damaged["errors"] and damaged["steps"] == [1]
+    assert any(os.path.relpath(chunk, mirror) in e or os.path.basename(chunk) in e for e in damaged["errors"]), damaged
+    assert all("\n" not in e for e in damaged["errors"])

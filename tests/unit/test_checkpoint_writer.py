@@ -79,3 +79,34 @@ def test_publisher_cache_is_not_fsynced_but_receiver_state_is(tmp_path, monkeypa
     assert made == [("state.safetensors", True)]
     back = load_file(state)
     assert all(torch.equal(back[n].view(torch.uint8), t.view(torch.uint8)) for n, t in new.items())
+
+
+def test_a_reserved_file_written_out_of_order_at_its_offsets_is_the_streamed_file(tmp_path):
+    """``reserve`` + ``write_at`` (how tasks on workers fill a file, in any order): byte for byte
+    the file the writer streams in order; a file not there fails naming it."""
+    _write(tmp_path / "streamed.safetensors", True)
+    ts = _tensors()
+    infos = infos_of(ts)
+    names = sorted(ts)
+    w = StreamingSafetensorsWriter(tmp_path / "placed.safetensors", [infos[n] for n in names], {"k": "v"})
+    offsets = w.reserve()
+    tmp = w.finish()
+    assert os.path.getsize(tmp) == w.size
+    for n in reversed(names):  # each "task" writes its own tensor, last first
+        checkpoint.write_at(tmp, offsets, [(n, ts[n].contiguous().view(torch.uint8).numpy())])
+    checkpoint.install(tmp, str(tmp_path / "placed.safetensors"))
+    assert (tmp_path / "placed.safetensors").read_bytes() == (tmp_path / "streamed.safetensors").read_bytes()
+    with pytest.raises(FileNotFoundError, match="gone"):
+        checkpoint.write_at(str(tmp_path / "gone"), offsets, [])
+
+
+def test_byte_batches_are_consecutive_runs_of_about_the_target():
+    from dcr_core.batches import MIN_BATCH_BYTES, byte_batches, target_bytes
+
+    sizes = [("a", 5), ("b", 5), ("c", 20), ("d", 1), ("e", 1), ("f", 9)]
+    assert byte_batches(sizes, 10) == [["a", "b"], ["c"], ["d", "e", "f"]]
+    assert byte_batches(sizes, 1) == [[k] for k, _ in sizes]  # every item its own batch
+    assert byte_batches(sizes, 10**9) == [[k for k, _ in sizes]]
+    assert byte_batches([], 10) == []
+    assert [k for run in byte_batches(sizes, 7) for k in run] == [k for k, _ in sizes]  # order kept, nothing lost
+    assert target_bytes(0, 4) == MIN_BATCH_BYTES and target_bytes(64 * MIN_BATCH_BYTES, 2) == 8 * MIN_BATCH_BYTES

@@ -1,0 +1,125 @@
+"""A receive that rewrites the state file (and ``dcr materialize``) on workers: tasks mapped over
+groups of tensors (``flows.workers``).
+
+The flow plans the refit (as in one process) and reserves the new file: a temp file beside the
+state with the header and its full size, each tensor's offset known. Each ``rewrite-group`` task
+then rebuilds its tensors where it runs (the held bits read from the state file and checked
+against the held step, chunks read from ROOT and verified, moves applied, each result checked
+against the target step's tensor digest), writes them at their offsets and fsyncs; it returns
+only counts. Once every group is in, the flow installs the file (``state_file.install_state``:
+renamed over the state). The file is byte for byte the one an in-process rewrite writes (same
+header, metadata and tensors), whatever the grouping. Workers must see the state file's directory
+(this machine for ``--workers N``; a shared filesystem for a remote cluster): a worker that cannot
+fails in one line naming the file. Any failure leaves the state as it was; the temp file is
+removed then (or by the next writer of the state, after a crash). An in-place patch
+(``--in-place``) is not mapped: it runs in the flow's process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+
+from dcr_core import events
+from dcr_core.batches import byte_batches, target_bytes
+from dcr_core.errors import UsageError
+from flows.options import ReceiveOptions
+from flows.receive.state_file import Staged
+from flows.steps import Bound
+from storage import reader
+from storage.local import state
+from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, write_at
+from storage.reader import RefitPlan
+from storage.root import open_root
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """The temp file a mapped rewrite writes into, each tensor's byte offset in it, and the state
+    file the held bits are read from (None: the refit starts from a restart point)."""
+
+    state_path: str
+    tmp: str
+    offsets: dict[str, int]
+    held: str | None = None
+
+
+@dataclass(frozen=True)
+class Group:
+    """Tensors ``names`` (in name order): group ``index`` of ``count``."""
+
+    index: int
+    count: int
+    names: tuple[str, ...]
+
+
+def reserve_file(plan: RefitPlan, state_path: str) -> Reserved:
+    """The temp file beside ``state_path``: header (the step, its policy digest, ROOT) and full
+    size; a held state's schema is checked against its step first."""
+    ms = reader.manifests(plan)
+    target = ms[plan.target_step]
+    held = None
+    if plan.current_step is not None and not plan.from_keyframe:
+        held = state_path
+        with SafetensorsCheckpoint(state_path) as ck:
+            reader.check_schema(ms[plan.current_step], ck.infos, state_path)
+    names = sorted(target.tensors)
+    writer = StreamingSafetensorsWriter(state_path, [target.tensors[n].info for n in names],
+                                        state.metadata(plan.target_step, target.policy_digest, plan.root.url),
+                                        header_room=state.HEADER_ROOM)
+    try:
+        offsets = writer.reserve()
+        tmp = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    return Reserved(state_path, tmp, offsets, held)
+
+
+def rewrite_group(plan: RefitPlan, reserved: Reserved, group: Group, io_workers: int = 8) -> dict:
+    """Rebuild the group's tensors (verified) and write them at their offsets of the reserved file."""
+    events.reached("receive.group-started", step=plan.target_step, group=group.index, groups=group.count)
+    if not os.path.exists(reserved.tmp):
+        raise UsageError(f"{reserved.state_path}: its temp file {reserved.tmp} is not visible where this task runs; "
+                         "run on workers that share the state file's filesystem")
+    root = open_root(plan.root)
+    ms = reader.manifests(plan, root)
+    pulled = [0]
+    with contextlib.ExitStack() as stack:
+        held = None if reserved.held is None else stack.enter_context(SafetensorsCheckpoint(reserved.held)).bits
+
+        def tensors():
+            for name, bits, n in reader.refit_tensors(root, plan, ms, held, io_workers, reserved.state_path,
+                                                      names=group.names):
+                pulled[0] += n
+                yield name, bits
+
+        written = write_at(reserved.tmp, reserved.offsets, tensors())
+    events.reached("receive.group-done", step=plan.target_step, group=group.index, groups=group.count)
+    return {"tensors": len(group.names), "bytes_written": written, "bytes_pulled": pulled[0]}
+
+
+def groups_of(plan: RefitPlan, slots: int, group_bytes: int | None = None) -> list[Group]:
+    """The target step's tensors in runs of about ``group_bytes`` raw bytes (default:
+    ``dcr_core.batches.target_bytes`` for ``slots``), in name order."""
+    target = reader.manifests(plan)[plan.target_step]
+    names = sorted(target.tensors)
+    runs = byte_batches(((n, target.tensors[n].nbytes) for n in names),
+                        group_bytes or target_bytes(sum(e.nbytes for e in target.tensors.values()), slots))
+    return [Group(i, len(runs), tuple(r)) for i, r in enumerate(runs)]
+
+
+def stage_on_workers(tasks: Bound, plan: RefitPlan, state_path: str, options: ReceiveOptions) -> Staged:
+    """Stage the refit as a new file written by ``rewrite-group`` tasks on the runner's workers;
+    a ``state_file.Staged`` for ``install_state``. The temp file is removed on any failure."""
+    reserved = tasks.reserve_file(plan, state_path)
+    try:
+        parts = tasks.map("rewrite_group", [{"group": g} for g in groups_of(plan, tasks.slots, options.group_bytes)],
+                          plan=plan, reserved=reserved, io_workers=options.io_workers)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(reserved.tmp)
+        raise
+    events.reached("receive.staged", path=reserved.tmp)
+    return Staged(state_path, reserved.tmp, False, sum(p["bytes_pulled"] for p in parts))
