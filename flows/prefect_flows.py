@@ -196,7 +196,7 @@ def materialize_refit(
 ) -> dict:
     """Write the full checkpoint of committed ``step`` (default: the latest) to ``out``
     (``dcr materialize``); with ``workers`` or ``task_runner``, as tasks mapped over groups of
-    tensors on that Dask cluster (``flows.receive.materialize``: the workers must see ``out``)."""
+    tensors on that Dask cluster (``flows.receive.on_workers``: the workers must see ``out``)."""
     run_tags = ("dcr", "dcr-materialize", f"root:{root}")
     _tag_run(*run_tags)
     with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:

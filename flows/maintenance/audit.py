@@ -194,16 +194,22 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
                 report.errors.append(str(e))
                 report.steps.append(s)
                 continue
+            except Exception as e:  # noqa: BLE001 - as verify_tensors reports it in one process
+                report.errors.append(f"step {s}: {type(e).__name__}: {e}")
+                report.steps.append(s)
+                continue
             runs = byte_batches(((n, e.nbytes) for n, e in sorted(m.tensors.items())),
                                 group_bytes or target_bytes(sum(e.nbytes for e in m.tensors.values()), tasks.slots))
             parts = tasks.map("verify_tensors", [{"names": tuple(r)} for r in runs], root=ref, step=s, deep=deep,
                               io_workers=workers)
         else:
             parts = [tasks.verify_tensors(ref, s, None, deep, workers)]
+        errors: list[str] = []
         for part in parts:
             report.chunks += part["chunks"]
             report.bytes += part["bytes"]
-            report.errors += part["errors"]
+            errors += [e for e in part["errors"] if e not in errors]  # a step-wide fault: once, not per group
+        report.errors += errors
         if parts and all(p["replayed"] for p in parts):
             report.replayed.append(s)
         report.steps.append(s)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import glob
 import json
 import logging
 import os
@@ -68,11 +69,15 @@ STAMP_FORMAT = "dcr-baseline-stamp"
 HASH_BUFFER_BYTES = 4 << 20  # a cache checked in full is read through one buffer of this size
 
 
+def _root_url(plan: PublishPlan) -> str:
+    """The plan's ROOT URL, a local path as its real path (however the publisher or a worker named it)."""
+    return plan.root.url if "://" in plan.root.url else os.path.realpath(plan.root.url)
+
+
 def cache_path(plan: PublishPlan, file_name: str = BASELINE_FILE) -> str:
     """A file of this ROOT's publisher cache (keyed by the ROOT URL; a local path by its real path, so
     ``dcr publish bucket`` and ``dcr publish /abs/bucket`` share one cache)."""
-    url = plan.root.url if "://" in plan.root.url else os.path.realpath(plan.root.url)
-    key = blake3.blake3(url.encode()).hexdigest()[:16]
+    key = blake3.blake3(_root_url(plan).encode()).hexdigest()[:16]
     return os.path.join(plan.options.cache_dir, key, file_name)
 
 
@@ -89,7 +94,7 @@ def patch_log_path(plan: PublishPlan, group: int | None = None) -> str:
 def patch_log_head(plan: PublishPlan, group: int | None = None, groups: int | None = None) -> dict:
     """What a patch log says it does: the cache of which ROOT, from which step to which attempt
     (and, a group's log, which group of how many)."""
-    head = {"root": plan.root.url, "from_step": plan.base_step, "from_policy_digest": plan.base_policy_digest,
+    head = {"root": _root_url(plan), "from_step": plan.base_step, "from_policy_digest": plan.base_policy_digest,
             "step": plan.step, "attempt": plan.attempt}
     return head if group is None else {**head, "group": group, "groups": groups}
 
@@ -108,6 +113,14 @@ def patch_logs(plan: PublishPlan) -> list[str]:
         return []
     logs = [patch_log_path(plan, g) for g in range(groups if isinstance(groups, int) else 0)]
     return logs if logs and all(os.path.exists(p) for p in logs) else []
+
+
+def drop_patch_logs(plan: PublishPlan) -> None:
+    """Remove this attempt's patch logs, the whole step's and every group's (used or not)."""
+    pattern = glob.escape(cache_path(plan, f"{BASELINE_FILE}.{plan.attempt}")) + f"*{PATCH_LOG_SUFFIX}"
+    for path in glob.glob(pattern):
+        with contextlib.suppress(OSError):
+            os.unlink(path)
 
 
 PATCH_LOG_SHARE = 4  # a log past 1/4 of the checkpoint's bytes: the step changed so much that a copy is cheaper
@@ -311,9 +324,8 @@ def remember_baseline(
     Runs after the commit: a failure here only costs the cache (the next publish rebuilds it)."""
     if isinstance(baseline, str) and not plan.options.use_cache and os.path.exists(baseline):
         os.unlink(baseline)  # the private temp baseline of a --no-cache publish
-    if hold:
-        with contextlib.suppress(OSError):  # the cache stays at its step; the next delta uses the held copy
-            os.unlink(patch_log_path(plan))
+    if hold:  # the cache stays at its step; the next delta uses the held copy
+        drop_patch_logs(plan)
         held = HeldBaseline(plan.root.url, marker.step, marker.policy_digest, open_source(source))
         events.reached("publish.baseline-kept", step=marker.step, where="memory")
         return refs.put(held, "held")
@@ -321,14 +333,11 @@ def remember_baseline(
         return None
     meta = state.metadata(marker.step, marker.policy_digest, plan.root.url)
     logs = patch_logs(plan)
-    if logs:
-        try:
-            if baseline == cache_path(plan) and _patch_cache(plan, logs, marker, meta):
-                return None
-        finally:
-            for log_path in logs:
-                with contextlib.suppress(OSError):
-                    os.unlink(log_path)
+    try:
+        if logs and baseline == cache_path(plan) and _patch_cache(plan, logs, marker, meta):
+            return None
+    finally:  # used or not (a group's log missing, a group that rebuilt its baseline): none is kept
+        drop_patch_logs(plan)
     names = sorted(plan.infos)
     try:
         writer = StreamingSafetensorsWriter(cache_path(plan), [plan.infos[n] for n in names], meta, durable=False,

@@ -40,6 +40,8 @@ import mmap
 import os
 import tempfile
 import threading
+import time
+import uuid
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
@@ -205,7 +207,9 @@ def encode_group(plan: PublishPlan, source: str, baseline: str | None, group: Te
                    tensors=len(group.names))
     with contextlib.ExitStack() as stack:
         if baseline is not None and not os.path.exists(baseline):
-            baseline = os.path.join(tempfile.gettempdir(), f"dcr-group-baseline-{plan.attempt}-{group.index}.safetensors")
+            _sweep_group_baselines()
+            baseline = os.path.join(tempfile.gettempdir(), f"{GROUP_BASELINE}{plan.attempt}-{group.index}-"
+                                    f"{uuid.uuid4().hex[:8]}.safetensors")
             stack.callback(_remove, baseline)
             baseline_cache.rebuild(plan, baseline, group.names)
             events.reached("publish.group-baseline-rebuilt", step=plan.step, group=group.index)
@@ -215,9 +219,24 @@ def encode_group(plan: PublishPlan, source: str, baseline: str | None, group: Te
     return entries
 
 
+GROUP_BASELINE = "dcr-group-baseline-"  # a group's baseline rebuilt from ROOT, in the worker's temp directory
+STALE_GROUP_BASELINE_SECONDS = 3600  # one left this long belongs to a worker killed mid-group
+
+
 def _remove(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
+
+
+def _sweep_group_baselines() -> None:
+    """Remove group baselines (and their writers' temp files) that killed workers left behind."""
+    tmp, now = tempfile.gettempdir(), time.time()
+    for name in os.listdir(tmp):
+        if name.startswith((GROUP_BASELINE, f".{GROUP_BASELINE}")):
+            path = os.path.join(tmp, name)
+            with contextlib.suppress(OSError):
+                if now - os.stat(path).st_mtime > STALE_GROUP_BASELINE_SECONDS:
+                    os.unlink(path)
 
 
 @contextlib.contextmanager

@@ -103,7 +103,8 @@ def _encode(tasks: Bound, plan, snap, baseline) -> dict:
 
 
 def mappable(plan, snap, baseline):
-    """The plan and files as workers can use them (local paths made absolute); ``UsageError`` for
+    """The plan and files as workers can use them (local paths, the cache directory's too, made
+    absolute: a worker finds the publisher's cache where it is); ``UsageError`` for
     what cannot leave this process: tensors held in memory, a ``memory://`` ROOT."""
     if not isinstance(snap, str):
         raise UsageError("publishing on workers reads a checkpoint file where each task runs; tensors held in this "
@@ -111,7 +112,8 @@ def mappable(plan, snap, baseline):
     if baseline is not None and not isinstance(baseline, str):
         raise UsageError("publishing on workers needs a baseline file the workers can read, not one held in memory: "
                          "publish without held=, or without workers")
-    return (dataclasses.replace(plan, root=portable_root(plan.root)), os.path.abspath(snap),
+    options = plan.options.model_copy(update={"cache_dir": os.path.abspath(plan.options.cache_dir)})
+    return (dataclasses.replace(plan, root=portable_root(plan.root), options=options), os.path.abspath(snap),
             None if baseline is None else os.path.abspath(baseline))
 
 

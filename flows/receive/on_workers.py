@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from dcr_core import events
 from dcr_core.batches import byte_batches, target_bytes
-from dcr_core.errors import UsageError
+from dcr_core.errors import IntegrityError, UsageError
 from flows.options import ReceiveOptions
 from flows.receive.state_file import Staged
 from flows.steps import Bound
@@ -54,9 +54,10 @@ class Group:
     names: tuple[str, ...]
 
 
-def reserve_file(plan: RefitPlan, state_path: str) -> Reserved:
-    """The temp file beside ``state_path``: header (the step, its policy digest, ROOT) and full
-    size; a held state's schema is checked against its step first."""
+def reserve_file(plan: RefitPlan, state_path: str, root_url: str | None = None) -> Reserved:
+    """The temp file beside ``state_path``: header (the step, its policy digest, ROOT: ``root_url``
+    as the caller named it, else the plan's) and full size; a held state's schema is checked
+    against its step first."""
     ms = reader.manifests(plan)
     target = ms[plan.target_step]
     held = None
@@ -66,7 +67,8 @@ def reserve_file(plan: RefitPlan, state_path: str) -> Reserved:
             reader.check_schema(ms[plan.current_step], ck.infos, state_path)
     names = sorted(target.tensors)
     writer = StreamingSafetensorsWriter(state_path, [target.tensors[n].info for n in names],
-                                        state.metadata(plan.target_step, target.policy_digest, plan.root.url),
+                                        state.metadata(plan.target_step, target.policy_digest,
+                                                       root_url or plan.root.url),
                                         header_room=state.HEADER_ROOM)
     try:
         offsets = writer.reserve()
@@ -110,13 +112,19 @@ def groups_of(plan: RefitPlan, slots: int, group_bytes: int | None = None) -> li
     return [Group(i, len(runs), tuple(r)) for i, r in enumerate(runs)]
 
 
-def stage_on_workers(tasks: Bound, plan: RefitPlan, state_path: str, options: ReceiveOptions) -> Staged:
+def stage_on_workers(tasks: Bound, plan: RefitPlan, state_path: str, options: ReceiveOptions,
+                     root_url: str | None = None) -> Staged:
     """Stage the refit as a new file written by ``rewrite-group`` tasks on the runner's workers;
     a ``state_file.Staged`` for ``install_state``. The temp file is removed on any failure."""
-    reserved = tasks.reserve_file(plan, state_path)
+    reserved = tasks.reserve_file(plan, state_path, root_url)
     try:
         parts = tasks.map("rewrite_group", [{"group": g} for g in groups_of(plan, tasks.slots, options.group_bytes)],
                           plan=plan, reserved=reserved, io_workers=options.io_workers)
+        target = reader.manifests(plan)[plan.target_step]
+        expected = sum(e.nbytes for e in target.tensors.values())
+        if sum(p["bytes_written"] for p in parts) != expected:  # every tensor written, once: no hole of zeros
+            raise IntegrityError(f"{state_path}: the groups wrote {sum(p['bytes_written'] for p in parts)} of "
+                                 f"{expected} bytes; nothing installed")
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(reserved.tmp)

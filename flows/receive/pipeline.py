@@ -92,6 +92,7 @@ def run_receive(
     state_path = state_file.check_path(state_path)
     tasks = STATE_STEPS.bind(runner or InProcess())
     mapped = tasks.mapped and not options.in_place  # an in-place patch runs here (see flows.receive.on_workers)
+    named = ref.url  # what the state's header records, as in one process
     if mapped:
         ref, state_path = portable_root(ref), os.path.abspath(state_path)
     with state.exclusive(state_path):  # one writer per state file; leftovers of a killed one removed
@@ -110,7 +111,7 @@ def run_receive(
                 if not p.moves:
                     return None
                 if mapped:
-                    return on_workers.stage_on_workers(tasks, p, state_path, options)
+                    return on_workers.stage_on_workers(tasks, p, state_path, options, named)
                 return tasks.stage_refit(p, state_path, options)
 
             def release() -> None:

@@ -399,7 +399,10 @@ def write_at(path: str, placed: Mapping[str, int], tensors: Iterator[tuple[str, 
             view = memoryview(data).cast("B")
             done = 0
             while done < view.nbytes:
-                done += os.pwrite(fd, view[done:], placed[name] + done)
+                n = os.pwrite(fd, view[done:], placed[name] + done)
+                if n <= 0:
+                    raise OSError(f"{path}: wrote nothing at offset {placed[name] + done} (tensor {name!r})")
+                done += n
             written += done
         os.fsync(fd)
     finally:

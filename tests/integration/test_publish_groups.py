@@ -42,8 +42,9 @@ class Groups:
         return out
 
 
-@pytest.mark.parametrize("cache_seen", [True, False], ids=["cache-seen", "cache-out-of-reach"])
-def test_groups_store_what_one_process_stores_and_keep_the_cache(tmp_path, cache_seen):
+@pytest.mark.parametrize(("cache_seen", "relative"), [(True, False), (True, True), (False, False)],
+                         ids=["cache-seen", "cache-seen-relative-paths", "cache-out-of-reach"])
+def test_groups_store_what_one_process_stores_and_keep_the_cache(tmp_path, monkeypatch, cache_seen, relative):
     """Groups that see the publisher's cache each log their changes and the cache is patched with
     every group's log after the commit; groups that cannot see it rebuild their tensors' baseline
     from ROOT (and the cache is copied whole). Either way the stored objects equal one process's."""
@@ -59,6 +60,9 @@ def test_groups_store_what_one_process_stores_and_keep_the_cache(tmp_path, cache
 
     here, grouped = str(tmp_path / "here"), str(tmp_path / "grouped")
     cache = str(tmp_path / "c2")
+    if relative:  # ROOT and cache named relative to the publisher's directory: the workers get absolute paths
+        monkeypatch.chdir(tmp_path)
+        grouped, cache = "grouped", "c2"
     with events.listening(listener):
         for step, path in enumerate(paths):
             opts = {"chunk_bytes": 1 << 12}
