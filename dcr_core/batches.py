@@ -22,6 +22,13 @@ def target_bytes(total: int, slots: int, minimum: int = MIN_BATCH_BYTES) -> int:
     return max(minimum, -(-total // max(1, slots * BATCHES_PER_SLOT)))
 
 
+def batches_for(sizes: Iterable[tuple[K, int]], slots: int, target: int | None = None) -> list[list[K]]:
+    """``sizes`` cut into runs of ``target`` bytes (default: ``target_bytes`` of their total for
+    ``slots`` worker threads): what a step mapped on workers splits its items into."""
+    sizes = list(sizes)
+    return byte_batches(sizes, target or target_bytes(sum(n for _, n in sizes), slots))
+
+
 def byte_batches(sizes: Iterable[tuple[K, int]], target: int) -> list[list[K]]:
     """``(item, nbytes)`` pairs, in their order, cut into runs of about ``target`` bytes: a new run
     starts once the current one holds ``target`` bytes or more."""

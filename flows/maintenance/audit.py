@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dcr_core import events
-from dcr_core.batches import byte_batches, target_bytes
+from dcr_core.batches import batches_for
 from dcr_core.chain import DELTA, Direction, Move
 from dcr_core.errors import DCRError, IntegrityError
 from flows.steps import InProcess, Runner, Step, StepTable
@@ -198,8 +198,7 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
                 report.errors.append(f"step {s}: {type(e).__name__}: {e}")
                 report.steps.append(s)
                 continue
-            runs = byte_batches(((n, e.nbytes) for n, e in sorted(m.tensors.items())),
-                                group_bytes or target_bytes(sum(e.nbytes for e in m.tensors.values()), tasks.slots))
+            runs = batches_for(((n, e.nbytes) for n, e in sorted(m.tensors.items())), tasks.slots, group_bytes)
             parts = tasks.map("verify_tensors", [{"names": tuple(r)} for r in runs], root=ref, step=s, deep=deep,
                               io_workers=workers)
         else:

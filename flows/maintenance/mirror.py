@@ -35,7 +35,7 @@ import logging
 from dataclasses import asdict, dataclass, field
 
 from dcr_core import events
-from dcr_core.batches import byte_batches, target_bytes
+from dcr_core.batches import batches_for
 from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError, UsageError
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
@@ -264,8 +264,7 @@ def _mirror_mapped(tasks: Bound, s: RootRef, d: RootRef, step: int, as_id: str |
         result.present_steps.append(step)
         return
     try:
-        target = group_bytes or target_bytes(sum(n for _, n in job.todo), tasks.slots)
-        batches = [{"keys": tuple(b)} for b in byte_batches(job.todo, target)]
+        batches = [{"keys": tuple(b)} for b in batches_for(job.todo, tasks.slots, group_bytes)]
         for part in tasks.map("copy_object_batch", batches, src=s, dst=d, io_workers=io_workers):
             result.objects_copied += part["objects"]
             result.bytes_copied += part["bytes"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dcr_core.batches import byte_batches, target_bytes
+from dcr_core.batches import batches_for
 from flows.publish.plan import PublishPlan
 from storage import layout
 
@@ -51,7 +51,6 @@ def plan_groups(plan: PublishPlan, slots: int) -> list[TensorGroup]:
     ``dcr_core.batches.target_bytes`` for ``slots``), consecutive in name order."""
     names = sorted(plan.infos)
     arrays = array_names(names)
-    target = plan.options.group_bytes or target_bytes(sum(i.nbytes for i in plan.infos.values()), slots)
-    runs = byte_batches(((n, plan.infos[n].nbytes) for n in names), target)
+    runs = batches_for(((n, plan.infos[n].nbytes) for n in names), slots, plan.options.group_bytes)
     return [TensorGroup(i, len(runs), tuple(r), tuple(arrays[n] for n in r), sum(plan.infos[n].nbytes for n in r))
             for i, r in enumerate(runs)]

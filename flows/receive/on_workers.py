@@ -22,7 +22,7 @@ import os
 from dataclasses import dataclass
 
 from dcr_core import events
-from dcr_core.batches import byte_batches, target_bytes
+from dcr_core.batches import batches_for
 from dcr_core.errors import IntegrityError, UsageError
 from flows.options import ReceiveOptions
 from flows.receive.state_file import Staged
@@ -107,8 +107,7 @@ def groups_of(plan: RefitPlan, slots: int, group_bytes: int | None = None) -> li
     ``dcr_core.batches.target_bytes`` for ``slots``), in name order."""
     target = reader.manifests(plan)[plan.target_step]
     names = sorted(target.tensors)
-    runs = byte_batches(((n, target.tensors[n].nbytes) for n in names),
-                        group_bytes or target_bytes(sum(e.nbytes for e in target.tensors.values()), slots))
+    runs = batches_for(((n, target.tensors[n].nbytes) for n in names), slots, group_bytes)
     return [Group(i, len(runs), tuple(r)) for i, r in enumerate(runs)]
 
 

@@ -59,6 +59,40 @@ def _address(cluster) -> str:
     return "dask://" + cluster.scheduler_address.removeprefix("tcp://")
 
 
+def _kill_when_reached(log: str, victim: int, point: str, **match) -> tuple[threading.Thread, dict]:
+    """A thread that SIGKILLs worker process ``victim`` once the event log shows it reached ``point``
+    (with ``match``'s fields) and paused there; it notes the group it killed in the dict."""
+    killed: dict = {}
+
+    def kill_when_paused():
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            hits = [e for e in read_log(log) if e["pid"] == victim and e["point"] == point
+                    and all(e.get(k) == v for k, v in match.items())]
+            if hits:
+                time.sleep(0.2)  # it is blocked at the point now (pause never returns)
+                killed["group"] = hits[0]["group"]
+                os.kill(victim, signal.SIGKILL)
+                return
+            time.sleep(0.05)
+
+    killer = threading.Thread(target=kill_when_paused, daemon=True)
+    killer.start()
+    return killer, killed
+
+
+def _damage_a_chunk(root: str, step: int) -> str:
+    """Flip a bit in the middle of the largest stored chunk of committed ``step``; its path."""
+    marker = json.loads(open(os.path.join(root, layout.commit_key(step))).read())
+    store = os.path.join(root, layout.store_dir(step, marker["attempt"]))
+    chunk = max((os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if f != "zarr.json"),
+                key=os.path.getsize)
+    data = bytearray(open(chunk, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(chunk, "wb").write(bytes(data))
+    return chunk
+
+
 def _checkpoints(tmp_path, n: int = 3) -> list[str]:
     paths = []
     for i, ck in enumerate(chain_of_steps(n, seed=7, ulps=0.5, big=300)):
@@ -132,22 +166,7 @@ def test_a_worker_killed_mid_group_has_its_group_run_again(cluster, client, pref
                       workers=_address(cluster))
     run_publish(ref, paths[1], 1, options=PublishOptions(cache_dir=str(tmp_path / "c1"), **opts))
     client.run(events.set_failpoints, "publish.group-started@1=pause", workers=[victim_addr])
-    killed: dict = {}
-
-    def kill_when_paused():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            hits = [e for e in read_log(log) if e["pid"] == victim and e["point"] == "publish.group-started"
-                    and e["step"] == 1]
-            if hits:
-                time.sleep(0.2)  # it is blocked at the point now (pause never returns)
-                killed["group"] = hits[0]["group"]
-                os.kill(victim, signal.SIGKILL)
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_when_paused, daemon=True)
-    killer.start()
+    killer, killed = _kill_when_reached(log, victim, "publish.group-started", step=1)
     res = publish_refit(root, paths[1], 1, options=PublishOptions(cache_dir=str(tmp_path / "c2"), **opts),
                         workers=_address(cluster))
     killer.join(10)
@@ -189,21 +208,7 @@ def test_a_worker_killed_mid_rewrite_group_has_its_group_run_again(cluster, clie
     victim_addr = sorted(pids)[0]
     victim = pids[victim_addr]
     client.run(events.set_failpoints, "receive.group-started@1=pause", workers=[victim_addr])
-    killed: dict = {}
-
-    def kill_when_paused():
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            hits = [e for e in read_log(log) if e["pid"] == victim and e["point"] == "receive.group-started"]
-            if hits:
-                time.sleep(0.2)  # it is blocked at the point now (pause never returns)
-                killed["group"] = hits[0]["group"]
-                os.kill(victim, signal.SIGKILL)
-                return
-            time.sleep(0.05)
-
-    killer = threading.Thread(target=kill_when_paused, daemon=True)
-    killer.start()
+    killer, killed = _kill_when_reached(log, victim, "receive.group-started")
     out, want = str(tmp_path / "w.safetensors"), str(tmp_path / "l.safetensors")
     materialize_refit(root, 1, out, options=ReceiveOptions(group_bytes=8 << 10), workers=_address(cluster))
     killer.join(10)
@@ -289,13 +294,7 @@ def test_cli_mirrors_materializes_receives_and_verifies_on_its_own_local_cluster
     assert_bits_equal(read_state(state), read_state(paths[1]))
     report = json.loads(run("verify", mirror, "--deep", "--workers", "2", "--json").stdout)
     assert report["steps"] == [0, 1] and report["replayed"] == [1] and not report["errors"]
-    marker = json.loads(open(os.path.join(mirror, layout.commit_key(1))).read())
-    store = os.path.join(mirror, layout.store_dir(1, marker["attempt"]))
-    chunk = max((os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if f != "zarr.json"),
-                key=os.path.getsize)
-    data = bytearray(open(chunk, "rb").read())
-    data[len(data) // 2] ^= 0x10
-    open(chunk, "wb").write(bytes(data))
+    chunk = _damage_a_chunk(mirror, 1)
     failed = run("verify", mirror, "--workers", "2", ok=False)
     assert "dcr: verify:" in failed.stderr and os.path.basename(chunk) in failed.stderr, failed.stderr[-2000:]
     for argv, why in ((["mirror", origin, mirror, "--workers", "2", "--follow"], "does not --follow"),
@@ -457,13 +456,7 @@ def test_mirror_materialize_receive_and_verify_through_workers(cluster, client, 
     assert (checked["chunks"], checked["bytes"], checked["replayed"]) == (local.chunks, local.bytes, local.replayed)
     assert checked["replayed"] == [1, 2] and checked["steps"] == [0, 1, 2]
 
-    marker = json.loads(open(os.path.join(mirror, layout.commit_key(1))).read())
-    store = os.path.join(mirror, layout.store_dir(1, marker["attempt"]))
-    chunk = max((os.path.join(d, f) for d, _, fs in os.walk(store) for f in fs if f != "zarr.json"),
-                key=os.path.getsize)
-    data = bytearray(open(chunk, "rb").read())
-    data[len(data) // 2] ^= 0x10
-    open(chunk, "wb").write(bytes(data))
+    chunk = _damage_a_chunk(mirror, 1)
     damaged = verify_refit(mirror, 1, workers=address, group_bytes=8 << 10)
     assert damaged["errors"] and damaged["steps"] == [1]
     assert any(os.path.relpath(chunk, mirror) in e or os.path.basename(chunk) in e for e in damaged["errors"]), damaged
