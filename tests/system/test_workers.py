@@ -22,7 +22,7 @@ from storage import layout
 from tests.support.helpers import assert_bits_equal, chain_of_steps, read_state, write_safetensors
 from tests.support.helpers import attempt_objects as _attempt_objects
 
-pytestmark = pytest.mark.prefect
+pytestmark = [pytest.mark.prefect, pytest.mark.slow]  # a LocalCluster and a Prefect server per module: make test-slow (CI runs it)
 
 dask = pytest.importorskip("distributed")
 
@@ -104,9 +104,9 @@ def _checkpoints(tmp_path, n: int = 3) -> list[str]:
 
 @pytest.mark.parametrize(("codec", "group_bytes"), [
     ("sparse", 8 << 10),
-    pytest.param("sparse", 1, marks=pytest.mark.slow, id="sparse-one-tensor-groups"),
-    pytest.param("cond", 8 << 10, marks=pytest.mark.slow),
-    pytest.param("cond", 1, marks=pytest.mark.slow, id="cond-one-tensor-groups"),
+    pytest.param("sparse", 1, id="sparse-one-tensor-groups"),
+    ("cond", 8 << 10),
+    pytest.param("cond", 1, id="cond-one-tensor-groups"),
 ])
 def test_workers_store_what_one_process_stores(cluster, prefect_settings, tmp_path, codec, group_bytes):
     """In-process, and on 2 workers with groups of 8 KiB or of one tensor each: the same objects
@@ -142,7 +142,6 @@ def test_workers_store_what_one_process_stores(cluster, prefect_settings, tmp_pa
     assert_bits_equal(read_state(state), read_state(paths[-1]))
 
 
-@pytest.mark.slow
 @pytest.mark.faults(component="Dask workers", outcome="the group runs again on another worker; the step commits once, "
                     "bit-exact")
 def test_a_worker_killed_mid_group_has_its_group_run_again(cluster, client, prefect_settings, tmp_path):
@@ -187,7 +186,6 @@ def test_a_worker_killed_mid_group_has_its_group_run_again(cluster, client, pref
     client.wait_for_workers(2, timeout=60)  # the nanny restarted the victim: the cluster is whole again
 
 
-@pytest.mark.slow
 @pytest.mark.faults(component="Dask workers", outcome="the group runs again on another worker; the materialized file "
                     "is the one-process file, byte for byte")
 def test_a_worker_killed_mid_rewrite_group_has_its_group_run_again(cluster, client, prefect_settings, tmp_path):
@@ -245,7 +243,6 @@ def test_what_cannot_travel_is_refused_in_one_line(cluster, prefect_settings, tm
     assert parse_workers(0) is None and parse_workers("2") == 2 and parse_workers("dask://[::1]:8786") == "tcp://[::1]:8786"
 
 
-@pytest.mark.slow
 def test_cli_publishes_on_its_own_local_cluster(tmp_path):
     """``dcr publish --workers 2`` with no Prefect API configured: the CLI starts one local API
     and a LocalCluster of 2 processes; receivers get the bits."""
@@ -266,7 +263,6 @@ def test_cli_publishes_on_its_own_local_cluster(tmp_path):
     assert_bits_equal(read_state(state), read_state(paths[-1]))
 
 
-@pytest.mark.slow
 def test_cli_mirrors_materializes_receives_and_verifies_on_its_own_local_cluster(tmp_path):
     """``dcr mirror|materialize|receive|verify --workers 2`` with no Prefect API configured: each
     starts a local API and a LocalCluster of 2 processes; the results are bit-exact, and a damaged
@@ -333,7 +329,6 @@ def _stop(*procs: subprocess.Popen) -> None:
         p.wait(30)
 
 
-@pytest.mark.slow
 @pytest.mark.faults(component="Dask workers", outcome="the publish fails in one line, nothing is committed; a rerun "
                     "commits the step bit-exact")
 def test_losing_the_scheduler_commits_nothing_and_a_rerun_succeeds(prefect_settings, tmp_path):
