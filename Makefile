@@ -89,6 +89,12 @@ clean:
 simulate: install
 	$(DCR) simulate bench/scenarios/*.toml --out docs/simulate
 
+# Publishing on Dask workers: 1 and 2 worker processes against one process, Prefect's cost per
+# mapped task against Dask's, and a projection to 1T parameters on N machines (docs/bench-workers)
+.PHONY: bench-workers
+bench-workers: install
+	$(PY) -m dcr_bench.workers_scaling --out docs/bench-workers
+
 # A relay tree of ROOTs (origin -> region mirrors -> receivers) against direct receivers: bytes per
 # inter-region link and seconds to the last receiver's commit (docs/bench-tree)
 .PHONY: bench-tree

@@ -39,14 +39,17 @@ from flows.maintenance.gc import GcReport, run_gc
 from flows.maintenance.mirror import run_mirror
 from flows.options import GcOptions, PublishOptions, ReceiveOptions
 from flows.publish.pipeline import run_publish
-from flows.receive.module_pipeline import receive_into_module
 from flows.receive.pipeline import run_materialize, run_receive
-from flows.receive.vllm_refit import refit_engine
 from flows.results import PublishResult, as_dict
 from flows.steps import Step
 from storage import layout
 from storage.catalog import Catalog
 from storage.root import open_root
+
+# Not imported here: flows.receive.module_pipeline and flows.receive.vllm_refit, the receivers of live
+# targets (a module with ``load_weights``, a vLLM engine), import torch (2-3 s). ``receive_refit``
+# imports them when it refits one (its caller holds torch already). This module is imported by every
+# Prefect-orchestrated command and by every Dask worker, which unpickles the flow with each task.
 
 
 @functools.cache
@@ -180,8 +183,12 @@ def receive_refit(
             result = as_dict(run_receive(str(root), receiver_id, target, step, storage_options, options,
                                          PrefectRunner(mapped_on)))
         elif callable(getattr(target, "collective_rpc", None)):
+            from flows.receive.vllm_refit import refit_engine  # noqa: PLC0415 - torch: see the imports
+
             result = refit_engine(target, str(root), receiver_id, step, storage_options, options, state_path, PrefectRunner())
         else:
+            from flows.receive.module_pipeline import receive_into_module  # noqa: PLC0415 - torch: see the imports
+
             result = receive_into_module(str(root), receiver_id, target, step, storage_options, options, state_path,
                                          PrefectRunner())
     _best_effort(_report_receive, str(root), storage_options, receiver_id, result)

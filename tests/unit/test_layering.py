@@ -25,14 +25,17 @@ LAZY_OK = {
     "prefect.server.api.server",  # flows.cli.orchestrated: a local API for --workers only (1.3 s to import)
     # flows.workers: Dask only when workers are asked for
     "prefect_dask", "distributed", "distributed.comm.core", "distributed.scheduler",
+    # flows.prefect_flows: only for live-module and vLLM-engine targets (torch; see its _LIVE_TARGETS)
+    "flows.receive.module_pipeline", "flows.receive.vllm_refit",
     # flows.receive.vllm_worker and vllm_fixups: only inside a vLLM worker
     "vllm.config", "vllm.model_executor.model_loader.reload", "vllm.model_executor.layers.attention",
 }
 # Which top-level layers each layer may import (its own included).
 ALLOWED = {"dcr_core": {"dcr_core"}, "storage": {"dcr_core", "storage"}, "flows": {"dcr_core", "storage", "flows"}}
-# Inside flows: the domains do not import each other; only the orchestration and the CLI combine them.
+# Inside flows: the domains do not import each other; only the orchestration, the CLI and the Dask
+# workers' preload combine them.
 DOMAINS = ("flows.publish", "flows.receive", "flows.maintenance")
-COMBINERS = ("flows.prefect_flows", "flows.cli", "flows.deployments", "flows.__init__")
+COMBINERS = ("flows.prefect_flows", "flows.cli", "flows.deployments", "flows.__init__", "flows.worker_setup")
 
 
 def modules() -> dict[str, Path]:
@@ -167,6 +170,14 @@ BITS_ONLY = [  # what bucket-only commands and state-file receivers load
 def test_bucket_commands_and_state_file_receivers_import_neither_torch_nor_prefect():
     report = _import_report(BITS_ONLY)
     assert not report["torch"] and not report["prefect"], report
+
+
+def test_dask_workers_import_no_torch():
+    """A worker runs bits-only tasks: it preloads ``flows.worker_setup`` and unpickles the flow
+    (``flows.prefect_flows``) with every task's run context; torch there would cost each worker's
+    first task 2-3 s."""
+    report = _import_report(["flows.worker_setup", "flows.prefect_flows"])
+    assert not report["torch"], report
 
 
 def test_importing_the_runtime_changes_nothing_in_the_process():
