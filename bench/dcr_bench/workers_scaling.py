@@ -41,6 +41,7 @@ import time
 
 from dcr_bench.commands import _dcr_argv
 from dcr_bench.scaling import _shapes, _write
+from dcr_core.batches import BATCHES_PER_SLOT
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROJECTION_MACHINES = (1, 8, 32, 128)
@@ -64,9 +65,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_prefect(home: str) -> tuple[subprocess.Popen | None, str]:
-    """A Prefect API server on 127.0.0.1 through ``infra/start-prefect.sh``: (its pid file's process,
-    the API URL)."""
+def start_prefect(home: str) -> tuple[int, str]:
+    """A Prefect API server on 127.0.0.1 through ``infra/start-prefect.sh``: (its pid, the API URL)."""
     port = _free_port()
     env = {**os.environ, "PREFECT_HOME": home, "DCR_PYTHON": sys.executable}
     out = subprocess.run(["bash", os.path.join(REPO, "infra", "start-prefect.sh"), str(port)], env=env,
@@ -84,7 +84,7 @@ def _publish(dcr: list[str], root: str, ckpt: str, step: int, cpus: list[int], w
     out = subprocess.run(argv, env=env, capture_output=True, text=True, preexec_fn=lambda: os.sched_setaffinity(0, cpus))
     wall = time.perf_counter() - t0
     if out.returncode:
-        raise RuntimeError(f"dcr publish --step {step} {' '.join(argv[len(dcr) + 6:])} failed: {out.stderr.strip()[-800:]}")
+        raise RuntimeError(f"dcr {' '.join(argv[len(dcr):])} failed: {out.stderr.strip()[-800:]}")
     doc = json.loads(out.stdout)
     t = doc["timings"]
     encode = t["encode-group"] if workers else t["encode-and-write-chunks"]  # mapped on workers: one step, timed whole
@@ -185,7 +185,7 @@ def summarize(pub: dict, ovh: dict, size_t: float, cores_per_machine: int, read_
     proj = []
     for n in PROJECTION_MACHINES:
         slots = n * cores_per_machine
-        groups = 4 * slots
+        groups = BATCHES_PER_SLOT * slots  # flows.publish.groups' default split
         enc, read = size_t / (slots * r * 1e9), size_t / (n * read_gbps * 1e9)
         proj.append({"machines": n, "encode_s": enc, "read_s": read, "tasks_s": groups / slots * t_task,
                      "total_s": t_fixed + max(enc, read) + groups / slots * t_task})
@@ -223,7 +223,7 @@ def markdown(res: dict) -> str:
         "## Projection (a model, not a measurement)\n",
         (f"T(N) = t_fixed + max(S / (N c r), S / (N b)) + (G / (N c)) t_task with S = {s['projection']['bytes'] / 1e12:g} TB, "
          f"c = {s['projection']['cores_per_machine']} worker processes per machine, b = {s['projection']['read_gbps_per_machine']:g} "
-         f"GB/s read per machine (assumed), G = 4 groups per worker, r, t_task and t_fixed as measured above.\n"),
+         f"GB/s read per machine (assumed), G = {BATCHES_PER_SLOT} groups per worker, r, t_task and t_fixed as measured above.\n"),
         "| machines | encode s | read s | task overhead s | total s |",
         "|---:|---:|---:|---:|---:|",
     ]
