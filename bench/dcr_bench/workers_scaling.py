@@ -73,7 +73,8 @@ def start_prefect(home: str) -> tuple[int, str]:
                          capture_output=True, text=True, timeout=180)
     if out.returncode:
         raise RuntimeError(f"the Prefect API server did not start: {out.stderr.strip()[-600:]}")
-    return int(open(os.path.join(home, "server.pid")).read()), f"http://127.0.0.1:{port}/api"
+    with open(os.path.join(home, "server.pid")) as f:
+        return int(f.read()), f"http://127.0.0.1:{port}/api"
 
 
 def _publish(dcr: list[str], root: str, ckpt: str, step: int, cpus: list[int], workers: int | None, env: dict) -> dict:

@@ -25,7 +25,7 @@ LAZY_OK = {
     "prefect.server.api.server",  # flows.cli.orchestrated: a local API for --workers only (1.3 s to import)
     # flows.workers: Dask only when workers are asked for
     "prefect_dask", "distributed", "distributed.comm.core", "distributed.scheduler",
-    # flows.prefect_flows: only for live-module and vLLM-engine targets (torch; see its _LIVE_TARGETS)
+    # flows.prefect_flows: only for live-module and vLLM-engine targets (torch; see the note under its imports)
     "flows.receive.module_pipeline", "flows.receive.vllm_refit",
     # flows.receive.vllm_worker and vllm_fixups: only inside a vLLM worker
     "vllm.config", "vllm.model_executor.model_loader.reload", "vllm.model_executor.layers.attention",
