@@ -56,7 +56,7 @@ class Server:
     options: dict
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -72,7 +72,7 @@ def s3_servers(names, log_dir, timeout: float = 60.0):
     try:
         out = {}
         for name in names:
-            port = _free_port()
+            port = free_port()
             url = f"http://127.0.0.1:{port}"
             log = open(os.path.join(log_dir, f"moto-{name}.log"), "wb")
             proc = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],

@@ -32,7 +32,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ import tempfile
 import time
 
 from dcr_bench.commands import _dcr_argv
+from dcr_bench.relay_tree import free_port
 from dcr_bench.scaling import _shapes, _write
 from dcr_core.batches import BATCHES_PER_SLOT
 
@@ -59,15 +59,9 @@ def _configs(cores: list[int]) -> list[dict]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_prefect(home: str) -> tuple[int, str]:
     """A Prefect API server on 127.0.0.1 through ``infra/start-prefect.sh``: (its pid, the API URL)."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PREFECT_HOME": home, "DCR_PYTHON": sys.executable}
     out = subprocess.run(["bash", os.path.join(REPO, "infra", "start-prefect.sh"), str(port)], env=env,
                          capture_output=True, text=True, timeout=180)
