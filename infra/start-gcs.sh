@@ -11,7 +11,8 @@ BUCKET="${2:-dcr}"
 LOG="${TMPDIR:-/tmp}/dcr-gcs-$PORT.log"
 PY="$(find_python gcp_storage_emulator)"
 port_free "$PY" "$PORT"
-"$PY" -m gcp_storage_emulator start --host 127.0.0.1 --port "$PORT" --in-memory --default-bucket "$BUCKET" >"$LOG" 2>&1 &
+# infra/gcs_emulator.py: the emulator with a listen backlog that takes DCR's parallel requests (see there)
+"$PY" "$REPO/infra/gcs_emulator.py" start --host 127.0.0.1 --port "$PORT" --in-memory --default-bucket "$BUCKET" >"$LOG" 2>&1 &
 PID=$!
 echo "$PID" >"${TMPDIR:-/tmp}/dcr-gcs-$PORT.pid"
 wait_healthy "$PY" "$PID" "http://127.0.0.1:$PORT/storage/v1/b" "$LOG" 30

@@ -6,6 +6,7 @@ import sys
 import time
 from dataclasses import asdict
 
+from dcr_core import events
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options
 from flows.maintenance.mirror import MirrorResult, run_mirror
@@ -78,6 +79,7 @@ def run(name: str, args) -> int:
                 f"already there: {len(r.present_steps)}", asdict(r))
         if not args.follow:
             return 0
+        events.reached("follow.waiting", held=max(r.copied_steps + r.present_steps, default=None))
         if stream is None:
             time.sleep(args.interval)
             continue

@@ -134,6 +134,7 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
         handles.append(held_ref)
         baseline = tasks.load_baseline(plan, held_ref)
         handles.append(baseline)
+        redone = None
         try:
             entries = _encode(tasks, plan, snap, baseline)
         except BaselineMismatchError as e:
@@ -141,8 +142,10 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
                 raise
             # The cache file failed the check made as it was used (flows.publish.baseline, "Trust"):
             # drop what this attempt wrote and encode once more, in a fresh attempt, from a baseline
-            # hashed in full now (or rebuilt from ROOT). Nothing was committed.
-            log.warning("%s; publishing step %d again from a checked baseline", e, step)
+            # hashed in full now (or rebuilt from ROOT). Nothing was committed. Said once the step
+            # commits: the usual cause is another publisher of this ROOT that committed and patched
+            # the cache, and a publisher that then loses the step prints its one-line error alone.
+            redone = e
             discard_attempt(open_root(ref), step, plan.attempt)
             plan = dataclasses.replace(plan, attempt=uuid.uuid4().hex)
             baseline = tasks.load_baseline(plan, None, True)
@@ -151,6 +154,8 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
         full = tasks.write_snapshot(plan, snap, entries) if plan.snapshot else None
         manifest = tasks.write_manifest(plan, entries, full)
         marker = tasks.commit_step(plan, manifest)
+        if redone is not None:
+            log.warning("%s; step %d was published again from a checked baseline", redone, step)
         # Hold only a copy made here: a mapping passed in may still change under its owner.
         hold = held is not None and isinstance(source, Mapping)
         kept = tasks.remember_baseline(plan, snap, marker, baseline, hold)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 
+from dcr_core import events
 from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UntrustedError
 from flows.options import ReceiveOptions
 from flows.poll import poll
@@ -49,7 +50,10 @@ def follow(
         if stream is not None:
             stream.watch(held)
         latest = Catalog(open_root(root)).latest_committed()  # opened on first use: an endpoint down now is retried
-        return latest if latest is not None and (held is None or latest > held) else None
+        if latest is not None and (held is None or latest > held):
+            return latest
+        events.reached("follow.waiting", held=held)
+        return None
 
     backoff = interval
     while True:

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import threading
-import time
 import uuid
 
 import pytest
@@ -34,6 +33,7 @@ from storage.root import Root, RootRef
 from tests.support.fault_report import FaultCase
 from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes
 from tests.support.kill import REPO, kill_at
+from tests.support.procs import Lines, reported
 from tests.support.servers import S3_BUCKET
 
 CHUNK_BYTES = 256
@@ -49,25 +49,30 @@ class Points:
 
     def __init__(self):
         self.seen: list[tuple[str, dict]] = []
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
 
     def __call__(self, point: str, fields: dict) -> None:
-        with self._lock:
+        with self._cond:
             self.seen.append((point, dict(fields)))
+            self._cond.notify_all()
 
     def count(self, point: str) -> int:
-        with self._lock:
+        with self._cond:
             return sum(1 for p, _ in self.seen if p == point)
 
     def first(self, point: str) -> int:
-        with self._lock:
+        with self._cond:
             return next(i for i, (p, _) in enumerate(self.seen) if p == point)
 
     def wait_for(self, point: str, n: int = 1, timeout: float = 60) -> None:
-        deadline = time.monotonic() + timeout
-        while self.count(point) < n:
-            assert time.monotonic() < deadline, f"{point} reached {self.count(point)} times, not {n}"
-            time.sleep(0.01)
+        with self._cond:
+            if not self._cond.wait_for(lambda: sum(1 for p, _ in self.seen if p == point) >= n, timeout):
+                raise AssertionError(f"{point} reached {sum(1 for p, _ in self.seen if p == point)} times, not {n}")
+
+    def wait_for_next(self, point: str, timeout: float = 60) -> None:
+        """Until ``point`` is reached once more than it has been so far (a follower that looked
+        again: whatever it would have done by now, it did)."""
+        self.wait_for(point, self.count(point) + 1, timeout)
 
 
 class Follower(threading.Thread):
@@ -231,7 +236,7 @@ def test_a_publisher_dying_mid_stream_leaves_followers_untouched(case, tmp_path)
         with events.failpoints(f"{SLOW},{point}=raise"), pytest.raises(events.FailpointError):
             run_publish(root, other, 1, options=opts(tmp_path))
         points.wait_for("stream.chunk-prefetched")
-        time.sleep(0.2)
+        points.wait_for_next("follow.waiting")  # it looked for a commit again, and found none
         assert f.is_alive() and file_bytes(state) == before  # nothing applied: no commit
         assert Catalog(Root(root)).committed_steps() == [0]
         dead = f.streaming.started[-1][1]
@@ -320,7 +325,7 @@ def test_a_forged_announcement_or_index_changes_nothing(tmp_path):
         f = Follower(root, state, until=1)
         f.start()
         points.wait_for("stream.index-read", seq)
-        time.sleep(0.3)
+        points.wait_for_next("follow.waiting")  # it looked for a commit again, and found none
         assert file_bytes(state) == before and f.is_alive()
         assert r.create_if_absent(layout.commit_key(1), marker)
         f.finish()
@@ -383,14 +388,15 @@ def test_a_streaming_follower_process_on_s3(s3_server, tmp_path):
     run_publish(root, cks[0], 0, options=opts(tmp_path, chunk_bytes=4096))
     state = tmp_path / "follower.safetensors"
     run_receive(root, "follower", str(state), step=0)
-    env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_FAILPOINTS": "follow.waiting=report"}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *_follower_cmd(root, state, "--json")], cwd=REPO,
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(2.5)  # polling by now
+    err = Lines(proc.stderr)
+    err.wait_for(reported("follow.waiting"))  # it has looked once, found nothing new, and polls
     with events.failpoints("chunk.stored@*=sleep(0.05)"):
         run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err
+    out = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, err.text()
     res = json.loads(out)
     assert res["step"] == 1 and res["prefetched"]["chunks"] > 10, res
     assert_bits_equal(load_file(state), cks[1])
@@ -417,14 +423,14 @@ def test_a_streaming_mirror_forwards_while_upstream_publishes(tmp_path):
     before the commit, and the region commits only after the origin did."""
     root, cks, _ = _setup(tmp_path, seed=48)
     region = str(tmp_path / "region")
-    env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_FAILPOINTS": "follow.waiting=report"}
     dcr("mirror", root, region)
     state = tmp_path / "region-follower.safetensors"
     run_receive(region, "follower", str(state), step=0)
     mirror = subprocess.Popen([sys.executable, "-m", "flows.cli", "mirror", root, region, "--follow", "--stream",
                                "--interval", "0.1", "-q"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
     try:
-        time.sleep(2.0)  # the mirror is polling by now
+        Lines(mirror.stderr).wait_for(reported("follow.waiting"))  # it has looked upstream once and polls
         points = Points()
         with events.listening(points):
             f = Follower(region, state, until=1)
@@ -466,14 +472,15 @@ def test_follow_receive_streams_from_python(tmp_path):
     from flows import follow_receive
 
     root, cks, state = _setup(tmp_path, seed=50, n=2)
-    got = []
+    got, points = [], Points()
     t = threading.Thread(target=lambda: got.extend(follow_receive(root, "follower", str(state), stream=True,
                                                                   interval=0.02, until_step=1)))
-    t.start()
-    time.sleep(0.5)
-    with events.failpoints(SLOW):
-        run_publish(root, cks[1], 1, options=opts(tmp_path))
-    t.join(60)
+    with events.listening(points):
+        t.start()
+        points.wait_for("follow.waiting")  # it polls
+        with events.failpoints(SLOW):
+            run_publish(root, cks[1], 1, options=opts(tmp_path))
+        t.join(60)
     assert [r.step for r in got] == [1]
     assert_bits_equal(load_file(state), cks[1])
 
@@ -494,7 +501,7 @@ def test_kill_9_of_a_publisher_process_while_a_follower_streams(tmp_path):
         f.start()
         kill_at("stream.index-written@1", "publish", root, ck, "--step", "1", "--chunk-bytes", CHUNK_BYTES, env=env)
         points.wait_for("stream.index-read")  # the follower read what the dead publisher exposed
-        time.sleep(0.2)
+        points.wait_for_next("follow.waiting")  # and looked for a commit again, finding none
         assert f.is_alive() and file_bytes(state) == before
         dcr("publish", root, ck, "--step", 1, "--chunk-bytes", CHUNK_BYTES, env=env, timeout=120)
         f.finish()
@@ -523,7 +530,7 @@ def test_a_streaming_relay_between_two_s3_servers(s3_server, tmp_path):
         region = f"s3://region-b/mirror-{uuid.uuid4().hex[:8]}"
         cks = chain_of_steps(2, seed=52)
         run_publish(root, cks[0], 0, options=opts(tmp_path, chunk_bytes=4096))
-        env = {**os.environ, "DCR_ORCHESTRATOR": "none"}
+        env = {**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_FAILPOINTS": "follow.waiting=report"}
         dst = [x for k, v in region_opts.items() for x in ("--dst-storage-option", f"{k}={v}")]
         dcr("mirror", root, region, *dst)
         state = tmp_path / "region-follower.safetensors"
@@ -531,7 +538,7 @@ def test_a_streaming_relay_between_two_s3_servers(s3_server, tmp_path):
         mirror = subprocess.Popen([sys.executable, "-m", "flows.cli", "mirror", root, region, *dst, "--follow",
                                    "--stream", "--interval", "0.1", "-q"], cwd=REPO, env=env, stderr=subprocess.PIPE,
                                   text=True)
-        time.sleep(2.5)  # the mirror is polling by now
+        Lines(mirror.stderr).wait_for(reported("follow.waiting"))  # it has looked upstream once and polls
         points = Points()
         with events.listening(points):
             f = Follower(region, state, until=1, options=region_opts)

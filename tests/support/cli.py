@@ -1,21 +1,33 @@
-"""Run ``dcr`` as users do (a subprocess, no orchestrator) and a small published bucket to run it on."""
+"""Run ``dcr`` as users do, and a small published bucket to run it on.
+
+``dcr(...)`` calls the command line's ``main(argv)`` in this process, as a fresh process would run
+it: its own stdout and stderr captured, the environment it was given, no filesystem or ROOT
+instances left from earlier calls, and a warning printed the way an unconfigured process prints it
+(the message alone, on stderr). ``dcr_process(...)`` runs it in a new interpreter; keep that for
+what only a process shows: kill -9, signals, imports, memory, processes racing one another.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
 import os
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+import fsspec
 import torch
 
+from dcr_core import events
 from tests.support.helpers import write_safetensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
 
 
-def dcr(*args, env=None, check=None, timeout: float | None = 300):
+def dcr_process(*args, env=None, check=None, timeout: float | None = 300):
     """``dcr ARGS`` in a fresh process; ``check``: the exit code it must end with."""
     e = {**os.environ, "DCR_ORCHESTRATOR": "none", **(env or {})}
     out = subprocess.run([sys.executable, "-m", "flows.cli", *map(str, args)], capture_output=True, text=True,
@@ -23,6 +35,72 @@ def dcr(*args, env=None, check=None, timeout: float | None = 300):
     if check is not None:
         assert out.returncode == check, (out.returncode, out.stdout, out.stderr)
     return out
+
+
+class _Stream(io.StringIO):
+    """A captured stdout/stderr: not a terminal (as under a pipe), no file descriptor."""
+
+    def isatty(self) -> bool:
+        return False
+
+
+def _forget_open_stores() -> None:
+    """What a new process would not have: fsspec filesystem instances (an S3 client keeps the
+    endpoint it was made with) and the ROOTs opened by earlier commands."""
+    from storage import root as root_mod
+
+    for cls in set(fsspec.registry.values()) | {type(fsspec.filesystem("file"))}:
+        cls.clear_instance_cache()
+    with root_mod._ROOTS_LOCK:
+        root_mod._ROOTS.clear()
+
+
+@contextlib.contextmanager
+def _as_a_process(env: dict, out: io.StringIO, err: io.StringIO):
+    failpoints = env.get("DCR_FAILPOINTS")
+    if failpoints and any(a in failpoints for a in ("=pause", "=exit")):
+        raise ValueError("pause and exit failpoints end or stop the process: use dcr_process or kill_at")
+    root = logging.getLogger()
+    # Python's last-resort handler: an unconfigured process prints a warning as its message alone
+    handler = logging.StreamHandler(err)
+    handler.setLevel(logging.WARNING)
+    saved_handlers, saved_level = root.handlers[:], root.level
+    old_env = dict(os.environ)
+    os.environ.update({k: str(v) for k, v in env.items()})
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    _forget_open_stores()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
+                (events.failpoints(failpoints) if failpoints else contextlib.nullcontext()):
+            yield
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+        os.environ.clear()
+        os.environ.update(old_env)
+        _forget_open_stores()
+
+
+def dcr(*args, env=None, check=None, timeout: float | None = None):
+    """``dcr ARGS`` run in this process as a fresh process runs it (see the module doc): a
+    ``CompletedProcess`` with its exit code and what it printed; ``check``: the exit code it must
+    end with. ``timeout`` is accepted for symmetry with ``dcr_process`` and not enforced."""
+    from flows.cli import main
+
+    argv = [str(a) for a in args]
+    out, err = _Stream(), _Stream()
+    with _as_a_process({"DCR_ORCHESTRATOR": "none", **(env or {})}, out, err):
+        try:
+            rc = main(argv)
+        except SystemExit as e:  # argparse: usage errors and --help
+            rc = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+            if not isinstance(e.code, int | None):
+                print(e.code, file=err)
+    result = subprocess.CompletedProcess(["dcr", *argv], rc, out.getvalue(), err.getvalue())
+    if check is not None:
+        assert result.returncode == check, (result.returncode, result.stdout, result.stderr)
+    return result
 
 
 _LAUNCH = (

@@ -20,6 +20,13 @@ from urllib.parse import urlsplit
 HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade"}
 
 
+class _Server(ThreadingHTTPServer):
+    # The standard library's listen backlog is 5: a burst of parallel connections while this
+    # process is busy elsewhere would have its SYNs dropped, and each client would wait a second
+    # to send it again (a delay of the proxy's making, not of the store's).
+    request_queue_size = 128
+
+
 class Proxy:
     """``Proxy(upstream_url)``; ``.url`` is where clients connect. Use ``with`` or call ``close``."""
 
@@ -72,22 +79,22 @@ class Proxy:
                 method, path = self.command, self.path
                 fault = proxy.fault(method, path) if proxy.fault else None
                 if fault == "reset":
+                    with proxy.lock:
+                        proxy.log.append((method, path, 0, 0))
                     self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
                     self.connection.close()
                     self.close_connection = True
-                    with proxy.lock:
-                        proxy.log.append((method, path, 0, 0))
                     return
                 if fault in ("500", "503", "403"):
                     code = {"500": b"InternalError", "503": b"SlowDown", "403": b"AccessDenied"}[fault]
                     msg = b"<Error><Code>" + code + b"</Code><Message>injected</Message></Error>"
+                    with proxy.lock:
+                        proxy.log.append((method, path, int(fault), 0))
                     self.send_response(int(fault))
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(msg)))
                     self.end_headers()
                     self.wfile.write(msg)
-                    with proxy.lock:
-                        proxy.log.append((method, path, int(fault), 0))
                     return
                 headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
                 if body or "Content-Length" in self.headers or self.headers.get("Transfer-Encoding"):
@@ -103,31 +110,34 @@ class Proxy:
                     time.sleep(len(data) / proxy.bandwidth)
                 if fault == "stall":  # answer only after the client's read timeout
                     time.sleep(proxy.stall_seconds)
+                truncate = fault == "truncate" and method == "GET" and len(data) > 1
+                # Logged before a byte of the response goes out: a client that has read it may act on
+                # it (and a test may then read the log) before this thread gets past its writes.
+                with proxy.lock:
+                    if truncate:
+                        proxy.log.append((method, path, -1, len(data) // 2))
+                    else:
+                        proxy.requests[method] += 1
+                        if method != "HEAD":
+                            proxy.bytes_out[method] += len(data)
+                        proxy.log.append((method, path, resp.status, len(data)))
                 self.send_response(resp.status, resp.reason)
                 for k, v in resp.getheaders():
                     if k.lower() not in HOP and k.lower() != "content-length":
                         self.send_header(k, v)
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
-                if fault == "truncate" and method == "GET" and len(data) > 1:
+                if truncate:
                     self.wfile.write(data[: len(data) // 2])  # half the promised body, then hang up
                     self.wfile.flush()
                     self.connection.shutdown(socket.SHUT_RDWR)
                     self.close_connection = True
-                    with proxy.lock:
-                        proxy.log.append((method, path, -1, len(data) // 2))
-                    return
-                if method != "HEAD":
+                elif method != "HEAD":
                     self.wfile.write(data)
-                with proxy.lock:
-                    proxy.requests[method] += 1
-                    if method != "HEAD":
-                        proxy.bytes_out[method] += len(data)
-                    proxy.log.append((method, path, resp.status, len(data)))
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)  # port 0: any free one
+        self.server = _Server(("127.0.0.1", port), Handler)  # port 0: any free one
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)

@@ -10,6 +10,7 @@ import time
 import pytest
 from safetensors.torch import load_file
 
+from dcr_core import events
 from storage.catalog import Catalog
 from storage.local import journal as state_journal
 from storage.root import Root
@@ -239,6 +240,33 @@ def test_publishers_racing_for_one_step_from_separate_processes_commit_exactly_o
     attempts = list((root / "steps" / "000000000001" / "attempts").iterdir())
     commit = (root / "steps" / "000000000001" / "commit.json").read_text()
     assert any(a.name in commit for a in attempts)
+
+
+def test_a_publisher_whose_cache_is_patched_by_the_winner_of_its_step_prints_only_the_conflict(tmp_path, monkeypatch):
+    """The race behind a loser's second stderr line, made deterministic: publisher A commits step 1
+    and patches the shared baseline cache in place just as B, publishing step 1 too, starts reading
+    that cache. B finds its base changed, encodes again from a checked baseline, then loses the step:
+    exit 3 and the conflict line alone (the re-encoding is said only when the step commits)."""
+    from flows import run_publish
+    from flows.publish import baseline
+
+    root = tmp_path / "bucket"
+    write_safetensors(tmp_path / "c0.safetensors", small_checkpoint(0))
+    dcr("publish", root, tmp_path / "c0.safetensors", "--step", 0, check=0)
+    write_safetensors(tmp_path / "b.safetensors", evolve(small_checkpoint(0), 2))
+    real, kept = baseline.share_cache, []
+
+    def the_winner_first(src):
+        monkeypatch.setattr(baseline, "share_cache", real)
+        run_publish(str(root), evolve(small_checkpoint(0), 1), 1)
+        real(src)
+
+    monkeypatch.setattr(baseline, "share_cache", the_winner_first)
+    with events.listening(lambda point, fields: point == "publish.baseline-kept" and kept.append(fields)):
+        out = dcr("publish", root, tmp_path / "b.safetensors", "--step", 1)
+    assert len(kept) == 1 and kept[0].get("patched"), "the winner patched the cache in place under the loser"
+    assert out.returncode == 3 and out.stderr.count("\n") == 1, out.stderr
+    assert "committed by another publisher" in out.stderr
 
 
 def test_receive_follow_applies_each_newly_committed_step_and_never_an_uncommitted_one(tmp_path):

@@ -3,7 +3,7 @@
 Nothing outside ROOT is ever read or written through a link; special files and oversized objects
 are refused without hanging or exhausting memory; malformed documents and unreadable schemas fail
 with one line and the right exit code; a step copied from another run is refused. Each case runs
-the real command in a fresh process.
+the real command line (``main(argv)``, in this process as a fresh process runs it: tests/support/cli.py).
 """
 
 from __future__ import annotations

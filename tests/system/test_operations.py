@@ -1,6 +1,7 @@
 """``dcr`` as an operator meets it: cloud stores that are down or misconfigured, a state file from
 another ROOT, what ``verify``, ``gc --dry-run`` and ``ls`` say, a publish that changes nothing.
-Each case runs the real command in a fresh process and checks the one line it prints."""
+Each case runs the real command line (``main(argv)`` as a fresh process runs it: tests/support/cli.py)
+and checks the one line it prints."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from storage.catalog import Catalog
 from storage.root import Root
 from tests.support.helpers import assert_bits_equal, write_safetensors
 from tests.support.httpproxy import Proxy
+from tests.support.procs import Lines, reported
 from tests.support.servers import S3_BUCKET
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -225,7 +226,7 @@ def test_sixteen_receiver_processes_follow_a_publisher_on_the_s3_server(s3_serve
         time.sleep(0.2)  # every receiver process is up and holds step 0
     publish_s = []
     for s in range(1, last + 1):
-        time.sleep(1.0)
+        time.sleep(1.0)  # pacing, not ordering: the receivers keep polling while steps arrive
         t = time.perf_counter()
         run_publish(root, cks[s], s, options=opts)
         publish_s.append(time.perf_counter() - t)
@@ -259,11 +260,10 @@ def test_sixteen_receiver_processes_follow_a_publisher_on_the_s3_server(s3_serve
 @pytest.mark.backend
 @pytest.mark.faults(component="network", outcome="the follower waits, says so, and catches up bit-exact")
 def test_a_follower_rides_out_an_endpoint_outage_and_says_so(s3_server, tmp_path):
-    """The endpoint refuses every connection for 12 s (the proxy in front of it is gone) while the
-    publisher commits a step: ``dcr receive --follow`` reports each retry on stderr, backs off, and
+    """The endpoint refuses every connection (the proxy in front of it is gone) while the publisher
+    commits a step, until the follower has retried twice: ``dcr receive --follow`` reports each retry on stderr, backs off, and
     applies every step once the endpoint is back."""
     import socket
-    import time
 
     root = f"s3://{S3_BUCKET}/outage-{uuid.uuid4().hex[:8]}"
     opts = PublishOptions(chunk_bytes=64 << 10, cache_dir=str(tmp_path / "cache"))
@@ -279,23 +279,23 @@ def test_a_follower_rides_out_an_endpoint_outage_and_says_so(s3_server, tmp_path
     follower = subprocess.Popen(
         [sys.executable, "-m", "flows.cli", "receive", root, "--receiver", "rx", "--state", str(state), "--follow",
          "--interval", "0.2", "--until-step", "2", "--storage-option", f"endpoint_url={proxy.url}"],
-        env={**os.environ, "DCR_ORCHESTRATOR": "none"}, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_FAILPOINTS": "follow.waiting=report"}, cwd=REPO,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )
+    lines = Lines(follower.stderr)
     try:
-        deadline = time.time() + 120
-        while "rx" not in Catalog(Root(root)).receivers(0) and time.time() < deadline:
-            time.sleep(0.1)
+        lines.wait_for(reported("follow.waiting"))  # it holds step 0 and polls
         proxy.close()  # the outage: connection refused
         run_publish(root, cks[1], 1, options=opts)
-        time.sleep(12)
+        lines.wait_for("retrying in", count=2)  # it has seen the outage twice, and said so
         proxy = Proxy(s3_server, port=port)  # back
         run_publish(root, cks[2], 2, options=opts)
-        out, err = follower.communicate(timeout=180)
+        assert follower.wait(timeout=180) == 0, lines.text()
     finally:
         if follower.poll() is None:
             follower.kill()
         proxy.close()
-    assert follower.returncode == 0, err
+    err = lines.text()
     retries = [line for line in err.splitlines() if "retrying in" in line]
     assert len(retries) >= 2 and all(line.startswith("dcr: receive:") for line in retries), err
     assert_bits_equal(load_file(state), cks[2])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import http.client
+import os
 import time
 
 import pytest
@@ -89,6 +90,15 @@ def test_failpoints_parse_and_refuse_what_is_not_a_known_point_or_action():
                 "chunk.stored=sleep(-1)", "chunk.stored=sleep(x)"):
         with pytest.raises(ValueError):
             events.parse_failpoints(bad)
+
+
+def test_a_report_failpoint_says_the_point_was_reached_and_goes_on(capsys):
+    with events.failpoints("follow.waiting@2=report"):
+        events.reached("follow.waiting")
+        events.reached("follow.waiting")  # said, and returned
+        events.reached("follow.waiting")
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"dcr: failpoint follow.waiting@2 reached (pid {os.getpid()})"]
 
 
 def test_a_raise_failpoint_fires_at_the_nth_reach_only_and_listeners_see_every_point():
