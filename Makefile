@@ -92,7 +92,7 @@ coverage: install $(VLLM_VENV)/.installed
 
 # Run every fault-injection and bad-input test (the slow kill -9 sweeps too) and regenerate the table.
 fault-matrix: install
-	$(PYTEST) -m faults --fault-matrix=docs/fault-matrix.md
+	$(PYTEST) $(XDIST) -m faults --fault-matrix=docs/fault-matrix.md
 
 # Streamed vs publish-then-receive latency on the throttled S3 link (docs/bench-stream)
 bench-stream: install

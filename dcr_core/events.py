@@ -38,6 +38,8 @@ POINTS = frozenset({
     "publish.committed", "publish.baseline-kept", "publish.baseline-patched-record",
     # streaming: a publisher's stream index written; a receiver's index read, a chunk prefetched
     "stream.index-written", "stream.index-read", "stream.chunk-prefetched",
+    # a chunk a stream index names but the follower will not fetch before the commit (Prefetcher.admits)
+    "stream.chunk-skipped",
     # a rank of a sharded publish
     "publish.rank-partial-written",
     # a group of tensors of a mapped publish (flows.publish.groups), where its task runs
@@ -59,6 +61,7 @@ POINTS = frozenset({
     # a follower (receive --follow, mirror --follow) looked upstream, found nothing new, and waits
     "follow.waiting",
     # maintenance
+    "retract.recorded",
     "gc.planned", "gc.leases-checked", "gc.marker-deleted", "gc.step-deleted",
 })
 

@@ -17,6 +17,7 @@ from dcr_core.codec import CodecSpec
 from dcr_core.digest import DEFAULT_BLOCK_BYTES
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
+from storage import leases
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 # Measured on real AdamW deltas (lr 1e-6, 1.7% changed): dcr-sparse level 1 stores 1.36 B per
@@ -98,7 +99,12 @@ class ReceiveOptions(_Options):
     # rewriting it and renaming it into place; see flows.receive.in_place for the trade-off.
     in_place: bool = Field(False, description="patch the state file in place behind a journal")
     lease_seconds: float = Field(
-        3600.0, gt=0.0, description="how long gc keeps the steps a refit reads (its leases), at most",
+        leases.DEFAULT_TTL, gt=0.0, le=leases.MAX_TTL, allow_inf_nan=False,
+        description="how long gc keeps the steps a refit reads (its leases), at most (storage.leases.MAX_TTL)",
+    )
+    max_staleness: float | None = Field(
+        None, gt=0.0, allow_inf_nan=False,
+        description="refuse a ROOT whose newest signed heartbeat is older than this many seconds (storage.heartbeat)",
     )
     group_bytes: int | None = Field(
         None, ge=1, description="materialize on workers (flows.workers): raw bytes of tensors per mapped task; None: "

@@ -200,14 +200,17 @@ def receive_refit(
 def materialize_refit(
     root: str | Path, step: int | None, out: str | Path, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, workers: int | str | None = None, task_runner: Any = None,
+    force: bool = False,
 ) -> dict:
     """Write the full checkpoint of committed ``step`` (default: the latest) to ``out``
     (``dcr materialize``); with ``workers`` or ``task_runner``, as tasks mapped over groups of
-    tensors on that Dask cluster (``flows.receive.on_workers``: the workers must see ``out``)."""
+    tensors on that Dask cluster (``flows.receive.on_workers``: the workers must see ``out``).
+    ``force``: replace ``out`` even if DCR did not write it."""
     run_tags = ("dcr", "dcr-materialize", f"root:{root}")
     _tag_run(*run_tags)
     with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
-        result = as_dict(run_materialize(str(root), step, str(out), storage_options, options, PrefectRunner(mapped_on)))
+        result = as_dict(run_materialize(str(root), step, str(out), storage_options, options, PrefectRunner(mapped_on),
+                                         force=force))
     get_run_logger().info("wrote step %d to %s (%d bytes pulled)", result["step"], out, result["bytes_pulled"])
     return result
 

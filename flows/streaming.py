@@ -17,6 +17,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from dcr_core.errors import DCRError
+from storage.catalog import Catalog
 from storage.prefetch import Prefetcher, marker_exists
 from storage.prefetched import PREFETCHED
 from storage.root import Root, RootRef, open_root
@@ -32,10 +34,12 @@ class Streaming:
     def __init__(self, root: RootRef, workers: int = 8, budget: int | None = None,
                  start: Callable[[Root, int, str, int], Prefetcher] | None = None):
         self.root, self.workers = root, workers
-        self.make = start or (lambda r, step, attempt, workers: Prefetcher(r, step, attempt, workers=workers))
+        self.make = start or (lambda r, step, attempt, workers, trusted: Prefetcher(r, step, attempt, workers=workers,
+                                                                                   trusted=trusted))
         if budget is not None:
             PREFETCHED.budget = budget
         self.current: Prefetcher | None = None
+        self._trusted: tuple[int | None, dict] = (None, {})  # (held step, its schema and grids)
         self.started: list[tuple[int, str]] = []  # (step, attempt) of every prefetch begun
         self.last: dict | None = None  # what the last prefetch fetched before it ended
 
@@ -52,8 +56,24 @@ class Streaming:
         if marker_exists(root, b.step):
             return  # committed already: the refit reads it as usual
         self.close()
-        self.current = self.make(root, b.step, b.attempt, self.workers).start()
+        self.current = self.make(root, b.step, b.attempt, self.workers, self.trusted(root, held)).start()
         self.started.append((b.step, b.attempt))
+
+    def trusted(self, root: Root, held: int | None) -> dict:
+        """Tensor -> (dtype, chunk grid) of committed step ``held`` (from its verified manifest): what
+        the prefetch of the next step may decode before that step commits (``Prefetcher.admits``).
+        Nothing when the follower holds no step (or its step is gone): it reads everything after the
+        commit."""
+        if held is None:
+            return {}
+        if self._trusted[0] != held:
+            try:
+                m = Catalog(root).manifest(held)
+                grids = {n: (e.dtype, e.grid) for n, e in m.tensors.items()}
+            except DCRError:
+                grids = {}
+            self._trusted = (held, grids)
+        return self._trusted[1]
 
     def sleep(self, seconds: float) -> None:
         """Wait between polls. While a step is prefetched its prefetcher watches the marker and this

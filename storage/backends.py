@@ -106,6 +106,8 @@ def open_backend(url: str, storage_options: dict) -> Backend:
         fs.retries = 1  # s3fs's own retry loop (an attribute, not a constructor option)
     if path is None:
         path = fs._strip_protocol(url)
+    if protocol in LOCAL and os.path.exists(path) and not os.path.isdir(path):
+        raise UsageError(f"ROOT {url!r} is a file, not a directory: ROOT is the directory that dcr publish writes into")
     retry = RetryPolicy() if protocol in S3 else NO_RETRY
     return Backend(protocol, fs, path.rstrip("/") or "/", retry, endpoint)
 

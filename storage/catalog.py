@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -26,6 +28,7 @@ from dcr_core.errors import IntegrityError, StepNotFoundError, UntrustedError, U
 from storage import layout, run, signing
 from storage.manifest import MAX_MANIFEST_BYTES, Manifest
 from storage.marker import MAX_MARKER_BYTES, CommitMarker
+from storage.retraction import MAX_RETRACTION_BYTES, Retraction
 from storage.root import Root
 
 log = logging.getLogger("dcr.catalog")
@@ -77,7 +80,12 @@ class Catalog:
     def __init__(self, root: Root):
         self.root = root
         self.key = signing.verify_key()  # markers must be signed with it when set
+        if self.key is None and signing.require_signed():
+            raise UntrustedError(f"{root.url}: {signing.ENV_REQUIRE_SIGNED} (--require-signed) is set, and this reader has "
+                                 f"no key to verify with: set {signing.ENV_VERIFY_KEY_FILE} (Ed25519) or "
+                                 f"{signing.ENV_KEY} / {signing.ENV_KEY_FILE} (HMAC)")
         self._markers: dict[int, CommitMarker] = {}
+        self._retractions: dict[int, Retraction | None] = {}
         self._run: run.Run | None | bool = False  # False: not read yet
 
     def listed_steps(self) -> list[int]:
@@ -86,13 +94,51 @@ class Catalog:
         return sorted(s for s in steps if s is not None)
 
     def committed_steps(self) -> list[int]:
+        """The live steps: committed and not retracted (what refits target and publishes build on)."""
+        return [s for s in self.listed_steps() if self.is_live(s)]
+
+    def ever_committed_steps(self) -> list[int]:
+        """Every step with a commit marker, retracted ones included (their numbers are never reused)."""
         return [s for s in self.listed_steps() if self.marker(s) is not None]
 
     def latest_committed(self) -> int | None:
+        """The newest live step (retracted steps are skipped), or None."""
         for s in reversed(self.listed_steps()):
-            if self.marker(s) is not None:
+            if self.is_live(s):
                 return s
         return None
+
+    def is_live(self, step: int) -> bool:
+        return self.marker(step) is not None and self.retraction(step) is None
+
+    def retraction(self, step: int) -> Retraction | None:
+        """The verified retraction record of committed ``step``, or None (``storage.retraction``)."""
+        if step in self._retractions:
+            return self._retractions[step]
+        marker = self.marker(step)
+        if marker is None:
+            return None
+        key = layout.retraction_key(step)
+        try:
+            data = self.root.read(key, limit=MAX_RETRACTION_BYTES)
+        except FileNotFoundError:
+            self._retractions[step] = None  # a retraction only ever appears: re-read by a new Catalog
+            return None
+        where = f"{self.root.url}/{key}"
+        r = Retraction.from_json(data, where, step)
+        if (r.attempt, r.manifest_digest) != (marker.attempt, marker.manifest_digest):
+            raise UntrustedError(f"{where}: retracts attempt {r.attempt}, but step {step} committed {marker.attempt}")
+        if r.run != marker.run:
+            raise UntrustedError(f"{where}: names run {r.run}, the step's marker run {marker.run}")
+        if self.key is None:
+            if r.signature is not None:
+                _unchecked(self.root.url, f"its records are signed ({r.signature_algorithm})")
+        elif r.signature is None:
+            raise UntrustedError(f"{where}: retraction is not signed, and {self.key.source} says records must be signed")
+        elif r.signature_algorithm != self.key.algorithm or not self.key.verify(r.body(), r.signature):
+            raise UntrustedError(f"{where}: retraction signature does not match (tampered, or another key)")
+        self._retractions[step] = r
+        return r
 
     def marker(self, step: int) -> CommitMarker | None:
         m = self._markers.get(step)
@@ -105,7 +151,7 @@ class Catalog:
     def require_marker(self, step: int) -> CommitMarker:
         m = self.marker(step)
         if m is None:
-            raise StepNotFoundError(f"{self.root.url}: step {step} is not committed")
+            raise StepNotFoundError(f"{self.root.url}: {no_such_directory(self.root) or f'step {step} is not committed'}")
         return m
 
     def _read_marker(self, step: int) -> CommitMarker | None:
@@ -116,9 +162,13 @@ class Catalog:
             return None
         where = f"{self.root.url}/{key}"
         marker = CommitMarker.from_json(data, where, step)
-        if self.key is not None:
+        if self.key is None:
+            if marker.signature is not None:
+                _unchecked(self.root.url, f"its commit markers are signed ({marker.signature_algorithm})")
+        else:
             if marker.signature is None:
-                raise UntrustedError(f"{where}: commit marker is not signed, and a signing key is configured")
+                raise UntrustedError(f"{where}: commit marker is not signed, and {self.key.source} says markers must "
+                                     "be signed")
             if marker.signature_algorithm != self.key.algorithm:
                 raise UntrustedError(f"{where}: commit marker is signed with {marker.signature_algorithm}, and this "
                                      f"reader verifies {self.key.algorithm} signatures ({self.key.source})")
@@ -129,6 +179,8 @@ class Catalog:
 
     def _check_run(self, marker: CommitMarker, step: int, where: str) -> None:
         the_run = self.root_run()
+        if self.key is None and the_run is not None and the_run.signed is not None:
+            _unchecked(self.root.url, f"its run.json says its steps are signed ({the_run.signed})")
         if the_run.accepts(marker.run, step) if the_run is not None else marker.run is None:
             return
         the_run = self.root_run(fresh=True)  # the cached answer may be seconds old: read again
@@ -253,3 +305,44 @@ class Catalog:
                 if rid not in out:
                     out[rid] = self.receiver_record(step, rid) or {"receiver": rid, "step": step}
         return out
+
+
+_WARNED_UNCHECKED: set[str] = set()
+
+
+def _unchecked(url: str, why: str) -> None:
+    """Say once per ROOT and process that a signed ROOT is read by a reader with no key."""
+    if url in _WARNED_UNCHECKED:
+        return
+    _WARNED_UNCHECKED.add(url)
+    log.warning("%s: %s, but this reader has no key: signatures are not checked (set %s to the publisher's public "
+                "key, or %s / %s for HMAC; %s=1 refuses to read without one)", url, why, signing.ENV_VERIFY_KEY_FILE,
+                signing.ENV_KEY, signing.ENV_KEY_FILE, signing.ENV_REQUIRE_SIGNED)
+
+
+_SCHEME_WITHOUT_COLON = re.compile(r"^(s3|s3a|gs|gcs|memory|file)//")
+
+
+def no_such_directory(root: Root) -> str | None:
+    """Why a local ROOT holds nothing, when the cause is that its directory does not exist (what a
+    message should then say, with the typo it looks like if it looks like one); else None."""
+    if not root.backend.local or os.path.isdir(root.path):
+        return None
+    hint = ""
+    if _SCHEME_WITHOUT_COLON.match(root.url):
+        scheme, _, rest = root.url.partition("//")
+        hint = f" (did you mean {scheme}://{rest}?)"
+    return f"no such directory{hint}; ROOT is where dcr publish wrote its steps"
+
+
+def require_published(root: Root) -> None:
+    """What a read command (``ls``, ``show``, ``status``, ``verify``, ``report``) checks first: ROOT
+    holds something a publisher wrote (``run.json`` or a step), else a one-line ``UsageError``
+    naming the path and saying what was expected. A misspelt ROOT is never reported as healthy."""
+    missing = no_such_directory(root)
+    if missing:
+        raise UsageError(f"{root.url}: {missing}")
+    if root.exists(layout.RUN) or Catalog(root).listed_steps():
+        return
+    raise UsageError(f"{root.url}: nothing was ever published here (no {layout.RUN}, no {layout.STEPS}/); "
+                     "check the ROOT, or publish a step first")

@@ -16,7 +16,7 @@ import dataclasses
 import logging
 
 from dcr_core.errors import DCRError, StepConflictError
-from storage import layout, run, signing
+from storage import heartbeat, layout, run, signing
 from storage.catalog import Catalog
 from storage.marker import CommitMarker
 from storage.root import Root
@@ -42,11 +42,12 @@ def commit_marker(root: Root, marker: CommitMarker) -> CommitMarker:
         raise StepConflictError(
             f"{root.url}: step {latest} was committed while step {marker.step} was being published; nothing committed"
         )
-    marker = dataclasses.replace(marker, run=run.ensure(root, marker.step).run_id)
     key = signing.publisher_key()
+    marker = dataclasses.replace(marker, run=run.ensure(root, marker.step, key.algorithm if key else None).run_id)
     if key is not None:
         marker = dataclasses.replace(marker, signature=key.sign(marker.body()), signature_algorithm=key.algorithm)
     if root.create_if_absent(layout.commit_key(marker.step), marker.to_json()):
+        _beat(root, marker, key)
         return marker
     winner = Catalog(root).marker(marker.step)
     if _is_own(winner, marker):
@@ -70,3 +71,12 @@ def discard_attempt(root: Root, step: int, attempt: str) -> None:
         root.remove(layout.attempt_dir(step, attempt), recursive=True)
     except (OSError, ValueError, DCRError) as e:  # a publisher may lack delete permission (see the README)
         log.info("could not remove the losing attempt %s of step %d (%s); dcr gc will", attempt, step, e)
+
+
+def _beat(root: Root, marker: CommitMarker, key) -> None:
+    """The run's heartbeat after a commit (``storage.heartbeat``). The step is committed whatever
+    happens here: a failure costs only freshness, and is said."""
+    try:
+        heartbeat.beat(root, marker.run, marker.step, key)
+    except (OSError, DCRError) as e:
+        log.warning("%s: step %d committed, but its heartbeat was not written (%s)", root.url, marker.step, e)

@@ -6,6 +6,7 @@ document and the field, so a hostile or corrupted document is refused before any
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -20,6 +21,18 @@ _HEX = re.compile(r"^[0-9a-f]{64}$")
 
 def fail(what: str, msg: str) -> IntegrityError:
     return IntegrityError(f"{what}: {msg}")
+
+
+def document(data: bytes, where: str, fmt: str, what: str) -> dict:
+    """The JSON object ``data`` holds, whose ``format`` is ``fmt``; else a one-line error naming
+    ``where`` (not JSON, or "not a <what>")."""
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:
+        raise fail(where, f"not valid JSON ({e})") from None
+    if not isinstance(d, dict) or d.get("format") != fmt:
+        raise fail(where, f"not a {what}")
+    return d
 
 
 def parse_int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:

@@ -30,6 +30,7 @@ MAX_STEP = 10**STEP_WIDTH - 1
 STEPS = "steps"
 RUN = "run.json"  # the ROOT's run identity (storage.run)
 COMMIT = "commit.json"
+RETRACTED = "retracted.json"  # a committed step taken back (storage.retraction)
 MANIFEST = "manifest.json"
 STORE = "data.zarr"
 BUILDING = "building.json"  # the step being written now: a hint for streaming receivers, never trusted
@@ -76,6 +77,10 @@ def step_dir(step: int) -> str:
 def parse_step_dir(name: str) -> int | None:
     """The step of a ``steps/`` child name, or None if it is not one of ours."""
     return int(name) if len(name) == STEP_WIDTH and name.isascii() and name.isdigit() else None
+
+
+def retraction_key(step: int) -> str:
+    return f"{step_dir(step)}/{RETRACTED}"
 
 
 def commit_key(step: int) -> str:

@@ -7,12 +7,11 @@ Created once (create-if-absent, ``storage.commit``), deleted only by ``dcr gc``.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from dcr_core.chain import DELTA, KEYFRAME
 from storage import layout, signing
-from storage.fields import fail, parse_attempt, parse_digest, parse_int, parse_run_id
+from storage.fields import document, fail, parse_attempt, parse_digest, parse_int, parse_run_id
 
 SCHEMA_VERSION = 1
 FORMAT = "dcr-commit"
@@ -40,10 +39,7 @@ class CommitMarker:
         return layout.manifest_key(self.step, self.attempt)
 
     def to_json(self) -> bytes:
-        d = self.body()
-        if self.signature is not None:
-            d["signature"] = {"algorithm": self.signature_algorithm, "value": self.signature}
-        return json.dumps(d, indent=1).encode() + b"\n"
+        return signing.signed_json(self.body(), self.signature, self.signature_algorithm)
 
     def body(self) -> dict:
         """Every field but the signature: what a signature covers."""
@@ -65,12 +61,7 @@ class CommitMarker:
     def from_json(cls, data: bytes, where: str, step: int) -> CommitMarker:
         if len(data) > MAX_MARKER_BYTES:
             raise fail(where, "commit marker is larger than 1 MiB")
-        try:
-            d = json.loads(data)
-        except (ValueError, UnicodeDecodeError, RecursionError) as e:
-            raise fail(where, f"not valid JSON ({e})") from None
-        if not isinstance(d, dict) or d.get("format") != FORMAT:
-            raise fail(where, "not a DCR commit marker")
+        d = document(data, where, FORMAT, "DCR commit marker")
         if d.get("step") != step:
             raise fail(where, f"commit marker of step {d.get('step')!r} found under step {step}")
         attempt = parse_attempt(d.get("attempt"), where)
@@ -80,15 +71,10 @@ class CommitMarker:
         if kind not in (KEYFRAME, DELTA):
             raise fail(where, f"bad kind {kind!r}")
         base = d.get("base_step")
-        sig = d.get("signature")
-        if sig is not None and not (
-            isinstance(sig, dict) and sig.get("algorithm") in signing.ALGORITHMS and isinstance(sig.get("value"), str)
-            and len(sig["value"]) <= 1024
-        ):
-            raise fail(where, "malformed signature")
+        signature, algorithm = signing.signature_field(d, where)
         return cls(
-            signature=None if sig is None else sig["value"],
-            signature_algorithm=signing.HMAC_SHA256 if sig is None else sig["algorithm"],
+            signature=signature,
+            signature_algorithm=algorithm,
             step=step,
             attempt=attempt,
             manifest_digest=parse_digest(d.get("manifest_digest"), where),

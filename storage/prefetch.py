@@ -8,15 +8,20 @@ asking for exactly that digest). After the last index it watches for the step's 
 HEAD of a known key per poll) and sets ``committed``, so a follower wakes at once. It never applies
 anything and never decides what is committed: a chunk that fails its check is not held (the refit
 reads it itself, and refuses it if it is bad), and an index that cannot be parsed ends the
-prefetch (everything else is read after the commit, as without streaming).
+prefetch (everything else is read after the commit, as without streaming). Nor does it allocate
+for what an index alone claims: only chunks of the schema and chunk grid of the step the follower
+holds (signed, committed) are fetched and decoded (``admits``).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Mapping
 
 from dcr_core import events
+from dcr_core.chunking import ChunkGrid
+from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
 from storage.chunk_io import BoundedPool, decode_chunk, payload_digest, verified_as
@@ -44,8 +49,12 @@ class Prefetcher:
     it holds. ``committed`` is set once the step's marker exists (whatever attempt it names)."""
 
     def __init__(self, root: Root, step: int, attempt: str, store: Prefetched = PREFETCHED, workers: int = 8,
-                 poll: float = 0.02, max_poll: float = 0.2):
+                 poll: float = 0.02, max_poll: float = 0.2, trusted: Mapping[str, tuple[str, ChunkGrid]] | None = None):
         self.root, self.step, self.attempt, self.store = root, step, attempt, store
+        # What a chunk may decode to, from a committed (signed) step: tensor -> (dtype, grid). See
+        # ``admits``: nothing an index alone claims is allocated.
+        self.trusted = dict(trusted or {})
+        self.skipped = 0  # chunks not prefetched: outside what is trusted (the refit reads them after the commit)
         self.workers, self.poll, self.max_poll = workers, poll, max_poll
         self.committed = threading.Event()
         self.stopped = threading.Event()
@@ -122,9 +131,27 @@ class Prefetcher:
                 return
             seq, delay = seq + 1, self.poll
 
+    def admits(self, c: StreamedChunk) -> bool:
+        """Whether chunk ``c`` may be fetched and decoded before the commit: its tensor, dtype and
+        chunk grid are those of the step the follower holds (a delta keeps its base's schema), and its
+        stored size is within what a chunk of that grid can take. A stream index is a hint anyone
+        who can write the bucket could forge: what it names beyond that is read after the commit,
+        against the signed manifest. So decoding costs at most ``workers`` chunks of the held step's
+        grid at a time, and holding at most the stored-bytes budget (``--stream-memory``)."""
+        t = self.trusted.get(c.tensor)
+        if t is None or t != (c.dtype, c.grid):
+            return False
+        raw = c.grid.chunk_numel * DTYPES[c.dtype].itemsize
+        return c.nbytes <= 2 * raw + 4096  # a codec's frame around incompressible bits is far smaller
+
     def take(self, idx: StreamIndex, pool: BoundedPool) -> bool:
-        """Start fetching the chunks ``idx`` names into the store; False if stopped meanwhile."""
+        """Start fetching the chunks ``idx`` names (those it ``admits``) into the store; False if
+        stopped meanwhile."""
         for c in idx.chunks:
+            if not self.admits(c):
+                self.skipped += 1
+                events.reached("stream.chunk-skipped", tensor=c.tensor)
+                continue
             if not self.store.reserve(c.nbytes, self.stopped):
                 return False
             key = layout.store_key(self.step, self.attempt, c.key_in_store)

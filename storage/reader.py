@@ -27,7 +27,7 @@ from dcr_core.delta import apply_chunk
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UsageError
 from storage import layout
-from storage.catalog import Catalog
+from storage.catalog import Catalog, no_such_directory
 from storage.chunk_io import read_chunks, stored_positions, stream_chunks
 from storage.manifest import Manifest, TensorEntry
 from storage.root import Root, RootRef, open_root
@@ -67,10 +67,16 @@ def resolve_target(cat: Catalog, step: int | None) -> int:
     if step is None:
         latest = cat.latest_committed()
         if latest is None:
-            raise StepNotFoundError(f"{cat.root.url}: no committed step")
+            raise StepNotFoundError(f"{cat.root.url}: {no_such_directory(cat.root) or 'no committed step'}")
         return latest
     layout.check_step(step)
     cat.require_marker(step)
+    retracted = cat.retraction(step)
+    if retracted is not None:
+        latest = cat.latest_committed()
+        raise StepNotFoundError(f"{cat.root.url}: step {step} was retracted ({retracted.retracted_at}"
+                                + (f": {retracted.reason}" if retracted.reason else "") + ")"
+                                + (f"; the newest live step is {latest}" if latest is not None else "; no step is live"))
     return step
 
 
@@ -107,6 +113,9 @@ def held_or_restart(cat: Catalog, current: int | None, where: str) -> int | None
         log.warning("%s holds step %d, which is no longer committed in %s (deleted by gc); restarting from a "
                     "restart point, the state untouched until the new one is verified", where, current, cat.root.url)
         return None
+    missing = no_such_directory(cat.root)
+    if missing:
+        raise StepNotFoundError(f"{cat.root.url}: {missing} ({where} claims step {current} of it)")
     raise StateMismatchError(f"{where}: claims step {current}, which is not committed in {cat.root.url}"
                              + (f" (the latest committed step is {latest}: a ROOT rolled back?)" if latest is not None else ""))
 

@@ -20,8 +20,9 @@ from dataclasses import dataclass
 
 from dcr_core.errors import IntegrityError, UntrustedError
 from storage import layout
-from storage.fields import fail, parse_int, parse_run_id
+from storage.fields import document, fail, parse_int, parse_run_id
 from storage.root import Root
+from storage.signing import ALGORITHMS
 
 FORMAT = "dcr-run"
 MAX_RUN_BYTES = 4096
@@ -31,6 +32,9 @@ MAX_RUN_BYTES = 4096
 class Run:
     run_id: str
     since_step: int  # markers of this step and later must name the run
+    # the algorithm its first publisher signed with (None: unsigned, or a ROOT older than this field):
+    # a reader without a key says so instead of reading a signed ROOT without a word
+    signed: str | None = None
 
     def accepts(self, marker_run: str | None, step: int) -> bool:
         # a marker without a run was committed before the ROOT had one
@@ -58,26 +62,29 @@ def read(root: Root, cached: bool = False) -> Run | None:
         return hit[1]
     where = f"{root.url}/{layout.RUN}"
     try:
-        d = json.loads(root.read(layout.RUN, limit=MAX_RUN_BYTES))
+        data = root.read(layout.RUN, limit=MAX_RUN_BYTES)
     except FileNotFoundError:
         _seen[root.url] = (time.monotonic(), None)
         return None
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise fail(where, f"not valid JSON ({e})") from None
-    if not isinstance(d, dict) or d.get("format") != FORMAT:
-        raise fail(where, "not a DCR run document")
-    run = Run(parse_run_id(d.get("run_id"), where), parse_int(d.get("since_step"), where, 0, layout.MAX_STEP))
+    d = document(data, where, FORMAT, "DCR run document")
+    signed = d.get("signed")
+    if signed is not None and signed not in ALGORITHMS:
+        raise fail(where, f"'signed' must be one of {', '.join(ALGORITHMS)}")
+    run = Run(parse_run_id(d.get("run_id"), where), parse_int(d.get("since_step"), where, 0, layout.MAX_STEP), signed)
     _seen[root.url] = (time.monotonic(), run)
     return run
 
 
-def ensure(root: Root, step: int) -> Run:
-    """The ROOT's run, created now (starting at ``step``) if it has none."""
+def ensure(root: Root, step: int, signed: str | None = None) -> Run:
+    """The ROOT's run, created now (starting at ``step``; ``signed``: the algorithm its steps are
+    signed with) if it has none."""
     run = read(root)
     if run is not None:
         return run
     doc = {"format": FORMAT, "run_id": uuid.uuid4().hex, "since_step": step,
            "created_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    if signed is not None:
+        doc["signed"] = signed
     root.create_if_absent(layout.RUN, json.dumps(doc, indent=1).encode() + b"\n")
     run = read(root)  # this publisher's, or the one that won the race
     if run is None:

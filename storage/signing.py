@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from dcr_core.errors import UsageError
+from storage.fields import fail
 
 HMAC_SHA256 = "hmac-sha256"
 ED25519 = "ed25519"
@@ -40,6 +41,7 @@ ALGORITHMS = (HMAC_SHA256, ED25519)
 ENV_KEY = "DCR_SIGNING_KEY"
 ENV_KEY_FILE = "DCR_SIGNING_KEY_FILE"
 ENV_VERIFY_KEY_FILE = "DCR_VERIFY_KEY_FILE"
+ENV_REQUIRE_SIGNED = "DCR_REQUIRE_SIGNED"  # 1: a reader refuses to read without a key (dcr receive --require-signed)
 _PEM_PRIVATE = b"-----BEGIN PRIVATE KEY-----"
 _PEM_PUBLIC = b"-----BEGIN PUBLIC KEY-----"
 
@@ -92,6 +94,25 @@ class Key:
         if self.secret is not None:
             return "hmac:" + hashlib.sha256(b"dcr-hmac-id\0" + self.secret).hexdigest()[:16]
         return "ed25519:" + hashlib.sha256(_raw_public(self.verifier().public)).hexdigest()[:16]
+
+
+def signature_field(d: dict, where: str) -> tuple[str | None, str]:
+    """A signed document's ``signature`` field as (value, algorithm); (None, HMAC) when unsigned."""
+    sig = d.get("signature")
+    if sig is None:
+        return None, HMAC_SHA256
+    if not (isinstance(sig, dict) and sig.get("algorithm") in ALGORITHMS and isinstance(sig.get("value"), str)
+            and len(sig["value"]) <= 1024):
+        raise fail(where, "malformed signature")
+    return sig["value"], sig["algorithm"]
+
+
+def signed_json(body: dict, signature: str | None, algorithm: str) -> bytes:
+    """A signed document's bytes: its body, then its signature (when it has one)."""
+    d = dict(body)
+    if signature is not None:
+        d["signature"] = {"algorithm": algorithm, "value": signature}
+    return json.dumps(d, indent=1).encode() + b"\n"
 
 
 def _raw_public(public: Ed25519PublicKey) -> bytes:
@@ -187,6 +208,17 @@ def verify_key() -> Key | None:
     if signer is not None and signer.fingerprint != key.fingerprint:
         raise UsageError(f"{where} and {signer.source} are not one key pair; unset one of them")
     return key
+
+
+def require_signed() -> bool:
+    """Whether readers must verify every marker (``DCR_REQUIRE_SIGNED=1``): with no key to verify
+    with, they refuse to read at all instead of reading unsigned or unchecked steps."""
+    value = os.environ.get(ENV_REQUIRE_SIGNED, "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise UsageError(f"{ENV_REQUIRE_SIGNED}={os.environ[ENV_REQUIRE_SIGNED]!r} must be 1 or 0")
 
 
 def keygen(path: str | os.PathLike) -> Key:

@@ -36,7 +36,7 @@ from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
 from storage.catalog import utc_now
 from storage.chunk_io import StoredChunk
-from storage.fields import fail, parse_attempt, parse_digest, parse_int, parse_shape
+from storage.fields import document, fail, parse_attempt, parse_digest, parse_int, parse_shape
 from storage.root import Root
 
 log = logging.getLogger("dcr.stream")
@@ -63,7 +63,7 @@ class Building:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Building:
-        d = _document(data, where, BUILDING_FORMAT)
+        d = document(data, where, BUILDING_FORMAT, f"{BUILDING_FORMAT} document")
         return cls(parse_int(d.get("step"), where, 0, layout.MAX_STEP), parse_attempt(d.get("attempt"), where),
                    str(d.get("started_at", ""))[:64])
 
@@ -105,7 +105,7 @@ class StreamIndex:
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> StreamIndex:
-        d = _document(data, where, INDEX_FORMAT)
+        d = document(data, where, INDEX_FORMAT, f"{INDEX_FORMAT} document")
         try:
             codec = CodecSpec.from_dict(d.get("codec"))
         except (TypeError, KeyError, ValueError) as e:
@@ -120,16 +120,6 @@ class StreamIndex:
                 raise fail(where, f"more than {MAX_INDEX_CHUNKS} chunks")
         return cls(parse_int(d.get("step"), where, 0, layout.MAX_STEP), parse_attempt(d.get("attempt"), where),
                    parse_int(d.get("seq"), where, 0, 10**6 - 1), codec, tuple(chunks), d["last"])
-
-
-def _document(data: bytes, where: str, fmt: str) -> dict:
-    try:
-        d = json.loads(data)
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise fail(where, f"not valid JSON ({e})") from None
-    if not isinstance(d, dict) or d.get("format") != fmt:
-        raise fail(where, f"not a {fmt} document")
-    return d
 
 
 def _array_chunks(array: str, a: Any, what: str) -> list[StreamedChunk]:

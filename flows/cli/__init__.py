@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 import time
 
 from dcr_core.errors import DCRError
+from dcr_core.text import printable
 
 # name -> (module defining add_arguments(name, parser) and run(name, args) -> int, one-line help)
 COMMANDS = {
@@ -34,6 +36,9 @@ COMMANDS = {
     "serve": ("flows.cli.serve", "serve the Prefect deployments of infra/prefect.yaml from this process"),
     "mirror": ("flows.cli.mirror", "copy committed steps from ROOT to another ROOT (a relay tree): payload first, marker last"),
     "keygen": ("flows.cli.keys", "write an Ed25519 key pair for signed commits: PATH (private), PATH.pub (public)"),
+    "retract": ("flows.cli.retract", "take back step N and every live step after it (a signed retraction record each)"),
+    "heartbeat": ("flows.cli.heartbeat", "renew the run's signed heartbeat (receivers with --max-staleness check it)"),
+    "cache": ("flows.cli.cache", "the local cache (publishers' baselines, receiver mirrors): ls, or prune to a bound"),
 }
 PLUGIN_GROUP = "dcr.commands"
 
@@ -49,6 +54,7 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     The plugins are listed only when no built-in command is given (``dcr --help``, a typo): finding
     them reads the metadata of every installed distribution."""
     parser = argparse.ArgumentParser(prog="dcr", description="Bit-exact delta-compressed refit through object storage.")
+    parser.add_argument("--version", action="store_true", help="print the versions of dcr and dcr-zarr-codec, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
@@ -87,9 +93,37 @@ def _return_freed_memory_to_the_os() -> None:
         pass  # not glibc: its allocator returns memory its own way
 
 
+def versions() -> str:
+    """``dcr --version``: this command's version and the codec package's (what a bug report needs:
+    a stored array's codec is read by the codec package, which installs on its own)."""
+    from importlib.metadata import PackageNotFoundError, version  # noqa: PLC0415 - only for --version
+
+    def of(dist: str) -> str:
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            return "not installed"
+
+    return f"dcr {of('dcr')} (dcr-zarr-codec {of('dcr-zarr-codec')}, Python {sys.version.split()[0]})"
+
+
+class PrintableRecords(logging.Filter):
+    """Log records (warnings a command prints on stderr) with their control characters escaped:
+    they quote names and messages from the bucket (``dcr_core.text``)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.msg, record.args = printable(record.getMessage()), None
+        return True
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     _return_freed_memory_to_the_os()
+    if logging.lastResort is not None and not any(isinstance(f, PrintableRecords) for f in logging.lastResort.filters):
+        logging.lastResort.addFilter(PrintableRecords())  # what prints a command's warnings
+    if argv[:1] == ["--version"]:
+        print(versions())
+        return 0
     command = argv[0] if argv else None
     extra = plugins().get(command) if command not in COMMANDS else None
     if extra is not None:
@@ -99,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args.command, args)
     except DCRError as e:
-        print(f"dcr: error: {e}", file=sys.stderr)
+        print(f"dcr: error: {printable(e)}", file=sys.stderr)
         return e.exit_code
     except KeyboardInterrupt:
         print("dcr: interrupted", file=sys.stderr)
@@ -108,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("DCR_DEBUG"):
             raise
         first = str(e).splitlines()[0] if str(e) else ""
-        print(f"dcr: error: {type(e).__name__}: {first}", file=sys.stderr)
+        print(f"dcr: error: {type(e).__name__}: {printable(first)}", file=sys.stderr)
         return 1
     finally:
         if os.environ.get("DCR_TIMING"):

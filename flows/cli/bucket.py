@@ -4,6 +4,7 @@ is ``flows.cli.gc``)."""
 
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import asdict
 
@@ -14,11 +15,16 @@ from flows.maintenance.audit import VerifyReport, format_rows, list_steps, verif
 from flows.maintenance.inspect import format_history, format_status, format_step, receiver_history, receiver_status, show_step
 from flows.workers import parse_workers
 from storage import layout
+from storage.catalog import require_published
 from storage.root import open_root
 
 
 def add_arguments(name: str, p) -> None:
     add_common(p)
+    if name in ("ls", "status", "verify"):
+        p.add_argument("--allow-empty", action="store_true",
+                       help="a ROOT where nothing was published yet is not an error (exit 0, no steps); without it, "
+                       "a missing or empty ROOT exits 2 naming the path")
     if name == "show":
         p.add_argument("--step", type=step_arg, required=True, metavar="N", help="the committed step to show")
         p.add_argument("--digests", action="store_true", help="also print each tensor's digest")
@@ -33,6 +39,10 @@ def add_arguments(name: str, p) -> None:
 
 def run(name: str, args) -> int:
     so = storage_options(args)
+    root = open_root(args.root, so)
+    # --allow-empty takes an empty ROOT, not a local directory that does not exist (a typo)
+    if not getattr(args, "allow_empty", False) or (root.backend.local and not os.path.isdir(root.path)):
+        require_published(root)
     if name == "ls":
         rows = list_steps(open_root(args.root, so))
         say(args, format_rows(rows), [asdict(r) for r in rows])

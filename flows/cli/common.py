@@ -7,6 +7,7 @@ import json
 import os
 
 from dcr_core.errors import UsageError
+from dcr_core.text import printable
 from storage.root import parse_storage_options
 
 
@@ -64,7 +65,7 @@ def use_prefect(args) -> bool:
 def say(args, human: str, data) -> None:
     if args.quiet:
         return
-    if args.json:
+    if args.json:  # JSON escapes control characters itself
         print(json.dumps(data, indent=1, default=str), flush=True)
-    else:
-        print(human, flush=True)
+    else:  # names and times from the bucket, escaped (the formatters escape line breaks within a field)
+        print(printable(human, newlines=True), flush=True)

@@ -51,7 +51,8 @@ def run(name: str, args) -> int:
     stream = None
     if args.stream:
         stream = Streaming(RootRef(args.root, src_opts), args.io_workers,
-                           start=lambda src, step, attempt, workers: Forwarder(src, open_root(dst), step, attempt, workers))
+                           start=lambda src, step, attempt, workers, trusted: Forwarder(src, open_root(dst), step,
+                                                                                        attempt, workers, trusted))
     backoff = args.interval
     while True:
         try:
@@ -74,8 +75,9 @@ def run(name: str, args) -> int:
             backoff = min(60.0, backoff * 2)
             continue
         backoff = args.interval
-        if r.copied_steps or not args.follow:
-            say(args, f"mirrored steps {r.copied_steps or 'none'} ({r.objects_copied} objects, {r.bytes_copied} bytes); "
+        if r.copied_steps or r.retracted_steps or not args.follow:
+            retracted = f"; retracted as upstream: {r.retracted_steps}" if r.retracted_steps else ""
+            say(args, f"mirrored steps {r.copied_steps or 'none'} ({r.objects_copied} objects, {r.bytes_copied} bytes){retracted}; "
                 f"already there: {len(r.present_steps)}", asdict(r))
         if not args.follow:
             return 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from dcr_core.errors import UsageError
@@ -14,6 +15,7 @@ from flows.receive.pipeline import run_materialize, run_receive
 from flows.results import as_dict
 from flows.streaming import Streaming
 from flows.workers import parse_workers
+from storage import signing
 from storage.root import RootRef, parse_storage_options
 
 
@@ -22,6 +24,9 @@ def add_arguments(name: str, p) -> None:
         add_common(p)
         p.add_argument("--step", type=step_arg, default=None, metavar="N", help="default: the latest committed step")
         p.add_argument("--out", required=True, metavar="PATH", help="the .safetensors file to write")
+        p.add_argument("--force", action="store_true",
+                       help="replace PATH even if DCR did not write it (by default only a materialization or a "
+                       "receiver state is replaced: a trainer's checkpoint named by mistake is kept)")
         add_workers(p, "rebuild the tensors (the workers must see PATH's directory)")
         return
     add_common(p, orchestrated=True)
@@ -43,6 +48,12 @@ def add_arguments(name: str, p) -> None:
                    "only after its commit); --interval is then also how soon a new publish is noticed")
     p.add_argument("--stream-memory", type=float, default=2048.0, metavar="MIB",
                    help="with --stream: stored bytes of prefetched chunks held at once, in MiB (default 2048)")
+    p.add_argument("--max-staleness", type=float, default=None, metavar="SECONDS",
+                   help="refuse ROOT (a mirror frozen at an old step, say) when its newest signed heartbeat is older "
+                   "than SECONDS (publishers write one per commit; dcr heartbeat renews it between commits)")
+    p.add_argument("--require-signed", action="store_true",
+                   help="refuse to read ROOT without a key to verify its commit markers with (as DCR_REQUIRE_SIGNED=1): "
+                   "never apply a step whose signature was not checked")
     p.add_argument("--lease-seconds", type=float, default=3600.0,
                    help="how long dcr gc keeps the steps a refit reads, at most (default 3600; released when done)")
     add_workers(p, "rewrite the state file (the workers must see PATH's directory; not with --in-place, --follow)")
@@ -62,12 +73,15 @@ def run(name: str, args) -> int:
                 from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
 
                 res = run_flow(args, "materialize_refit", args.root, args.step, args.out, so, options,
-                               workers=args.workers)
+                               workers=args.workers, force=args.force)
             else:
-                res = as_dict(run_materialize(args.root, args.step, args.out, so, options))
+                res = as_dict(run_materialize(args.root, args.step, args.out, so, options, force=args.force))
         say(args, f"wrote step {res['step']} to {args.out}", res)
         return 0
-    options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place, lease_seconds=args.lease_seconds)
+    if args.require_signed:  # read by every Catalog of this process (storage.signing.require_signed)
+        os.environ[signing.ENV_REQUIRE_SIGNED] = "1"
+    options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place, lease_seconds=args.lease_seconds,
+                             max_staleness=args.max_staleness)
     workers = parse_workers(args.workers)
     if workers is not None and (args.follow or args.in_place):
         raise UsageError("--workers rewrites the state file once (a Prefect flow on a Dask cluster); not with "
@@ -123,6 +137,7 @@ def run(name: str, args) -> int:
     def warn(message: str) -> None:
         print(f"dcr: receive: {message}", file=sys.stderr, flush=True)
 
-    for res in follow(RootRef(args.root, so), args.state, receive, args.interval, args.until_step, warn, stream):
+    for res in follow(RootRef(args.root, so), args.state, receive, args.interval, args.until_step, warn, stream,
+                      args.max_staleness):
         report(res)
     return 0

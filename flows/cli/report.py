@@ -5,6 +5,7 @@ from __future__ import annotations
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, say, storage_options
 from flows.maintenance.report import build_report
+from storage.catalog import require_published
 from storage.root import open_root
 
 try:
@@ -24,7 +25,9 @@ def add_arguments(name: str, p) -> None:
 def run(name: str, args) -> int:
     if render is None:
         raise UsageError(f"dcr report needs matplotlib ({_missing}); pip install 'dcr[report]'")
-    report = build_report(open_root(args.root, storage_options(args)))
+    root = open_root(args.root, storage_options(args))
+    require_published(root)
+    report = build_report(root)
     page = render(report, args.out)
     say(args, f"wrote {page} ({len(report.steps)} steps, {len(report.receivers)} receivers; figures: "
         f"{', '.join(FIGURES)})", {"page": page, "steps": len(report.steps), "receivers": len(report.receivers)})

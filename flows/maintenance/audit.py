@@ -31,6 +31,7 @@ class StepRow:
     attempts: int = 0
     snapshot_bytes: int | None = None  # a delta that also stores a full copy (a restart point)
     receivers_now: list[str] = field(default_factory=list)  # those of them still at this step
+    retracted: bool = False  # committed, then taken back (dcr retract)
 
 
 def list_steps(root: Root) -> list[StepRow]:
@@ -54,6 +55,7 @@ def list_steps(root: Root) -> list[StepRow]:
             )
         )
         rows[-1].receivers_now = [r for r in rows[-1].receivers if where.get(r) == step]
+        rows[-1].retracted = cat.retraction(step) is not None
     return rows
 
 
@@ -70,7 +72,8 @@ def human_bytes(n: int | None) -> str:
 
 def format_rows(rows: list[StepRow]) -> str:
     committed_col = [
-        "yes" if r.committed else f"no ({r.attempts} attempt{'s' if r.attempts != 1 else ''})" for r in rows
+        ("retracted" if r.retracted else "yes") if r.committed
+        else f"no ({r.attempts} attempt{'s' if r.attempts != 1 else ''})" for r in rows
     ]
     w = max([9, *map(len, committed_col)])  # the column fits its longest cell
     header = (f"{'STEP':>8}  {'KIND':<8}  {'BASE':>6}  {'COMMITTED':<{w}}  {'CHANGED':>9}  {'STORED':>10}  "
@@ -182,7 +185,7 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
     cat = Catalog(root)
     tasks = VERIFY_STEPS.bind(runner or InProcess())
     report = VerifyReport(deep=deep)
-    steps = [step] if step is not None else cat.committed_steps()
+    steps = [step] if step is not None else cat.ever_committed_steps()  # retracted steps' data too, until gc
     ref = portable_root(root.ref) if tasks.mapped else root.ref
     if events.listened():  # a progress bar: its total costs reading every manifest first
         events.reached("work.planned", what="verify", nbytes=_rebuilt_bytes(cat, steps, deep))

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from dcr_core import events
 from dcr_core.errors import DCRError, UnsafeKeyError
 from dcr_core.retention import steps_to_delete, steps_to_keep
+from dcr_core.text import printable
 from flows.options import GcOptions
 from flows.steps import InProcess, Runner, Step, StepTable
 from storage import layout, leases
@@ -51,6 +52,8 @@ class GcPlan:
     leased: dict[int, list[str]] = field(default_factory=dict)  # kept: receivers are reading them
     refused: list[str] = field(default_factory=list)  # left alone: links, foreign names, unreadable markers
     step_sizes: dict[int, list[int]] = field(default_factory=dict)  # doomed step -> [objects, bytes]
+    # [key, why]: leases no receiver can have taken (storage.leases): they pin nothing and are removed
+    garbage_leases: list[list[str]] = field(default_factory=list)
 
 
 @dataclass
@@ -64,6 +67,7 @@ class GcReport:
     # marker deleted, data kept: a receiver leased it before the marker went (a later gc deletes it)
     hidden: dict[int, list[str]] = field(default_factory=dict)
     left_alone: list[str] = field(default_factory=list)  # found while deleting: links, special files
+    removed_leases: list[list[str]] = field(default_factory=list)  # [key, why] of the garbage leases removed
 
     @classmethod
     def from_dict(cls, d: dict) -> GcReport:
@@ -73,7 +77,8 @@ class GcReport:
         plan["step_sizes"] = {int(k): v for k, v in plan.get("step_sizes", {}).items()}
         return cls(d["dry_run"], GcPlan(**plan), list(d["deleted_steps"]), list(d["deleted_attempts"]),
                    {int(k): v for k, v in d.get("spared", {}).items()},
-                   {int(k): v for k, v in d.get("hidden", {}).items()}, list(d.get("left_alone", [])))
+                   {int(k): v for k, v in d.get("hidden", {}).items()}, list(d.get("left_alone", [])),
+                   list(d.get("removed_leases", [])))
 
 
 def registered_receivers(cat: Catalog, steps: list[int], unreadable: dict[int, str] | None = None) -> dict[str, int]:
@@ -119,17 +124,20 @@ def plan_gc(root: RootRef, options: GcOptions, now: float | None = None) -> GcPl
             continue
         listed.append(s)
     committed = [s for s in listed if markers[s] is not None]
-    infos = {s: cat.step_info(s) for s in committed}
+    # retention looks at the live steps: a retracted step is kept only while leased (a receiver that
+    # holds one and finds it gone restarts from a restart point)
+    infos = {s: cat.step_info(s) for s in committed if _live(cat, s, refused)}
     unreadable: dict[int, str] = {}
     receivers = registered_receivers(cat, committed, unreadable)
     refused += [f"{e}; step {s} kept" for s, e in sorted(unreadable.items())]
     at_now = _positions(cat, refused)  # where receivers are now (one that moved back is below its highest)
     # leases on marker-less steps too: a step whose marker gc deleted while a receiver was reading it
-    leased = {s: who for s in listed if (who := _leases(root, s, now, refused))}
+    garbage: list[list[str]] = []
+    leased = {s: who for s in listed if (who := _leases(root, s, now, refused, garbage))}
     keep = (steps_to_keep(infos, keep_last, receivers) | steps_to_keep(infos, keep_last, at_now)
             | set(leased) | set(unreadable))
     doomed = steps_to_delete(committed, keep)
-    plan = GcPlan(sorted(keep), doomed, [], receivers, leased=leased, refused=refused)
+    plan = GcPlan(sorted(keep), doomed, [], receivers, leased=leased, refused=refused, garbage_leases=garbage)
     for s in doomed:
         objs = root.objects(layout.step_dir(s))
         plan.step_sizes[s] = [len(objs), sum(o.size for o in objs)]
@@ -178,6 +186,12 @@ def collect(root: RootRef, plan: GcPlan) -> GcReport:
     prefix; then dead attempts; then marker-less leftovers."""
     r = open_root(root)
     report = GcReport(False, plan)
+    for key, why in plan.garbage_leases:  # first: they pin nothing, and a step's rechecks below skip them too
+        try:
+            r.remove(key)
+        except FileNotFoundError:
+            pass
+        report.removed_leases.append([key, why])
     for s in plan.delete_steps:
         who = leases.live(r, s)  # a receiver may have leased it since the plan: spare it
         if who:
@@ -217,12 +231,22 @@ def run_gc(root: str | os.PathLike, options: GcOptions, storage_options: dict | 
     return GcReport(True, plan) if options.dry_run else tasks.collect(ref, plan)
 
 
-def _leases(root: Root, step: int, now: float, refused: list[str]) -> list[str]:
+def _live(cat: Catalog, step: int, refused: list[str]) -> bool:
     try:
-        return leases.live(root, step, now)
+        return cat.retraction(step) is None
+    except DCRError as e:  # an unreadable or forged retraction: the step counts as live (kept)
+        refused.append(f"{layout.retraction_key(step)}: {e}")
+        return True
+
+
+def _leases(root: Root, step: int, now: float, refused: list[str], garbage: list[list[str]]) -> list[str]:
+    try:
+        found = leases.scan(root, step, now)
     except UnsafeKeyError as e:
         refused.append(str(e))
         return ["(unreadable leases)"]  # keep the step: gc never guesses in favour of deleting
+    garbage += [[key, why] for key, why in found.garbage]
+    return found.live
 
 
 def _remove_leftover(root: Root, step: int) -> None:
@@ -242,6 +266,11 @@ def _remove_leftover(root: Root, step: int) -> None:
         pass
 
 
+def _names(who) -> str:
+    """Lease holders as named in the bucket (object names anyone with write access chose): escaped."""
+    return ", ".join(printable(w) for w in who)
+
+
 def format_report(report: GcReport) -> str:
     p = report.plan
     verb = "would delete" if report.dry_run else "deleted"
@@ -249,10 +278,13 @@ def format_report(report: GcReport) -> str:
     lines = [f"{verb} step {s}" for s in steps]
     lines += [f"{verb} attempt {a}" for a in p.delete_attempts]
     lines += [f"kept attempt {a} (younger than the grace period)" for a in p.young_attempts]
-    lines += [f"kept step {s} (leased by {', '.join(who)})" for s, who in sorted(p.leased.items())]
-    lines += [f"spared step {s} (leased by {', '.join(who)} after the plan)" for s, who in sorted(report.spared.items())]
-    lines += [f"uncommitted step {s}, its data kept while {', '.join(who)} finish reading it" for s, who in sorted(report.hidden.items())]
-    lines += [f"left alone: {r}" for r in p.refused + report.left_alone]
+    lines += [f"kept step {s} (leased by {_names(who)})" for s, who in sorted(p.leased.items())]
+    lines += [f"spared step {s} (leased by {_names(who)} after the plan)" for s, who in sorted(report.spared.items())]
+    lines += [f"uncommitted step {s}, its data kept while {_names(who)} finish reading it" for s, who in sorted(report.hidden.items())]
+    lines += [f"left alone: {printable(r)}" for r in p.refused + report.left_alone]
+    removed = "would remove" if report.dry_run else "removed"
+    lines += [f"{removed} lease {printable(key)}: {printable(why)}"
+              for key, why in (p.garbage_leases if report.dry_run else report.removed_leases)]
     objects, freed = p.objects, p.bytes_freed
     for s in list(report.spared) + list(report.hidden):  # planned, not deleted
         n, b = p.step_sizes.get(s, (0, 0))

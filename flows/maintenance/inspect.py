@@ -7,6 +7,7 @@ import calendar
 import time
 from dataclasses import dataclass, field
 
+from dcr_core.text import printable
 from flows.maintenance.audit import human_bytes
 from storage.catalog import Catalog
 from storage.root import Root
@@ -41,6 +42,7 @@ class StepView:
     tensors: list[TensorRow] = field(default_factory=list)
     snapshot_bytes: int | None = None
     receivers: list[str] = field(default_factory=list)
+    retracted: dict | None = None  # {"retracted_at", "reason"} of a step taken back (dcr retract)
 
 
 def show_step(root: Root, step: int) -> StepView:
@@ -53,15 +55,17 @@ def show_step(root: Root, step: int) -> StepView:
         for e in m.tensors.values()
     ]
     snapshot = sum(e.stored_bytes for e in m.snapshot.values()) if m.snapshot else None
+    retraction = cat.retraction(step)
     return StepView(step, m.kind, m.base_step, marker.attempt, m.policy_digest, marker.committed_at, m.codec.to_dict(),
-                    dict(marker.summary), rows, snapshot, cat.receivers(step))
+                    dict(marker.summary), rows, snapshot, cat.receivers(step),
+                    None if retraction is None else {"retracted_at": retraction.retracted_at, "reason": retraction.reason})
 
 
 def format_step(v: StepView, digests: bool = False) -> str:
     s = v.summary
     base = "" if v.base_step is None else f" against step {v.base_step}"
     lines = [
-        f"step {v.step}: {v.kind}{base}, committed {v.committed_at}, attempt {v.attempt}",
+        f"step {v.step}: {v.kind}{base}, committed {printable(v.committed_at)}, attempt {v.attempt}",
         f"policy digest {v.policy_digest}; codec {v.codec}",
         f"{s.get('tensors_changed')}/{s.get('tensors')} tensors changed, {s.get('elements_changed', '-')} of "
         f"{s.get('elements', '-')} elements; stored {human_bytes(s.get('bytes_stored'))} of "
@@ -69,14 +73,19 @@ def format_step(v: StepView, digests: bool = False) -> str:
         + (f" (+ full snapshot {human_bytes(v.snapshot_bytes)}: a restart point)" if v.snapshot_bytes is not None else ""),
         "",
     ]
-    w = max([6, *(len(t.name) for t in v.tensors)])
+    if v.retracted is not None:
+        why = f": {printable(v.retracted['reason'])}" if v.retracted["reason"] else ""
+        lines.insert(1, f"RETRACTED {printable(v.retracted['retracted_at'])}{why} (no refit's target; receivers that "
+                        "hold it move back to the newest live step)")
+    names = {t.name: printable(t.name) for t in v.tensors}  # a checkpoint's names, escaped: one row each
+    w = max([6, *(len(n) for n in names.values())])
     header = (f"{'TENSOR':<{w}}  {'DTYPE':<8}  {'SHAPE':<16}  {'ENCODING':<10}  {'CHANGED':>12}  {'RATE':>8}  "
               f"{'STORED':>10}  {'FULL':>10}  {'CHUNKS':>9}")
     lines.append(header + ("  DIGEST" if digests else ""))
     for t in v.tensors:
         rate = f"{100 * t.changed / t.elements:.3f}%" if t.elements else "-"
         shape = "x".join(map(str, t.shape)) or "()"
-        line = (f"{t.name:<{w}}  {t.dtype:<8}  {shape:<16}  {t.encoding:<10}  {t.changed:>12}  {rate:>8}  "
+        line = (f"{names[t.name]:<{w}}  {t.dtype:<8}  {shape:<16}  {t.encoding:<10}  {t.changed:>12}  {rate:>8}  "
                 f"{human_bytes(t.bytes_stored):>10}  {human_bytes(t.bytes_full):>10}  {f'{t.chunks_stored}/{t.chunks}':>9}")
         lines.append(line + (f"  {t.digest}" if digests else ""))
     lines.append("")
@@ -94,6 +103,7 @@ class ReceiverRow:
     bytes_pulled: int | None
     committed_at: str | None
     step_committed: bool  # False: gc deleted the step it holds (its next refit restarts from a restart point)
+    step_retracted: bool = False  # the step it holds was retracted: its next refit moves back
 
 
 def _age(stamp: str | None, now: float) -> str:
@@ -113,14 +123,15 @@ def _age(stamp: str | None, now: float) -> str:
 def receiver_status(root: Root) -> tuple[int | None, list[ReceiverRow]]:
     """The latest committed step, and each receiver's position (lag counted in committed steps)."""
     cat = Catalog(root)
-    committed = cat.committed_steps()
+    committed = cat.committed_steps()  # the live steps
+    retracted = {s for s in cat.ever_committed_steps() if cat.retraction(s) is not None}
     latest = committed[-1] if committed else None
     rows = []
     for rid, rec in sorted(cat.positions().items()):
         step = rec["step"]
         lag = None if latest is None else sum(1 for s in committed if s > step)
         rows.append(ReceiverRow(rid, step, lag, rec.get("from_step"), list(rec.get("moves") or []),
-                                rec.get("bytes_pulled"), rec.get("committed_at"), step in committed))
+                                rec.get("bytes_pulled"), rec.get("committed_at"), step in committed, step in retracted))
     return latest, rows
 
 
@@ -132,13 +143,15 @@ def format_status(latest: int | None, rows: list[ReceiverRow], now: float | None
     w = max([8, *(len(r.receiver) for r in rows)])
     lines.append(f"{'RECEIVER':<{w}}  {'STEP':>8}  {'LAG':>5}  {'FROM':>8}  {'PULLED':>10}  {'UPDATED':>10}  LAST REFIT")
     for r in rows:
-        held = f"{r.step}" + ("" if r.step_committed else "*")
+        held = f"{r.step}" + ("" if r.step_committed else "!" if r.step_retracted else "*")
         lines.append(
             f"{r.receiver:<{w}}  {held:>8}  {'-' if r.lag is None else r.lag:>5}  "
             f"{'-' if r.from_step is None else r.from_step:>8}  {human_bytes(r.bytes_pulled):>10}  "
             f"{_age(r.committed_at, now):>10}  {', '.join(r.moves) or 'no move'}"
         )
-    if any(not r.step_committed for r in rows):
+    if any(r.step_retracted for r in rows):
+        lines.append("! retracted (dcr retract): the receiver's next refit moves it back to the newest live step")
+    if any(not r.step_committed and not r.step_retracted for r in rows):
         lines.append("* no longer committed (deleted by gc): the receiver's next refit restarts from a restart point")
     return "\n".join(lines)
 
@@ -168,6 +181,6 @@ def format_history(receiver_id: str, records: list[dict]) -> str:
     lines = [f"receiver {receiver_id}: {len(records)} refits recorded on steps ROOT still holds (oldest first)",
              f"{'WHEN':<20}  {'FROM':>8}  {'TO':>8}  {'PULLED':>10}  MOVES"]
     for r in records:
-        lines.append(f"{str(r.get('committed_at', '-')):<20}  {'-' if r.get('from_step') is None else r['from_step']:>8}  {r['step']:>8}  "
+        lines.append(f"{printable(r.get('committed_at', '-')):<20}  {'-' if r.get('from_step') is None else r['from_step']:>8}  {r['step']:>8}  "
                      f"{human_bytes(r.get('bytes_pulled')):>10}  {', '.join(r.get('moves') or []) or 'no move'}")
     return "\n".join(lines)

@@ -11,9 +11,15 @@ yet downstream, ascending; or ``--step N``):
 3. every object of the committed attempt (manifest, Zarr metadata, chunks, snapshots, rank parts)
    is copied, byte for byte, unless downstream already holds it with the same size: only the
    attempt the marker names, never a losing or uncommitted one; ``io_workers`` objects at a time
-   (an inter-region link is latency-bound one request at a time);
+   (an inter-region link is latency-bound one request at a time). Each object the manifest binds
+   is checked as it is read (size and payload digest; the manifest by the marker's digest), before
+   it is written downstream: a step that does not verify upstream fails naming the object, and its
+   marker is never copied (``expected_objects``);
 4. the marker is copied last, byte for byte (so its signature is the origin's), created only if
    absent. A downstream marker naming another attempt is refused.
+
+Before it copies anything, a mirror copies upstream's retraction records (``dcr retract``) of the
+steps it holds (``sync_retractions``): its receivers move back as the origin's do.
 
 With ``as_id`` (``dcr mirror --as ID``) the mirror is also a receiver of SRC: it leases each step
 while copying it and records its position in SRC, so gc there keeps what the mirror still needs
@@ -32,17 +38,19 @@ upstream (``dcr mirror --follow --stream``) is ``flows.maintenance.mirror_stream
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 from dcr_core import events
 from dcr_core.batches import batches_for
-from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError, UsageError
+from dcr_core.errors import DCRError, IntegrityError, StepConflictError, StepNotFoundError, UsageError
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
-from storage import layout, leases
-from storage.catalog import Catalog
-from storage.chunk_io import BoundedPool
+from storage import heartbeat, layout, leases
+from storage.catalog import Catalog, manifest_digest, no_such_directory
+from storage.chunk_io import BoundedPool, UncheckedChunk
 from storage.marker import CommitMarker
+from storage.retraction import MAX_RETRACTION_BYTES
 from storage.root import Root, RootRef, open_root
 
 log = logging.getLogger("dcr.mirror")
@@ -55,6 +63,7 @@ class MirrorResult:
     present_steps: list[int] = field(default_factory=list)  # already committed downstream
     objects_copied: int = 0
     bytes_copied: int = 0
+    retracted_steps: list[int] = field(default_factory=list)  # upstream's retractions copied downstream
 
 
 def _copy_run(src: Root, dst: Root) -> None:
@@ -90,7 +99,7 @@ def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: st
     if job is None:
         return
     try:
-        objects, nbytes = copy_objects(src, dst, [k for k, _ in job.todo], io_workers)
+        objects, nbytes = copy_objects(src, dst, [k for k, _ in job.todo], io_workers, expected_objects(src, step))
         result.objects_copied += objects
         result.bytes_copied += nbytes
         commit_step(src, dst, job, result)
@@ -132,11 +141,47 @@ def close_step(src: Root, job: MirrorJob, as_id: str | None = None) -> None:
         leases.release(src, as_id, [job.step])
 
 
-def copy_objects(src: Root, dst: Root, keys: list[str], io_workers: int = 8) -> tuple[int, int]:
-    """Copy ``keys`` byte for byte, ``io_workers`` at a time: (objects, bytes) copied."""
+def expected_objects(src: Root, step: int) -> dict[str, Callable[[bytes], None]]:
+    """For each object of committed ``step``'s attempt that its manifest binds (the manifest itself,
+    by the marker's digest; every chunk, snapshot and part, by its size and payload digest), a check
+    of its bytes that raises ``IntegrityError`` naming the object. A mirror runs it on every object
+    it reads before writing it downstream: a damaged object upstream is never copied onward.
+    (The Zarr metadata documents of the store are not bound by a digest: receivers never read them.)"""
+    cat = Catalog(src)
+    marker = cat.require_marker(step)
+    m = cat.manifest(step)
+    checks: dict[str, Callable[[bytes], None]] = {}
+
+    def manifest_check(data: bytes) -> None:
+        if manifest_digest(data) != marker.manifest_digest:
+            raise IntegrityError(f"{src.url}/{marker.manifest_key}: manifest digest does not match its commit marker")
+
+    checks[marker.manifest_key] = manifest_check
+    for entries in (m.tensors, m.snapshot or {}):
+        for e in entries.values():
+            for pos in range(e.n_stored):
+                rel, index, digest, nbytes = e.stored_at(pos)
+                key = layout.store_key(m.step, m.attempt, rel)
+
+                def chunk_check(data: bytes, key=key, e=e, index=index, digest=digest, nbytes=nbytes) -> None:
+                    if len(data) != nbytes:
+                        raise IntegrityError(f"{src.url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
+                    UncheckedChunk(src.url, key, data, m.codec, e.dtype, e.grid, index, digest).checked()
+
+                checks[key] = chunk_check
+    return checks
+
+
+def copy_objects(src: Root, dst: Root, keys: list[str], io_workers: int = 8,
+                 checks: dict[str, Callable[[bytes], None]] | None = None) -> tuple[int, int]:
+    """Copy ``keys`` byte for byte, ``io_workers`` at a time: (objects, bytes) copied. ``checks``
+    (``expected_objects``): each object is checked as read, before it is written downstream."""
 
     def copy(key: str) -> int:
         data = src.read(key)
+        check = (checks or {}).get(key)
+        if check is not None:
+            check(data)
         dst.write(key, data)
         events.reached("mirror.object-copied", key=key, nbytes=len(data))
         return len(data)
@@ -170,12 +215,57 @@ def plan_mirror(src: RootRef, step: int | None, dst: RootRef | None = None) -> l
         return [layout.check_step(step)]
     steps = Catalog(open_root(src)).committed_steps()
     if not steps:
-        raise StepNotFoundError(f"{src.url}: no committed step to mirror")
+        raise StepNotFoundError(f"{src.url}: {no_such_directory(open_root(src)) or 'no committed step to mirror'}")
     if dst is not None:
         held = set(Catalog(open_root(dst)).committed_steps())
         if held:
             steps = [s for s in steps if s in held or s > max(held)]
     return steps
+
+
+def sync_retractions(src: RootRef, dst: RootRef) -> list[int]:
+    """Copy upstream's retraction records (``dcr retract``) of the steps ``dst`` holds, byte for byte
+    (their signatures are the publisher's), each checked upstream first (it binds the step's
+    attempt, and its signature verifies). Only steps newer than upstream's newest live step can be
+    retracted: only those are looked at. The steps it marked retracted downstream."""
+    s, d = open_root(src), open_root(dst)
+    scat, dcat = Catalog(s), Catalog(d)
+    upstream_latest = scat.latest_committed()
+    marked = []
+    for step in dcat.ever_committed_steps():
+        if upstream_latest is not None and step <= upstream_latest:
+            continue
+        if dcat.retraction(step) is not None:
+            continue
+        retraction = scat.retraction(step)
+        if retraction is None:
+            continue
+        held = dcat.require_marker(step)
+        if (held.attempt, held.manifest_digest) != (retraction.attempt, retraction.manifest_digest):
+            raise StepConflictError(f"{d.url}: step {step} holds attempt {held.attempt}; upstream retracted "
+                                    f"{retraction.attempt}")
+        d.create_if_absent(layout.retraction_key(step), s.read(layout.retraction_key(step), limit=MAX_RETRACTION_BYTES))
+        marked.append(step)
+    return marked
+
+
+def sync_heartbeat(src: RootRef, dst: RootRef) -> bool:
+    """Copy upstream's heartbeat (``storage.heartbeat``) downstream, byte for byte, when it is newer
+    than the one there (checked first with the reader's key, if any): a mirror that keeps copying
+    keeps its receivers' ``--max-staleness`` satisfied; one that stops does not. Whether it copied."""
+    s, d = open_root(src), open_root(dst)
+    key = Catalog(s).key
+    up = heartbeat.read(s, key)
+    if up is None:
+        return False
+    try:
+        down = heartbeat.read(d)
+    except DCRError:  # a damaged copy downstream: replaced
+        down = None
+    if down is not None and down.at >= up.at:
+        return False
+    d.write(heartbeat.KEY, s.read(heartbeat.KEY, limit=heartbeat.MAX_HEARTBEAT_BYTES))
+    return True
 
 
 def record_position(src: RootRef, dst: RootRef, as_id: str, step: int) -> bool:
@@ -202,9 +292,13 @@ def open_mirror_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = 
     return open_step(open_root(src), open_root(dst), step, MirrorResult(), as_id)
 
 
-def copy_object_batch(src: RootRef, dst: RootRef, keys: tuple[str, ...], io_workers: int = 8) -> dict:
-    """A mapped task: copy ``keys`` where it runs; what it copied."""
-    objects, nbytes = copy_objects(open_root(src), open_root(dst), list(keys), io_workers)
+def copy_object_batch(src: RootRef, dst: RootRef, keys: tuple[str, ...], io_workers: int = 8,
+                      step: int | None = None) -> dict:
+    """A mapped task: copy ``keys`` (objects of committed ``step``, each checked against its
+    manifest as it is read) where it runs; what it copied."""
+    s = open_root(src)
+    checks = None if step is None else expected_objects(s, step)
+    objects, nbytes = copy_objects(s, open_root(dst), list(keys), io_workers, checks)
     return {"objects": objects, "bytes": nbytes}
 
 
@@ -220,6 +314,7 @@ MIRROR_STEPS = StepTable(Step("plan-mirror", plan_mirror), Step("copy-step", cop
                          Step("open-mirror-step", open_mirror_step), Step("copy-objects", copy_object_batch),
                          Step("commit-mirrored-step", commit_mirrored_step),
                          Step("release-mirror-lease", release_mirror_lease),
+                         Step("sync-retractions", sync_retractions), Step("sync-heartbeat", sync_heartbeat),
                          Step("record-mirror-position", record_position))
 
 
@@ -243,6 +338,7 @@ def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | 
     result = MirrorResult()
     if io_workers < 1:
         raise UsageError(f"io_workers must be at least 1, got {io_workers}")
+    result.retracted_steps = tasks.sync_retractions(s, d)  # first: downstream never shows a retracted step live
     for st in tasks.plan_mirror(s, step, d):
         if tasks.mapped:
             _mirror_mapped(tasks, s, d, st, as_id, io_workers, group_bytes, result)
@@ -254,6 +350,7 @@ def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | 
         result.bytes_copied += one["bytes_copied"]
     if as_id is not None:
         tasks.record_position(s, d, as_id, max(result.copied_steps + result.present_steps))
+    tasks.sync_heartbeat(s, d)  # last: it vouches for what the mirror now holds
     return result
 
 
@@ -265,7 +362,7 @@ def _mirror_mapped(tasks: Bound, s: RootRef, d: RootRef, step: int, as_id: str |
         return
     try:
         batches = [{"keys": tuple(b)} for b in batches_for(job.todo, tasks.slots, group_bytes)]
-        for part in tasks.map("copy_object_batch", batches, src=s, dst=d, io_workers=io_workers):
+        for part in tasks.map("copy_object_batch", batches, src=s, dst=d, io_workers=io_workers, step=step):
             result.objects_copied += part["objects"]
             result.bytes_copied += part["bytes"]
         tasks.commit_mirrored_step(s, d, job)

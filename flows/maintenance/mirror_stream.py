@@ -13,6 +13,8 @@ the upstream marker names); its forwarded objects stay invisible until ``dcr gc`
 
 from __future__ import annotations
 
+import dataclasses
+
 from dcr_core import events
 from storage import layout
 from storage.catalog import utc_now
@@ -23,18 +25,27 @@ from storage.stream import Building, StreamedChunk, StreamIndex
 
 
 class Forwarder(Prefetcher):
-    def __init__(self, src: Root, dst: Root, step: int, attempt: str, workers: int = 8):
-        super().__init__(src, step, attempt, workers=workers)
+    def __init__(self, src: Root, dst: Root, step: int, attempt: str, workers: int = 8, trusted=None):
+        super().__init__(src, step, attempt, workers=workers, trusted=trusted)
         self.dst = dst
 
     def begin(self) -> None:
         self.dst.write(layout.BUILDING, Building(self.step, self.attempt, utc_now()).to_json())
 
     def take(self, idx: StreamIndex, pool: BoundedPool) -> bool:
+        admitted = []  # the rest: copied by mirror_step after the commit
+        for c in idx.chunks:
+            if self.admits(c):
+                admitted.append(c)
+            else:
+                self.skipped += 1
+                events.reached("stream.chunk-skipped", tensor=c.tensor)
         futures = [pool.submit(self.forward, layout.store_key(self.step, self.attempt, c.key_in_store), idx, c)
-                   for c in idx.chunks]
+                   for c in admitted]
         for f in futures:
             f.result()  # a chunk that fails its check ends the forwarding; mirror_step copies it after the commit
+        if len(admitted) < len(idx.chunks):  # downstream followers get an index of what is there
+            idx = dataclasses.replace(idx, chunks=tuple(admitted))
         self.dst.write(layout.stream_key(self.step, self.attempt, idx.seq), idx.to_json())
         events.reached("mirror.index-forwarded", step=self.step, seq=idx.seq, chunks=len(idx.chunks))
         return not self.stopped.is_set()

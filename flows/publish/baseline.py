@@ -56,7 +56,7 @@ from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, open_source, opened
 from flows.refs import LocalRef
 from storage import reader
-from storage.local import patch_log, safetensors, state
+from storage.local import cache, patch_log, safetensors, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter
 from storage.marker import CommitMarker
 from storage.root import open_root
@@ -357,6 +357,7 @@ def remember_baseline(
         # this is, and the next delta checks its bits as it uses them (see "Trust").
         write_stamp(writer.path, marker.step, marker.policy_digest)
         events.reached("publish.baseline-kept", step=marker.step, where=writer.path)
+        bound_cache(plan)
     except (OSError, DCRError, ValueError) as e:  # the step is committed; only the cache is lost
         writer.abort()
         log.warning("cannot write the baseline cache (%s); the next delta rebuilds its baseline from ROOT", e)
@@ -397,7 +398,20 @@ def _patch_cache(plan: PublishPlan, logs: list[str], marker: CommitMarker, meta:
             return False
         write_stamp(path, marker.step, marker.policy_digest)
     events.reached("publish.baseline-kept", step=marker.step, where=path, patched=written)
+    bound_cache(plan)
     return True
+
+
+def bound_cache(plan: PublishPlan) -> None:
+    """Keep the cache within ``DCR_CACHE_MAX_BYTES`` (``storage.local.cache``), this ROOT's baseline
+    kept. Only the cache is at stake (a pruned entry costs a rebuild): a failure is logged."""
+    try:
+        report = cache.prune(plan.options.cache_dir, keep=cache_path(plan))
+    except (OSError, DCRError) as e:
+        log.warning("cannot keep the cache in %s within its bound (%s)", plan.options.cache_dir, e)
+        return
+    for r in report.removed:
+        log.info("cache: removed %s (%d bytes): %s", r["path"], r["nbytes"], r["why"])
 
 
 def share_cache(src: Source) -> None:

@@ -104,14 +104,27 @@ def check_free(root: Root, cat: Catalog, step: int) -> int | None:
         raise UsageError(
             f"{root.url}: no atomic create-if-absent for {root.protocol!r} ROOTs; use a local path, memory://, s3:// or gs://"
         )
+    latest = cat.latest_committed()  # the newest live step: retracted ones are skipped
     if cat.marker(step) is not None:
+        if cat.retraction(step) is not None:
+            raise StepConflictError(f"{root.url}: step {step} was committed and retracted; a step number is never used "
+                                    f"twice: publish step {next_free(cat, latest)} or another never committed")
         raise StepConflictError(f"{root.url}: step {step} is already committed")
-    latest = cat.latest_committed()
     if latest is not None and step <= latest:
         raise StepConflictError(
-            f"{root.url}: step {step} is not after the latest committed step {latest}; publish step {latest + 1} or later"
+            f"{root.url}: step {step} is not after the latest committed step {latest}; publish step "
+            f"{next_free(cat, latest)} or later"
         )
     return latest
+
+
+def next_free(cat: Catalog, latest: int | None) -> int:
+    """The lowest step number above the newest live step that was never committed."""
+    used = set(cat.ever_committed_steps())
+    n = 0 if latest is None else latest + 1
+    while n in used:
+        n += 1
+    return n
 
 
 def plan_publish(

@@ -22,8 +22,10 @@ from flows.poll import poll
 from flows.receive.pipeline import run_receive
 from flows.results import ReceiveResult
 from flows.streaming import Streaming
+from storage import heartbeat
 from storage.access import StoreUnreachableError
 from storage.catalog import Catalog
+from storage.heartbeat import StaleRootError
 from storage.local import state
 from storage.retry import is_transient
 from storage.root import RootRef, open_root
@@ -32,6 +34,8 @@ MAX_BACKOFF = 60.0
 
 
 def worth_retrying(e: BaseException) -> bool:
+    if isinstance(e, StaleRootError):
+        return True  # a publisher between heartbeats, or a mirror catching up: said, and waited for
     if isinstance(e, (StateMismatchError, UntrustedError)):
         return False  # a state that lies, a forged or foreign marker, a link: someone must look
     # an endpoint down (or refusing access) after the storage layer's retries: it may come back
@@ -41,17 +45,23 @@ def worth_retrying(e: BaseException) -> bool:
 def follow(
     root: RootRef, state_path: str, receive: Callable[[int], object], interval: float = 5.0,
     until_step: int | None = None, warn: Callable[[str], None] | None = None, stream: Streaming | None = None,
+    max_staleness: float | None = None,
 ) -> Iterator:
     """Yield ``receive(step)`` for every committed step newer than the state; stop once the state
     holds ``until_step`` or later (None: follow for good). ``warn`` hears every failure retried.
-    ``stream``: also prefetch each step while it is being published (``flows.streaming``)."""
+    ``stream``: also prefetch each step while it is being published (``flows.streaming``).
+    ``max_staleness``: every poll also checks the ROOT's heartbeat (``storage.heartbeat``), so a ROOT
+    that stopped moving is said (and retried) even when no new step comes."""
     def newer() -> int | None:
         held = state.peek_step(state_path)
         if stream is not None:
             stream.watch(held)
-        latest = Catalog(open_root(root)).latest_committed()  # opened on first use: an endpoint down now is retried
-        if latest is not None and (held is None or latest > held):
-            return latest
+        cat = Catalog(open_root(root))  # opened on first use: an endpoint down now is retried
+        if max_staleness is not None:
+            heartbeat.check_fresh(cat.root, max_staleness, cat.key)
+        latest = cat.latest_committed()
+        if latest is not None and (held is None or latest > held or (latest < held and cat.retraction(held))):
+            return latest  # newer, or back from a step that was retracted
         events.reached("follow.waiting", held=held)
         return None
 
@@ -97,4 +107,5 @@ def follow_receive(
     def receive(step: int) -> ReceiveResult:
         return run_receive(ref.url, receiver_id, state_path, step, ref.storage_options, options)
 
-    yield from follow(ref, str(state_path), receive, interval, until_step, warn, streaming)
+    yield from follow(ref, str(state_path), receive, interval, until_step, warn, streaming,
+                      (options or ReceiveOptions()).max_staleness)

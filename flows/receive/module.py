@@ -57,7 +57,9 @@ PROBE_ATTR = "_dcr_probe"
 
 def default_mirror_path(root: str, receiver_id: str) -> str:
     key = blake3.blake3(os.fspath(root).encode()).hexdigest()[:16]
-    return os.path.join(default_cache_dir(), "receivers", key, f"{receiver_id}.safetensors")
+    directory = os.path.join(default_cache_dir(), "receivers", key)
+    os.makedirs(directory, exist_ok=True)  # DCR's own cache: created here (a user's --state directory is not)
+    return os.path.join(directory, f"{receiver_id}.safetensors")
 
 
 def held_by(target) -> dict | None:

@@ -23,10 +23,11 @@ from flows.receive import on_workers, state_file
 from flows.results import ReceiveResult
 from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
-from storage import layout
+from storage import heartbeat, layout
+from storage.catalog import Catalog
 from storage.local import journal, sidecar, state
 from storage.reader import RefitPlan, manifests
-from storage.root import RootRef
+from storage.root import RootRef, open_root
 
 log = logging.getLogger("dcr.receive")
 T = TypeVar("T")
@@ -89,10 +90,13 @@ def run_receive(
     """Bring the state file at ``state_path`` to ``step`` (default: latest) and record the commit."""
     options = check_arguments(receiver_id if record else None, step, options)
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
+    if options.max_staleness is not None:  # before anything is read or written: a stale ROOT changes nothing
+        r = open_root(ref)
+        heartbeat.check_fresh(r, options.max_staleness, Catalog(r).key)
     state_path = state_file.check_path(state_path)
     tasks = STATE_STEPS.bind(runner or InProcess())
     mapped = tasks.mapped and not options.in_place  # an in-place patch runs here (see flows.receive.on_workers)
-    named = ref.url  # what the state's header records, as in one process
+    named = state.absolute_root(ref.url)  # what the state's header records, as in one process (workers' cwd differs)
     if mapped:
         ref, state_path = portable_root(ref), os.path.abspath(state_path)
     with state.exclusive(state_path):  # one writer per state file; leftovers of a killed one removed
@@ -141,8 +145,14 @@ def run_receive(
 
 def run_materialize(
     root: str | os.PathLike, step: int | None, out: str | os.PathLike, storage_options: dict | None = None,
-    options: ReceiveOptions | None = None, runner: Runner | None = None,
+    options: ReceiveOptions | None = None, runner: Runner | None = None, force: bool = False,
 ) -> ReceiveResult:
     """Write the full checkpoint of a committed step to ``out`` (no receiver record); with a runner
-    that maps, as groups of tensors on its workers."""
+    that maps, as groups of tensors on its workers. An existing ``out`` is replaced only when DCR
+    wrote it (a materialization or a receiver state: its header names a step), or with ``force``:
+    ``--out`` pointed at a trainer's checkpoint by mistake must not lose it."""
+    target = state_file.check_path(out)
+    if not force and os.path.exists(target) and not state.written_by_dcr(target):
+        raise UsageError(f"{os.fspath(out)}: exists and was not written by dcr materialize or dcr receive (a trainer's "
+                         "checkpoint?); choose another --out, or pass --force to replace it")
     return run_receive(root, "materialize", out, step, storage_options, options, runner, record=False, fresh=True)

@@ -8,6 +8,7 @@ leaves a half-written checkpoint or receiver state.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -50,6 +51,19 @@ class Header:
         return struct.pack("<Q", room) + body + b" " * (room - len(body))
 
 
+def _other_format(first: bytes) -> str | None:
+    """What a file that is not safetensors looks like from its first bytes, where that is clear."""
+    if first.startswith(b"PK\x03\x04"):
+        return "a zip archive: torch.save writes .pt and .bin files this way"
+    if first[:1] == b"\x80" and 2 <= first[1] <= 5:
+        return "a Python pickle: an older torch.save file?"
+    if first.startswith(b"\x89HDF"):
+        return "an HDF5 file"
+    if first.startswith(b"GGUF"):
+        return "a GGUF file"
+    return None
+
+
 def read_header(path: str, fd: int) -> Header:
     """Read one safetensors header (from the open file ``fd``) without loading any tensor."""
     try:
@@ -57,6 +71,10 @@ def read_header(path: str, fd: int) -> Header:
         raw_len = os.pread(fd, 8, 0)
         if len(raw_len) < 8:
             raise InvalidCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        kind = _other_format(raw_len)
+        if kind:
+            raise InvalidCheckpointError(f"{path}: not a safetensors file ({kind}); save it with safetensors "
+                                         "(safetensors.torch.save_file) and publish that")
         (n,) = struct.unpack("<Q", raw_len)
         if n > MAX_HEADER_BYTES or 8 + n > size:
             raise InvalidCheckpointError(f"{path}: truncated or not a safetensors file (header of {n} bytes)")
@@ -67,10 +85,12 @@ def read_header(path: str, fd: int) -> Header:
                 raise InvalidCheckpointError(f"{path}: truncated header")
             raw += more
         doc = json.loads(raw)
+    except InvalidCheckpointError:  # a ValueError too: said above, as it is
+        raise
     except OSError as e:
         raise InvalidCheckpointError(f"{path}: cannot read checkpoint ({e.strerror or e})") from None
     except (ValueError, UnicodeDecodeError, RecursionError):
-        raise InvalidCheckpointError(f"{path}: safetensors header is not valid JSON") from None
+        raise InvalidCheckpointError(f"{path}: not a safetensors file (its header is not JSON)") from None
     if not isinstance(doc, dict):
         raise InvalidCheckpointError(f"{path}: safetensors header is not an object")
     return Header(raw_len + raw, doc)
@@ -280,8 +300,21 @@ class StreamingSafetensorsWriter:
         raw, self.offsets = header_bytes(infos, metadata, header_room)
         self.size = len(raw) + sum(self._sizes.values())  # the finished file's bytes
         self._f = open(self.tmp, "wb")
-        self._f.write(raw)
+        with self._naming_the_file():
+            self._f.write(raw)
         self._next = 0
+
+    @contextlib.contextmanager
+    def _naming_the_file(self):
+        """An OSError while writing (a full disk, a file-size limit) names the file being written:
+        errors of ``write`` carry no file name of their own. The temp file is removed."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            self.abort()
+            raise OSError(e.errno, f"{e.strerror or e} while writing", self.path) from None
 
     def reserve(self) -> dict[str, int]:
         """Give the temp file its full size at once and return every tensor's byte offset in it:
@@ -298,7 +331,8 @@ class StreamingSafetensorsWriter:
         view = memoryview(data).cast("B")
         if view.nbytes != self._sizes[name]:
             raise ValueError(f"tensor {name!r}: {view.nbytes} bytes, header says {self._sizes[name]}")
-        self._f.write(view)
+        with self._naming_the_file():
+            self._f.write(view)
         self._next += 1
 
     def copy_from(self, name: str, fd: int, offset: int) -> None:
@@ -319,12 +353,13 @@ class StreamingSafetensorsWriter:
                 done += n
         except (AttributeError, OSError):  # no copy_file_range here (or not between these files)
             pass
-        while done < size:
-            data = os.pread(fd, min(size - done, COPY_BUFFER_BYTES), offset + done)
-            if not data:
-                break
-            os.pwrite(out, data, at + done)
-            done += len(data)
+        with self._naming_the_file():
+            while done < size:
+                data = os.pread(fd, min(size - done, COPY_BUFFER_BYTES), offset + done)
+                if not data:
+                    break
+                os.pwrite(out, data, at + done)
+                done += len(data)
         if done != size:
             raise ValueError(f"tensor {name!r}: source ended after {done} of {size} bytes")
         self._f.seek(at + size)
@@ -337,10 +372,11 @@ class StreamingSafetensorsWriter:
         if self._next != len(self._order):
             raise ValueError(f"only {self._next} of {len(self._order)} tensors written")
         try:
-            self._f.flush()
-            if self.durable:
-                os.fsync(self._f.fileno())
-            self._f.close()
+            with self._naming_the_file():
+                self._f.flush()
+                if self.durable:
+                    os.fsync(self._f.fileno())
+                self._f.close()
         except BaseException:
             self.abort()
             raise
@@ -357,7 +393,10 @@ class StreamingSafetensorsWriter:
 
     def abort(self) -> None:
         if not self._f.closed:
-            self._f.close()
+            try:
+                self._f.close()
+            except OSError:  # its buffer could not be written (the disk is full): closed all the same
+                pass
         if os.path.exists(self.tmp):
             os.unlink(self.tmp)
 

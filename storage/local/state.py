@@ -4,8 +4,9 @@ Metadata keys: ``dcr.step`` (the step), ``dcr.policy_digest`` (that step's polic
 ``dcr.root`` (the ROOT it came from). States written by DCR keep ``HEADER_ROOM`` spare header
 bytes, so an in-place refit can rewrite the metadata without moving any tensor.
 
-One writer at a time: ``exclusive(path)`` holds ``.<name>.lock`` beside the file (``flock``: a
-killed holder's lock dies with it) and removes temp files a killed writer left. Locks and journals
+One writer at a time: ``exclusive(path)`` holds ``.<name>.lock`` beside the file while it writes
+(``flock``: a killed holder's lock dies with it; the file is removed when the lock is let go) and
+removes temp files a killed writer left. Locks and journals
 are keyed by the file's real path, so two paths to one file share them. Readers outside DCR that
 must never see a half-patched file read inside ``consistent_state(path)``.
 """
@@ -18,7 +19,7 @@ import glob
 import os
 from collections.abc import Iterator
 
-from dcr_core.errors import InvalidCheckpointError, StateMismatchError
+from dcr_core.errors import InvalidCheckpointError, StateMismatchError, UsageError
 from storage import layout
 from storage.local import journal
 from storage.local.safetensors import SafetensorsCheckpoint
@@ -30,11 +31,19 @@ HEADER_ROOM = 64  # header bytes kept free so an in-place patch can rewrite the 
 
 
 def metadata(step: int, policy_digest: str, root_url: str | None = None) -> dict[str, str]:
-    """The metadata of a state (or baseline) file holding ``step``."""
+    """The metadata of a state (or baseline) file holding ``step``. A local ROOT is recorded as an
+    absolute path, so the file names the same ROOT whichever directory reads it."""
     meta = {STEP: str(step), POLICY: policy_digest}
     if root_url is not None:
-        meta[ROOT] = root_url
+        meta[ROOT] = absolute_root(root_url)
     return meta
+
+
+def absolute_root(url: str) -> str:
+    """``url`` with a local path made absolute (``./bucket`` -> ``/home/me/bucket``); URLs unchanged."""
+    if "://" in url or "::" in url:
+        return url
+    return os.path.abspath(url)
 
 
 def claimed_step(meta: dict[str, str], path: str) -> int:
@@ -68,6 +77,17 @@ def peek_origin(path: str) -> tuple[int, str | None, str | None] | None:
         return claimed_step(ck.metadata, path), ck.metadata.get(POLICY), ck.metadata.get(ROOT)
 
 
+def written_by_dcr(path: str) -> bool:
+    """Whether the existing file ``path`` is a DCR state or materialization (a safetensors file whose
+    metadata names the step it holds): what ``dcr materialize`` may replace without ``--force``."""
+    try:
+        with SafetensorsCheckpoint(path) as ck:
+            claimed_step(ck.metadata, path)
+    except (InvalidCheckpointError, StateMismatchError, OSError):
+        return False
+    return True
+
+
 def check_path(path: str | os.PathLike) -> str:
     """The file a state (or ``dcr materialize --out``) path names. A symbolic link names its target:
     the target is refitted, rewritten or patched alike, and the link is kept. Anything but a regular
@@ -77,28 +97,46 @@ def check_path(path: str | os.PathLike) -> str:
     if os.path.exists(real) and not os.path.isfile(real):
         raise InvalidCheckpointError(f"{given}: not a regular file (a directory, FIFO or device); a receiver state "
                                      "or materialize output must be a .safetensors file")
+    directory = os.path.dirname(real)
+    if not os.path.isdir(directory):
+        raise UsageError(f"{given}: directory {directory} does not exist; create it first (dcr writes state files "
+                         "and materializations into existing directories only)")
     return real
 
 
 @contextlib.contextmanager
 def exclusive(path: str | os.PathLike) -> Iterator[None]:
-    """Hold the lock of the file at ``path`` (``.<name>.lock`` beside it) for one writer at a time,
-    and remove temp files that a writer of ``path`` killed earlier (``kill -9``) left behind.
+    """Hold the lock of the file at ``path`` (``.<name>.lock`` beside it, there only while held) for
+    one writer at a time, and remove temp files that a writer of ``path`` killed earlier
+    (``kill -9``) left behind. The file's directory must exist.
 
     The lock is advisory (``flock``) and dies with its process, so a killed writer never blocks the
-    next one; waiting writers queue.
+    next one; waiting writers queue. The holder removes the lock file as it lets go, so nothing is
+    left beside a user's file: a waiter that then gets the lock of the removed file sees that the
+    name no longer leads to it and takes the lock again (the lock file of a writer killed while
+    holding it stays until the next writer, which reuses and removes it).
     """
     path = os.path.realpath(os.fspath(path))  # one lock per file, whatever path names it
     directory, name = os.path.split(path)
-    os.makedirs(directory, exist_ok=True)
-    with open(os.path.join(directory, f".{name}.lock"), "a+b") as lock:
+    lock_path = os.path.join(directory, f".{name}.lock")
+    while True:
+        lock = open(lock_path, "a+b")
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
+                break  # the lock file the name leads to now: held
+        except FileNotFoundError:
+            pass  # removed by the holder before us
+        lock.close()
+    with lock:
         try:
             for leftover in glob.glob(os.path.join(glob.escape(directory), f".{glob.escape(name)}.tmp-*")):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(leftover)
             yield
         finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(lock_path)  # while held: a waiter on this file retries on the new one
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
 
 

@@ -266,3 +266,39 @@ def test_a_mirror_registered_upstream_keeps_what_it_needs_from_upstream_gc(origi
     state = tmp_path / "s.safetensors"
     run_receive(a, "r", str(state))
     assert_bits_equal(load_file(state), cks[4])
+
+
+@pytest.mark.faults("mirror", component="mirror", outcome="refused naming the object; nothing of the step committed downstream")
+@pytest.mark.parametrize("damage", ["chunk", "manifest"])
+def test_a_mirror_refuses_to_copy_a_damaged_step_onward(origin, tmp_path, damage):
+    """A chunk (or the manifest) of step 2 damaged upstream after its commit: ``dcr mirror`` exits
+    5 naming that object, commits steps 0 and 1 downstream and nothing of step 2; the copy
+    verifies. Repaired upstream, a rerun mirrors step 2 exactly."""
+    root, cks = origin
+    files = _attempt_files(root, 2)
+    if damage == "chunk":
+        key = max((k for k in files if "/c/" in k), key=lambda k: len(files[k]))
+    else:
+        key = next(k for k in files if k.endswith("manifest.json"))
+    marker = json.load(open(os.path.join(root, layout.commit_key(2))))
+    path = os.path.join(root, layout.attempt_dir(2, marker["attempt"]), key)
+    good = file_bytes(path)
+    bad = bytearray(good)
+    bad[len(bad) // 2] ^= 0x01
+    with open(path, "wb") as f:
+        f.write(bytes(bad))
+    region = str(tmp_path / "region")
+    out = dcr("mirror", root, region)
+    assert out.returncode == 5 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert os.path.relpath(path, root) in out.stderr, (key, out.stderr)
+    from storage.catalog import Catalog
+    from storage.root import Root
+
+    assert Catalog(Root(region)).committed_steps() == [0, 1]
+    dcr("verify", region, check=0)
+    with open(path, "wb") as f:
+        f.write(good)
+    dcr("mirror", root, region, check=0)
+    state = tmp_path / "s.safetensors"
+    run_receive(region, "r", str(state))
+    assert_bits_equal(load_file(state), cks[-1])

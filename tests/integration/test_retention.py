@@ -236,3 +236,49 @@ def test_dcr_gc_dry_run_and_bad_arguments(tmp_path, capsys):
     assert tree_snapshot(root) == before
     assert main(["gc", root, "--keep-last", "1", "--json"]) == 0
     assert Catalog(Root(root)).committed_steps() == [4, 5]
+
+
+@pytest.mark.faults(component="gc", outcome="forged leases pin nothing; gc removes them and says why, escaped")
+def test_leases_that_no_receiver_can_have_taken_pin_nothing_and_gc_says_why(tmp_path):
+    """Someone who can write the bucket drops leases with ``expires_at`` Infinity, NaN, 1e300, a name
+    that is no receiver id (with a terminal escape in it), and an unreadable body an hour old: gc
+    deletes the steps they would have pinned, removes them, and its report names each and why
+    (control characters escaped). An unreadable lease written just now still pins its step, and a
+    real lease still does."""
+    import json
+    import os
+    import time
+
+    from storage import leases
+    from tests.support.cli import dcr
+
+    root = str(tmp_path / "root")
+    publish_run(root, tmp_path, n=6)
+    r = Root(root)
+    forged = {
+        0: ("rx-inf.json", b'{"receiver": "rx-inf", "expires_at": Infinity}'),
+        1: ("rx-nan.json", b'{"receiver": "rx-nan", "expires_at": NaN}'),
+        2: ("rx-far.json", json.dumps({"receiver": "rx-far", "expires_at": 1e300}).encode()),
+        3: ("\x1b]0;owned\x07.json", b'{"receiver": "x", "expires_at": 9e9}'),
+    }
+    for step, (name, body) in forged.items():
+        r.write(f"{layout.leases_dir(step)}/{name}", body)
+    r.write(f"{layout.leases_dir(1)}/rx-old.json", b"{not json")
+    old = time.time() - 2 * leases.GARBAGE_AFTER
+    os.utime(os.path.join(root, layout.leases_dir(1), "rx-old.json"), (old, old))
+    r.write(f"{layout.leases_dir(2)}/rx-young.json", b"{not json")  # may be a lease: pins step 2
+    leases.take(r, "rx-real", [3], target=5, ttl=600)  # a real one: pins step 3
+    out = dcr("gc", root, "--keep-last", "1", "--grace-seconds", "0", check=0).stdout
+    assert "\x1b" not in out and "\x07" not in out
+    assert "removed lease steps/000000000003/leases/\\x1b]0;owned\\x07.json: not a lease a receiver takes" in out, out
+    for step, why in ((0, "expires_at is inf, not a time"), (1, "expires_at is nan, not a time"),
+                      (2, "s ahead, beyond the 86400 s a lease may last"), (1, "unreadable (JSONDecodeError) and")):
+        assert f"removed lease steps/{step:012d}/leases/" in out and why in out, (why, out)
+    assert Catalog(r).committed_steps() == [2, 3, 4, 5]  # 0 and 1 deleted; 2 and 3 pinned by what may be leases
+    assert leases.live(r, 2) == ["rx-young"] and leases.live(r, 3) == ["rx-real"]
+    with pytest.raises(UsageError, match="at most 86400 seconds"):
+        leases.take(r, "rx", [5], target=5, ttl=float("inf"))
+    for bad in ("inf", "1e300", "nan", "0"):
+        err = dcr("receive", root, "--receiver", "rx", "--state", tmp_path / "s.safetensors", "--lease-seconds", bad,
+                  check=2).stderr
+        assert "lease_seconds" in err and len(err.strip().splitlines()) == 1

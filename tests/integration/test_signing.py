@@ -204,3 +204,47 @@ def test_keygen_writes_a_private_key_only_its_owner_reads_and_never_overwrites(t
     before = (tmp_path / "k").read_bytes()
     out = dcr("keygen", tmp_path / "k", check=2)
     assert "never overwrites" in out.stderr and (tmp_path / "k").read_bytes() == before
+
+
+# -- a reader without a key, and readers that must have one ----------------------------------------
+
+
+def test_a_signed_root_says_so_and_a_reader_without_a_key_warns_once_or_refuses(ed25519, tmp_path, monkeypatch):
+    """``run.json`` of a ROOT whose first publisher signed says so. A receiver with no key reads it
+    with one warning line naming what to set; under ``--require-signed`` (or DCR_REQUIRE_SIGNED=1) it
+    refuses in one line and nothing changes. With the key, ``--require-signed`` reads as usual."""
+    from tests.support.cli import dcr
+
+    root, cks = ed25519
+    assert json.load(open(os.path.join(root, "run.json")))["signed"] == "ed25519"
+    monkeypatch.delenv("DCR_VERIFY_KEY_FILE")
+    state = tmp_path / "s.safetensors"
+    out = dcr("receive", root, "--receiver", "r", "--state", state, "--step", 1, check=0)
+    warning = out.stderr.strip().splitlines()
+    assert len(warning) == 1 and "signatures are not checked" in warning[0] and "DCR_VERIFY_KEY_FILE" in warning[0], out.stderr
+    before = file_bytes(state)
+    for args, env in ((("--require-signed",), {}), ((), {"DCR_REQUIRE_SIGNED": "1"})):
+        out = dcr("receive", root, "--receiver", "r", "--state", state, *args, env=env, check=5)
+        assert len(out.stderr.strip().splitlines()) == 1 and "DCR_REQUIRE_SIGNED (--require-signed) is set" in out.stderr
+        assert file_bytes(state) == before
+    dcr("receive", root, "--receiver", "r", "--state", state, "--require-signed",
+        env={"DCR_VERIFY_KEY_FILE": str(tmp_path / "key.pub")}, check=0)
+    assert_bits_equal(load_file(state), cks[2])
+    out = dcr("receive", root, "--receiver", "r", "--state", state, env={"DCR_REQUIRE_SIGNED": "maybe"}, check=2)
+    assert "DCR_REQUIRE_SIGNED='maybe' must be 1 or 0" in out.stderr
+
+
+def test_an_unsigned_root_refused_by_a_verify_key_names_that_variable(tmp_path, monkeypatch):
+    """Only DCR_VERIFY_KEY_FILE is set and the ROOT is unsigned: the refusal names that variable, not
+    "a signing key" the reader never set."""
+    from storage import signing
+
+    root = str(tmp_path / "bucket")
+    _publish(root, _chain(2), tmp_path)
+    assert "signed" not in json.load(open(os.path.join(root, "run.json")))
+    signing.keygen(tmp_path / "key")
+    monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
+    with pytest.raises(IntegrityError, match=f"commit marker is not signed, and DCR_VERIFY_KEY_FILE={tmp_path / 'key.pub'} "
+                                             "says markers must be signed"):
+        run_receive(root, "r", str(tmp_path / "s.safetensors"))
+    assert not (tmp_path / "s.safetensors").exists()

@@ -555,3 +555,59 @@ def test_a_streaming_relay_between_two_s3_servers(s3_server, tmp_path):
             mirror.kill()
             mirror.wait()
         second.stop()
+
+
+@pytest.mark.faults("streaming", component="security",
+                    outcome="a forged stream index costs the follower no memory: its peak RSS stays under 400 MiB")
+@pytest.mark.parametrize("follower", ["receive", "mirror"])
+def test_a_forged_stream_index_cannot_make_a_follower_allocate(tmp_path, follower):
+    """Someone who can write the bucket but holds no key forges ``building.json`` and a stream index
+    naming four arrays of 2**26-2**28 BF16 elements, each backed by a few KiB that decompress to
+    that size (0.1-0.5 GB each). A ``dcr receive --follow --stream`` follower (or ``dcr mirror
+    --follow --stream``) reads the index and decodes none of it (no such tensor in the step it
+    holds, nor such a grid): its peak resident memory stays under 400 MiB (HEAD 6d19cce: several
+    GB), and a real step then arrives exactly."""
+    import numpy as np
+
+    from dcr_core.chunking import ChunkGrid
+    from flows.options import KEYFRAMES
+    from storage.stream import Building, StreamedChunk, StreamIndex
+
+    root, cks, state = _setup(tmp_path, seed=53, n=2)
+    r = Root(root)
+    attempt = "f" * 32
+    chunks = []
+    for i, n in enumerate((1 << 26, 1 << 27, 1 << 28, 1 << 28)):
+        data = KEYFRAMES.encode(np.zeros(n, dtype=np.uint16))
+        key_in_store = f"evil{i}/c/0"
+        r.write(layout.store_key(1, attempt, key_in_store), data)
+        chunks.append(StreamedChunk(f"evil.{i}", "BF16", ChunkGrid((n,), (n,)), key_in_store, 0, "0" * 64, len(data)))
+    r.write(layout.stream_key(1, attempt, 0), StreamIndex(1, attempt, 0, KEYFRAMES, tuple(chunks), True).to_json())
+    r.write(layout.BUILDING, Building(1, attempt).to_json())
+    points = "stream.index-read=report,stream.chunk-skipped@4=report,mirror.committed@1=report"
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_FAILPOINTS": points}
+    region = str(tmp_path / "region")
+    if follower == "mirror":
+        dcr("mirror", root, region, check=0)
+    cmd = _follower_cmd(root, state) if follower == "receive" else \
+        ["mirror", root, region, "--follow", "--stream", "--interval", "0.05"]
+    proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *cmd], cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        err = Lines(proc.stderr)
+        err.wait_for(reported("stream.index-read"))  # it read the forged index...
+        err.wait_for(reported("stream.chunk-skipped@4"))  # ...and passed over every chunk it names, decoding none
+        peak = int(open(f"/proc/{proc.pid}/status").read().split("VmHWM:")[1].split()[0]) * 1024
+        print(f"{follower} follower under a forged index: peak RSS {peak / 2**20:.0f} MiB")  # shown with -s
+        assert peak < 400 << 20, f"peak RSS {peak >> 20} MiB"
+        run_publish(root, cks[1], 1, options=opts(tmp_path))
+        if follower == "receive":
+            assert proc.wait(timeout=120) == 0, err.text()
+        else:
+            err.wait_for(reported("mirror.committed@1"))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if follower == "mirror":
+        run_receive(region, "follower", str(state))
+    assert_bits_equal(load_file(state), cks[1])

@@ -22,6 +22,7 @@ import fsspec
 import torch
 
 from dcr_core import events
+from flows.cli import PrintableRecords
 from tests.support.helpers import write_safetensors
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
@@ -46,17 +47,23 @@ class _Stream(io.StringIO):
 
 def _forget_open_stores() -> None:
     """What a new process would not have: fsspec filesystem instances (an S3 client keeps the
-    endpoint it was made with) and the ROOTs opened by earlier commands."""
+    endpoint it was made with), the ROOTs opened by earlier commands, and what storage remembers
+    per process."""
+    from storage import catalog, run
     from storage import root as root_mod
 
     for cls in set(fsspec.registry.values()) | {type(fsspec.filesystem("file"))}:
         cls.clear_instance_cache()
     with root_mod._ROOTS_LOCK:
         root_mod._ROOTS.clear()
+    run._seen.clear()  # the ROOT's run, manifests read, warnings given once per process
+    with catalog._MANIFESTS_LOCK:
+        catalog._MANIFESTS.clear()
+    catalog._WARNED_UNCHECKED.clear()
 
 
 @contextlib.contextmanager
-def _as_a_process(env: dict, out: io.StringIO, err: io.StringIO):
+def _as_a_process(env: dict, out: io.StringIO, err: io.StringIO, cwd=None):
     failpoints = env.get("DCR_FAILPOINTS")
     if failpoints and any(a in failpoints for a in ("=pause", "=exit")):
         raise ValueError("pause and exit failpoints end or stop the process: use dcr_process or kill_at")
@@ -64,9 +71,12 @@ def _as_a_process(env: dict, out: io.StringIO, err: io.StringIO):
     # Python's last-resort handler: an unconfigured process prints a warning as its message alone
     handler = logging.StreamHandler(err)
     handler.setLevel(logging.WARNING)
+    handler.addFilter(PrintableRecords())  # as the command line sets up the last-resort handler
     saved_handlers, saved_level = root.handlers[:], root.level
-    old_env = dict(os.environ)
+    old_env, old_cwd = dict(os.environ), os.getcwd()
     os.environ.update({k: str(v) for k, v in env.items()})
+    if cwd is not None:
+        os.chdir(cwd)
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
     _forget_open_stores()
@@ -79,18 +89,20 @@ def _as_a_process(env: dict, out: io.StringIO, err: io.StringIO):
         root.setLevel(saved_level)
         os.environ.clear()
         os.environ.update(old_env)
+        os.chdir(old_cwd)
         _forget_open_stores()
 
 
-def dcr(*args, env=None, check=None, timeout: float | None = None):
+def dcr(*args, env=None, check=None, timeout: float | None = None, cwd=None):
     """``dcr ARGS`` run in this process as a fresh process runs it (see the module doc): a
     ``CompletedProcess`` with its exit code and what it printed; ``check``: the exit code it must
-    end with. ``timeout`` is accepted for symmetry with ``dcr_process`` and not enforced."""
+    end with; ``cwd``: the directory it runs in. ``timeout`` is accepted for symmetry with
+    ``dcr_process`` and not enforced."""
     from flows.cli import main
 
     argv = [str(a) for a in args]
     out, err = _Stream(), _Stream()
-    with _as_a_process({"DCR_ORCHESTRATOR": "none", **(env or {})}, out, err):
+    with _as_a_process({"DCR_ORCHESTRATOR": "none", **(env or {})}, out, err, cwd):
         try:
             rc = main(argv)
         except SystemExit as e:  # argparse: usage errors and --help

@@ -52,19 +52,26 @@ def _row(item) -> dict | None:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
+    # the row travels on the report, so a run on several processes (pytest-xdist) collects it in the
+    # controller, as a run in one process does
     outcome = yield
-    report = outcome.get_result()
     row = _row(item)
+    if row is not None:
+        outcome.get_result().user_properties.append(("fault-row", row))
+
+
+def pytest_runtest_logreport(report):
+    row = next((value for key, value in report.user_properties if key == "fault-row"), None)
     if row is None:
         return
-    entry = ROWS.setdefault(item.nodeid, {**row, "result": "not run"})
+    entry = ROWS.setdefault(report.nodeid, {**row, "result": "not run"})
     if report.when == "call" or (report.when == "setup" and not report.passed):
         entry["result"] = "passed" if report.passed else ("skipped" if report.skipped else "FAILED")
 
 
 def pytest_sessionfinish(session, exitstatus):
     path = session.config.getoption("--fault-matrix")
-    if not path or not ROWS:
+    if not path or not ROWS or hasattr(session.config, "workerinput"):  # a worker: its controller writes
         return
     rows = sorted(ROWS.values(), key=lambda r: (r["component"], r["fault"]))
     counts = Counter(r["result"] for r in rows)

@@ -359,8 +359,79 @@ def test_deeply_nested_json_fails_with_one_line_naming_the_object(bucket, tmp_pa
     header = b"[" * 200_000
     nested.write_bytes(struct.pack("<Q", len(header)) + header)
     out = dcr("publish", tmp_path / "other", nested, "--step", 0, check=2)
-    assert "nested.safetensors" in out.stderr and "not valid JSON" in out.stderr
+    assert "nested.safetensors" in out.stderr and "not a safetensors file (its header is not JSON)" in out.stderr
     state = tmp_path / "state.safetensors"
     shutil.copy(nested, state)
     out = dcr("receive", root, "--receiver", "r", "--state", state, "--step", 2, check=2)
     assert str(state) in out.stderr and len(out.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.faults(component="bad input or damaged bucket", outcome="a one-line error saying what the file is; nothing written")
+def test_a_file_of_another_format_is_named_for_what_it_is(tmp_path):
+    """A torch ``.pt`` (a zip archive), an older pickle and a file too short to be anything are each
+    refused in one line saying what they are, not as a malformed safetensors header."""
+    import pickle
+
+    torch.save({"w": torch.ones(3)}, tmp_path / "model.pt")
+    (tmp_path / "old.bin").write_bytes(pickle.dumps({"w": [1.0]}, protocol=2) + b"\0" * 16)
+    (tmp_path / "short.safetensors").write_bytes(b"abc")
+    for name, what in (("model.pt", "a zip archive"), ("old.bin", "a Python pickle"), ("short.safetensors", "shorter than 8 bytes")):
+        out = dcr("publish", tmp_path / "bucket", tmp_path / name, "--step", 0, check=2)
+        assert out.stderr.strip() == out.stderr.strip().splitlines()[0] and f"{name}: not a safetensors file ({what}" in out.stderr
+    assert not (tmp_path / "bucket").exists() or not any((tmp_path / "bucket").rglob("commit.json"))
+
+
+@pytest.mark.faults(component="receiver", outcome="a one-line error naming the file; the state file unchanged, no temp file left")
+def test_a_receive_that_runs_out_of_disk_names_the_file_and_leaves_the_state_unchanged(tmp_path):
+    """A file-size limit (RLIMIT_FSIZE, as a full disk looks to a writer: EFBIG) under ``dcr receive``:
+    the error names the state file being written; the held state is byte-identical; no temp file."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.support.cli import REPO
+
+    ck = {"w": torch.randn(100_000)}
+    write_safetensors(tmp_path / "c0.safetensors", ck)
+    write_safetensors(tmp_path / "c1.safetensors", {"w": ck["w"] + 1})
+    root, state = tmp_path / "bucket", tmp_path / "s.safetensors"
+    dcr("publish", root, tmp_path / "c0.safetensors", "--step", 0, check=0)
+    dcr("receive", root, "--receiver", "r", "--state", state, check=0)
+    dcr("publish", root, tmp_path / "c1.safetensors", "--step", 1, check=0)
+    before = state.read_bytes()
+
+    def small_files() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000))
+
+    out = subprocess.run([sys.executable, "-m", "flows.cli", "receive", str(root), "--receiver", "r", "--state", str(state)],
+                         cwd=REPO, preexec_fn=small_files, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    assert f"File too large while writing: '{state}'" in out.stderr, out.stderr
+    assert state.read_bytes() == before
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
+
+
+@pytest.mark.faults(component="bad input or damaged bucket", outcome="printed escaped: the terminal is never driven")
+def test_names_and_times_from_the_bucket_cannot_drive_the_terminal(tmp_path):
+    """A tensor name with an ESC sequence and a newline (a forged row), and a ``committed_at`` edited
+    into an escape sequence: ``dcr show``, ``ls``, ``status --receiver`` and the errors that quote them
+    print every control character escaped, one table row per tensor."""
+    name = "w\x1b]0;owned\x07\x1b[2J\nFORGED ROW"
+    ck = {name: torch.ones(4), "b": torch.zeros(2)}
+    write_safetensors(tmp_path / "c.safetensors", ck)
+    root = tmp_path / "bucket"
+    dcr("publish", root, tmp_path / "c.safetensors", "--step", 0, check=0)
+    marker = root / layout.commit_key(0)
+    doc = json.loads(marker.read_text())
+    doc["committed_at"] = "\x1b[31mnow\x1b[0m"
+    marker.write_text(json.dumps(doc))
+    dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", check=0)
+    outs = [dcr("show", root, "--step", 0, check=0).stdout, dcr("ls", root, check=0).stdout,
+            dcr("status", root, "--receiver", "r", check=0).stdout]
+    for out in outs:
+        assert "\x1b" not in out and "\x07" not in out, out
+    show = outs[0]
+    assert "\\x1b]0;owned\\x07\\x1b[2J\\nFORGED ROW" in show and "committed \\x1b[31mnow\\x1b[0m" in show
+    assert not any(line.startswith("FORGED ROW") for line in show.splitlines())
+    err = dcr("ls", tmp_path / "no\x1b[2Jsuch\nroot", check=2).stderr
+    assert "\x1b" not in err and "no\\x1b[2Jsuch\\nroot: no such directory" in err and len(err.strip().splitlines()) == 1

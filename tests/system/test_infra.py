@@ -53,7 +53,7 @@ def test_object_store_scripts_start_from_a_clean_path_and_print_what_works(name,
         root = f"{scheme}://ops-bucket/run-1"
         assert f"ROOT={root}" in out.stdout
         env = {**exports, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
-        listed = dcr("ls", root, env=env, check=0)  # the bucket exists and answers
+        listed = dcr("ls", root, "--allow-empty", env=env, check=0)  # the bucket exists and answers
         assert listed.stdout.startswith("    STEP"), listed
         again = _script(name, port, env=_clean_env(tmp_path), timeout=30)  # the port is taken now
         assert again.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in again.stderr, again

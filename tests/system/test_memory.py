@@ -36,8 +36,9 @@ def test_peak_memory_of_publish_and_receive_stays_far_below_the_model_size(tmp_p
     env = {**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_CACHE_DIR": str(tmp_path / "cache")}
     io = ["--io-workers", "4"]
     # Idle: the interpreter and what each command imports (publish: torch; receive: no torch).
-    idle_publish = _peak_rss(["ls", root], {**env, "PRELOAD": "flows.cli.publish"})
-    idle_receive = _peak_rss(["ls", root], {**env, "PRELOAD": "flows.cli.receive"})
+    root.mkdir()  # an empty ROOT: `ls --allow-empty` (below) only measures what the command imports
+    idle_publish = _peak_rss(["ls", root, "--allow-empty"], {**env, "PRELOAD": "flows.cli.publish"})
+    idle_receive = _peak_rss(["ls", root, "--allow-empty"], {**env, "PRELOAD": "flows.cli.receive"})
     publish_key = _peak_rss(["publish", root, c0, "--step", 0, "--chunk-bytes", MiB, *io], env)
     publish_delta = _peak_rss(["publish", root, c1, "--step", 1, "--chunk-bytes", MiB, *io], env)
     receive = _peak_rss(["receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", *io], env)

@@ -83,8 +83,10 @@ def test_gcs_bucket_that_does_not_exist_is_named(gcs_server, made):
     _one_line(dcr("ls", missing), 2, f"bucket '{missing[5:].split('/')[0]}' does not exist at {gcs_server}")
     # a path that reads like an error is only a path: a new ROOT there is empty, then published to
     odd = f"gs://dcr-test/forbidden-{uuid.uuid4().hex[:6]}/the bucket does not exist"
-    assert dcr("ls", odd, check=0).stdout.startswith("    STEP")
+    assert dcr("ls", odd, "--allow-empty", check=0).stdout.startswith("    STEP")
+    _one_line(dcr("ls", odd), 2, f"{odd}: nothing was ever published here")
     dcr("publish", odd, made / "c0.safetensors", "--step", 0, check=0)
+    assert dcr("ls", odd, check=0).stdout.splitlines()[1].split()[0] == "0"
 
 
 def test_a_state_file_of_another_root_is_refused_naming_both(made, tmp_path):
@@ -352,3 +354,132 @@ def test_gc_keeps_the_step_a_receiver_moved_back_to(made, tmp_path):
     report = json.loads(dcr("gc", root, "--keep-last", 1, "--grace-seconds", 0, "--json", check=0).stdout)
     assert report["deleted_steps"] == [0] and report["plan"]["keep"] == [1, 2, 3], report
     assert "already there" in dcr("receive", root, "--receiver", "r", "--state", state, "--step", 1, check=0).stdout
+
+
+def test_a_missing_empty_or_misspelt_root_is_an_error_for_every_read_command(made, tmp_path):
+    """``ls``, ``show``, ``status``, ``verify`` and ``report`` on a ROOT where nothing was published:
+    exit 2 and one line naming the path and what was expected (``--allow-empty`` asks for the empty
+    case); a ROOT that is a file says so; ``s3//b/run`` (a missing colon) is named as the typo it is."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    a_file = made / "c0.safetensors"
+    for command, *more in (("ls",), ("show", "--step", "0"), ("status",), ("verify",), ("report", "--out", tmp_path / "r")):
+        _one_line(dcr(command, tmp_path / "nonexistent", *more), 2, "nonexistent: no such directory")
+        _one_line(dcr(command, empty, *more), 2, f"{empty}: nothing was ever published here")
+        _one_line(dcr(command, a_file, *more), 2, "is a file, not a directory")
+    _one_line(dcr("ls", "s3//dcr/run-1"), 2, "s3//dcr/run-1: no such directory (did you mean s3://dcr/run-1?)")
+    assert not (tmp_path / "r").exists()
+    for command in ("ls", "status", "verify"):
+        assert dcr(command, empty, "--allow-empty").returncode == 0
+        _one_line(dcr(command, tmp_path / "nonexistent", "--allow-empty"), 2, "no such directory")
+    assert dcr("verify", empty, "--allow-empty", check=0).stdout.startswith("verify ok: 0 steps")
+    _one_line(dcr("publish", a_file, a_file, "--step", 0), 2, "is a file, not a directory")
+
+
+def test_version_names_the_command_and_the_codec_package():
+    from importlib.metadata import version
+
+    out = dcr("--version", check=0)
+    assert out.stdout.startswith(f"dcr {version('dcr')} (dcr-zarr-codec {version('dcr-zarr-codec')}, Python ")
+    assert out.stderr == ""
+
+
+@pytest.mark.faults(component="bad input or damaged bucket", outcome="refused in one line; the trainer's file byte-identical")
+def test_materialize_keeps_a_file_dcr_did_not_write_unless_forced(made, tmp_path):
+    """``--out`` naming the trainer's own checkpoint (no DCR header) is refused and the file kept
+    byte for byte; DCR's own output is replaced; ``--force`` replaces anything."""
+    from safetensors.torch import load_file
+
+    from dcr_core.errors import UsageError
+    from flows import run_materialize
+    from tests.support.helpers import assert_bits_equal
+
+    root, trainer = made / "bucket", made / "c1.safetensors"
+    before = trainer.read_bytes()
+    _one_line(dcr("materialize", root, "--step", 2, "--out", trainer), 2,
+              f"{trainer}: exists and was not written by dcr materialize or dcr receive", "--force")
+    assert trainer.read_bytes() == before
+    with pytest.raises(UsageError, match="--force"):
+        run_materialize(str(root), 2, str(trainer))
+    assert trainer.read_bytes() == before
+    junk = tmp_path / "notes.txt"
+    junk.write_text("not a checkpoint")
+    _one_line(dcr("materialize", root, "--out", junk), 2, "was not written by dcr")
+    assert junk.read_text() == "not a checkpoint"
+    out = tmp_path / "m.safetensors"
+    dcr("materialize", root, "--step", 0, "--out", out, check=0)
+    dcr("materialize", root, "--step", 2, "--out", out, check=0)  # its own output: replaced
+    assert_bits_equal(load_file(out), load_file(made / "c2.safetensors"))
+    dcr("materialize", root, "--step", 2, "--out", trainer, "--force", check=0)
+    assert_bits_equal(load_file(trainer), load_file(made / "c2.safetensors"))
+
+
+def test_a_relative_root_is_recorded_absolute_and_verifies_from_anywhere(made, tmp_path):
+    """A receiver run with ``./bucket`` records the ROOT as an absolute path in its state's header:
+    ``verify-state`` from another directory finds it; a relative ROOT that names nothing says "no
+    such directory"."""
+    from safetensors import safe_open
+
+    dcr("receive", "./bucket", "--receiver", "r", "--state", "s.safetensors", cwd=made, check=0)
+    with safe_open(str(made / "s.safetensors"), "pt") as f:
+        assert f.metadata()["dcr.root"] == str(made / "bucket")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    out = dcr("verify-state", made / "s.safetensors", cwd=elsewhere, check=0)
+    assert f"step 2 of {made / 'bucket'}" in out.stdout
+    dcr("materialize", "./bucket", "--step", "1", "--out", "m.safetensors", cwd=made, check=0)
+    with safe_open(str(made / "m.safetensors"), "pt") as f:
+        assert f.metadata()["dcr.root"] == str(made / "bucket")
+    _one_line(dcr("receive", "./bucket", "--receiver", "r", "--state", "s2.safetensors", cwd=elsewhere), 4,
+              "./bucket: no such directory")
+
+
+def test_receives_leave_no_lock_files_and_refuse_a_missing_directory(made, tmp_path):
+    """A state path's lock lives beside it only while a writer holds it: nothing is left after a
+    receive, a failed receive, a materialize or a verify-state. A ``--state`` or ``--out`` whose
+    directory does not exist is refused in one line, and nothing is created."""
+    root = made / "bucket"
+    dcr("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", check=0)
+    dcr("verify-state", tmp_path / "s.safetensors", check=0)
+    dcr("receive", root, "--receiver", "r", "--state", tmp_path / "t.safetensors", "--step", 9, check=4)
+    dcr("materialize", root, "--out", tmp_path / "m.safetensors", check=0)
+    # (the one hidden file kept is verify-state's block digests of s.safetensors: a sidecar in-place refits use)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".s.safetensors.blocks"]
+    assert not [p for p in made.iterdir() if p.name.endswith(".lock")]  # beside the checkpoints either
+    for command, flag in (("receive", "--state"), ("materialize", "--out")):
+        args = ("--receiver", "r") if command == "receive" else ()
+        _one_line(dcr(command, root, *args, flag, tmp_path / "no" / "such" / "x.safetensors"), 2,
+                  f"directory {tmp_path / 'no' / 'such'} does not exist; create it first")
+    assert not (tmp_path / "no").exists()
+
+
+def test_one_writer_at_a_time_holds_a_state_files_lock_and_none_is_left():
+    """``storage.local.state.exclusive`` under contention: never two holders at once, every waiter
+    gets its turn, and the lock file is gone once the last one lets go."""
+    import tempfile
+    import threading
+
+    from storage.local import state
+
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "s.safetensors")
+        inside, most, turns, lock = [0], [0], [], threading.Lock()
+
+        def writer(i: int) -> None:
+            for _ in range(20):
+                with state.exclusive(path):
+                    with lock:
+                        inside[0] += 1
+                        most[0] = max(most[0], inside[0])
+                    time.sleep(0.0005)
+                    with lock:
+                        inside[0] -= 1
+                        turns.append(i)
+
+        threads = [threading.Thread(target=writer, args=(i,)) for i in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert most[0] == 1 and sorted(set(turns)) == list(range(6)) and len(turns) == 120
+        assert os.listdir(d) == []

@@ -273,3 +273,22 @@ def test_the_contract_form_collective_rpc_dcr_receive_with_the_root_alone(llama)
         _assert_same_engine(llm, ref)
         llm.collective_rpc("dcr_wait")
         assert Catalog(open_root(llama.root)).position("vllm")["step"] == latest
+
+
+@pytest.mark.faults(component="retraction", outcome="the engine back at the newest live step, equal to a fresh engine there")
+def test_an_engine_at_a_retracted_step_moves_back_exactly(llama, tmp_path):
+    """The engine holds the newest step; ``dcr retract`` takes it back; the next refit (no step
+    given) moves the engine back to the newest live step through the inverse delta, and it equals a
+    fresh engine loaded there, every weight and every token."""
+    from flows import run_retract
+
+    root = str(tmp_path / "root")
+    shutil.copytree(llama.root, root)  # the module's ROOT is shared: retract in a copy
+    ref = llama.reference(STEPS - 1)
+    with vllm_engine.serving(llama.model_dir(0)) as llm:
+        mirror = str(tmp_path / "mirror.safetensors")
+        refit_engine(llm, root, "rollout", step=STEPS, state_path=mirror)
+        run_retract(root, STEPS, reason="a bad update")
+        back = refit_engine(llm, root, "rollout", state_path=mirror)
+        assert (back["mode"], back["from_step"], back["step"]) == ("delta", STEPS, STEPS - 1), back
+        _assert_same_engine(llm, ref)

@@ -1,0 +1,72 @@
+"""``dcr retract ROOT --step N``: take back the newest committed step(s), N and every live step after it.
+
+Why: a step published by mistake (a typo'd ``--step 999999999999`` that would bar every later
+number, or a bad policy update) must be taken back without rewriting history. Each retracted step
+gets a signed retraction record (``storage.retraction``), newest first, so a retraction cut off
+anywhere leaves the newest steps retracted and the rest live, and a rerun finishes it. From then on:
+
+- a refit's default target is the newest live step; a retracted step is no target (refused by
+  name); a receiver that holds one moves back on its next receive, through the inverse deltas it
+  already knows how to apply (exact), or from a restart point if gc deleted them;
+- the next publish builds on the newest live step and may take any number above it that was never
+  committed: a committed number, retracted or not, is never used again;
+- ``dcr ls``, ``status`` and ``show`` mark the step retracted; ``dcr mirror`` copies the record to
+  the mirrors that hold the step; ``dcr gc`` may delete retracted steps (a lease still pins them).
+
+A ROOT whose steps are signed is retracted with the same key: a receiver with the key refuses an
+unsigned retraction, as it refuses an unsigned marker.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from dcr_core import events
+from dcr_core.errors import StepNotFoundError, UsageError
+from storage import layout, signing
+from storage.catalog import Catalog, utc_now
+from storage.retraction import MAX_REASON_CHARS, Retraction
+from storage.root import RootRef, open_root
+
+
+@dataclass
+class RetractResult:
+    retracted: list[int] = field(default_factory=list)  # newest first
+    already: list[int] = field(default_factory=list)  # were retracted before this call
+    latest: int | None = None  # the newest live step now
+
+
+def run_retract(root: str | os.PathLike, step: int, reason: str = "", storage_options: dict | None = None
+                ) -> RetractResult:
+    """Retract committed step ``step`` and every live step after it (see the module docstring)."""
+    layout.check_step(step)
+    if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
+        raise UsageError(f"the reason must be text of at most {MAX_REASON_CHARS} characters")
+    r = open_root(RootRef(os.fspath(root), dict(storage_options or {})))
+    cat = Catalog(r)
+    marker = cat.marker(step)
+    if marker is None:
+        raise StepNotFoundError(f"{r.url}: step {step} is not committed; nothing to retract")
+    result = RetractResult()
+    key = signing.publisher_key()
+    signed = marker.signature is not None or (cat.root_run() is not None and cat.root_run().signed is not None)
+    if signed and key is None:
+        raise UsageError(f"{r.url}: its steps are signed, so a retraction must be too; set {signing.ENV_KEY_FILE} "
+                         f"(or {signing.ENV_KEY}) to the publisher's key")
+    todo = [s for s in cat.ever_committed_steps() if s >= step]
+    for s in sorted(todo, reverse=True):
+        if cat.retraction(s) is not None:
+            result.already.append(s)
+            continue
+        m = cat.require_marker(s)
+        rec = Retraction(s, m.attempt, m.manifest_digest, utc_now(), reason, m.run)
+        if key is not None:
+            rec = Retraction(**{**rec.__dict__, "signature": key.sign(rec.body()), "signature_algorithm": key.algorithm})
+        if not r.create_if_absent(layout.retraction_key(s), rec.to_json()):
+            result.already.append(s)  # another retraction got there first: retracted all the same
+            continue
+        events.reached("retract.recorded", step=s)
+        result.retracted.append(s)
+    result.latest = Catalog(r).latest_committed()
+    return result

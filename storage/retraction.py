@@ -1,0 +1,59 @@
+"""The retraction record: the object whose existence takes a committed step back.
+
+``steps/<N>/retracted.json`` names the step's attempt and manifest digest (so it retracts exactly
+the step that was committed, never a later one under the same number) and the run, when and why;
+it is signed with the publisher's key as commit markers are, and readers with a key refuse one that
+is unsigned or does not verify (a forged retraction would roll receivers back). Created once
+(create-if-absent), never changed; ``dcr gc`` deletes it with its step.
+
+Only the newest live steps can be retracted (``flows.maintenance.retract``): a retracted step is
+no refit's target and no publish's base, and its number is never used again; its data stays until
+gc, so a receiver that holds it moves back to the newest live step through the inverse deltas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from storage import signing
+from storage.fields import document, fail, parse_attempt, parse_digest, parse_run_id
+
+FORMAT = "dcr-retraction"
+MAX_RETRACTION_BYTES = 64 << 10
+MAX_REASON_CHARS = 1000
+
+
+@dataclass(frozen=True)
+class Retraction:
+    step: int
+    attempt: str
+    manifest_digest: str
+    retracted_at: str
+    reason: str = ""
+    run: str | None = None
+    signature: str | None = None
+    signature_algorithm: str = signing.HMAC_SHA256
+
+    def body(self) -> dict:
+        """Every field but the signature: what a signature covers."""
+        return {"format": FORMAT, "step": self.step, "attempt": self.attempt, "manifest_digest": self.manifest_digest,
+                "retracted_at": self.retracted_at, "reason": self.reason} | ({} if self.run is None else {"run": self.run})
+
+    def to_json(self) -> bytes:
+        return signing.signed_json(self.body(), self.signature, self.signature_algorithm)
+
+    @classmethod
+    def from_json(cls, data: bytes, where: str, step: int) -> Retraction:
+        if len(data) > MAX_RETRACTION_BYTES:
+            raise fail(where, f"retraction record is larger than {MAX_RETRACTION_BYTES} bytes")
+        d = document(data, where, FORMAT, "DCR retraction record")
+        if d.get("step") != step:
+            raise fail(where, f"retraction of step {d.get('step')!r} found under step {step}")
+        reason = d.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
+            raise fail(where, f"reason must be text of at most {MAX_REASON_CHARS} characters")
+        signature, algorithm = signing.signature_field(d, where)
+        return cls(step, parse_attempt(d.get("attempt"), where), parse_digest(d.get("manifest_digest"), where),
+                   str(d.get("retracted_at", "")), reason,
+                   None if d.get("run") is None else parse_run_id(d.get("run"), where),
+                   signature, algorithm)

@@ -1,0 +1,79 @@
+"""Freshness: a signed heartbeat per commit (and per ``dcr heartbeat``), copied by mirrors; a
+receiver with ``--max-staleness`` refuses a ROOT that stopped moving, naming how old it is."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+
+from storage import heartbeat, signing
+from storage.catalog import Catalog
+from storage.root import Root
+from tests.support.cli import dcr
+from tests.support.helpers import file_bytes, write_safetensors
+
+pytestmark = pytest.mark.faults(component="security", outcome="a stale ROOT is refused naming its age; nothing changes")
+
+
+@pytest.fixture
+def signed_origin(tmp_path, monkeypatch):
+    signing.keygen(tmp_path / "key")
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    origin = tmp_path / "origin"
+    for step in (0, 1):
+        write_safetensors(tmp_path / f"c{step}.safetensors", {"w": torch.full((64,), float(step))})
+        dcr("publish", origin, tmp_path / f"c{step}.safetensors", "--step", step, check=0)
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))  # from here on: mirrors and receivers
+    return origin
+
+
+def test_each_commit_beats_and_a_fresh_root_is_received(signed_origin, tmp_path):
+    hb = json.loads((signed_origin / heartbeat.KEY).read_text())
+    assert hb["latest_step"] == 1 and hb["signature"]["algorithm"] == "ed25519" and time.time() - hb["at"] < 60
+    dcr("receive", signed_origin, "--receiver", "r", "--state", tmp_path / "s.safetensors", "--max-staleness", 60, check=0)
+
+
+def test_a_mirror_that_stopped_copying_is_refused_by_age_until_it_copies_again(signed_origin, tmp_path, monkeypatch):
+    """The origin's last heartbeat is an hour old when the mirror copies it, then the mirror stops:
+    its receivers with ``--max-staleness 600`` refuse it, naming the age, and their state is kept.
+    A renewed heartbeat upstream, copied by the next mirror run, makes it acceptable again."""
+    region, state = tmp_path / "region", tmp_path / "s.safetensors"
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    monkeypatch.delenv("DCR_VERIFY_KEY_FILE")
+    r = Root(str(signed_origin))
+    heartbeat.beat(r, Catalog(r).root_run().run_id, 1, signing.publisher_key(), now=time.time() - 3600)
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
+    dcr("mirror", signed_origin, region, check=0)
+    dcr("receive", region, "--receiver", "r", "--state", state, "--step", 0, check=0)
+    before = file_bytes(state)
+    out = dcr("receive", region, "--receiver", "r", "--state", state, "--max-staleness", 600, check=5)
+    assert len(out.stderr.strip().splitlines()) == 1 and "its newest heartbeat is 36" in out.stderr, out.stderr
+    assert "more than --max-staleness 600 s" in out.stderr and file_bytes(state) == before
+    dcr("heartbeat", signed_origin, env={"DCR_SIGNING_KEY_FILE": str(tmp_path / "key")}, check=0)
+    dcr("mirror", signed_origin, region, check=0)
+    dcr("receive", region, "--receiver", "r", "--state", state, "--max-staleness", 600, check=0)
+
+
+def test_a_forged_fresh_heartbeat_is_refused_and_a_missing_one_named(signed_origin, tmp_path):
+    """Someone without the key writes a fresh, unsigned heartbeat to hide a frozen mirror: refused.
+    A ROOT with no heartbeat at all is refused under ``--max-staleness`` as such; bad values are
+    usage errors."""
+    state = tmp_path / "s.safetensors"
+    doc = json.loads((signed_origin / heartbeat.KEY).read_text())
+    doc.pop("signature")
+    doc["at"] = time.time()
+    (signed_origin / heartbeat.KEY).write_text(json.dumps(doc))
+    out = dcr("receive", signed_origin, "--receiver", "r", "--state", state, "--max-staleness", 600, check=5)
+    assert "heartbeat is not signed" in out.stderr and not state.exists()
+    os.unlink(signed_origin / heartbeat.KEY)
+    out = dcr("receive", signed_origin, "--receiver", "r", "--state", state, "--max-staleness", 600, check=5)
+    assert "no heartbeat (heartbeat.json)" in out.stderr and not state.exists()
+    for bad in ("inf", "0", "-5"):
+        out = dcr("receive", signed_origin, "--receiver", "r", "--state", state, "--max-staleness", bad, check=2)
+        assert "max_staleness" in out.stderr

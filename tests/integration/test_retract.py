@@ -1,0 +1,167 @@
+"""``dcr retract``: the newest steps taken back, exactly, everywhere they went.
+
+A retracted step is no refit's target and no publish's base; every kind of receiver that holds one
+moves back to the newest live step on its next refit (rewrite and in-place state files, a live
+module, a mirror and the receivers of that mirror), bit for bit what a dense load of that step
+gives; a committed step number is never used again; a signed ROOT takes signed retractions only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError, UsageError
+from flows import run_materialize, run_publish, run_receive, run_retract
+from flows.maintenance.mirror import run_mirror
+from flows.options import PublishOptions, ReceiveOptions
+from storage import layout
+from storage.catalog import Catalog
+from storage.root import Root
+from tests.support.cli import dcr
+from tests.support.fused_module import TinyFused
+from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes
+
+pytestmark = pytest.mark.faults(component="retraction", outcome="every receiver back at the newest live step, bit-exact")
+
+
+def _bits(module) -> dict[str, torch.Tensor]:
+    return {n: t.detach().clone() for n, t in module.state_dict().items()}
+
+
+def _dense(ck) -> dict[str, torch.Tensor]:
+    m = TinyFused()
+    m.load_weights(ck.items())
+    return _bits(m)
+
+
+def _publish(root, cks, tmp_path, first=0):
+    for i, ck in enumerate(cks):
+        run_publish(root, ck, first + i, options=PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache")))
+
+
+def test_every_receiver_of_a_retracted_step_moves_back_exactly_and_the_number_is_never_reused(tmp_path):
+    root, region = str(tmp_path / "origin"), str(tmp_path / "region")
+    cks = chain_of_steps(5, seed=41)
+    _publish(root, cks, tmp_path)
+    rewrite, in_place, downstream = (tmp_path / n for n in ("rewrite.safetensors", "inplace.safetensors", "down.safetensors"))
+    run_receive(root, "rewrite", str(rewrite))
+    run_receive(root, "in-place", str(in_place), options=ReceiveOptions(in_place=True))
+    run_mirror(root, region)
+    run_receive(region, "down", str(downstream))
+    for path in (rewrite, in_place, downstream):
+        assert_bits_equal(load_file(path), cks[4])
+
+    out = dcr("retract", root, "--step", 3, "--reason", "a bad update", check=0).stdout
+    assert out.startswith("retracted steps 3, 4; the newest live step is 2"), out
+    assert json.load(open(os.path.join(root, layout.retraction_key(4))))["reason"] == "a bad update"
+    ls = {line.split()[0]: line for line in dcr("ls", root, check=0).stdout.splitlines()[1:]}
+    assert "retracted" in ls["3"] and "retracted" in ls["4"] and "retracted" not in ls["2"]
+    assert "RETRACTED" in dcr("show", root, "--step", 4, check=0).stdout
+    status = dcr("status", root, check=0).stdout
+    assert "latest committed step: 2" in status and "4!" in status and "! retracted" in status
+
+    for rid, path, opts in (("rewrite", rewrite, None), ("in-place", in_place, ReceiveOptions(in_place=True))):
+        res = run_receive(root, rid, str(path), options=opts)
+        assert res.step == 2 and res.moves == ["backward:4", "backward:3"], res.moves
+        assert_bits_equal(load_file(path), cks[2])
+    assert json.loads(dcr("mirror", root, region, "--json", check=0).stdout)["retracted_steps"] == [3, 4]
+    assert run_receive(region, "down", str(downstream)).step == 2
+    assert_bits_equal(load_file(downstream), cks[2])
+    dcr("verify", region, check=0)
+
+    out = dcr("receive", root, "--receiver", "late", "--state", tmp_path / "late.safetensors", "--step", 4, check=4)
+    assert "step 4 was retracted" in out.stderr and "a bad update" in out.stderr and "newest live step is 2" in out.stderr
+    refused = dcr("materialize", root, "--step", 3, "--out", tmp_path / "m.safetensors", check=4).stderr
+    assert "step 3 was retracted" in refused
+
+    # the next publish builds on step 2, under a number never committed
+    with pytest.raises(StepConflictError, match="step 4 was committed and retracted; a step number is never used twice: "
+                                                 "publish step 5"):
+        _publish(root, [cks[4]], tmp_path, first=4)
+    new = chain_of_steps(7, seed=43)[6]
+    new = {n: new[n] if n in new and new[n].shape == t.shape and new[n].dtype == t.dtype else t for n, t in cks[2].items()}
+    _publish(root, [new], tmp_path, first=5)
+    assert Catalog(Root(root)).manifest(5).base_step == 2
+    for rid, path, opts in (("rewrite", rewrite, None), ("in-place", in_place, ReceiveOptions(in_place=True))):
+        run_receive(root, rid, str(path), options=opts)
+        assert_bits_equal(load_file(path), new)
+    run_materialize(root, 5, str(tmp_path / "dense.safetensors"))
+    assert_bits_equal(load_file(tmp_path / "dense.safetensors"), new)
+    run_mirror(root, region)
+    run_receive(region, "down", str(downstream))
+    assert_bits_equal(load_file(downstream), new)
+
+
+def test_a_live_module_moves_back_exactly(tmp_path):
+    from flows import receive_into_module
+
+    root = str(tmp_path / "bucket")
+    cks = [TinyFused.checkpoint(s) for s in range(3)]
+    _publish(root, cks, tmp_path)
+    live = TinyFused()
+    receive_into_module(root, "m", live, state_path=str(tmp_path / "mirror.safetensors"))
+    assert_bits_equal(_bits(live), _dense(cks[2]))
+    run_retract(root, 2)
+    res = receive_into_module(root, "m", live, state_path=str(tmp_path / "mirror.safetensors"))
+    assert res["step"] == 1
+    assert_bits_equal(_bits(live), _dense(cks[1]))
+
+
+def test_a_typod_step_is_taken_back_and_the_run_goes_on(tmp_path):
+    """``--step 999999999999`` by mistake: retract it, and the next publish takes the next number."""
+    root = str(tmp_path / "bucket")
+    cks = chain_of_steps(3, seed=45)
+    _publish(root, cks[:2], tmp_path)
+    _publish(root, [cks[2]], tmp_path, first=999999999999)
+    with pytest.raises(StepConflictError, match="not after the latest committed step 999999999999"):
+        _publish(root, [cks[2]], tmp_path, first=2)
+    res = run_retract(root, 999999999999, reason="typo")
+    assert res.retracted == [999999999999] and res.latest == 1
+    assert run_retract(root, 999999999999).already == [999999999999]  # a rerun: the same result
+    _publish(root, [cks[2]], tmp_path, first=2)
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state))
+    assert_bits_equal(load_file(state), cks[2])
+    with pytest.raises(StepNotFoundError, match="step 7 is not committed"):
+        run_retract(root, 7)
+
+
+def test_a_signed_root_takes_signed_retractions_only(tmp_path, monkeypatch):
+    from storage import signing
+
+    signing.keygen(tmp_path / "key")
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    root = str(tmp_path / "bucket")
+    cks = chain_of_steps(3, seed=47)
+    _publish(root, cks, tmp_path)
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    with pytest.raises(UsageError, match="its steps are signed, so a retraction must be too"):
+        run_retract(root, 2)
+    assert not os.path.exists(os.path.join(root, layout.retraction_key(2)))
+    monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state))
+    before = file_bytes(state)
+    # someone who can write the bucket but holds no key forges one: receivers with the key refuse it
+    m = Catalog(Root(root)).marker(2)
+    forged = {"format": "dcr-retraction", "step": 2, "attempt": m.attempt, "manifest_digest": m.manifest_digest,
+              "retracted_at": "now", "reason": "", "run": m.run}
+    Root(root).write(layout.retraction_key(2), json.dumps(forged).encode())
+    with pytest.raises(IntegrityError, match="retraction is not signed"):
+        run_receive(root, "r", str(state))
+    assert file_bytes(state) == before
+    Root(root).remove(layout.retraction_key(2))
+    monkeypatch.delenv("DCR_VERIFY_KEY_FILE")
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    run_retract(root, 2)
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
+    assert run_receive(root, "r", str(state)).step == 1
+    assert_bits_equal(load_file(state), cks[1])
+    shutil.rmtree(tmp_path / "cache", ignore_errors=True)
