@@ -36,6 +36,8 @@ POINTS = frozenset({
     "chunk.stored", "chunk.fetched",
     "publish.planned", "publish.tensors-stored", "publish.manifest-written",
     "publish.committed", "publish.baseline-kept", "publish.baseline-patched-record",
+    # the commit: the base found live (then the marker is created), and a base retracted meanwhile
+    "publish.base-checked", "publish.base-retracted",
     # streaming: a publisher's stream index written; a receiver's index read, a chunk prefetched
     "stream.index-written", "stream.index-read", "stream.chunk-prefetched",
     # a chunk a stream index names but the follower will not fetch before the commit (Prefetcher.admits)

@@ -98,8 +98,13 @@ class Catalog:
         return [s for s in self.listed_steps() if self.is_live(s)]
 
     def ever_committed_steps(self) -> list[int]:
-        """Every step with a commit marker, retracted ones included (their numbers are never reused)."""
+        """Every step with a commit marker (its data here), retracted ones included."""
         return [s for s in self.listed_steps() if self.marker(s) is not None]
+
+    def used_steps(self) -> list[int]:
+        """Every step number ever committed: those with a marker, and retracted steps that gc deleted
+        (their retraction record stays as a tombstone). A number is never used twice."""
+        return [s for s in self.listed_steps() if self.marker(s) is not None or self.retraction(s) is not None]
 
     def latest_committed(self) -> int | None:
         """The newest live step (retracted steps are skipped), or None."""
@@ -112,12 +117,11 @@ class Catalog:
         return self.marker(step) is not None and self.retraction(step) is None
 
     def retraction(self, step: int) -> Retraction | None:
-        """The verified retraction record of committed ``step``, or None (``storage.retraction``)."""
+        """The verified retraction record of ``step``, or None (``storage.retraction``). Of a step gc
+        deleted, the record stays alone (a tombstone): checked by its signature only."""
         if step in self._retractions:
             return self._retractions[step]
         marker = self.marker(step)
-        if marker is None:
-            return None
         key = layout.retraction_key(step)
         try:
             data = self.root.read(key, limit=MAX_RETRACTION_BYTES)
@@ -126,9 +130,11 @@ class Catalog:
             return None
         where = f"{self.root.url}/{key}"
         r = Retraction.from_json(data, where, step)
-        if (r.attempt, r.manifest_digest) != (marker.attempt, marker.manifest_digest):
+        if marker is None:
+            pass  # a tombstone: its step's marker and data are gone (dcr gc)
+        elif (r.attempt, r.manifest_digest) != (marker.attempt, marker.manifest_digest):
             raise UntrustedError(f"{where}: retracts attempt {r.attempt}, but step {step} committed {marker.attempt}")
-        if r.run != marker.run:
+        elif r.run != marker.run:
             raise UntrustedError(f"{where}: names run {r.run}, the step's marker run {marker.run}")
         if self.key is None:
             if r.signature is not None:

@@ -15,8 +15,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+from dcr_core import events
 from dcr_core.errors import DCRError, StepConflictError
-from storage import heartbeat, layout, run, signing
+from storage import heartbeat, layout, retraction, run, signing
 from storage.catalog import Catalog
 from storage.marker import CommitMarker
 from storage.root import Root
@@ -42,17 +43,37 @@ def commit_marker(root: Root, marker: CommitMarker) -> CommitMarker:
         raise StepConflictError(
             f"{root.url}: step {latest} was committed while step {marker.step} was being published; nothing committed"
         )
+    if marker.base_step is not None and cat.retraction(marker.base_step) is not None:
+        discard_attempt(root, marker.step, marker.attempt)
+        raise StepConflictError(f"{root.url}: step {marker.base_step} was retracted while step {marker.step} was being "
+                                "published on it; nothing committed (publish again: it builds on the newest live step)")
+    events.reached("publish.base-checked", step=marker.step)
     key = signing.publisher_key()
     marker = dataclasses.replace(marker, run=run.ensure(root, marker.step, key.algorithm if key else None).run_id)
     if key is not None:
         marker = dataclasses.replace(marker, signature=key.sign(marker.body()), signature_algorithm=key.algorithm)
     if root.create_if_absent(layout.commit_key(marker.step), marker.to_json()):
+        _unless_base_retracted(root, marker, key)
         _beat(root, marker, key)
         return marker
     winner = Catalog(root).marker(marker.step)
     if _is_own(winner, marker):
         return winner
     raise _lost(root, marker, winner)
+
+
+def _unless_base_retracted(root: Root, marker: CommitMarker, key: signing.Key | None) -> None:
+    """``dcr retract`` of the base may have landed between the check before the commit and the
+    commit: then this step retracts itself (no live step may stand on a retracted one) and says so.
+    Each side looks after its own write (retract lists the steps again after its records), so one of
+    the two always sees the other."""
+    if marker.base_step is None or Catalog(root).retraction(marker.base_step) is None:
+        return
+    events.reached("publish.base-retracted", step=marker.step, base=marker.base_step)
+    retraction.record(root, marker, f"its base step {marker.base_step} was retracted while it was being published", key)
+    raise StepConflictError(f"{root.url}: step {marker.base_step} was retracted while step {marker.step} was being "
+                            f"published on it; step {marker.step} was committed and then retracted (publish again: it "
+                            "builds on the newest live step, under a new number)")
 
 
 def _lost(root: Root, marker: CommitMarker, winner: CommitMarker | None) -> StepConflictError:

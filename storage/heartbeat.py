@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from dcr_core.errors import UntrustedError
 from storage import layout, signing
+from storage.catalog import Catalog
 from storage.fields import document, fail, parse_int, parse_run_id
 from storage.root import Root
 
@@ -99,4 +100,19 @@ def check_fresh(root: Root, max_staleness: float, key: signing.Key | None = None
                              f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(hb.at))}, latest step {hb.latest_step}), "
                              f"more than --max-staleness {max_staleness:g} s: the publisher stopped, or this ROOT (a "
                              "mirror?) stopped copying")
+    vouches_for(root, hb)
     return hb
+
+
+def vouches_for(root: Root, hb: Heartbeat) -> None:
+    """A heartbeat speaks for the ROOT it lies in only if that ROOT holds the step it names, of the
+    run it names: else it was copied without the steps (a mirror replaying an old copy beside a
+    fresh heartbeat) or from another ROOT, and ``StaleRootError`` says so."""
+    cat = Catalog(root)
+    where = f"{root.url}/{KEY}"
+    run_here = cat.root_run()
+    if hb.run is not None and run_here is not None and hb.run != run_here.run_id:
+        raise StaleRootError(f"{where}: a heartbeat of run {hb.run}, but this ROOT holds run {run_here.run_id}")
+    if hb.latest_step is not None and cat.marker(hb.latest_step) is None and cat.retraction(hb.latest_step) is None:
+        raise StaleRootError(f"{where}: names step {hb.latest_step}, which this ROOT does not hold (a heartbeat "
+                             "copied without its steps)")

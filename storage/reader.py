@@ -109,6 +109,10 @@ def held_or_restart(cat: Catalog, current: int | None, where: str) -> int | None
     if current is None or cat.marker(current) is not None:
         return current
     latest = cat.latest_committed()
+    if cat.retraction(current) is not None:  # retracted, then deleted by gc: its tombstone remains
+        log.warning("%s holds step %d, which was retracted and then deleted by gc in %s; restarting from a "
+                    "restart point, the state untouched until the new one is verified", where, current, cat.root.url)
+        return None
     if latest is not None and current < latest:
         log.warning("%s holds step %d, which is no longer committed in %s (deleted by gc); restarting from a "
                     "restart point, the state untouched until the new one is verified", where, current, cat.root.url)

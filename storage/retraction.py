@@ -13,10 +13,17 @@ gc, so a receiver that holds it moves back to the newest live step through the i
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from storage import signing
+from storage import layout, signing
 from storage.fields import document, fail, parse_attempt, parse_digest, parse_run_id
+
+if TYPE_CHECKING:
+    from storage.marker import CommitMarker
+    from storage.root import Root
 
 FORMAT = "dcr-retraction"
 MAX_RETRACTION_BYTES = 64 << 10
@@ -57,3 +64,13 @@ class Retraction:
                    str(d.get("retracted_at", "")), reason,
                    None if d.get("run") is None else parse_run_id(d.get("run"), where),
                    signature, algorithm)
+
+
+def record(root: Root, marker: CommitMarker, reason: str, key: signing.Key | None) -> bool:
+    """Retract the step ``marker`` committed (signed with ``key`` when given) unless a retraction of
+    it exists already; whether this call wrote it."""
+    rec = Retraction(marker.step, marker.attempt, marker.manifest_digest,
+                     time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), reason, marker.run)
+    if key is not None:
+        rec = dataclasses.replace(rec, signature=key.sign(rec.body()), signature_algorithm=key.algorithm)
+    return root.create_if_absent(layout.retraction_key(marker.step), rec.to_json())

@@ -127,6 +127,14 @@ def plan_gc(root: RootRef, options: GcOptions, now: float | None = None) -> GcPl
     # retention looks at the live steps: a retracted step is kept only while leased (a receiver that
     # holds one and finds it gone restarts from a restart point)
     infos = {s: cat.step_info(s) for s in committed if _live(cat, s, refused)}
+    # a live step built on a retracted one (a publish that raced dcr retract and died before
+    # retracting itself: storage.commit): its chain reads the retracted step's delta, which stays
+    pending = list(infos.values())
+    while pending:
+        base = pending.pop().base_step
+        if base is not None and base not in infos and markers.get(base) is not None:
+            infos[base] = cat.step_info(base)
+            pending.append(infos[base])
     unreadable: dict[int, str] = {}
     receivers = registered_receivers(cat, committed, unreadable)
     refused += [f"{e}; step {s} kept" for s, e in sorted(unreadable.items())]
@@ -186,12 +194,6 @@ def collect(root: RootRef, plan: GcPlan) -> GcReport:
     prefix; then dead attempts; then marker-less leftovers."""
     r = open_root(root)
     report = GcReport(False, plan)
-    for key, why in plan.garbage_leases:  # first: they pin nothing, and a step's rechecks below skip them too
-        try:
-            r.remove(key)
-        except FileNotFoundError:
-            pass
-        report.removed_leases.append([key, why])
     for s in plan.delete_steps:
         who = leases.live(r, s)  # a receiver may have leased it since the plan: spare it
         if who:
@@ -204,7 +206,7 @@ def collect(root: RootRef, plan: GcPlan) -> GcReport:
         if who:  # its reads finish first; a later gc deletes the data once the lease is gone
             report.hidden[s] = who
             continue
-        r.remove(layout.step_dir(s), recursive=True)
+        _remove_step(r, s)
         events.reached("gc.step-deleted", step=s)
         report.deleted_steps.append(s)
     for prefix in plan.delete_attempts:
@@ -215,7 +217,51 @@ def collect(root: RootRef, plan: GcPlan) -> GcReport:
             _remove_leftover(r, s)
         except UnsafeKeyError as e:  # a link below the leftover: left alone, reported
             report.left_alone.append(str(e))
+    _remove_garbage_leases(r, plan, report)
     return report
+
+
+def _remove_step(root: Root, step: int) -> None:
+    """Everything under the step's prefix, but a retracted step's record: it stays as a tombstone
+    (the number is never used again, and a receiver that holds the step restarts from a restart
+    point instead of taking the ROOT for rolled back)."""
+    record = layout.retraction_key(step)
+    if not root.exists(record):
+        root.remove(layout.step_dir(step), recursive=True)
+        return
+    for name in root.listdir(layout.step_dir(step)):
+        if f"{layout.step_dir(step)}/{name}" != record:
+            try:
+                root.remove(f"{layout.step_dir(step)}/{name}", recursive=True)
+            except FileNotFoundError:
+                pass
+
+
+def _remove_garbage_leases(root: Root, plan: GcPlan, report: GcReport) -> None:
+    """The leases the plan found to be garbage, last (they pin nothing: the rechecks above skipped
+    them) and each only if it still is: a receiver may have written a real lease under that name
+    since the plan, and that one gc keeps."""
+    by_step: dict[int, set[str]] = {}
+    for key, _ in plan.garbage_leases:  # steps/<step>/leases/<name>
+        parts = key.split("/")
+        step = layout.parse_step_dir(parts[1]) if len(parts) > 3 and parts[0] == layout.STEPS else None
+        if step is not None:
+            by_step.setdefault(step, set()).add(key)
+    planned = {key: why for key, why in plan.garbage_leases}
+    for step, keys in sorted(by_step.items()):
+        if step in report.deleted_steps:  # gone with their step
+            report.removed_leases += [[key, planned[key]] for key in sorted(keys)]
+            continue
+        try:
+            still = {key: why for key, why in leases.scan(root, step).garbage}
+        except UnsafeKeyError:
+            continue
+        for key in sorted(keys & set(still)):
+            try:
+                root.remove(key)
+            except FileNotFoundError:
+                continue
+            report.removed_leases.append([key, still[key]])
 
 
 GC = StepTable(Step("plan-gc", plan_gc), Step("collect", collect))

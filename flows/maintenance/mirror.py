@@ -49,9 +49,11 @@ from flows.workers import portable_root
 from storage import heartbeat, layout, leases
 from storage.catalog import Catalog, manifest_digest, no_such_directory
 from storage.chunk_io import BoundedPool, UncheckedChunk
+from storage.manifest import Manifest
 from storage.marker import CommitMarker
 from storage.retraction import MAX_RETRACTION_BYTES
 from storage.root import Root, RootRef, open_root
+from storage.stream import read_index
 
 log = logging.getLogger("dcr.mirror")
 LEASE_SECONDS = 3600.0
@@ -127,7 +129,10 @@ def open_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str 
         _copy_run(src, dst)
         prefix = layout.attempt_dir(step, marker.attempt)
         have = {o.key: o.size for o in dst.objects(prefix)}
-        todo = tuple((o.key, o.size) for o in src.objects(prefix) if have.get(o.key) != o.size)
+        upstream = src.objects(prefix)
+        present = [o.key for o in upstream if have.get(o.key) == o.size]
+        again = set(unvouched_copies(src, dst, step, marker.attempt, present))
+        todo = tuple((o.key, o.size) for o in upstream if have.get(o.key) != o.size or o.key in again)
     except BaseException:
         if as_id is not None:
             leases.release(src, as_id, [step])
@@ -170,6 +175,45 @@ def expected_objects(src: Root, step: int) -> dict[str, Callable[[bytes], None]]
 
                 checks[key] = chunk_check
     return checks
+
+
+def unvouched_copies(src: Root, dst: Root, step: int, attempt: str, keys: list[str]) -> list[str]:
+    """Of the objects already downstream (``keys``: a copy cut off earlier, or chunks a streaming
+    mirror forwarded before the commit), those to copy again: each that the manifest binds is read
+    back and checked, unless a downstream stream index lists it with the digest the manifest gives
+    (the ``Forwarder`` checked its bytes against that digest before writing them). So a chunk that
+    matched only a forged stream index is replaced, never committed onward."""
+    checks = expected_objects(src, step)
+    bound = chunk_digests(Catalog(src).manifest(step))
+    vouched: dict[str, str] = {}
+    for seq in range(1 << 20):
+        try:
+            idx = read_index(dst, step, attempt, seq)
+        except (DCRError, OSError):
+            break  # a damaged index vouches for nothing after it
+        if idx is None:
+            break
+        vouched |= {layout.store_key(step, attempt, c.key_in_store): c.digest for c in idx.chunks}
+    again = []
+    for key in keys:
+        if key not in checks or (key in bound and vouched.get(key) == bound[key]):
+            continue
+        try:
+            checks[key](dst.read(key))
+        except (IntegrityError, FileNotFoundError):
+            again.append(key)
+    return again
+
+
+def chunk_digests(m: Manifest) -> dict[str, str]:
+    """The payload digest the manifest gives each stored chunk, by key."""
+    out = {}
+    for entries in (m.tensors, m.snapshot or {}):
+        for e in entries.values():
+            for pos in range(e.n_stored):
+                rel, _, digest, _ = e.stored_at(pos)
+                out[layout.store_key(m.step, m.attempt, rel)] = digest
+    return out
 
 
 def copy_objects(src: Root, dst: Root, keys: list[str], io_workers: int = 8,
@@ -226,16 +270,15 @@ def plan_mirror(src: RootRef, step: int | None, dst: RootRef | None = None) -> l
 def sync_retractions(src: RootRef, dst: RootRef) -> list[int]:
     """Copy upstream's retraction records (``dcr retract``) of the steps ``dst`` holds, byte for byte
     (their signatures are the publisher's), each checked upstream first (it binds the step's
-    attempt, and its signature verifies). Only steps newer than upstream's newest live step can be
-    retracted: only those are looked at. The steps it marked retracted downstream."""
+    attempt, and its signature verifies). Every step live downstream but not upstream is looked at
+    (a retracted step may be older than upstream's newest: publishing went on after the
+    retraction). The steps it marked retracted downstream."""
     s, d = open_root(src), open_root(dst)
     scat, dcat = Catalog(s), Catalog(d)
-    upstream_latest = scat.latest_committed()
+    live_upstream = set(scat.committed_steps())
     marked = []
     for step in dcat.ever_committed_steps():
-        if upstream_latest is not None and step <= upstream_latest:
-            continue
-        if dcat.retraction(step) is not None:
+        if step in live_upstream or dcat.retraction(step) is not None:
             continue
         retraction = scat.retraction(step)
         if retraction is None:
@@ -263,6 +306,10 @@ def sync_heartbeat(src: RootRef, dst: RootRef) -> bool:
     except DCRError:  # a damaged copy downstream: replaced
         down = None
     if down is not None and down.at >= up.at:
+        return False
+    try:
+        heartbeat.vouches_for(d, up)  # only for what the mirror holds (not when it mirrors an older --step)
+    except heartbeat.StaleRootError:
         return False
     d.write(heartbeat.KEY, s.read(heartbeat.KEY, limit=heartbeat.MAX_HEARTBEAT_BYTES))
     return True

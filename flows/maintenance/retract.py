@@ -7,11 +7,14 @@ anywhere leaves the newest steps retracted and the rest live, and a rerun finish
 
 - a refit's default target is the newest live step; a retracted step is no target (refused by
   name); a receiver that holds one moves back on its next receive, through the inverse deltas it
-  already knows how to apply (exact), or from a restart point if gc deleted them;
+  already knows how to apply (exact), or from a restart point if gc deleted them (gc keeps the
+  retraction record as a tombstone);
 - the next publish builds on the newest live step and may take any number above it that was never
   committed: a committed number, retracted or not, is never used again;
 - ``dcr ls``, ``status`` and ``show`` mark the step retracted; ``dcr mirror`` copies the record to
-  the mirrors that hold the step; ``dcr gc`` may delete retracted steps (a lease still pins them).
+  the mirrors that hold the step; ``dcr gc`` may delete retracted steps (a lease still pins them),
+  keeping each record;
+- a publish racing a retraction of its base never leaves a live step on it (``storage.commit``).
 
 A ROOT whose steps are signed is retracted with the same key: a receiver with the key refuses an
 unsigned retraction, as it refuses an unsigned marker.
@@ -24,9 +27,9 @@ from dataclasses import dataclass, field
 
 from dcr_core import events
 from dcr_core.errors import StepNotFoundError, UsageError
-from storage import layout, signing
-from storage.catalog import Catalog, utc_now
-from storage.retraction import MAX_REASON_CHARS, Retraction
+from storage import layout, retraction, signing
+from storage.catalog import Catalog
+from storage.retraction import MAX_REASON_CHARS
 from storage.root import RootRef, open_root
 
 
@@ -54,19 +57,20 @@ def run_retract(root: str | os.PathLike, step: int, reason: str = "", storage_op
     if signed and key is None:
         raise UsageError(f"{r.url}: its steps are signed, so a retraction must be too; set {signing.ENV_KEY_FILE} "
                          f"(or {signing.ENV_KEY}) to the publisher's key")
-    todo = [s for s in cat.ever_committed_steps() if s >= step]
-    for s in sorted(todo, reverse=True):
-        if cat.retraction(s) is not None:
-            result.already.append(s)
-            continue
-        m = cat.require_marker(s)
-        rec = Retraction(s, m.attempt, m.manifest_digest, utc_now(), reason, m.run)
-        if key is not None:
-            rec = Retraction(**{**rec.__dict__, "signature": key.sign(rec.body()), "signature_algorithm": key.algorithm})
-        if not r.create_if_absent(layout.retraction_key(s), rec.to_json()):
-            result.already.append(s)  # another retraction got there first: retracted all the same
-            continue
-        events.reached("retract.recorded", step=s)
-        result.retracted.append(s)
-    result.latest = Catalog(r).latest_committed()
+    seen: set[int] = set()
+    while True:  # listed again once done: a publish that committed meanwhile is retracted too
+        todo = [s for s in cat.ever_committed_steps() if s >= step and s not in seen]
+        if not todo:
+            break
+        for s in sorted(todo, reverse=True):
+            seen.add(s)
+            if cat.retraction(s) is not None or not retraction.record(r, cat.require_marker(s), reason, key):
+                result.already.append(s)  # before this call, or another retraction got there first
+                continue
+            events.reached("retract.recorded", step=s)
+            result.retracted.append(s)
+        cat = Catalog(r)
+    result.retracted.sort(reverse=True)
+    result.already.sort(reverse=True)
+    result.latest = cat.latest_committed()
     return result

@@ -105,7 +105,7 @@ def check_free(root: Root, cat: Catalog, step: int) -> int | None:
             f"{root.url}: no atomic create-if-absent for {root.protocol!r} ROOTs; use a local path, memory://, s3:// or gs://"
         )
     latest = cat.latest_committed()  # the newest live step: retracted ones are skipped
-    if cat.marker(step) is not None:
+    if cat.marker(step) is not None or cat.retraction(step) is not None:
         if cat.retraction(step) is not None:
             raise StepConflictError(f"{root.url}: step {step} was committed and retracted; a step number is never used "
                                     f"twice: publish step {next_free(cat, latest)} or another never committed")
@@ -120,7 +120,7 @@ def check_free(root: Root, cat: Catalog, step: int) -> int | None:
 
 def next_free(cat: Catalog, latest: int | None) -> int:
     """The lowest step number above the newest live step that was never committed."""
-    used = set(cat.ever_committed_steps())
+    used = set(cat.used_steps())
     n = 0 if latest is None else latest + 1
     while n in used:
         n += 1

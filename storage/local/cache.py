@@ -118,26 +118,54 @@ def entries(cache_dir: str) -> list[Entry]:
     return sorted(found, key=lambda e: -e.nbytes)
 
 
+# a publisher's entry holding a temp file this young, or no baseline yet and files this young, is
+# being written (a first publish, or a baseline copied whole): not pruned
+WRITING_GRACE_S = 3600.0
+
+
 @contextlib.contextmanager
 def _unused(entry: Entry):
-    """Yield whether ``entry`` is free to delete (no publisher or receiver holds it); held meanwhile."""
-    target = os.path.join(entry.path, "baseline.safetensors") if entry.kind == "publisher baseline" else entry.path
-    try:
-        f = open(target, "rb")
-    except FileNotFoundError:
-        yield True
+    """Yield whether ``entry`` is free to delete (no publisher or receiver holds it); held meanwhile:
+    a receiver mirror's state lock (``storage.local.state.exclusive``, taken without waiting: a
+    receive that starts meanwhile waits, then finds the file gone and rebuilds it), and the file's
+    own lock (a publisher encoding against its baseline holds it shared)."""
+    publisher = entry.kind == "publisher baseline"
+    if publisher and _being_written(entry.path):
+        yield False
         return
-    with f:
+    target = os.path.join(entry.path, "baseline.safetensors") if publisher else entry.path
+    with contextlib.ExitStack() as held:
+        if not publisher:
+            try:
+                held.enter_context(state.exclusive(target, wait=False))
+            except BlockingIOError:
+                yield False
+                return
+        try:
+            f = held.enter_context(open(target, "rb"))
+        except FileNotFoundError:
+            yield True
+            return
         try:
             fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             yield False
             return
-        if entry.kind == "receiver mirror" and os.path.exists(os.path.join(os.path.dirname(target),
-                                                                          f".{os.path.basename(target)}.lock")):
-            yield False  # a receive holds its state lock (storage.local.state.exclusive)
-            return
         yield True
+
+
+def _being_written(directory: str, now: float | None = None) -> bool:
+    now = time.time() if now is None else now
+    has_baseline = os.path.exists(os.path.join(directory, "baseline.safetensors"))
+    for d, _, fs in os.walk(directory):
+        for f in fs:
+            try:
+                age = now - os.stat(os.path.join(d, f)).st_mtime
+            except FileNotFoundError:
+                continue
+            if age < WRITING_GRACE_S and (".tmp-" in f or not has_baseline):
+                return True
+    return False
 
 
 def _remove(entry: Entry) -> None:

@@ -105,7 +105,7 @@ def check_path(path: str | os.PathLike) -> str:
 
 
 @contextlib.contextmanager
-def exclusive(path: str | os.PathLike) -> Iterator[None]:
+def exclusive(path: str | os.PathLike, wait: bool = True) -> Iterator[None]:
     """Hold the lock of the file at ``path`` (``.<name>.lock`` beside it, there only while held) for
     one writer at a time, and remove temp files that a writer of ``path`` killed earlier
     (``kill -9``) left behind. The file's directory must exist.
@@ -114,14 +114,19 @@ def exclusive(path: str | os.PathLike) -> Iterator[None]:
     next one; waiting writers queue. The holder removes the lock file as it lets go, so nothing is
     left beside a user's file: a waiter that then gets the lock of the removed file sees that the
     name no longer leads to it and takes the lock again (the lock file of a writer killed while
-    holding it stays until the next writer, which reuses and removes it).
+    holding it stays until the next writer, which reuses and removes it). ``wait=False``: raise
+    ``BlockingIOError`` at once if another process holds it.
     """
     path = os.path.realpath(os.fspath(path))  # one lock per file, whatever path names it
     directory, name = os.path.split(path)
     lock_path = os.path.join(directory, f".{name}.lock")
     while True:
         lock = open(lock_path, "a+b")
-        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError:
+            lock.close()
+            raise
         try:
             if os.fstat(lock.fileno()).st_ino == os.stat(lock_path).st_ino:
                 break  # the lock file the name leads to now: held

@@ -88,3 +88,24 @@ def test_a_publish_keeps_the_cache_within_its_bound_and_its_own_baseline(tmp_pat
     write_safetensors(tmp_path / "b1.safetensors", _ck(8))
     dcr("publish", tmp_path / "b", tmp_path / "b1.safetensors", "--step", 1, check=0)
     assert [e["step"] for e in json.loads(dcr("cache", "ls", "--json", check=0).stdout)["entries"]] == [1]
+
+
+def test_a_receiver_mirror_whose_receive_holds_its_lock_and_a_first_publish_in_progress_are_kept(tmp_path):
+    """A receiver mirror whose state lock a receive holds is kept (the lock taken, not its file
+    merely looked for); so is a publisher's entry that has no baseline yet but a file just written
+    (a first publish writing it)."""
+    from storage.local import cache, state
+
+    cache_dir = tmp_path / "cache"
+    mirror = cache_dir / "receivers" / ("0" * 16) / "rx.safetensors"
+    mirror.parent.mkdir(parents=True)
+    write_safetensors(mirror, {"w": torch.zeros(1000)})
+    first = cache_dir / ("1" * 16)
+    first.mkdir()
+    (first / ".baseline.safetensors.tmp-0").write_bytes(bytes(4000))
+    with state.exclusive(mirror):
+        report = cache.prune(str(cache_dir), max_bytes=0)
+    assert sorted(report.skipped) == sorted([str(mirror), str(first)]) and report.removed == []
+    assert mirror.exists() and first.exists()
+    report = cache.prune(str(cache_dir), max_bytes=0)
+    assert not mirror.exists() and [r["path"] for r in report.removed] == [str(mirror)]

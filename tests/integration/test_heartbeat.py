@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import time
 
 import pytest
@@ -77,3 +78,23 @@ def test_a_forged_fresh_heartbeat_is_refused_and_a_missing_one_named(signed_orig
     for bad in ("inf", "0", "-5"):
         out = dcr("receive", signed_origin, "--receiver", "r", "--state", state, "--max-staleness", bad, check=2)
         assert "max_staleness" in out.stderr
+
+
+def test_a_heartbeat_copied_without_its_steps_or_from_another_run_vouches_for_nothing(signed_origin, tmp_path):
+    """A replaying mirror serves step 0 and puts the origin's fresh, validly signed heartbeat (it
+    names step 1) beside it: refused, naming the step it does not hold. A fresh heartbeat of another
+    ROOT's run, signed with the same key: refused, naming the run. The mirror itself copies a
+    heartbeat only when it holds the step it names."""
+    region, state = tmp_path / "region", tmp_path / "s.safetensors"
+    dcr("mirror", signed_origin, region, "--step", 0, check=0)
+    assert not (region / heartbeat.KEY).exists()  # it holds step 0 only: upstream's heartbeat names step 1
+    shutil.copy(signed_origin / heartbeat.KEY, region / heartbeat.KEY)
+    out = dcr("receive", region, "--receiver", "r", "--state", state, "--max-staleness", 600, check=5)
+    assert "names step 1, which this ROOT does not hold" in out.stderr and not state.exists(), out.stderr
+    other = tmp_path / "other"
+    write_safetensors(tmp_path / "o.safetensors", {"w": torch.zeros(64)})
+    dcr("publish", other, tmp_path / "o.safetensors", "--step", 1, env={"DCR_SIGNING_KEY_FILE": str(tmp_path / "key")},
+        check=0)
+    shutil.copy(other / heartbeat.KEY, signed_origin / heartbeat.KEY)
+    out = dcr("receive", signed_origin, "--receiver", "r", "--state", state, "--max-staleness", 600, check=5)
+    assert "a heartbeat of run" in out.stderr and "but this ROOT holds run" in out.stderr, out.stderr

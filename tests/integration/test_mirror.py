@@ -302,3 +302,39 @@ def test_a_mirror_refuses_to_copy_a_damaged_step_onward(origin, tmp_path, damage
     state = tmp_path / "s.safetensors"
     run_receive(region, "r", str(state))
     assert_bits_equal(load_file(state), cks[-1])
+
+
+@pytest.mark.faults("mirror", component="mirror", outcome="copied again from upstream, checked; the step downstream "
+                    "is the origin's, byte for byte")
+@pytest.mark.parametrize("vouched", ["no-index", "forged-index"])
+def test_a_chunk_already_downstream_that_the_manifest_does_not_vouch_for_is_copied_again(origin, tmp_path, vouched):
+    """Before the commit, a chunk of step 2 lies downstream at its key and size but with other bytes
+    (a streaming mirror forwarded what a forged stream index described, or a copy was cut off and
+    damaged). The mirror reads it back, finds it does not match the manifest, copies it again from
+    upstream, and commits: the attempt downstream equals the origin's, and a receiver is exact."""
+    from storage.stream import StreamedChunk, StreamIndex
+
+    root, cks = origin
+    region = str(tmp_path / "region")
+    files = _attempt_files(root, 2)
+    key = max((k for k in files if "/c/" in k), key=lambda k: len(files[k]))
+    marker = json.load(open(os.path.join(root, layout.commit_key(2))))
+    attempt = marker["attempt"]
+    down = os.path.join(region, layout.attempt_dir(2, attempt), key)
+    os.makedirs(os.path.dirname(down), exist_ok=True)
+    with open(down, "wb") as f:
+        f.write(bytes(len(files[key])))
+    if vouched == "forged-index":  # an index downstream naming that key with a digest the manifest does not give
+        from dcr_core.chunking import ChunkGrid
+        from flows.options import KEYFRAMES
+        from storage.root import Root
+
+        in_store = os.path.relpath(os.path.join(region, layout.attempt_dir(2, attempt), key),
+                                   os.path.join(region, layout.store_dir(2, attempt)))
+        chunk = StreamedChunk("x", "F32", ChunkGrid((4,), (4,)), in_store, 0, "0" * 64, len(files[key]))
+        Root(region).write(layout.stream_key(2, attempt, 0), StreamIndex(2, attempt, 0, KEYFRAMES, (chunk,), True).to_json())
+    run_mirror(root, region)
+    assert _attempt_files(region, 2)[key] == files[key]
+    state = tmp_path / "s.safetensors"
+    run_receive(region, "r", str(state))
+    assert_bits_equal(load_file(state), cks[2])

@@ -282,3 +282,28 @@ def test_leases_that_no_receiver_can_have_taken_pin_nothing_and_gc_says_why(tmp_
         err = dcr("receive", root, "--receiver", "rx", "--state", tmp_path / "s.safetensors", "--lease-seconds", bad,
                   check=2).stderr
         assert "lease_seconds" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.faults("gc", component="gc", outcome="a real lease written under a garbage lease's name pins its step; "
+                    "gc keeps both")
+def test_a_garbage_lease_replaced_by_a_real_one_after_the_plan_is_kept_and_pins_its_step(tmp_path):
+    """gc plans while ``rx.json`` on step 1 is an unreadable hour-old object (garbage); before it
+    collects, receiver ``rx`` takes a real lease on step 1 under that name. gc spares step 1 and
+    leaves the new lease alone (it looks again before removing garbage)."""
+    import os
+    import time
+
+    from storage import leases
+
+    root = str(tmp_path / "root")
+    publish_run(root, tmp_path, n=6)  # a keyframe at step 4: steps 0-3 are gc's to delete
+    r = Root(root)
+    r.write(f"{layout.leases_dir(1)}/rx.json", b"{cut off")
+    old = time.time() - 2 * leases.GARBAGE_AFTER
+    os.utime(os.path.join(root, layout.leases_dir(1), "rx.json"), (old, old))
+    plan = gc.plan_gc(RootRef(root, {}), GcOptions(keep_last=1, grace_seconds=0))
+    assert 1 in plan.delete_steps and [k for k, _ in plan.garbage_leases] == [f"{layout.leases_dir(1)}/rx.json"]
+    leases.take(r, "rx", [1], target=5, ttl=600)
+    report = gc.collect(RootRef(root, {}), plan)
+    assert report.spared == {1: ["rx"]} and report.removed_leases == []
+    assert leases.live(r, 1) == ["rx"] and Catalog(r).marker(1) is not None

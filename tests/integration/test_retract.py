@@ -165,3 +165,92 @@ def test_a_signed_root_takes_signed_retractions_only(tmp_path, monkeypatch):
     assert run_receive(root, "r", str(state)).step == 1
     assert_bits_equal(load_file(state), cks[1])
     shutil.rmtree(tmp_path / "cache", ignore_errors=True)
+
+
+def test_a_retracted_step_gc_deleted_stays_a_tombstone_its_receivers_restart_and_its_number_stays_used(tmp_path):
+    """Retract step 4, then ``dcr gc`` deletes it (nothing leases it): its retraction record stays
+    alone under ``steps/4/``, so step 4 can never be published again, a receiver that held it
+    restarts from a restart point to the newest live step (bit-exact), and a mirror made before
+    the gc takes the retraction from the tombstone."""
+    from flows.maintenance.gc import run_gc
+    from flows.options import GcOptions
+
+    root, region = str(tmp_path / "origin"), str(tmp_path / "region")
+    cks = chain_of_steps(5, seed=47)
+    _publish(root, cks, tmp_path)
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state))
+    run_mirror(root, region)
+    run_retract(root, 4)
+    report = run_gc(root, GcOptions(keep_last=1, grace_seconds=0))
+    assert 4 in report.deleted_steps
+    assert sorted(os.listdir(os.path.join(root, layout.step_dir(4)))) == ["retracted.json"]
+    cat = Catalog(Root(root))
+    assert cat.marker(4) is None and cat.retraction(4) is not None and 4 in cat.used_steps()
+    with pytest.raises(StepConflictError, match="step 4 was committed and retracted; a step number is never used twice"):
+        _publish(root, [cks[4]], tmp_path, first=4)
+    res = run_receive(root, "r", str(state))
+    assert res.step == 3
+    assert_bits_equal(load_file(state), cks[3])
+    assert run_mirror(root, region).retracted_steps == [4]
+    down = tmp_path / "down.safetensors"
+    run_receive(region, "down", str(down))
+    assert_bits_equal(load_file(down), cks[3])
+
+
+@pytest.mark.parametrize("when", ["before-the-commit", "after-the-commit"])
+def test_a_publish_racing_a_retraction_of_its_base_leaves_no_live_step_on_a_retracted_one(tmp_path, when):
+    """``dcr retract --step 4`` lands while step 5 is being published on step 4: before the
+    publisher's last look at its base (it commits nothing), or between that look and its commit
+    (step 5 commits, sees the retraction and retracts itself). Either way step 5 is not live, the
+    error says what happened, gc runs, and a receiver ends at step 3 exactly."""
+    from dcr_core import events
+    from flows.maintenance.gc import run_gc
+    from flows.options import GcOptions
+
+    root = str(tmp_path / "origin")
+    cks = chain_of_steps(6, seed=49)
+    _publish(root, cks[:5], tmp_path)
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state))
+    point = "publish.manifest-written" if when == "before-the-commit" else "publish.base-checked"
+    fired = []
+
+    def retract_now(p, fields):
+        if p == point and not fired:
+            fired.append(p)
+            run_retract(root, 4, reason="bad")
+
+    with events.listening(retract_now), pytest.raises(StepConflictError) as e:
+        _publish(root, [cks[5]], tmp_path, first=5)
+    assert fired == [point]
+    cat = Catalog(Root(root))
+    if when == "before-the-commit":
+        assert "step 4 was retracted while step 5 was being published on it; nothing committed" in str(e.value)
+        assert cat.marker(5) is None
+    else:
+        assert "step 5 was committed and then retracted" in str(e.value)
+        assert cat.retraction(5) is not None and "base step 4 was retracted" in cat.retraction(5).reason
+    assert cat.latest_committed() == 3 and (5 in cat.used_steps()) == (when == "after-the-commit")
+    run_gc(root, GcOptions(keep_last=2, grace_seconds=0))
+    assert run_receive(root, "r", str(state)).step == 3
+    assert_bits_equal(load_file(state), cks[3])
+    _publish(root, [cks[3]], tmp_path, first=6)  # the run goes on, on step 3
+
+
+def test_a_mirror_copies_a_retraction_of_a_step_older_than_upstreams_newest(tmp_path):
+    """Retract step 4, publish step 5 on step 3, then mirror: the mirror held step 4 live, and marks
+    it retracted although it is older than upstream's newest step."""
+    root, region = str(tmp_path / "origin"), str(tmp_path / "region")
+    cks = chain_of_steps(6, seed=51)
+    _publish(root, cks[:5], tmp_path)
+    run_mirror(root, region)
+    run_retract(root, 4)
+    new = {n: t for n, t in cks[3].items()}
+    _publish(root, [new], tmp_path, first=5)
+    res = run_mirror(root, region)
+    assert res.retracted_steps == [4]
+    assert Catalog(Root(region)).committed_steps()[-2:] == [3, 5]
+    down = tmp_path / "down.safetensors"
+    run_receive(region, "down", str(down), options=ReceiveOptions())
+    assert_bits_equal(load_file(down), new)
