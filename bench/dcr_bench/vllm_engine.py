@@ -38,9 +38,11 @@ def start(model_dir: str, tensor_parallel: int = 1, max_model_len: int = 256, ex
     configure(tensor_parallel)
     from vllm import LLM
 
+    if extension:
+        kwargs["worker_extension_cls"] = EXTENSION
     return LLM(model=model_dir, skip_tokenizer_init=True, dtype="float32", enforce_eager=True,
                max_model_len=max_model_len, gpu_memory_utilization=0.1, tensor_parallel_size=tensor_parallel,
-               seed=0, worker_extension_cls=EXTENSION if extension else None, **kwargs)
+               seed=0, **kwargs)
 
 
 @contextmanager

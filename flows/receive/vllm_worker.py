@@ -319,12 +319,19 @@ class DCRWorkerExtension:
             self._dcr_layers = cached
         return cached
 
-    def _dcr_take_prepared(self) -> _Prepared:
+    def dcr_prepared_step(self) -> int | None:
+        """Wait for a background prepare (if any) and return the step prepared (None: nothing is);
+        raise what the prepare failed with (the engine is untouched then)."""
         staged = self._dcr_join("_dcr_background")
         if staged is not None:
             if "error" in staged:
                 raise staged["error"]
             self._dcr_prepared = staged["result"]
+        p = getattr(self, "_dcr_prepared", None)
+        return None if p is None else p.plan.target_step
+
+    def _dcr_take_prepared(self) -> _Prepared:
+        self.dcr_prepared_step()
         p = getattr(self, "_dcr_prepared", None)
         self._dcr_prepared = None
         if p is None:

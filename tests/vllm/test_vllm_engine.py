@@ -292,3 +292,77 @@ def test_an_engine_at_a_retracted_step_moves_back_exactly(llama, tmp_path):
         back = refit_engine(llm, root, "rollout", state_path=mirror)
         assert (back["mode"], back["from_step"], back["step"]) == ("delta", STEPS, STEPS - 1), back
         _assert_same_engine(llm, ref)
+
+
+def _switch(llm, step: int | None, version: str | None = None) -> None:
+    """One update through vLLM's weight-transfer API (the calls a trainer or ``dcr fleet`` makes)."""
+    llm.start_weight_update()
+    llm.update_weights({"update_info": {} if step is None else {"step": step}})
+    llm.finish_weight_update(version)
+    llm.reset_prefix_cache()  # KV blocks of the old weights (a server's /pause clears them)
+
+
+def test_the_dcr_weight_transfer_backend_refits_exactly_through_vllms_own_api(llama, tmp_path):
+    """``weight_transfer_config={"backend": "dcr"}`` (registered by DCR's ``vllm.general_plugins``
+    entry point): a step prepared while the engine serves, then applied by start/update/finish;
+    0 -> 1 -> 3 -> 1 equal fresh engines. A start with no update switches nothing; a bad update
+    changes nothing."""
+    refs = {s: llama.reference(s) for s in (1, 3)}
+    with vllm_engine.serving(llama.model_dir(0), weight_transfer_config={"backend": "dcr"}) as llm:
+        init = {"root": llama.root, "receiver_id": "wt", "state_path": str(tmp_path / "mirror.safetensors")}
+        llm.init_weight_transfer_engine({"init_info": {**init, "prepare": True, "step": 1}})
+        _switch(llm, None, "1")  # the step prepared
+        _assert_same_engine(llm, refs[1])
+        assert llm.get_weight_version() == "1"
+        for step in (3, 1):  # not prepared: pulled in the pause window
+            _switch(llm, step, str(step))
+            _assert_same_engine(llm, refs[step])
+        assert Catalog(open_root(llama.root)).receiver_record(3, "wt")["mode"] == "delta"
+        llm.init_weight_transfer_engine({"init_info": {**init, "prepare": True, "step": 2}})
+        llm.start_weight_update()
+        llm.finish_weight_update()  # started, never updated: step 2 is dropped, nothing switches
+        _assert_same_engine(llm, refs[1])
+        llm.start_weight_update()
+        with pytest.raises(Exception, match="step"):
+            llm.update_weights({"update_info": {"step": -1}})
+        _assert_same_engine(llm, refs[1])
+        assert llm.get_weight_version() == "1"
+    assert Catalog(open_root(llama.root)).position("wt")["step"] == 1
+
+
+def test_an_openai_server_refits_through_the_weight_transfer_routes(llama, tmp_path):
+    """A real OpenAI-compatible server (``python -m vllm.entrypoints.openai.api_server
+    --weight-transfer-config '{"backend": "dcr"}'``), driven over HTTP as a trainer would: prepared
+    while it serves, then /pause, /start_weight_update, /update_weights, /finish_weight_update (with
+    the version), /resume. Its weights (``/weight_checker``) and greedy tokens equal fresh engines';
+    taken back to step 0, its completions with top logprobs equal what it served when started."""
+    from dcr_bench.vllm_server import Server, call, checksums, completions
+
+    fresh = {}
+    for s in (1, 2):
+        with vllm_engine.serving(llama.model_dir(s), extension=False) as llm:
+            fresh[s] = llm.collective_rpc("compute_weight_checksums")[0]
+    refs = {s: llama.reference(s)[1] for s in (1, 2)}
+    with Server(llama.model_dir(0), str(tmp_path / "server.log")) as srv:
+        at_start = completions(srv.url)
+        init = {"root": llama.root, "receiver_id": "http", "state_path": str(tmp_path / "mirror.safetensors")}
+        call(srv.url, "/init_weight_transfer_engine", {"init_info": {**init, "prepare": True, "step": 2}})
+        assert completions(srv.url) == at_start  # serving step 0 while step 2 is prepared
+
+        def switch(step):
+            call(srv.url, "/start_weight_update")
+            call(srv.url, "/pause", method="POST")
+            try:
+                call(srv.url, "/update_weights", {"update_info": {"step": step}})
+                call(srv.url, "/finish_weight_update", {"weight_version": str(step)})
+            finally:
+                call(srv.url, "/resume")
+
+        for step in (2, 1):
+            switch(step)
+            assert call(srv.url, "/weight_info", method="GET")["weight_version"] == str(step)
+            assert checksums(srv.url) == fresh[step]
+            assert [[t for t, _ in c] for c in completions(srv.url)] == refs[step]
+        switch(0)
+        assert completions(srv.url) == at_start
+    assert Catalog(open_root(llama.root)).position("http")["step"] == 0

@@ -1,0 +1,178 @@
+"""DCR as a vLLM weight-transfer backend: ``--weight-transfer-config '{"backend": "dcr"}'``.
+
+vLLM 0.32's weight-transfer API (``vllm.distributed.weight_transfer``; over HTTP, the routes of
+``vllm.entrypoints.rl.online.api_router`` with ``VLLM_SERVER_DEV_MODE=1``) drives every worker of
+an engine through ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
+``finish_weight_update``. With this backend (registered by ``flows.receive.vllm_plugin``) those
+calls refit the engine from a DCR ROOT, exactly as ``flows.receive.vllm_worker`` does (it is the
+same code: the engine drives a ``DCRWorkerExtension`` bound to its model):
+
+- ``init_info`` (``POST /init_weight_transfer_engine``, ``LLM.init_weight_transfer_engine``):
+  ``{"root": URL, "receiver_id": ID, "storage_options": {...}}``, optionally ``"options"``
+  (``ReceiveOptions`` fields), ``"state_path"`` (the worker's mirror) and ``"prepare": true`` with
+  ``"step": N`` (omitted: the latest): every worker then pulls and verifies that step into a
+  staged mirror in a thread and the call returns at once; the engine keeps serving. Calling it
+  again re-binds (and prepares again).
+- ``start_weight_update``: waits for a prepare still pulling (the engine serves nothing while it
+  waits: call it once the prepare is done, or accept that) and raises what it failed with;
+  nothing in the engine has changed yet. A fleet calls it on every member before pausing any.
+- ``update_info`` (``POST /update_weights``): ``{"step": N}`` (omitted: the step prepared, else the
+  latest). The pause window: the layers the change touches are reloaded through vLLM's own
+  layerwise reload (``vllm.model_executor.model_loader.reload``); a step other than the one
+  prepared is pulled now. A reload that fails puts the engine back to its previous step, bit for
+  bit, before the error is raised (``EngineRefitError`` if even that failed).
+- ``finish_weight_update``: the commit record and lease release are written in a thread once the
+  engine serves again; after a ``start`` with no update it drops what was prepared (a fleet's
+  "nobody switches").
+
+The engine result of the last update (step, mode, bytes pulled, pause) is logged and kept in the
+bucket's receiver record (``receivers/ID.json``), which is where a fleet reads where each member
+stands. vLLM internals beyond the public API (still those of ``flows.receive.vllm_worker``):
+``vllm.model_executor.model_loader.reload.inplace.reload_weights`` for the reload, the layer probe
+of ``flows.receive.vllm_layers`` (``weight_loader`` attributes), the fixes of
+``flows.receive.vllm_fixups`` and the CPU kernel read-back of ``flows.receive.vllm_state``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
+
+from dcr_core.errors import UsageError
+from flows.receive.vllm_worker import DCRWorkerExtension
+from storage import layout
+
+log = logging.getLogger("dcr.receive")
+
+
+@dataclass
+class DCRInitInfo(WeightTransferInitInfo):
+    root: str
+    receiver_id: str = "vllm"
+    storage_options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict)
+    state_path: str | None = None
+    prepare: bool = False
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.root, str) or not self.root:
+            raise ValueError(f"init_info: root must be a ROOT URL, got {self.root!r}")
+        layout.check_receiver(self.receiver_id)
+        if self.step is not None:
+            layout.check_step(self.step)
+
+
+@dataclass
+class DCRUpdateInfo(WeightTransferUpdateInfo):
+    step: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.step is not None:
+            layout.check_step(self.step)
+
+
+class _EngineWorker(DCRWorkerExtension):
+    """A ``DCRWorkerExtension`` bound to a weight-transfer engine's model instead of a worker: the
+    attributes the extension reads of a worker, taken from the engine."""
+
+    def __init__(self, engine: WeightTransferEngine):
+        self._engine = engine
+
+    @property
+    def model_runner(self):
+        return SimpleNamespace(model=self._engine.model)
+
+    @property
+    def vllm_config(self):
+        return self._engine.vllm_config
+
+    @property
+    def model_config(self):
+        return self._engine.model_config
+
+    @property
+    def parallel_config(self):
+        return self._engine.parallel_config
+
+    @property
+    def rank(self) -> int:
+        if self.parallel_config.tensor_parallel_size == 1:
+            return 0
+        from vllm.distributed import get_tensor_model_parallel_rank  # noqa: PLC0415 - a TP worker
+
+        return get_tensor_model_parallel_rank()
+
+    def reload_weights(self, weights_iterator=None) -> None:
+        """vLLM's in-place layerwise reload (what ``Worker.reload_weights`` runs); without an
+        iterator, every weight from the engine's own model path."""
+        from vllm.config import set_current_vllm_config  # noqa: PLC0415
+        from vllm.model_executor.model_loader.reload.inplace import reload_weights  # noqa: PLC0415
+
+        with set_current_vllm_config(self.vllm_config):
+            reload_weights(self.vllm_config, self._engine.model, weights_iterator=weights_iterator, weights_path=None,
+                           is_checkpoint_format=True)
+
+
+class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
+    """The ``dcr`` backend (see the module docstring)."""
+
+    init_info_cls = DCRInitInfo
+    update_info_cls = DCRUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self._worker = _EngineWorker(self)
+        self._bound: DCRInitInfo | None = None
+        self._updated = False
+        self.last_result: dict | None = None
+
+    def _args(self, step: int | None) -> dict:
+        b = self._require_bound()
+        return {"root": b.root, "step": step, "receiver_id": b.receiver_id, "storage_options": dict(b.storage_options),
+                "options": dict(b.options), "state_path": b.state_path}
+
+    def _require_bound(self) -> DCRInitInfo:
+        if self._bound is None:
+            raise UsageError("the dcr weight-transfer engine has no ROOT: call init_weight_transfer_engine with "
+                             '{"root": ..., "receiver_id": ...} first')
+        return self._bound
+
+    def init_transfer_engine(self, init_info: DCRInitInfo) -> None:
+        self._worker.dcr_abort()  # a re-init drops what an earlier one prepared
+        self._bound = init_info
+        if init_info.prepare:
+            self._worker.dcr_prepare(**self._args(init_info.step), background=True)
+
+    def start_weight_update(self) -> None:
+        self._require_bound()
+        self._updated = False
+        self._worker.dcr_prepared_step()  # waits for a prepare still pulling; raises what it failed with
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.receive_weights(self.parse_update_info(update_info))  # everything is applied when this returns
+
+    def receive_weights(self, update_info: DCRUpdateInfo) -> None:
+        prepared = self._worker.dcr_prepared_step()
+        step = update_info.step if update_info.step is not None else prepared
+        if prepared is None or step != prepared:
+            self._worker.dcr_prepare(**self._args(step))  # in the pause: a step nobody prepared
+        self._updated = True
+        self.last_result = self._worker.dcr_apply()
+        r = self.last_result
+        log.info("dcr: receiver %s at step %s (%s from %s): %d bytes pulled, %.3f s pause", r["receiver"], r["to_step"],
+                 r["mode"], r["from_step"], r["bytes_pulled"], r["pause_seconds"])
+
+    def finish_weight_update(self) -> None:
+        if not self._updated:
+            self._worker.dcr_abort()  # started, never updated: nothing switches, what was prepared is dropped
+        self._updated = False
+
+    def shutdown(self) -> None:
+        self._worker.dcr_abort()
