@@ -61,6 +61,7 @@ test-vllm: $(VLLM_VENV)/.installed
 # Fetch time, pause window and generation throughput of a vLLM refit (docs/vllm.md)
 bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m dcr_bench.vllm_refit --out docs/bench-vllm
+	$(VLLM_PY) -m dcr_bench.vllm_fleet --out docs/bench-vllm-fleet
 
 # The backend matrix: every conformance and refit test against the S3 server and the GCS emulator.
 test-backends: install

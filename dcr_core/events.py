@@ -11,6 +11,8 @@ commas, ``N`` being the N-th time this process reaches the point (default 1):
 - ``exit``: write the same line, then ``os._exit(137)``: a crash that runs no cleanup, like kill -9;
 - ``raise``: raise ``FailpointError``, a ``BaseException`` that stands for the process dying there
   (no ``except Exception`` handler or retry swallows it); for in-process fault tests;
+- ``fail``: raise ``FailpointFault``, an ordinary ``RuntimeError``: an error the code is expected
+  to survive (a failed read, a reload that breaks), where ``raise`` stands for dying;
 - ``report``: write the same line, then go on: a test waits for it to know that another process
   got there (a follower is polling) instead of sleeping for a guess;
 - ``sleep(S)``: wait S seconds, then go on (silently): widens a race window. ``POINT@*=sleep(S)``
@@ -67,7 +69,7 @@ POINTS = frozenset({
     "gc.planned", "gc.leases-checked", "gc.marker-deleted", "gc.step-deleted",
 })
 
-ACTIONS = ("pause", "exit", "raise", "report", "sleep(S)")
+ACTIONS = ("pause", "exit", "raise", "fail", "report", "sleep(S)")
 EVERY = 0  # the N of ``POINT@*``
 
 Listener = Callable[[str, dict], None]
@@ -75,6 +77,10 @@ Listener = Callable[[str, dict], None]
 
 class FailpointError(BaseException):
     """Raised by a failpoint whose action is ``raise``: the process "dies" there."""
+
+
+class FailpointFault(RuntimeError):
+    """Raised by a failpoint whose action is ``fail``: an ordinary error at that point."""
 
 
 _lock = threading.Lock()
@@ -170,6 +176,8 @@ def reached(point: str, **fields) -> None:
         return
     if action == "raise":
         raise FailpointError(f"failpoint {point}@{n}")
+    if action == "fail":
+        raise FailpointFault(f"failpoint {point}@{n}: injected failure")
     sys.stderr.write(f"dcr: failpoint {point}@{n} reached (pid {os.getpid()})\n")
     sys.stderr.flush()
     if action == "report":

@@ -6,6 +6,7 @@ The public API, importable from here (loaded on first use: Prefect and torch are
     from flows import materialize_refit, verify_refit               # (with workers=: on a Dask cluster)
     from flows import mirror_refit, run_mirror, receive_nearest     # a relay tree of ROOTs
     from flows import run_retract                                   # take back the newest step(s)
+    from flows import run_fleet, fleet_refit                        # one step across vLLM servers
     from flows import run_publish, run_receive, run_materialize     # the same pipelines, in-process
     from flows import follow_receive                                # follow ROOT (streaming with stream=True)
     from flows import receive_into_module, Publisher                # a live module; a trainer's publisher
@@ -26,6 +27,8 @@ _PUBLIC = {
     "materialize_refit": "flows.prefect_flows",
     "verify_refit": "flows.prefect_flows",
     "run_mirror": "flows.maintenance.mirror",
+    "run_fleet": "flows.receive.fleet",
+    "fleet_refit": "flows.prefect_flows",
     "run_retract": "flows.maintenance.retract",
     "receive_nearest": "flows.receive.nearest",
     "PrefectRunner": "flows.prefect_flows",

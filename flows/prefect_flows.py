@@ -39,6 +39,7 @@ from flows.maintenance.gc import GcReport, run_gc
 from flows.maintenance.mirror import run_mirror
 from flows.options import GcOptions, PublishOptions, ReceiveOptions
 from flows.publish.pipeline import run_publish
+from flows.receive.fleet import FleetResult, FleetSwitchError, run_fleet
 from flows.receive.pipeline import run_materialize, run_receive
 from flows.results import PublishResult, as_dict
 from flows.steps import Step
@@ -122,6 +123,11 @@ def _receive_name() -> str:
 def _mirror_name() -> str:
     p = flow_run.parameters
     return f"mirror-{'all' if p.get('step') is None else 'step-' + str(p['step'])}"
+
+
+def _fleet_name() -> str:
+    p = flow_run.parameters
+    return f"fleet-{p.get('name') or 'default'}-to-{'latest' if p.get('step') is None else p['step']}"
 
 
 def _materialize_name() -> str:
@@ -250,6 +256,33 @@ def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_option
     get_run_logger().info("mirrored steps %s to %s (%d objects, %d bytes); already there: %d", result.copied_steps, dst,
                           result.objects_copied, result.bytes_copied, len(result.present_steps))
     return asdict(result)
+
+
+@flow(name="dcr-fleet", flow_run_name=_fleet_name, log_prints=True, result_serializer="json", persist_result=True)
+def fleet_refit(root: str, engines: list[str], step: int | None = None, name: str = "default",
+                storage_options: dict | None = None, timeout: float = 600.0) -> dict:
+    """Switch every vLLM server of fleet ``name`` to ``step`` (default: the newest live step), all or
+    nothing (``dcr fleet``; ``flows.receive.fleet``): prepare-members, apply-members (and
+    take-back-members when one fails), record-fleet as tasks; a table artifact of the members."""
+    run_tags = ("dcr", "dcr-fleet", f"root:{root}", f"fleet:{name}")
+    _tag_run(*run_tags)
+    with tags(*run_tags):
+        try:
+            result = run_fleet(str(root), list(engines), step, name, storage_options, PrefectRunner(), timeout)
+        except FleetSwitchError as e:
+            _best_effort(_report_fleet, e.result)
+            raise
+    _best_effort(_report_fleet, result)
+    return asdict(result)
+
+
+def _report_fleet(r: FleetResult) -> None:
+    get_run_logger().info("fleet %s: %s; version %s (target %s)", r.fleet, r.outcome, r.version, r.target)
+    create_table_artifact(
+        [{"member": m["url"], "receiver": m["receiver"], "step": m["step"], "outcome": m["outcome"],
+          "pause s": round(m["pause_seconds"], 3), "error": m.get("error") or ""} for m in r.members],
+        key=f"dcr-fleet-{_slug(r.fleet)}", description=f"fleet {r.fleet}: {r.outcome}, version {r.version}",
+    )
 
 
 @flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True, result_serializer="json", persist_result=True)

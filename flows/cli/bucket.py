@@ -12,7 +12,15 @@ from dcr_core.errors import IntegrityError
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options
 from flows.cli.progress import shown
 from flows.maintenance.audit import VerifyReport, format_rows, list_steps, verify
-from flows.maintenance.inspect import format_history, format_status, format_step, receiver_history, receiver_status, show_step
+from flows.maintenance.inspect import (
+    format_fleets,
+    format_history,
+    format_status,
+    format_step,
+    receiver_history,
+    receiver_status,
+    show_step,
+)
 from flows.workers import parse_workers
 from storage import layout
 from storage.catalog import require_published
@@ -58,7 +66,12 @@ def run(name: str, args) -> int:
             say(args, format_history(args.receiver, records), records)
             return 0
         latest, rows = receiver_status(root)
-        say(args, format_status(latest, rows), {"latest": latest, "receivers": [asdict(r) for r in rows]})
+        from storage import fleet  # noqa: PLC0415 - pydantic: ls and verify start without it
+
+        fleets = [f for f in (fleet.read(root, n) for n in fleet.names(root)) if f is not None]
+        text = "\n".join(filter(None, [format_status(latest, rows), format_fleets(fleets)]))
+        say(args, text, {"latest": latest, "receivers": [asdict(r) for r in rows],
+                         "fleets": [f.model_dump() for f in fleets]})
         return 0
     if name == "verify":
         with shown(args, "verify"):

@@ -156,6 +156,16 @@ def format_status(latest: int | None, rows: list[ReceiverRow], now: float | None
     return "\n".join(lines)
 
 
+def format_fleets(records: list) -> str:
+    """One line per fleet (``storage.fleet``): its version, the last switch's outcome, its members."""
+    lines = []
+    for r in records:
+        version = "mixed" if r.version is None else r.version
+        members = ", ".join(f"{m.receiver}@{'?' if m.step is None else m.step}" for m in r.members)
+        lines.append(f"fleet {r.fleet}: version {version} ({r.outcome}, target {r.target}, {r.at_utc}): {members}")
+    return "\n".join(lines)
+
+
 def histories(root: Root, only: str | None = None) -> dict[str, list[dict]]:
     """Every record each receiver (or ``only`` this one) left on steps ROOT still holds, oldest
     first: how it got where it is. One listing per step, one read per record."""

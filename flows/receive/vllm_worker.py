@@ -214,6 +214,12 @@ class DCRWorkerExtension:
     def dcr_fingerprint(self) -> str:
         return vllm_state.fingerprint(self._dcr_model())
 
+    def dcr_set_failpoints(self, spec: str = "") -> str:
+        """Set this worker process's failpoints (``dcr_core.events``; "" clears them) and restart
+        their counts: fault tests of running servers (``/collective_rpc`` in vLLM's dev mode)."""
+        events.set_failpoints(spec or None)
+        return spec
+
     def dcr_dump(self, readback: bool = True) -> dict:
         """name -> (dtype, shape, BLAKE3) of everything the engine holds (``vllm_state.dump``)."""
         return vllm_state.dump(self._dcr_model(), readback)

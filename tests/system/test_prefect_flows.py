@@ -286,3 +286,32 @@ def test_the_mirror_flow_copies_committed_steps_as_one_task_per_step(prefect_set
     state = tmp_path / "s.safetensors"
     run_receive(dst, "r", str(state))
     assert_bits_equal(load_file(state), cks[1])
+
+
+def test_the_fleet_flow_is_a_named_tagged_run_whose_members_table_says_who_failed(prefect_settings, tmp_path):
+    """``fleet_refit`` with a member that is down: the run (``fleet-gen-to-0``) fails with the
+    one-line error, its tasks are the fleet's phases, and its table artifact lists the member."""
+    import socket
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterTags
+
+    from flows import fleet_refit, run_publish
+    from flows.receive.fleet import FleetSwitchError
+
+    root = str(tmp_path / f"f-{uuid.uuid4().hex[:8]}")
+    run_publish(root, TinyFused.checkpoint(2), 0)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    with pytest.raises(FleetSwitchError, match="nobody switched"):
+        fleet_refit(root, [f"m0={dead}"], 0, "gen")
+    with get_client(sync_client=True) as client:
+        (run,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(tags=FlowRunFilterTags(all_=[f"root:{root}"])))
+        assert run.name == "fleet-gen-to-0" and run.state.is_failed()
+        assert {"dcr", "dcr-fleet", "fleet:gen"} <= set(run.tags)
+        tasks = {t.name.rsplit("-", 1)[0] for t in client.read_task_runs() if t.flow_run_id == run.id}
+        assert {"resolve-fleet", "prepare-members", "drop-prepared", "record-fleet"} <= tasks, tasks
+        (art,) = [a for a in client.read_artifacts() if a.flow_run_id == run.id and a.key == "dcr-fleet-gen"]
+        (row,) = json.loads(art.data)
+        assert (row["member"], row["receiver"], row["outcome"]) == (dead, "m0", "failed")

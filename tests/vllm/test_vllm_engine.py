@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from dataclasses import dataclass, field
 
 import pytest
@@ -366,3 +367,114 @@ def test_an_openai_server_refits_through_the_weight_transfer_routes(llama, tmp_p
         switch(0)
         assert completions(srv.url) == at_start
     assert Catalog(open_root(llama.root)).position("http")["step"] == 0
+
+
+@pytest.fixture(scope="module")
+def fleet_env(llama, tmp_path_factory):
+    """What the fleet tests compare with: each step's weight checksums and greedy tokens from fresh
+    engines, and the number of tensors a full reload passes."""
+    fresh = {}
+    for s in (1, 3):
+        with vllm_engine.serving(llama.model_dir(s), extension=False) as llm:
+            fresh[s] = llm.collective_rpc("compute_weight_checksums")[0]
+    return {"fresh": fresh, "tokens": {s: llama.reference(s)[1] for s in (1, 3)},
+            "dir": tmp_path_factory.mktemp("fleet")}
+
+
+def _serves(url: str, env: dict, step: int) -> None:
+    from dcr_bench.vllm_server import call, checksums, completions
+
+    assert call(url, "/weight_info", method="GET")["weight_version"] == str(step)
+    assert checksums(url) == env["fresh"][step], f"{url}: weights differ from a fresh engine on step {step}"
+    assert [[t for t, _ in c] for c in completions(url)] == env["tokens"][step]
+
+
+def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, fleet_env):
+    """``dcr fleet`` over two real servers: a member down before the switch means nobody switches;
+    1 -> 3 with one member's apply failing (injected) takes the other back to 1, both exact; then
+    1 -> 3 -> 1, each member equal to fresh engines, top logprobs equal across the fleet."""
+    from dcr_bench.vllm_server import Server, checksums, completions, free_port, set_failpoints
+    from flows.receive.fleet import FleetSwitchError, run_fleet
+    from storage import fleet
+
+    d = fleet_env["dir"]
+    a, b = (Server(llama.model_dir(0), str(d / f"{n}.log")) for n in "ab")
+    try:
+        a.wait_ready(), b.wait_ready()
+        at_start = checksums(a.url)
+        with pytest.raises(FleetSwitchError, match=r"nobody switched: http://127\.0\.0\.1:\d+ could not prepare step 1") as e:
+            run_fleet(llama.root, [a.url, f"http://127.0.0.1:{free_port()}"], step=1, name="f")
+        assert e.value.result.outcome == "aborted"
+        assert checksums(a.url) == at_start  # nothing switched
+
+        engines = [f"a={a.url}", f"b={b.url}"]
+        r = run_fleet(llama.root, engines, step=1, name="f")
+        assert (r.outcome, r.version, r.previous) == ("switched", 1, None)
+        for s in (a, b):
+            _serves(s.url, fleet_env, 1)
+
+        set_failpoints(b.url, "receive.engine-tensor@3=fail")  # b's reload breaks after two tensors
+        with pytest.raises(FleetSwitchError, match="failed to apply step 3.*taken back") as e:
+            run_fleet(llama.root, engines, step=3, name="f")
+        assert (e.value.result.outcome, e.value.result.version) == ("taken-back", 1)
+        assert {m["receiver"]: m["outcome"] for m in e.value.result.members} == {"a": "taken-back", "b": "failed"}
+        for s in (a, b):
+            _serves(s.url, fleet_env, 1)
+
+        for step in (3, 1):
+            r = run_fleet(llama.root, engines, step=step, name="f")
+            assert (r.outcome, r.version) == ("switched", step)
+            for s in (a, b):
+                _serves(s.url, fleet_env, step)
+        assert completions(a.url) == completions(b.url)  # with their top logprobs
+        rec = fleet.read(open_root(llama.root), "f")
+        assert (rec.version, rec.outcome, [m.step for m in rec.members]) == (1, "switched", [1, 1])
+    finally:
+        a.stop(), b.stop()
+
+
+def test_a_member_killed_mid_apply_is_restarted_and_rejoins_at_the_fleets_version(llama, fleet_env):
+    """A member killed inside its apply (at a point it reports reaching): the others are taken back
+    and the record says the killed one's step is unknown; restarted from its checkpoint directory,
+    the next switch brings every member to the step exactly."""
+    import threading
+
+    from dcr_bench.vllm_server import Server, kill, set_failpoints
+    from flows.receive.fleet import FleetSwitchError, run_fleet
+
+    d = fleet_env["dir"]
+    a, b = (Server(llama.model_dir(0), str(d / f"kill-{n}.log")) for n in "ab")
+    try:
+        a.wait_ready(), b.wait_ready()
+        engines = [f"ka={a.url}", f"kb={b.url}"]
+        run_fleet(llama.root, engines, step=1, name="k")
+        set_failpoints(b.url, "receive.engine-tensor@3=pause")
+        box = {}
+
+        def switch():
+            try:
+                run_fleet(llama.root, engines, step=3, name="k")
+            except FleetSwitchError as e:
+                box["error"] = e
+
+        t = threading.Thread(target=switch)
+        t.start()
+        deadline = time.monotonic() + 300
+        log = open(b.log_path, "rb")
+        while b"failpoint receive.engine-tensor@3 reached" not in log.read() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        log.close()
+        kill(b)  # inside its reload
+        t.join(600)
+        r = box["error"].result
+        assert r.outcome == "taken-back" and r.version is None
+        assert {m["receiver"]: (m["outcome"], m["step"]) for m in r.members} == {"ka": ("taken-back", 1), "kb": ("failed", None)}
+        _serves(a.url, fleet_env, 1)
+
+        b = Server(llama.model_dir(0), str(d / "kill-b2.log"), port=b.port).wait_ready()  # restarted: serves step 0
+        r = run_fleet(llama.root, engines, step=3, name="k")
+        assert (r.outcome, r.version) == ("switched", 3)
+        for s in (a, b):
+            _serves(s.url, fleet_env, 3)
+    finally:
+        a.stop(), b.stop()

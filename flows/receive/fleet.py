@@ -1,0 +1,306 @@
+"""``dcr fleet ROOT --engine URL ...``: one policy version across a fleet of vLLM servers, all or nothing.
+
+Every member is an OpenAI-compatible vLLM server started with ``--weight-transfer-config
+'{"backend": "dcr"}'`` and ``VLLM_SERVER_DEV_MODE=1`` (``flows.receive.vllm_transfer``), driven
+through vLLM's own weight-transfer routes. A switch to step N (default: the newest live step):
+
+1. **prepare** (every member, at once; they keep serving): ``/init_weight_transfer_engine`` with
+   the ROOT, the member's receiver id and ``prepare: N`` (each worker pulls and verifies N into a
+   staged mirror), then ``/start_weight_update``, which returns once the step is staged and
+   verified, or fails. If any member fails (down, unreachable, a step that does not verify), every
+   member that started gets ``/finish_weight_update`` with no update (what it staged is dropped),
+   nobody switches, and the switch fails naming the member.
+2. **apply** (every member, at once; the pause window): ``/pause``, ``/update_weights {"step": N}``,
+   ``/finish_weight_update {"weight_version": "N"}``, ``/resume``. A member whose apply fails puts
+   its own engine back (``flows.receive.vllm_worker``); then every member already at N is **taken
+   back** to its previous step by the same calls (``update_weights {"step": prev}``: the inverse
+   delta, exact) and its version set back: the fleet ends all at N or all where it was.
+3. **record**: ``fleets/NAME.json`` (``storage.fleet``) says the version, each member's step and
+   outcome; ``dcr status`` shows it.
+
+A member's previous step is what the fleet's record says it served, else its receiver position in
+ROOT. A member DCR never refitted (started from a checkpoint directory) has none: if it must be
+taken back, the outcome is ``mixed`` and its entry says so. Rerunning the same switch converges:
+members already at N do nothing (``current``), a restarted member reloads N whole. Moving back is
+the same command with a lower ``--step``; after ``dcr retract``, a switch without ``--step`` moves
+the fleet to the newest live step.
+
+Receiver ids: ``NAME-HOST-PORT`` of each member's URL (stable across runs: it names the member's
+mirror and its position in ROOT), or ``ID=URL`` to choose one.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+
+from dcr_core.errors import DCRError, StepNotFoundError, UsageError
+from flows.steps import InProcess, Runner, Step, StepTable
+from storage import fleet, layout
+from storage.catalog import Catalog
+from storage.root import RootRef, open_root
+
+log = logging.getLogger("dcr.fleet")
+HTTP_TIMEOUT = 600.0
+
+
+class FleetSwitchError(DCRError):
+    """A fleet did not switch (see the record's outcome); what each member serves is in the record."""
+
+    exit_code = 6
+
+    def __init__(self, message: str, result: FleetResult):
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass(frozen=True)
+class MemberRef:
+    url: str
+    receiver: str
+
+
+def parse_members(name: str, engines: list[str]) -> list[MemberRef]:
+    """``URL`` or ``ID=URL`` per engine -> members with their receiver ids (see the module docstring)."""
+    if not engines:
+        raise UsageError("a fleet needs at least one --engine URL")
+    out = []
+    for spec in engines:
+        rid, sep, url = spec.partition("=")
+        if not sep or "://" in rid:
+            rid, url = "", spec
+        u = urllib.parse.urlparse(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise UsageError(f"--engine {spec!r}: expected http://HOST:PORT (or ID=http://HOST:PORT)")
+        if not rid:
+            rid = re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-{u.hostname}-{u.port or 80}")
+        out.append(MemberRef(url.rstrip("/"), layout.check_receiver(rid)))
+    if len({m.url for m in out}) != len(out) or len({m.receiver for m in out}) != len(out):
+        raise UsageError("every --engine must be a different server with a different receiver id")
+    return out
+
+
+class MemberError(ConnectionError):
+    """A request to a member failed: ``status`` is the HTTP status it answered with (None: no answer)."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
+
+
+def http_call(url: str, route: str, body: dict | None = None, method: str = "POST",
+              timeout: float = HTTP_TIMEOUT) -> dict:
+    """One JSON request to a member; any failure raises ``MemberError`` naming the member and
+    route, with what the server said."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url + route, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            raw = r.read()
+    except urllib.error.HTTPError as e:
+        said = e.read()[:300].decode(errors="replace").replace("\n", " ")
+        raise MemberError(f"{url}{route}: HTTP {e.code}: {said}", e.code) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise MemberError(f"{url}{route}: {getattr(e, 'reason', e)}") from None
+    return json.loads(raw) if raw else {}
+
+
+@dataclass
+class FleetResult:
+    fleet: str
+    outcome: str
+    version: int | None
+    target: int
+    previous: int | None
+    members: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def _each(members: list[dict], fn) -> list:
+    """``fn(member)`` for every member at once; results (or the exception) in order."""
+    def guarded(m):
+        try:
+            return fn(m)
+        except Exception as e:  # noqa: BLE001 - each member's failure is reported, not raised here
+            return e
+
+    with ThreadPoolExecutor(max_workers=max(1, len(members))) as pool:
+        return list(pool.map(guarded, members))
+
+
+def _error(e: BaseException) -> str:
+    return str(e) if isinstance(e, MemberError) else f"{type(e).__name__}: {e}"
+
+
+# -- the steps (Prefect tasks under fleet_refit) --------------------------------------------------
+
+
+def resolve_fleet(root: RootRef, name: str, members: list[dict], step: int | None) -> dict:
+    """The step to switch to (``step``, checked live; default the newest live step) and each
+    member's previous step (the fleet's record, else its receiver position in ROOT)."""
+    r = open_root(root)
+    cat = Catalog(r)
+    if step is None:
+        target = cat.latest_committed()
+        if target is None:
+            raise StepNotFoundError(f"{r.url}: no committed step to switch the fleet to")
+    else:
+        target = layout.check_step(step)
+        if not cat.is_live(target):
+            why = "retracted" if cat.retraction(target) is not None else "not committed"
+            raise StepNotFoundError(f"{r.url}: step {target} is {why}; a fleet switches only to a live step")
+    held = fleet.read(r, name)
+    by_receiver = {m.receiver: m.step for m in held.members} if held else {}
+    out = []
+    for m in members:
+        prev = by_receiver.get(m["receiver"])
+        if prev is None:
+            pos = cat.position(m["receiver"])
+            prev = pos.get("step") if pos else None
+        out.append({**m, "previous": prev})
+    return {"target": target, "previous": held.version if held else None, "members": out}
+
+
+def prepare_members(root: RootRef, members: list[dict], target: int, timeout: float = HTTP_TIMEOUT) -> list[dict]:
+    """Phase 1 on every member at once (they keep serving); each result says ``ok`` or the error."""
+    def prepare(m):
+        init = {"root": root.url, "receiver_id": m["receiver"], "storage_options": dict(root.storage_options),
+                "prepare": True, "step": target}
+        http_call(m["url"], "/init_weight_transfer_engine", {"init_info": init}, timeout=timeout)
+        http_call(m["url"], "/start_weight_update", timeout=timeout)  # returns once staged and verified
+        return True
+
+    results = _each(members, prepare)
+    return [{**m, "ok": r is True, **({} if r is True else {"error": _error(r)})} for m, r in zip(members, results)]
+
+
+def drop_prepared(members: list[dict], timeout: float = HTTP_TIMEOUT) -> list[dict]:
+    """Nobody switches: members that started get ``/finish_weight_update`` with no update."""
+    started = [m for m in members if m.get("ok")]
+    _each(started, lambda m: http_call(m["url"], "/finish_weight_update", {}, timeout=timeout))
+    return members
+
+
+def _switch(m: dict, step: int, timeout: float, start: bool) -> dict:
+    """The pause window of one member: pause, update to ``step``, finish with the version, resume."""
+    url = m["url"]
+    if start:
+        http_call(url, "/start_weight_update", timeout=timeout)
+    http_call(url, "/pause", timeout=timeout)
+    t0 = time.perf_counter()
+    try:
+        http_call(url, "/update_weights", {"update_info": {"step": step}}, timeout=timeout)
+        http_call(url, "/finish_weight_update", {"weight_version": str(step)}, timeout=timeout)
+    finally:
+        try:
+            http_call(url, "/resume", timeout=timeout)
+        except MemberError as e:
+            log.warning("%s", e)
+    return {"pause_seconds": time.perf_counter() - t0}
+
+
+def apply_members(members: list[dict], target: int, timeout: float = HTTP_TIMEOUT) -> list[dict]:
+    """Phase 2 on every member at once; each result says ``ok`` (with its pause) or the error."""
+    results = _each(members, lambda m: _switch(m, target, timeout, start=False))
+    return [{**m, "ok": isinstance(r, dict), **(r if isinstance(r, dict) else {
+        "error": _error(r), "answered": getattr(r, "status", None) is not None})} for m, r in zip(members, results)]
+
+
+def take_back_members(members: list[dict], timeout: float = HTTP_TIMEOUT) -> list[dict]:
+    """Members that applied go back to their previous step (the inverse delta, exact), at once;
+    a member with no previous step cannot be taken back (its result says so)."""
+    def back(m):
+        if m.get("previous") is None:
+            raise UsageError(f"{m['url']}: its previous step is unknown (DCR never refitted it); it stays at the new step")
+        return _switch(m, m["previous"], timeout, start=True)
+
+    results = _each(members, back)
+    return [{**m, "back": isinstance(r, dict), **({} if isinstance(r, dict) else {"back_error": _error(r)})}
+            for m, r in zip(members, results)]
+
+
+def record_fleet(root: RootRef, name: str, target: int, previous: int | None, outcome: str,
+                 members: list[dict]) -> dict:
+    """Write ``fleets/NAME.json``; the record as written."""
+    entries = []
+    for m in members:
+        entries.append(fleet.Member(url=m["url"], receiver=m["receiver"], step=m.get("step"), outcome=m["outcome"],
+                                    error=m.get("error"), pause_seconds=m.get("pause_seconds", 0.0)))
+    steps = {e.step for e in entries}
+    version = steps.pop() if len(steps) == 1 else None
+    rec = fleet.record(open_root(root), fleet.FleetRecord(fleet=name, version=version, target=target,
+                                                          previous=previous, outcome=outcome, members=entries, at=0.0))
+    return rec.model_dump()
+
+
+FLEET_STEPS = StepTable(
+    Step("resolve-fleet", resolve_fleet),
+    Step("prepare-members", prepare_members),
+    Step("drop-prepared", drop_prepared),
+    Step("apply-members", apply_members),
+    Step("take-back-members", take_back_members),
+    Step("record-fleet", record_fleet),
+)
+
+
+def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = None, name: str = "default",
+              storage_options: dict | None = None, runner: Runner | None = None,
+              timeout: float = HTTP_TIMEOUT) -> FleetResult:
+    """Switch every engine of fleet ``name`` to ``step`` (default: the newest live step) of
+    ``root``, all or nothing (see the module docstring). Raises ``FleetSwitchError`` (after writing
+    the record) unless every member serves the target step."""
+    layout.fleet_key(name)
+    ref = RootRef(os.fspath(root), dict(storage_options or {}))
+    members = [asdict(m) for m in parse_members(name, list(engines))]
+    tasks = FLEET_STEPS.bind(runner or InProcess())
+    t0 = time.perf_counter()
+    plan = tasks.resolve_fleet(ref, name, members, step)
+    target, previous, members = plan["target"], plan["previous"], plan["members"]
+    prepared = tasks.prepare_members(ref, members, target, timeout)
+    failed = [m for m in prepared if not m["ok"]]
+    if failed:
+        tasks.drop_prepared(prepared, timeout)
+        done = [{**m, "step": m["previous"], "outcome": "not-switched" if m["ok"] else "failed"} for m in prepared]
+        return _finish(tasks, ref, name, target, previous, "aborted", done, t0,
+                       f"nobody switched: {failed[0]['url']} could not prepare step {target} ({failed[0]['error']})")
+    applied = tasks.apply_members(members, target, timeout)
+    failed = [m for m in applied if not m["ok"]]
+    if not failed:
+        done = [{**m, "step": target, "outcome": "unchanged" if m["previous"] == target else "switched"} for m in applied]
+        return _finish(tasks, ref, name, target, previous, "unchanged" if previous == target and all(
+            d["outcome"] == "unchanged" for d in done) else "switched", done, t0, None)
+    back = tasks.take_back_members([m for m in applied if m["ok"] and m["previous"] != target], timeout)
+    back_by = {m["receiver"]: m for m in back}
+    done, mixed = [], False
+    for m in applied:
+        if not m["ok"]:  # its engine put itself back, unless it is gone or says it must be reloaded
+            lost = not m["answered"] or "must be reloaded" in m["error"]
+            done.append({**m, "step": None if lost else m["previous"], "outcome": "failed"})
+        elif m["receiver"] not in back_by:
+            done.append({**m, "step": target, "outcome": "unchanged"})
+        elif back_by[m["receiver"]]["back"]:
+            done.append({**m, "step": m["previous"], "outcome": "taken-back"})
+        else:
+            mixed = True
+            done.append({**m, "step": target, "outcome": "switched", "error": back_by[m["receiver"]]["back_error"]})
+    why = f"{failed[0]['url']} failed to apply step {target} ({failed[0]['error']})"
+    return _finish(tasks, ref, name, target, previous, "mixed" if mixed else "taken-back", done, t0,
+                   why + ("; some members could not be taken back (see the fleet record)" if mixed
+                          else "; every member was taken back to its previous step"))
+
+
+def _finish(tasks, ref: RootRef, name: str, target: int, previous: int | None, outcome: str, members: list[dict],
+            t0: float, error: str | None) -> FleetResult:
+    rec = tasks.record_fleet(ref, name, target, previous, outcome, members)
+    result = FleetResult(name, outcome, rec["version"], target, previous, rec["members"], time.perf_counter() - t0)
+    if error is not None:
+        raise FleetSwitchError(f"fleet {name}: {error}", result)
+    return result
