@@ -12,7 +12,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope)
 
-.PHONY: install demo test test-backends test-slow test-more test-vllm coverage lint fault-matrix race bench bench-vllm bench-stream clean
+.PHONY: install demo test test-backends test-slow test-more test-vllm example-rl coverage lint fault-matrix race bench bench-vllm bench-stream clean
 
 # $(1): the virtualenv, $(2): the extras of dcr to install with it
 define make_venv
@@ -59,6 +59,10 @@ test-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m pytest -q -p no:cacheprovider -m vllm
 
 # Fetch time, pause window and generation throughput of a vLLM refit (docs/vllm.md)
+# The RL loop of examples/: a trainer's GRPO-style steps, two vLLM servers switched by dcr fleet (about 3 minutes).
+example-rl: $(VLLM_VENV)/.installed
+	$(VLLM_PY) examples/rl_loop.py
+
 bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m dcr_bench.vllm_refit --out docs/bench-vllm
 	$(VLLM_PY) -m dcr_bench.vllm_fleet --out docs/bench-vllm-fleet

@@ -44,7 +44,6 @@ class Member(BaseModel):
     step: int | None = Field(default=None, ge=0, le=layout.MAX_STEP)  # what it serves now (None: unknown)
     outcome: MemberOutcome
     error: str | None = None
-    bytes_pulled: int = Field(default=0, ge=0)
     pause_seconds: float = Field(default=0.0, ge=0)
 
 

@@ -18,6 +18,10 @@ through vLLM's own weight-transfer routes. A switch to step N (default: the newe
 3. **record**: ``fleets/NAME.json`` (``storage.fleet``) says the version, each member's step and
    outcome; ``dcr status`` shows it.
 
+A coordinator that dies is safe to rerun: a member left with an update open (after phase 1) is
+finished without an update first (what it staged is dropped); a member left paused (inside phase
+2) serves again once the rerun (or any `/resume`) resumes it.
+
 A member's previous step is what the fleet's record says it served, else its receiver position in
 ROOT. A member DCR never refitted (started from a checkpoint directory) has none: if it must be
 taken back, the outcome is ``mixed`` and its entry says so. Rerunning the same switch converges:
@@ -31,6 +35,7 @@ mirror and its position in ROOT), or ``ID=URL`` to choose one.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -174,8 +179,18 @@ def prepare_members(root: RootRef, members: list[dict], target: int, timeout: fl
     def prepare(m):
         init = {"root": root.url, "receiver_id": m["receiver"], "storage_options": dict(root.storage_options),
                 "prepare": True, "step": target}
-        http_call(m["url"], "/init_weight_transfer_engine", {"init_info": init}, timeout=timeout)
-        http_call(m["url"], "/start_weight_update", timeout=timeout)  # returns once staged and verified
+        for attempt in (1, 2):
+            http_call(m["url"], "/init_weight_transfer_engine", {"init_info": init}, timeout=timeout)
+            try:
+                http_call(m["url"], "/start_weight_update", timeout=timeout)  # returns once staged and verified
+                return True
+            except MemberError as e:
+                if e.status is None or attempt == 2:
+                    raise
+            # vLLM refuses a start while an update is open: a coordinator that died after its prepare
+            # left one. Finishing it without an update drops what it held; then prepare again, once.
+            with contextlib.suppress(MemberError):
+                http_call(m["url"], "/finish_weight_update", {}, timeout=timeout)
         return True
 
     results = _each(members, prepare)

@@ -393,7 +393,7 @@ def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, f
     """``dcr fleet`` over two real servers: a member down before the switch means nobody switches;
     1 -> 3 with one member's apply failing (injected) takes the other back to 1, both exact; then
     1 -> 3 -> 1, each member equal to fresh engines, top logprobs equal across the fleet."""
-    from dcr_bench.vllm_server import Server, checksums, completions, free_port, set_failpoints
+    from dcr_bench.vllm_server import Server, call, checksums, completions, free_port, set_failpoints
     from flows.receive.fleet import FleetSwitchError, run_fleet
     from storage import fleet
 
@@ -427,6 +427,10 @@ def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, f
             for s in (a, b):
                 _serves(s.url, fleet_env, step)
         assert completions(a.url) == completions(b.url)  # with their top logprobs
+        call(a.url, "/start_weight_update")  # a coordinator that died after its prepare left an update open
+        r = run_fleet(llama.root, engines, step=3, name="f")  # the next switch finishes it and goes on
+        assert (r.outcome, r.version) == ("switched", 3)
+        r = run_fleet(llama.root, engines, step=1, name="f")
         rec = fleet.read(open_root(llama.root), "f")
         assert (rec.version, rec.outcome, [m.step for m in rec.members]) == (1, "switched", [1, 1])
     finally:
