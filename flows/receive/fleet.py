@@ -150,7 +150,9 @@ def _error(e: BaseException) -> str:
 
 def resolve_fleet(root: RootRef, name: str, members: list[dict], step: int | None) -> dict:
     """The step to switch to (``step``, checked live; default the newest live step) and each
-    member's previous step (the fleet's record, else its receiver position in ROOT)."""
+    member's previous step: the fleet's record, else its receiver position in ROOT, and only if the
+    member's weight version (``/weight_info``) says it serves that step (a member restarted from its
+    checkpoint directory reports vLLM's default: its step is unknown)."""
     r = open_root(root)
     cat = Catalog(r)
     if step is None:
@@ -164,13 +166,14 @@ def resolve_fleet(root: RootRef, name: str, members: list[dict], step: int | Non
             raise StepNotFoundError(f"{r.url}: step {target} is {why}; a fleet switches only to a live step")
     held = fleet.read(r, name)
     by_receiver = {m.receiver: m.step for m in held.members} if held else {}
+    versions = _each(members, lambda m: http_call(m["url"], "/weight_info", method="GET", timeout=30)["weight_version"])
     out = []
-    for m in members:
+    for m, version in zip(members, versions):
         prev = by_receiver.get(m["receiver"])
         if prev is None:
             pos = cat.position(m["receiver"])
             prev = pos.get("step") if pos else None
-        out.append({**m, "previous": prev})
+        out.append({**m, "previous": prev if prev is not None and version == str(prev) else None})
     return {"target": target, "previous": held.version if held else None, "members": out}
 
 
