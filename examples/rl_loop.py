@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s in servers:
             s.stop()
+        if args.work is None:
+            shutil.rmtree(work, ignore_errors=True)
     print(f"mean reward: {rewards[0]:.3f} at version 0 -> {rewards[-1]:.3f} at version {len(rewards) - 1}")
     return 0
 
