@@ -7,11 +7,16 @@ through vLLM's own weight-transfer routes. A switch to step N (default: the newe
 1. **prepare** (every member, at once; they keep serving): ``/init_weight_transfer_engine`` with
    the ROOT, the member's receiver id and ``prepare: N`` (each worker pulls and verifies N into a
    staged mirror), then ``/start_weight_update``, which returns once the step is staged and
-   verified, or fails. If any member fails (down, unreachable, a step that does not verify), every
+   verified, or fails. That call waits inside vLLM's engine loop: a member stops generating from
+   then until its pull is done (with a small change, briefly; a non-blocking probe of the prepare
+   is not built yet). If any member fails (down, unreachable, a step that does not verify), every
    member that started gets ``/finish_weight_update`` with no update (what it staged is dropped),
    nobody switches, and the switch fails naming the member.
-2. **apply** (every member, at once; the pause window): ``/pause``, ``/update_weights {"step": N}``,
-   ``/finish_weight_update {"weight_version": "N"}``, ``/resume``. A member whose apply fails puts
+2. **apply** (every member, at once; the pause window): ``/pause`` (vLLM's default mode, ``abort``:
+   requests in flight are aborted rather than finished on the new weights, and the KV and prefix
+   caches are cleared), ``/update_weights {"step": N}``, ``/finish_weight_update {"weight_version":
+   "N"}``, ``/resume`` (always asked; a member left paused counts as failed). A member already
+   serving N is not paused. A member whose apply fails puts
    its own engine back (``flows.receive.vllm_worker``); then every member already at N is **taken
    back** to its previous step by the same calls (``update_weights {"step": prev}``: the inverse
    delta, exact) and its version set back: the fleet ends all at N or all where it was.
@@ -62,7 +67,7 @@ class FleetSwitchError(DCRError):
 
     exit_code = 6
 
-    def __init__(self, message: str, result: FleetResult):
+    def __init__(self, message: str, result: FleetResult | None = None):
         super().__init__(message)
         self.result = result
 
@@ -201,35 +206,64 @@ def prepare_members(root: RootRef, members: list[dict], target: int, timeout: fl
 
 
 def drop_prepared(members: list[dict], timeout: float = HTTP_TIMEOUT) -> list[dict]:
-    """Nobody switches: members that started get ``/finish_weight_update`` with no update."""
-    started = [m for m in members if m.get("ok")]
-    _each(started, lambda m: http_call(m["url"], "/finish_weight_update", {}, timeout=timeout))
+    """Nobody switches: every member gets ``/finish_weight_update`` with no update (what it staged
+    is dropped; a member whose start failed or timed out here may still have opened one), errors
+    ignored."""
+    _each(members, lambda m: http_call(m["url"], "/finish_weight_update", {}, timeout=timeout))
     return members
 
 
+class SwitchFailed(MemberError):
+    """A member's pause window failed; ``applied``: its weights had reached the step (the update
+    returned) before the failure, so it must be taken back like a member that switched."""
+
+    def __init__(self, error: MemberError, applied: bool):
+        super().__init__(str(error), error.status)
+        self.applied = applied
+
+
 def _switch(m: dict, step: int, timeout: float, start: bool) -> dict:
-    """The pause window of one member: pause, update to ``step``, finish with the version, resume."""
+    """The pause window of one member: pause, update to ``step``, finish with the version, resume.
+    The update session is always closed (finished without an update if the update never ran), and
+    the member always asked to resume; any failure raises ``SwitchFailed`` saying whether the
+    weights had changed."""
     url = m["url"]
     if start:
         http_call(url, "/start_weight_update", timeout=timeout)
-    http_call(url, "/pause", timeout=timeout)
     t0 = time.perf_counter()
+    applied, error = False, None
     try:
+        http_call(url, "/pause", timeout=timeout)
         http_call(url, "/update_weights", {"update_info": {"step": step}}, timeout=timeout)
+        applied = True
         http_call(url, "/finish_weight_update", {"weight_version": str(step)}, timeout=timeout)
-    finally:
-        try:
-            http_call(url, "/resume", timeout=timeout)
-        except MemberError as e:
-            log.warning("%s", e)
+    except MemberError as e:
+        error = e
+        if not applied:  # a session still open (a failed pause) is closed; after a failed update vLLM closed it
+            with contextlib.suppress(MemberError):
+                http_call(url, "/finish_weight_update", {}, timeout=timeout)
+    try:
+        http_call(url, "/resume", timeout=timeout)
+    except MemberError as e:  # a member left paused is a failure too (the first error is the one reported)
+        error = error or e
+    if error is not None:
+        raise SwitchFailed(error, applied)
     return {"pause_seconds": time.perf_counter() - t0}
 
 
 def apply_members(members: list[dict], target: int, timeout: float = HTTP_TIMEOUT) -> list[dict]:
-    """Phase 2 on every member at once; each result says ``ok`` (with its pause) or the error."""
-    results = _each(members, lambda m: _switch(m, target, timeout, start=False))
+    """Phase 2 on every member at once; each result says ``ok`` (with its pause) or the error. A
+    member already serving ``target`` is not paused: its open update is finished without one."""
+    def apply(m):
+        if m["previous"] == target:
+            http_call(m["url"], "/finish_weight_update", {}, timeout=timeout)
+            return {"pause_seconds": 0.0}
+        return _switch(m, target, timeout, start=False)
+
+    results = _each(members, apply)
     return [{**m, "ok": isinstance(r, dict), **(r if isinstance(r, dict) else {
-        "error": _error(r), "answered": getattr(r, "status", None) is not None})} for m, r in zip(members, results)]
+        "error": _error(r), "answered": getattr(r, "status", None) is not None,
+        "applied": getattr(r, "applied", False)})} for m, r in zip(members, results)]
 
 
 def take_back_members(members: list[dict], timeout: float = HTTP_TIMEOUT) -> list[dict]:
@@ -295,23 +329,26 @@ def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = No
         done = [{**m, "step": target, "outcome": "unchanged" if m["previous"] == target else "switched"} for m in applied]
         return _finish(tasks, ref, name, target, previous, "unchanged" if previous == target and all(
             d["outcome"] == "unchanged" for d in done) else "switched", done, t0, None)
-    back = tasks.take_back_members([m for m in applied if m["ok"] and m["previous"] != target], timeout)
+    switched = [m for m in applied if (m["ok"] or m.get("applied")) and m["previous"] != target]
+    back = tasks.take_back_members(switched, timeout)
     back_by = {m["receiver"]: m for m in back}
-    done, mixed = [], False
+    done = []
     for m in applied:
-        if not m["ok"]:  # its engine put itself back, unless it is gone or says it must be reloaded
-            lost = not m["answered"] or "must be reloaded" in m["error"]
-            done.append({**m, "step": None if lost else m["previous"], "outcome": "failed"})
-        elif m["receiver"] not in back_by:
+        if m["receiver"] in back_by:
+            b = back_by[m["receiver"]]
+            done.append({**m, "step": m["previous"], "outcome": "taken-back"} if b["back"] else
+                        {**m, "step": target, "outcome": "switched" if m["ok"] else "failed",
+                         "error": b["back_error"]})
+        elif m["ok"]:
             done.append({**m, "step": target, "outcome": "unchanged"})
-        elif back_by[m["receiver"]]["back"]:
-            done.append({**m, "step": m["previous"], "outcome": "taken-back"})
-        else:
-            mixed = True
-            done.append({**m, "step": target, "outcome": "switched", "error": back_by[m["receiver"]]["back_error"]})
+        else:  # its engine put itself back, unless it is gone or says it must be reloaded
+            lost = not m["answered"] or "must be reloaded" in m["error"] or m.get("applied")
+            done.append({**m, "step": None if lost else m["previous"], "outcome": "failed"})
+    steps = {d["step"] for d in done}
+    mixed = len(steps) != 1 or None in steps  # the members are not all on one known step
     why = f"{failed[0]['url']} failed to apply step {target} ({failed[0]['error']})"
     return _finish(tasks, ref, name, target, previous, "mixed" if mixed else "taken-back", done, t0,
-                   why + ("; some members could not be taken back (see the fleet record)" if mixed
+                   why + ("; the members are not all on one step now (see the fleet record)" if mixed
                           else "; every member was taken back to its previous step"))
 
 
