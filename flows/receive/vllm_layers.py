@@ -13,12 +13,17 @@ How: every parameter's ``weight_loader`` (vLLM's convention: model loaders call
 owners are that name's layers. A loader that fails on the probe, or writes without a
 ``weight_loader`` (a meta tensor cannot be copied into real storage, so it fails too), maps its name
 to every layer: the refit is then a full reload, never a partial one. Nothing live is written.
+
+The same probe says which names are loaded *directly*: one plain ``weight_loader(param, tensor)``
+call (no shard id, no other argument) into a parameter of the name's own shape (the engine's dtype
+may differ: the loader's copy converts). Only such a name can be patched in place
+(``flows.receive.vllm_patch`` decides whether it is).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -34,6 +39,7 @@ class LayerMap:
 
     schema: tuple
     layers: dict[str, frozenset[str]]
+    direct: dict[str, str] = field(default_factory=dict)  # name -> "module.attr" it is copied into whole
 
     def layers_of(self, names: Iterable[str]) -> set[str]:
         return set().union(*(self.layers[n] for n in names)) - {ALL}
@@ -55,13 +61,15 @@ class LayerMap:
 
 
 class _Recorder:
-    def __init__(self, owner: str, calls: list[str]):
+    def __init__(self, owner: str, param_name: str, calls: list[tuple[str, str | None]]):
         self.owner = owner
+        self.param_name = param_name
         self.calls = calls
         self.__name__ = "dcr_probe_loader"
 
     def __call__(self, *args, **kwargs):
-        self.calls.append(self.owner)
+        plain = len(args) == 2 and not kwargs  # weight_loader(param, tensor): no shard, no expert id
+        self.calls.append((self.owner, self.param_name if plain else None))
         return True if "return_success" in kwargs else None  # MoE loaders ask whether the expert matched
 
 
@@ -69,13 +77,14 @@ def probe_layers(model: torch.nn.Module, schema: Iterable[tuple[str, str, tuple[
     """Map every (name, dtype, shape) of the checkpoint schema to the layers it feeds."""
     schema = tuple(sorted((n, d, tuple(s)) for n, d, s in schema))
     first = {pid: held_by[0][0] for pid, held_by in owners(model).items()}
-    params = list(model.parameters())
-    calls: list[str] = []
-    saved = [(p, getattr(p, "weight_loader", _MISSING)) for p in params]
+    params = dict(model.named_parameters())
+    calls: list[tuple[str, str | None]] = []
+    saved = [(p, getattr(p, "weight_loader", _MISSING)) for p in params.values()]
     layers: dict[str, frozenset[str]] = {}
+    direct: dict[str, str] = {}
     try:
-        for p in params:
-            p.weight_loader = _Recorder(first[id(p)], calls)
+        for pname, p in params.items():
+            p.weight_loader = _Recorder(first[id(p)], pname, calls)
         for name, dtype, shape in schema:
             calls.clear()
             probe = torch.empty(shape, dtype=torch_dtype(dtype), device="meta")
@@ -84,14 +93,17 @@ def probe_layers(model: torch.nn.Module, schema: Iterable[tuple[str, str, tuple[
             except Exception:  # noqa: BLE001 - unknown placement: the conservative answer is "everything"
                 layers[name] = frozenset({ALL})
                 continue
-            layers[name] = frozenset(calls)
+            layers[name] = frozenset(owner for owner, _ in calls)
+            if len(calls) == 1 and calls[0][1] is not None:
+                if tuple(params[calls[0][1]].shape) == shape:
+                    direct[name] = calls[0][1]
     finally:
         for p, loader in saved:
             if loader is _MISSING:
                 delattr(p, "weight_loader")
             else:
                 p.weight_loader = loader
-    return LayerMap(schema, layers)
+    return LayerMap(schema, layers, direct)
 
 
 

@@ -130,5 +130,6 @@ def summarize(workers: list[dict]) -> dict:
         "pause_seconds": max(w["pause_seconds"] for w in workers),
         "reload_seconds": max(w.get("reload_seconds", 0.0) for w in workers),
         "reloaded_tensors": max(w["reloaded_tensors"] for w in workers),
+        "patched_tensors": max(w.get("patched_tensors", 0) for w in workers),
         "workers": workers,
     }

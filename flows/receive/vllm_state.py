@@ -11,8 +11,8 @@ read. So the engine's state is described by:
   attributes (a packed weight of the sgl path, say), except the KV cache (``kv_cache``: requests'
   state, not weights);
 - for every module with a ``cpu_linear`` kernel (vLLM's CPU linear layers): its output for a fixed
-  input. ``fingerprint`` uses one fixed pseudo-random row (one pass over the weights, like hashing
-  them); ``readback`` uses the identity matrix, which returns every weight through the kernel
+  input. ``module_digests`` (and ``fingerprint``, one hash over them) use one fixed pseudo-random row
+  (one pass over the weights, like hashing them); ``readback`` uses the identity matrix, which returns every weight through the kernel
   itself (``W^T`` row by row, bias added): byte-equal readbacks of two engines mean their packed
   kernels compute with the same weights.
 
@@ -58,27 +58,36 @@ def _closure_tensors(fn) -> Iterator[tuple[str, torch.Tensor]]:
             yield var, v
 
 
+def module_tensors(prefix: str, mod: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) for the weight-like tensors ``mod`` holds itself (not its submodules')."""
+    for table in (mod._parameters, mod._buffers):
+        for attr, t in table.items():
+            if t is not None:
+                yield f"{prefix}{attr}", t
+    for attr, v in vars(mod).items():
+        if attr in SKIPPED_ATTRS or attr in ("_parameters", "_buffers", "_modules"):
+            continue
+        if isinstance(v, torch.Tensor):
+            yield f"{prefix}<attr>{attr}", v
+        elif callable(v) and not isinstance(v, torch.nn.Module):
+            for var, t in _closure_tensors(v):
+                yield f"{prefix}<closure>{attr}.{var}", t
+
+
 def tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) for every weight-like tensor the model holds (see the module docstring)."""
     for mod_name, mod in model.named_modules():
-        prefix = f"{mod_name}." if mod_name else ""
-        for table in (mod._parameters, mod._buffers):
-            for attr, t in table.items():
-                if t is not None:
-                    yield f"{prefix}{attr}", t
-        for attr, v in vars(mod).items():
-            if attr in SKIPPED_ATTRS or attr in ("_parameters", "_buffers", "_modules"):
-                continue
-            if isinstance(v, torch.Tensor):
-                yield f"{prefix}<attr>{attr}", v
-            elif callable(v) and not isinstance(v, torch.nn.Module):
-                for var, t in _closure_tensors(v):
-                    yield f"{prefix}<closure>{attr}.{var}", t
+        yield from module_tensors(f"{mod_name}." if mod_name else "", mod)
+
+
+def has_kernel(mod: torch.nn.Module) -> bool:
+    """Whether ``mod`` computes through vLLM's CPU linear kernel (a repacked copy of its weight)."""
+    return callable(vars(mod).get("cpu_linear")) and isinstance(getattr(mod, "input_size_per_partition", None), int)
 
 
 def _kernel_modules(model: torch.nn.Module) -> Iterator[tuple[str, torch.nn.Module]]:
     for mod_name, mod in model.named_modules():
-        if callable(vars(mod).get("cpu_linear")) and isinstance(getattr(mod, "input_size_per_partition", None), int):
+        if has_kernel(mod):
             yield mod_name, mod
 
 
@@ -99,18 +108,41 @@ def _probe_row(k: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def fingerprint(model: torch.nn.Module) -> str:
-    """BLAKE3 of every tensor ``tensors`` yields and of every CPU kernel's output for a fixed row:
-    changes when any weight the engine computes with changes (whoever changed it)."""
+def module_digests(model: torch.nn.Module, names: set[str] | None = None) -> dict[str, str]:
+    """Per module (by qualified name; None: every module, else only those in ``names``) that holds a
+    tensor or a CPU kernel: BLAKE3 of its own tensors (``module_tensors``) and of its kernel's output
+    for a fixed row. A refit re-hashes only the modules it touched: the cost follows the change."""
+    out = {}
+    for mod_name, mod in model.named_modules():
+        if names is not None and mod_name not in names:
+            continue
+        h, held = _hasher(), False
+        for name, t in module_tensors(f"{mod_name}." if mod_name else "", mod):
+            h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+            h.update(raw_bytes(t))
+            held = True
+        if has_kernel(mod):
+            out_row = kernel_output(mod, _probe_row(mod.input_size_per_partition, _kernel_dtype(mod)))
+            h.update(b"<kernel>\0")
+            h.update(raw_bytes(out_row))
+            held = True
+        if held:
+            out[mod_name] = h.hexdigest()
+    return out
+
+
+def combine(digests: dict[str, str]) -> str:
+    """One fingerprint for a map of module digests."""
     h = _hasher()
-    for name, t in tensors(model):
-        h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-        h.update(raw_bytes(t))
-    for name, mod in _kernel_modules(model):
-        out = kernel_output(mod, _probe_row(mod.input_size_per_partition, _kernel_dtype(mod)))
-        h.update(f"{name}<kernel>\0".encode())
-        h.update(raw_bytes(out))
+    for name in sorted(digests):
+        h.update(f"{name}\0{digests[name]}\0".encode())
     return h.hexdigest()
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """One BLAKE3 over every module's digest (``module_digests``): changes when any weight the engine
+    computes with changes (whoever changed it)."""
+    return combine(module_digests(model))
 
 
 @torch.inference_mode()

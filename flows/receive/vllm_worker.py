@@ -16,18 +16,25 @@ phases:
 2. ``dcr_apply`` (the pause window): reload through vLLM's in-place, layer by layer reload
    (``worker.reload_weights(weights_iterator=...)``, vLLM's ``process_weights_after_loading``
    included, so repacked kernels are rebuilt) every layer a changed tensor feeds, each with all of
-   its checkpoint tensors (``flows.receive.vllm_layers``), read from the staged mirror; then put
-   the staged mirror in place. The receiver's commit record and the lease release follow in a
-   thread once the engine serves again (``dcr_wait`` waits for them).
+   its checkpoint tensors (``flows.receive.vllm_layers``), read from the staged mirror; a changed
+   tensor whose layer keeps the checkpoint's layout is not reloaded but patched in place, only its
+   changed elements (``flows.receive.vllm_patch``, found during the prepare); then put the staged
+   mirror in place. The receiver's commit record and the lease release follow in a thread once
+   the engine serves again (``dcr_wait`` waits for them).
 
-A worker's engine is *known* when its weights' fingerprint (``flows.receive.vllm_state``) is the
-one recorded after DCR last refitted it and its mirror holds that step; otherwise (first refit, the
-engine reloaded or changed behind DCR's back) the refit reloads every tensor.
+A worker's engine is *known* when its weights' digests (per module, ``vllm_state.module_digests``)
+are those recorded after DCR last refitted it and its mirror holds that step; otherwise (first
+refit, the engine reloaded or changed behind DCR's back) the refit reloads every tensor. The whole
+engine is hashed by the prepare, while it serves; the pause hashes only the modules the apply may
+change (the reloaded layers, modules tied to them, the patched ones): before, to check they are
+what the prepare saw; after, for the record. The pause's cost follows the change. The price: a
+module the apply does not touch, rewritten by someone else between the prepare and the apply, is
+caught by the next prepare (the engine is then unknown and reloaded whole), not by this apply.
 
 Failures: anything before the apply leaves the engine untouched. If the reload fails, the same
 layers are reloaded with the old step's values from the current mirror (a known engine), or every
-weight from the engine's own model path (an engine not yet known), and the engine's fingerprint must
-then equal the one taken before the apply: the engine serves the old step, bit for bit, and a retry
+weight from the engine's own model path (an engine not yet known); patched elements get their old
+values back; and the touched modules' digests must then equal those of the prepare: the engine serves the old step, bit for bit, and a retry
 starts over. If even that fails, the error says the engine must be reloaded.
 
 vLLM internals this relies on (vLLM 0.32.0; a vLLM upgrade breaks here first, and the exactness
@@ -66,7 +73,7 @@ from dcr_core.bits import tensor_from_bits
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, StateMismatchError, UsageError
 from flows.options import ReceiveOptions
-from flows.receive import state_file, vllm_fixups, vllm_layers, vllm_state
+from flows.receive import state_file, vllm_fixups, vllm_layers, vllm_patch, vllm_state
 from flows.receive.module import default_mirror_path
 from flows.receive.pipeline import check_arguments, with_replans
 from storage import reader
@@ -91,9 +98,10 @@ class _Begun:
     ref: RootRef
     receiver_id: str
     mirror: str
-    fingerprint: str  # the engine's, when prepared
+    digests: dict[str, str]  # the engine's module digests, when prepared
     known: bool
     layer_map: vllm_layers.LayerMap | None
+    patchable: dict[str, str]  # names that can be patched in place (vllm_patch.candidates)
     lock: contextlib.ExitStack = field(repr=False)
 
 
@@ -106,9 +114,11 @@ class _Prepared:
     staged: state_file.Staged | None
     reload: list[str] | None  # None: every tensor
     layers: set[str] | None  # the layers those feed (None: all)
+    patches: list[vllm_patch.Patch]  # changed elements written in place, not reloaded
+    touched: set[str] | None  # the modules the apply may change (None: all): checked and re-hashed in the pause
     changed: int
     known: bool
-    fingerprint: str  # the engine's, when prepared
+    digests: dict[str, str]  # the engine's module digests, when prepared
     leased: list[int]
     fetch_seconds: float
     lock: contextlib.ExitStack = field(repr=False)
@@ -177,7 +187,7 @@ class DCRWorkerExtension:
         bg = getattr(self, "_dcr_background", None)
         if bg is not None:  # waited for, kept for dcr_apply
             bg[0].join()
-        return {"held": getattr(self, "_dcr_held", None)}
+        return {"held": self._dcr_public_held()}
 
     def dcr_receive(self, root: str, step: int | None = None, receiver_id: str = "vllm",
                     storage_options: dict | None = None, options: dict | None = None,
@@ -208,8 +218,8 @@ class DCRWorkerExtension:
 
     def dcr_status(self) -> dict:
         held = getattr(self, "_dcr_held", None)
-        known = bool(held) and held["fingerprint"] == vllm_state.fingerprint(self._dcr_model())
-        return {"held": held, "known": known, "prepared": getattr(self, "_dcr_prepared", None) is not None}
+        known = bool(held) and held["digests"] == vllm_state.module_digests(self._dcr_model())
+        return {"held": self._dcr_public_held(), "known": known, "prepared": getattr(self, "_dcr_prepared", None) is not None}
 
     def dcr_fingerprint(self) -> str:
         return vllm_state.fingerprint(self._dcr_model())
@@ -225,6 +235,10 @@ class DCRWorkerExtension:
         return vllm_state.dump(self._dcr_model(), readback)
 
     # -- internals ---------------------------------------------------------------------------------
+
+    def _dcr_public_held(self) -> dict | None:
+        held = getattr(self, "_dcr_held", None)
+        return None if held is None else {k: v for k, v in held.items() if k != "digests"}
 
     def _dcr_model(self) -> torch.nn.Module:
         return self.model_runner.model
@@ -258,8 +272,8 @@ class DCRWorkerExtension:
 
     def _dcr_begin(self, ref: RootRef, receiver_id: str, state_path) -> _Begun:
         """The part of a prepare that reads the model (in the RPC's thread, never beside a forward
-        pass): the mirror's lock, the engine's fingerprint, whether DCR knows the engine, and (if so)
-        the layer map for the mirror's schema."""
+        pass): the mirror's lock, the engine's module digests, whether DCR knows the engine, and (if
+        so) the layer map for the mirror's schema and the names patchable in place."""
         rid = self._dcr_receiver(receiver_id)
         mirror = state_file.check_path(
             f"{state_path}.rank{self.rank}" if state_path and rid != receiver_id else state_path
@@ -269,16 +283,16 @@ class DCRWorkerExtension:
         try:
             journal.settle(mirror)  # a mirror is never patched in place; a foreign journal is settled
             model = self._dcr_model()
-            fp = vllm_state.fingerprint(model)
+            digests = vllm_state.module_digests(model)  # the whole engine, while it serves (not in the pause)
             held = getattr(self, "_dcr_held", None)
             known = bool(held) and held["root"] == ref.url and held["mirror"] == mirror \
-                and held["fingerprint"] == fp and state.peek_step(mirror) == held["step"]
-            layer_map = None
+                and held["digests"] == digests and state.peek_step(mirror) == held["step"]
+            layer_map, patchable = None, {}
             if known:
                 with SafetensorsCheckpoint(mirror) as ck:
                     schema = tuple(sorted((n, i.dtype, tuple(i.shape)) for n, i in ck.infos.items()))
-                layer_map = self._dcr_layer_map(schema)
-            return _Begun(ref, rid, mirror, fp, known, layer_map, lock)
+                layer_map, patchable = self._dcr_layer_map(schema)
+            return _Begun(ref, rid, mirror, digests, known, layer_map, patchable, lock)
         except BaseException:
             lock.close()
             raise
@@ -305,25 +319,55 @@ class DCRWorkerExtension:
             if staged is None and not b.known:  # the engine is reloaded from the mirror as it is: check it
                 state_file.verify_held_state(plan, b.mirror)
             changed = _changed(plan)
-            reload = layers = None
+            reload = layers = touched = None
+            patches: list[vllm_patch.Patch] = []
             schema = tuple(sorted((n, e.dtype, e.shape) for n, e in target.tensors.items()))
             if b.known and b.layer_map is not None and b.layer_map.schema == schema:
-                reload = b.layer_map.reload_set(changed)
-                layers = None if reload is None else b.layer_map.layers_of(reload)
-            return _Prepared(b.ref, b.receiver_id, b.mirror, plan, staged, reload, layers, len(changed), b.known,
-                             b.fingerprint, leased, time.perf_counter() - t0, b.lock)
+                patch, reload = vllm_patch.split(changed, b.patchable, b.layer_map)
+                if patch:
+                    patches = self._dcr_patches(b, staged, patch)
+                    if patches is None:  # a parameter's bytes are not the checkpoint's: reload its layer
+                        patches, reload = [], b.layer_map.reload_set(changed)
+                if reload is not None:
+                    layers = b.layer_map.layers_of(reload)
+                    touched = self._dcr_touched(layers, patches)
+            return _Prepared(b.ref, b.receiver_id, b.mirror, plan, staged, reload, layers, patches, touched,
+                             len(changed), b.known, b.digests, leased, time.perf_counter() - t0, b.lock)
         except BaseException:
             if leased:
                 state_file.release_leases(b.ref, b.receiver_id, leased)
             b.lock.close()
             raise
 
-    def _dcr_layer_map(self, schema: tuple) -> vllm_layers.LayerMap:
+    def _dcr_layer_map(self, schema: tuple) -> tuple[vllm_layers.LayerMap, dict[str, str]]:
+        """The layer map for ``schema`` and the names patchable in place (probed once per schema)."""
         cached = getattr(self, "_dcr_layers", None)
-        if cached is None or cached.schema != schema:
-            cached = vllm_layers.probe_layers(self._dcr_model(), schema)
+        if cached is None or cached[0].schema != schema:
+            layer_map = vllm_layers.probe_layers(self._dcr_model(), schema)
+            cached = (layer_map, vllm_patch.candidates(self._dcr_model(), layer_map))
             self._dcr_layers = cached
         return cached
+
+    def _dcr_patches(self, b: _Begun, staged, names: list[str]) -> list[vllm_patch.Patch] | None:
+        """The in-place patches of ``names``: the held step's bits from the mirror, the target's from
+        the staged mirror (reads the model; writes nothing)."""
+        def reader_of(ck: SafetensorsCheckpoint):
+            return lambda n: tensor_from_bits(ck.bits(n), DTYPES[ck.infos[n].dtype], tuple(ck.infos[n].shape))
+
+        with SafetensorsCheckpoint(b.mirror) as held, SafetensorsCheckpoint(staged.path) as target:
+            return vllm_patch.prepare(self._dcr_model(), b.patchable, names, reader_of(held), reader_of(target))
+
+    def _dcr_touched(self, layers: set[str], patches: list[vllm_patch.Patch]) -> set[str]:
+        """Every module an apply reloading ``layers`` and writing ``patches`` may change: the layers
+        and their submodules, modules tied to them (``vllm_fixups.after_reload`` processes those) and
+        the patched modules."""
+        model = self._dcr_model()
+        out = {pt.module for pt in patches} | {name for name, _ in vllm_layers.tied_followers(model, layers)}
+        for name, _ in model.named_modules():
+            parts = name.split(".")
+            if any(".".join(parts[:i]) in layers for i in range(1, len(parts) + 1)):
+                out.add(name)
+        return out
 
     def dcr_prepared_step(self) -> int | None:
         """Wait for a background prepare (if any) and return the step prepared (None: nothing is);
@@ -361,6 +405,9 @@ class DCRWorkerExtension:
                 "bytes_pulled": p.staged.bytes_pulled if p.staged else 0, "fetch_seconds": p.fetch_seconds}
 
     def _dcr_do_apply(self, p: _Prepared) -> dict:
+        """The pause window. Only the modules the apply may change (``p.touched``) are hashed here:
+        before, to check they are what prepare saw; after, for the held record. The rest of the
+        engine was hashed by prepare, while it served."""
         t_apply = time.perf_counter()
         model = self._dcr_model()
         out = self._dcr_summary(p)
@@ -368,16 +415,22 @@ class DCRWorkerExtension:
         if p.mode == "current":
             p.record = {"from_step": p.plan.current_step, "moves": [], "bytes_pulled": 0,
                         "policy_digest": target.policy_digest}
-            return {**out, "pause_seconds": 0.0, "reload_seconds": 0.0, "reloaded_tensors": 0}
-        if vllm_state.fingerprint(model) != p.fingerprint:
+            return {**out, "pause_seconds": 0.0, "reload_seconds": 0.0, "reloaded_tensors": 0, "patched_tensors": 0,
+                    "patched_elements": 0, "check_seconds": 0.0, "digest_seconds": 0.0, "hashed_modules": 0}
+        if not _same(vllm_state.module_digests(model, p.touched), p.digests, p.touched):
             raise StateMismatchError("the engine's weights changed since dcr_prepare (reloaded outside DCR?); "
                                      "nothing was applied: prepare again")
+        check_s = time.perf_counter() - t_apply
         names = sorted(target.tensors) if p.reload is None else p.reload
         source = p.staged.path if p.staged else p.mirror
         t0 = time.perf_counter()
+        patched = 0
         try:
-            self._dcr_reload(source, target, names, p.layers)
+            patched = vllm_patch.apply(p.patches)
+            if names or not p.patches:
+                self._dcr_reload(source, target, names, p.layers)
         except BaseException as e:
+            vllm_patch.undo(p.patches)
             self._dcr_roll_back(p, names, e)
             raise
         reload_s = time.perf_counter() - t0
@@ -385,14 +438,20 @@ class DCRWorkerExtension:
         if p.staged is not None:
             state_file.install_state(p.staged)
             p.staged = None
+        t1 = time.perf_counter()
+        after = vllm_state.module_digests(model, p.touched)
+        digests = after if p.touched is None else {**{k: v for k, v in p.digests.items() if k not in p.touched}, **after}
+        digest_s = time.perf_counter() - t1
         self._dcr_held = {"root": p.ref.url, "step": p.plan.target_step, "policy_digest": target.policy_digest,
-                          "mirror": p.mirror, "fingerprint": vllm_state.fingerprint(model)}
+                          "mirror": p.mirror, "fingerprint": vllm_state.combine(digests), "digests": digests}
         pause = time.perf_counter() - t_apply  # the engine serves nothing while this RPC runs
         events.reached("receive.engine-reloaded", step=p.plan.target_step)
+        timing = {"pause_seconds": pause, "reload_seconds": reload_s, "check_seconds": check_s,
+                  "digest_seconds": digest_s, "reloaded_tensors": len(names), "patched_tensors": len(p.patches),
+                  "patched_elements": patched, "hashed_modules": len(after)}
         p.record = {"from_step": p.plan.current_step, "moves": p.plan.describe(), "bytes_pulled": out["bytes_pulled"],
-                    "policy_digest": target.policy_digest, "engine": "vllm", "mode": p.mode,
-                    "reloaded_tensors": len(names), "pause_seconds": pause, "reload_seconds": reload_s}
-        return {**out, "pause_seconds": pause, "reload_seconds": reload_s, "reloaded_tensors": len(names)}
+                    "policy_digest": target.policy_digest, "engine": "vllm", "mode": p.mode, **timing}
+        return {**out, **timing}
 
     def _dcr_reload(self, path: str | None, manifest, names: list[str], layers: set[str] | None) -> None:
         """vLLM's in-place reload of ``names`` read from the state file at ``path`` (None: every
@@ -423,10 +482,11 @@ class DCRWorkerExtension:
                 vllm_fixups.abandon_reload(model, self.model_config)  # a cut-off reload leaves layers half loaded
             if p.known:
                 old = reader.manifests(p.plan)[p.plan.current_step]
-                self._dcr_reload(p.mirror, old, names, p.layers)
+                if names:
+                    self._dcr_reload(p.mirror, old, names, p.layers)
             else:
                 self._dcr_reload(None, None, [], None)
-            restored = vllm_state.fingerprint(model) == p.fingerprint
+            restored = _same(vllm_state.module_digests(model, p.touched), p.digests, p.touched)
         except BaseException as undo:  # noqa: BLE001 - reported with the original error
             self._dcr_held = None
             raise EngineRefitError(
@@ -446,6 +506,11 @@ def set_vllm_config(worker):
     from vllm.config import set_current_vllm_config  # noqa: PLC0415 - in a vLLM worker
 
     return set_current_vllm_config(worker.vllm_config)
+
+
+def _same(now: dict[str, str], prepared: dict[str, str], touched: set[str] | None) -> bool:
+    """Whether the digests of ``touched`` (None: every module) taken now equal those of prepare."""
+    return now == (prepared if touched is None else {k: v for k, v in prepared.items() if k in touched})
 
 
 def _changed(plan: RefitPlan) -> list[str]:

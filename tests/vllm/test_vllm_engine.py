@@ -105,6 +105,7 @@ def test_refits_of_a_running_engine_equal_a_fresh_engine_after_every_step(traine
             assert 0 < r["bytes_pulled"] < full_bytes / 2, r
             assert r["pause_seconds"] >= r["reload_seconds"] > 0
             _assert_same_engine(llm, refs[step])
+            assert llm.collective_rpc("dcr_status")[0]["known"]  # digests re-hashed in the pause equal the engine's
         back = refit_engine(llm, trained.root, "rollout", step=1, state_path=mirror)  # XOR masks step back too
         assert (back["mode"], back["from_step"], back["step"]) == ("delta", STEPS, 1)
         _assert_same_engine(llm, refs[1])
@@ -114,8 +115,10 @@ def test_refits_of_a_running_engine_equal_a_fresh_engine_after_every_step(traine
 
 
 def test_a_refit_that_touches_some_layers_reloads_only_those_layers_and_whole(llama, tmp_path):
-    """Step 4 changes one element of q_proj in layer 0 and one expert-free norm in layer 1: vLLM's
-    fused qkv_proj of layer 0 is reloaded from q, k and v (k and v unchanged), nothing else is."""
+    """Step 4 changes one element of q_proj in layer 0 and one of a norm in layer 1: vLLM's fused
+    qkv_proj of layer 0 is reloaded from q, k and v (k and v unchanged); the norm keeps the
+    checkpoint's layout and is patched in place (one element); the pause hashes only those two
+    modules, and the digests it keeps equal the whole engine's."""
     ck = {n: t.clone() for n, t in llama.checkpoints[-1].items()}
     ck["model.layers.0.self_attn.q_proj.weight"].view(-1)[7] += 1  # BF16: a different bit pattern
     ck["model.layers.1.input_layernorm.weight"].view(-1)[3] *= -1
@@ -126,8 +129,11 @@ def test_a_refit_that_touches_some_layers_reloads_only_those_layers_and_whole(ll
         refit_engine(llm, llama.root, "partial", step=STEPS, state_path=mirror)
         r = refit_engine(llm, llama.root, "partial", step=STEPS + 1, state_path=mirror)
         worker = r["workers"][0]
-        assert (r["mode"], worker["changed_tensors"], r["reloaded_tensors"]) == ("delta", 2, 4), r  # q, k, v + norm
+        assert (r["mode"], worker["changed_tensors"], r["reloaded_tensors"]) == ("delta", 2, 3), r  # q, k, v
+        assert (worker["patched_tensors"], worker["patched_elements"]) == (1, 1), worker  # the norm's element
+        assert worker["hashed_modules"] == 2, worker  # qkv_proj and the norm, before and after
         _assert_same_engine(llm, ref)
+        assert llm.collective_rpc("dcr_status")[0]["known"]  # the kept digests equal the whole engine's
 
 
 def test_a_failed_reload_leaves_the_engine_serving_the_old_step_and_a_retry_succeeds(llama, tmp_path):
