@@ -66,6 +66,7 @@ example-rl: $(VLLM_VENV)/.installed
 bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m dcr_bench.vllm_refit --out docs/bench-vllm
 	$(VLLM_PY) -m dcr_bench.vllm_fleet --out docs/bench-vllm-fleet
+	$(VLLM_PY) -m dcr_bench.vllm_fleet --members 1 --out docs/bench-vllm-fleet/one-member
 
 # The backend matrix: every conformance and refit test against the S3 server and the GCS emulator.
 test-backends: install

@@ -58,6 +58,8 @@ POINTS = frozenset({
     "receive.recorded",
     # receiver (a vLLM engine): each tensor handed to vLLM's reload, then the reload done
     "receive.engine-tensor", "receive.engine-reloaded",
+    # a fleet member that is a state file (flows.receive.fleet_members): its update, before anything changes
+    "fleet.member-update",
     # a mirror: each object copied downstream, a step's payload complete, its marker copied
     "mirror.object-copied", "mirror.payload-copied", "mirror.committed",
     # a streaming mirror: an upstream stream index forwarded downstream (its chunks first)

@@ -7,6 +7,7 @@ The public API, importable from here (loaded on first use: Prefect and torch are
     from flows import mirror_refit, run_mirror, receive_nearest     # a relay tree of ROOTs
     from flows import run_retract                                   # take back the newest step(s)
     from flows import run_fleet, fleet_refit                        # one step across vLLM servers
+    from flows import register_fleet_engine                         # an in-process LLM as a member
     from flows import run_publish, run_receive, run_materialize     # the same pipelines, in-process
     from flows import follow_receive                                # follow ROOT (streaming with stream=True)
     from flows import receive_into_module, Publisher                # a live module; a trainer's publisher
@@ -28,6 +29,7 @@ _PUBLIC = {
     "verify_refit": "flows.prefect_flows",
     "run_mirror": "flows.maintenance.mirror",
     "run_fleet": "flows.receive.fleet",
+    "register_fleet_engine": "flows.receive.fleet_members",
     "fleet_refit": "flows.prefect_flows",
     "run_retract": "flows.maintenance.retract",
     "receive_nearest": "flows.receive.nearest",

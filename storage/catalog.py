@@ -288,6 +288,17 @@ class Catalog:
     def receiver_record(self, step: int, receiver_id: str) -> dict | None:
         return self._record(layout.receiver_key(step, receiver_id))
 
+    def record_prepared(self, receiver_id: str, record: dict) -> None:
+        """A receiver's background prepare is over (``prepared/<id>.json``: ``step``, ``prepare_id``,
+        ``ok`` or ``error``): how a fleet learns, without asking the engine, that phase 1 is done.
+        Advisory: the member's own start call is still what decides."""
+        data = json.dumps({"receiver": receiver_id, "at": utc_now(), **record}, indent=1).encode() + b"\n"
+        self.root.write(layout.prepared_key(receiver_id), data)
+
+    def prepared(self, receiver_id: str) -> dict | None:
+        """The receiver's last prepare record (None: none, or unreadable)."""
+        return self._record(layout.prepared_key(receiver_id))
+
     def position(self, receiver_id: str) -> dict | None:
         """Where ``receiver_id`` is now: its latest record (None if it never recorded one here)."""
         return self._record(layout.position_key(receiver_id))

@@ -12,6 +12,9 @@
     ROOT/steps/<step:012d>/attempts/<attempt>/failed.json   a rank of a sharded publish gave up
     ROOT/steps/<step:012d>/attempts/<attempt>/stream/<k:06d>.json  the k-th index of chunks stored so far
     ROOT/building.json                                      the step a publisher is writing now (storage.stream)
+    ROOT/receivers/<receiver-id>.json                       where each receiver is now (its latest commit record)
+    ROOT/prepared/<receiver-id>.json                        a vLLM receiver's last background prepare: done or failed
+    ROOT/fleets/<name>.json                                 the version a fleet of engines serves (storage.fleet)
 
 Every publish writes into a fresh attempt prefix, so a crashed or losing publisher never
 overwrites what another attempt wrote; only the attempt named by ``commit.json`` is real.
@@ -176,6 +179,13 @@ POSITIONS_DIR = "receivers"  # receivers/<id>.json: where each receiver is now
 
 def position_key(receiver_id: str) -> str:
     return f"{POSITIONS_DIR}/{check_receiver(receiver_id)}.json"
+
+
+PREPARED_DIR = "prepared"  # prepared/<id>.json: a receiver's last background prepare (advisory: for a fleet)
+
+
+def prepared_key(receiver_id: str) -> str:
+    return f"{PREPARED_DIR}/{check_receiver(receiver_id)}.json"
 
 
 FLEETS_DIR = "fleets"  # fleets/<name>.json: the version a fleet of engines serves (storage.fleet)

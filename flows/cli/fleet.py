@@ -1,5 +1,5 @@
 """``dcr fleet ROOT --engine URL [--engine URL ...] [--step N] [--name NAME]``: switch a fleet of
-vLLM servers to one step, all or nothing (``flows.receive.fleet``)."""
+vLLM servers (and state files) to one step, all or nothing (``flows.receive.fleet``)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from flows.receive.fleet import HTTP_TIMEOUT, FleetResult, FleetSwitchError, run
 def add_arguments(name: str, p) -> None:
     add_common(p, orchestrated=True)
     p.add_argument("--engine", action="append", default=[], required=True, metavar="URL|ID=URL",
-                   help="a member: an OpenAI-compatible vLLM server started with --weight-transfer-config "
-                   "'{\"backend\": \"dcr\"}' and VLLM_SERVER_DEV_MODE=1 (repeatable); ID=URL names its receiver id "
-                   "(default NAME-HOST-PORT)")
+                   help="a member (repeatable): http://HOST:PORT, an OpenAI-compatible vLLM server started with "
+                   "--weight-transfer-config '{\"backend\": \"dcr\"}' and VLLM_SERVER_DEV_MODE=1; or state:PATH, a DCR "
+                   "state file this command refits; ID=URL names its receiver id (default NAME-HOST-PORT, "
+                   "NAME-state-FILENAME)")
     p.add_argument("--step", type=step_arg, default=None, metavar="N",
                    help="the step every member serves afterwards (default: the newest live step; lower moves the fleet back)")
     p.add_argument("--name", default="default", metavar="NAME", help="the fleet (its record: fleets/NAME.json; default: default)")

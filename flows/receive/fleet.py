@@ -1,8 +1,10 @@
 """``dcr fleet ROOT --engine URL ...``: one policy version across a fleet of vLLM servers, all or nothing.
 
-Every member is an OpenAI-compatible vLLM server started with ``--weight-transfer-config
+A member is an OpenAI-compatible vLLM server started with ``--weight-transfer-config
 '{"backend": "dcr"}'`` and ``VLLM_SERVER_DEV_MODE=1`` (``flows.receive.vllm_transfer``), driven
-through vLLM's own weight-transfer routes. A switch to step N (default: the newest live step):
+through vLLM's own weight-transfer routes; a DCR state file (``state:PATH``) or a vLLM ``LLM`` in
+this process (``local:NAME``) answers the same calls (``flows.receive.fleet_members``). A switch
+to step N (default: the newest live step):
 
 1. **prepare** (every member, at once; they keep serving): ``/init_weight_transfer_engine`` with
    the ROOT, the member's receiver id and ``prepare: N`` (each worker pulls and verifies N into a
@@ -34,32 +36,31 @@ members already at N do nothing (``current``), a restarted member reloads N whol
 the same command with a lower ``--step``; after ``dcr retract``, a switch without ``--step`` moves
 the fleet to the newest live step.
 
-Receiver ids: ``NAME-HOST-PORT`` of each member's URL (stable across runs: it names the member's
-mirror and its position in ROOT), or ``ID=URL`` to choose one.
+Receiver ids: ``NAME-HOST-PORT`` of each member's URL (``NAME-state-FILENAME``, ``NAME-LOCALNAME``;
+stable across runs: it names the member's mirror and its position in ROOT), or ``ID=URL`` to
+choose one.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import re
 import time
-import urllib.error
 import urllib.parse
-import urllib.request
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from dcr_core.errors import DCRError, StepNotFoundError, UsageError
+from flows.receive.fleet_members import HTTP_TIMEOUT, MemberError, http_call, member_call  # noqa: F401 - re-exported
 from flows.steps import InProcess, Runner, Step, StepTable
 from storage import fleet, layout
 from storage.catalog import Catalog
 from storage.root import RootRef, open_root
 
 log = logging.getLogger("dcr.fleet")
-HTTP_TIMEOUT = 600.0
 
 
 class FleetSwitchError(DCRError):
@@ -79,48 +80,32 @@ class MemberRef:
 
 
 def parse_members(name: str, engines: list[str]) -> list[MemberRef]:
-    """``URL`` or ``ID=URL`` per engine -> members with their receiver ids (see the module docstring)."""
+    """``URL`` or ``ID=URL`` per engine -> members with their receiver ids (see the module docstring).
+    A URL is ``http(s)://HOST:PORT``, ``state:PATH`` or ``local:NAME`` (``flows.receive.fleet_members``)."""
     if not engines:
         raise UsageError("a fleet needs at least one --engine URL")
     out = []
     for spec in engines:
         rid, sep, url = spec.partition("=")
-        if not sep or "://" in rid:
+        if not sep or "://" in rid or rid in ("state", "local") or rid.startswith(("state:", "local:")):
             rid, url = "", spec
-        u = urllib.parse.urlparse(url)
-        if u.scheme not in ("http", "https") or not u.hostname:
-            raise UsageError(f"--engine {spec!r}: expected http://HOST:PORT (or ID=http://HOST:PORT)")
-        if not rid:
-            rid = re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-{u.hostname}-{u.port or 80}")
-        out.append(MemberRef(url.rstrip("/"), layout.check_receiver(rid)))
+        if url.startswith("state:") and len(url) > len("state:"):
+            url = "state:" + os.path.abspath(url[len("state:"):])  # the same file from any directory
+            default = f"{name}-state-{os.path.basename(url)}"
+        elif url.startswith("local:") and len(url) > len("local:"):
+            default = f"{name}-{url[len('local:'):]}"
+        else:
+            u = urllib.parse.urlparse(url)
+            if u.scheme not in ("http", "https") or not u.hostname:
+                raise UsageError(f"--engine {spec!r}: expected http://HOST:PORT, state:PATH or local:NAME "
+                                 "(each optionally ID=...)")
+            url = url.rstrip("/")
+            default = f"{name}-{u.hostname}-{u.port or 80}"
+        rid = rid or re.sub(r"[^A-Za-z0-9._-]", "-", default)
+        out.append(MemberRef(url, layout.check_receiver(rid)))
     if len({m.url for m in out}) != len(out) or len({m.receiver for m in out}) != len(out):
-        raise UsageError("every --engine must be a different server with a different receiver id")
+        raise UsageError("every --engine must be a different member with a different receiver id")
     return out
-
-
-class MemberError(ConnectionError):
-    """A request to a member failed: ``status`` is the HTTP status it answered with (None: no answer)."""
-
-    def __init__(self, message: str, status: int | None = None):
-        super().__init__(message)
-        self.status = status
-
-
-def http_call(url: str, route: str, body: dict | None = None, method: str = "POST",
-              timeout: float = HTTP_TIMEOUT) -> dict:
-    """One JSON request to a member; any failure raises ``MemberError`` naming the member and
-    route, with what the server said."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url + route, data=data, method=method, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            raw = r.read()
-    except urllib.error.HTTPError as e:
-        said = e.read()[:300].decode(errors="replace").replace("\n", " ")
-        raise MemberError(f"{url}{route}: HTTP {e.code}: {said}", e.code) from None
-    except (urllib.error.URLError, OSError) as e:
-        raise MemberError(f"{url}{route}: {getattr(e, 'reason', e)}") from None
-    return json.loads(raw) if raw else {}
 
 
 @dataclass
@@ -171,7 +156,7 @@ def resolve_fleet(root: RootRef, name: str, members: list[dict], step: int | Non
             raise StepNotFoundError(f"{r.url}: step {target} is {why}; a fleet switches only to a live step")
     held = fleet.read(r, name)
     by_receiver = {m.receiver: m.step for m in held.members} if held else {}
-    versions = _each(members, lambda m: http_call(m["url"], "/weight_info", method="GET", timeout=30)["weight_version"])
+    versions = _each(members, lambda m: member_call(m["url"], "/weight_info", method="GET", timeout=30)["weight_version"])
     out = []
     for m, version in zip(members, versions):
         prev = by_receiver.get(m["receiver"])
@@ -185,12 +170,15 @@ def resolve_fleet(root: RootRef, name: str, members: list[dict], step: int | Non
 def prepare_members(root: RootRef, members: list[dict], target: int, timeout: float = HTTP_TIMEOUT) -> list[dict]:
     """Phase 1 on every member at once (they keep serving); each result says ``ok`` or the error."""
     def prepare(m):
+        server = m["url"].startswith(("http://", "https://"))
         init = {"root": root.url, "receiver_id": m["receiver"], "storage_options": dict(root.storage_options),
-                "prepare": True, "step": target}
+                "prepare": True, "step": target, **({"prepare_id": uuid.uuid4().hex} if server else {})}
         for attempt in (1, 2):
-            http_call(m["url"], "/init_weight_transfer_engine", {"init_info": init}, timeout=timeout)
+            member_call(m["url"], "/init_weight_transfer_engine", {"init_info": init}, timeout=timeout)
+            if server:  # while it pulls, the server serves: wait for its report, not in its engine loop
+                await_prepared(root, m, init["prepare_id"], timeout)
             try:
-                http_call(m["url"], "/start_weight_update", timeout=timeout)  # returns once staged and verified
+                member_call(m["url"], "/start_weight_update", timeout=timeout)  # returns once staged and verified
                 return True
             except MemberError as e:
                 if e.status is None or attempt == 2:
@@ -198,18 +186,48 @@ def prepare_members(root: RootRef, members: list[dict], target: int, timeout: fl
             # vLLM refuses a start while an update is open: a coordinator that died after its prepare
             # left one. Finishing it without an update drops what it held; then prepare again, once.
             with contextlib.suppress(MemberError):
-                http_call(m["url"], "/finish_weight_update", {}, timeout=timeout)
+                member_call(m["url"], "/finish_weight_update", {}, timeout=timeout)
         return True
 
     results = _each(members, prepare)
     return [{**m, "ok": r is True, **({} if r is True else {"error": _error(r)})} for m, r in zip(members, results)]
 
 
+def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.1) -> bool:
+    """Wait until every worker of member ``m`` reported the prepare ``prepare_id`` done
+    (``prepared/<receiver>.json``, one per TP rank as ``<receiver>-rankK``); raise ``MemberError``
+    with what one reported failing. False when no report came within ``timeout`` (a member whose
+    DCR does not report: the start call then waits for the prepare, in its engine loop)."""
+    cat = Catalog(open_root(root))
+    rid = m["receiver"]
+    deadline = time.monotonic() + timeout
+    while True:
+        docs = [d for d in (cat.prepared(rid),) if d and d.get("prepare_id") == prepare_id]
+        if not docs:
+            first = cat.prepared(f"{rid}-rank0")
+            if first and first.get("prepare_id") == prepare_id:
+                ranks = first.get("ranks") if isinstance(first.get("ranks"), int) else 1
+                docs = [first] + [cat.prepared(f"{rid}-rank{k}") for k in range(1, ranks)]
+                docs = [d for d in docs if d and d.get("prepare_id") == prepare_id]
+                if len(docs) < ranks:
+                    docs = [d for d in docs if not d.get("ok")]  # a failure is enough to stop waiting
+        failed = [d for d in docs if not d.get("ok")]
+        if failed:
+            raise MemberError(f"{m['url']}: preparing step {failed[0].get('step')} failed: {failed[0].get('error')}", 500)
+        if docs:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("%s: no prepare report within %.0f s; its start call waits for the prepare", m["url"], timeout)
+            return False
+        time.sleep(poll)
+        poll = min(poll * 1.5, 1.0)
+
+
 def drop_prepared(members: list[dict], timeout: float = HTTP_TIMEOUT) -> list[dict]:
     """Nobody switches: every member gets ``/finish_weight_update`` with no update (what it staged
     is dropped; a member whose start failed or timed out here may still have opened one), errors
     ignored."""
-    _each(members, lambda m: http_call(m["url"], "/finish_weight_update", {}, timeout=timeout))
+    _each(members, lambda m: member_call(m["url"], "/finish_weight_update", {}, timeout=timeout))
     return members
 
 
@@ -229,21 +247,21 @@ def _switch(m: dict, step: int, timeout: float, start: bool) -> dict:
     weights had changed."""
     url = m["url"]
     if start:
-        http_call(url, "/start_weight_update", timeout=timeout)
+        member_call(url, "/start_weight_update", timeout=timeout)
     t0 = time.perf_counter()
     applied, error = False, None
     try:
-        http_call(url, "/pause", timeout=timeout)
-        http_call(url, "/update_weights", {"update_info": {"step": step}}, timeout=timeout)
+        member_call(url, "/pause", timeout=timeout)
+        member_call(url, "/update_weights", {"update_info": {"step": step}}, timeout=timeout)
         applied = True
-        http_call(url, "/finish_weight_update", {"weight_version": str(step)}, timeout=timeout)
+        member_call(url, "/finish_weight_update", {"weight_version": str(step)}, timeout=timeout)
     except MemberError as e:
         error = e
         if not applied:  # a session still open (a failed pause) is closed; after a failed update vLLM closed it
             with contextlib.suppress(MemberError):
-                http_call(url, "/finish_weight_update", {}, timeout=timeout)
+                member_call(url, "/finish_weight_update", {}, timeout=timeout)
     try:
-        http_call(url, "/resume", timeout=timeout)
+        member_call(url, "/resume", timeout=timeout)
     except MemberError as e:  # a member left paused is a failure too (the first error is the one reported)
         error = error or e
     if error is not None:
@@ -256,7 +274,7 @@ def apply_members(members: list[dict], target: int, timeout: float = HTTP_TIMEOU
     member already serving ``target`` is not paused: its open update is finished without one."""
     def apply(m):
         if m["previous"] == target:
-            http_call(m["url"], "/finish_weight_update", {}, timeout=timeout)
+            member_call(m["url"], "/finish_weight_update", {}, timeout=timeout)
             return {"pause_seconds": 0.0}
         return _switch(m, target, timeout, start=False)
 

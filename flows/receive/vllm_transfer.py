@@ -11,8 +11,11 @@ same code: the engine drives a ``DCRWorkerExtension`` bound to its model):
   ``{"root": URL, "receiver_id": ID, "storage_options": {...}}``, optionally ``"options"``
   (``ReceiveOptions`` fields), ``"state_path"`` (the worker's mirror) and ``"prepare": true`` with
   ``"step": N`` (omitted: the latest): every worker then pulls and verifies that step into a
-  staged mirror in a thread and the call returns at once; the engine keeps serving. Calling it
-  again re-binds (and prepares again).
+  staged mirror in a thread and the call returns at once; the engine keeps serving. With
+  ``"prepare_id": ID`` each worker writes the outcome (done or failed, with that id) to
+  ``prepared/<receiver>.json`` in ROOT when its prepare is over: a coordinator polls that instead
+  of calling ``start_weight_update`` early (which waits in vLLM's engine loop, where the server
+  generates nothing). Calling it again re-binds (and prepares again).
 - ``start_weight_update``: waits for a prepare still pulling (the engine serves nothing while it
   waits: call it once the prepare is done, or accept that) and raises what it failed with;
   nothing in the engine has changed yet. A fleet calls it on every member before pausing any.
@@ -59,6 +62,7 @@ class DCRInitInfo(WeightTransferInitInfo):
     state_path: str | None = None
     prepare: bool = False
     step: int | None = None
+    prepare_id: str | None = None  # written with the prepare's outcome to prepared/<receiver>.json
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, str) or not self.root:
@@ -148,7 +152,7 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         self._worker.dcr_abort()  # a re-init drops what an earlier one prepared
         self._bound = init_info
         if init_info.prepare:
-            self._worker.dcr_prepare(**self._args(init_info.step), background=True)
+            self._worker.dcr_prepare(**self._args(init_info.step), background=True, report=init_info.prepare_id)
 
     def start_weight_update(self) -> None:
         self._require_bound()

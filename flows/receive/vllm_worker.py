@@ -63,13 +63,15 @@ import logging
 import os
 import threading
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dcr_core import events
-from dcr_core.bits import tensor_from_bits
+from dcr_core.bits import tensor_from_bits, torch_dtype
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, StateMismatchError, UsageError
 from flows.options import ReceiveOptions
@@ -77,10 +79,11 @@ from flows.receive import state_file, vllm_fixups, vllm_layers, vllm_patch, vllm
 from flows.receive.module import default_mirror_path
 from flows.receive.pipeline import check_arguments, with_replans
 from storage import reader
+from storage.catalog import Catalog
 from storage.local import journal, state
 from storage.local.safetensors import SafetensorsCheckpoint
 from storage.reader import RefitPlan
-from storage.root import RootRef
+from storage.root import RootRef, open_root
 
 log = logging.getLogger("dcr.receive")
 
@@ -139,10 +142,13 @@ class DCRWorkerExtension:
 
     def dcr_prepare(self, root: str, step: int | None = None, receiver_id: str = "vllm",
                     storage_options: dict | None = None, options: dict | None = None, state_path: str | None = None,
-                    background: bool = False) -> dict:
+                    background: bool = False, report: str | None = None) -> dict:
         """Plan, lease, pull and verify ``step`` (default: the latest) of ``root`` into a staged mirror;
         the engine is not touched. ``background``: return at once and do it in a thread (``dcr_apply``
-        waits for it). Returns what was planned (or ``{"preparing": True}``)."""
+        waits for it). ``report`` (with ``background``): an id written with the outcome to the
+        receiver's ``prepared/<id>.json`` in ROOT when the thread is done, so that a coordinator knows
+        without calling into the engine (a call would wait in its engine loop). Returns what was
+        planned (or ``{"preparing": True}``)."""
         self.dcr_abort()
         opts = check_arguments(receiver_id, step, ReceiveOptions(**(options or {})))
         if opts.in_place:
@@ -151,8 +157,30 @@ class DCRWorkerExtension:
         if not background:
             self._dcr_prepared = self._dcr_stage(begun, step, opts)
             return self._dcr_summary(self._dcr_prepared)
-        self._dcr_start("_dcr_background", "dcr-prepare", lambda: self._dcr_stage(begun, step, opts))
+        def staged() -> _Prepared:
+            try:
+                p = self._dcr_stage(begun, step, opts)
+            except BaseException as e:
+                self._dcr_report(begun, report, step, e)
+                raise
+            self._dcr_report(begun, report, p.plan.target_step, None)
+            return p
+
+        self._dcr_start("_dcr_background", "dcr-prepare", staged)
         return {"preparing": True, "receiver": begun.receiver_id}
+
+    def _dcr_report(self, b: _Begun, report: str | None, step: int | None, error: BaseException | None) -> None:
+        """Write the outcome of a background prepare to ``prepared/<receiver>.json`` (if asked for);
+        a failure to write it is logged (the coordinator then learns it from the start call)."""
+        if report is None:
+            return
+        tp = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1)
+        doc = {"prepare_id": report, "step": -1 if step is None else step, "ok": error is None, "ranks": tp,
+               **({} if error is None else {"error": f"{type(error).__name__}: {error}"})}
+        try:
+            Catalog(open_root(b.ref)).record_prepared(b.receiver_id, doc)
+        except Exception as e:  # noqa: BLE001 - advisory
+            log.warning("receiver %s: could not record its prepare (%s: %s)", b.receiver_id, type(e).__name__, e)
 
     def dcr_apply(self) -> dict:
         """The pause window: reload the prepared step into the engine (see the module docstring).
@@ -465,7 +493,7 @@ class DCRWorkerExtension:
                 def weights() -> Iterator[tuple[str, torch.Tensor]]:
                     for n in names:
                         e = manifest.tensors[n]
-                        t = tensor_from_bits(ck.bits(n), DTYPES[e.dtype], e.shape)
+                        t = _mapped(ck.mapped_bits(n), DTYPES[e.dtype], e.shape)
                         events.reached("receive.engine-tensor", name=n)
                         yield n, t
 
@@ -506,6 +534,17 @@ def set_vllm_config(worker):
     from vllm.config import set_current_vllm_config  # noqa: PLC0415 - in a vLLM worker
 
     return set_current_vllm_config(worker.vllm_config)
+
+
+def _mapped(bits, dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    """A read-only tensor over the staged mirror's pages (a memory map: no copy, no fresh pages to
+    fault in; vLLM's loaders copy out of it, as they copy out of a safetensors file they map)."""
+    if not bits.size:
+        return tensor_from_bits(bits, dtype, shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "not writable": the loaders only read it
+        u8 = torch.from_numpy(bits.view(np.uint8))
+    return u8.view(torch_dtype(dtype)).reshape(shape)
 
 
 def _same(now: dict[str, str], prepared: dict[str, str], touched: set[str] | None) -> bool:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 
 import pytest
@@ -37,7 +38,7 @@ def test_members_are_named_by_fleet_host_and_port_or_by_their_own_id():
     assert (a.url, a.receiver) == ("http://10.0.0.7:8000", "rollout-10.0.0.7-8000")
     assert (b.url, b.receiver) == ("http://gpu-b:8001", "gen-b")
     for bad, why in ((["10.0.0.7:8000"], "expected http://HOST:PORT"), ([], "at least one --engine"),
-                     (["http://h:1", "http://h:1"], "a different server"), (["x y=http://h:1"], "receiver id")):
+                     (["http://h:1", "http://h:1"], "a different member"), (["x y=http://h:1"], "receiver id")):
         with pytest.raises(UsageError, match=why):
             parse_members("f", bad)
 
@@ -85,3 +86,88 @@ def test_a_damaged_fleet_record_is_refused_in_one_line(root):
     r.write(layout.fleet_key("f"), b"\xff")
     with pytest.raises(IntegrityError, match=r"fleets/f\.json: not a DCR fleet record"):
         fleet.read(r, "f")
+
+
+def test_state_file_members_switch_all_or_nothing_through_the_same_calls(root, tmp_path):
+    """Two state files as fleet members (``state:PATH``, no vLLM): 0 -> 2 -> 1 exactly (every bit
+    equal to the published checkpoints); an update that breaks on one member (an injected fault,
+    before its file changes) takes the other back to 1 exactly; a member whose prepare fails means
+    nobody switches; a rerun converges."""
+    from dcr_core import events
+    from flows import run_receive
+    from tests.support.helpers import assert_bits_equal, read_state
+
+    steps = chain_of_steps(3, seed=61)
+    a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    run_receive(root, "f-state-a.safetensors", a, step=0)  # receivers that held step 0 before joining
+    run_receive(root, "sb", b, step=0)
+    members = [f"state:{a}", f"sb=state:{b}"]
+    assert [m.receiver for m in parse_members("f", members)] == ["f-state-a.safetensors", "sb"]
+    r = run_fleet(root, members, step=2, name="f")
+    assert (r.outcome, r.version) == ("switched", 2)
+    for p in (a, b):
+        assert_bits_equal(read_state(p), steps[2])
+    r = run_fleet(root, members, step=1, name="f")  # back: the inverse delta
+    assert (r.outcome, r.version, r.previous) == ("switched", 1, 2)
+    for p in (a, b):
+        assert_bits_equal(read_state(p), steps[1])
+
+    reached = []
+    with events.listening(lambda point, fields: reached.append(point)), events.failpoints("fleet.member-update@2=fail"):
+        with pytest.raises(FleetSwitchError, match="every member was taken back") as e:
+            run_fleet(root, members, step=2, name="f")
+    assert reached.count("fleet.member-update") == 3  # two updates to 2 (the second failed), one back to 1
+    res = e.value.result
+    assert (res.outcome, res.version) == ("taken-back", 1)
+    assert sorted(m["outcome"] for m in res.members) == ["failed", "taken-back"]
+    for p in (a, b):
+        assert_bits_equal(read_state(p), steps[1])
+    assert not [f for f in os.listdir(tmp_path) if f.startswith((".a", ".b")) or ".tmp" in f]  # nothing staged is left
+
+    with open(b, "r+b") as f:  # a damaged member: its held bits no longer verify, so its prepare fails
+        f.seek(-1, os.SEEK_END)
+        last = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([last[0] ^ 1]))
+    with pytest.raises(FleetSwitchError, match=f"nobody switched: state:{b} could not prepare step 2"):
+        run_fleet(root, members, step=2, name="f")
+    assert_bits_equal(read_state(a), steps[1])
+    assert fleet.read(Root(root), "f").outcome == "aborted"
+    os.unlink(b)  # replaced by an empty receiver: it rejoins with a whole step
+    assert run_fleet(root, members, name="f").version == 2  # the newest live step
+    for p in (a, b):
+        assert_bits_equal(read_state(p), steps[2])
+
+
+def test_an_unknown_member_url_is_refused_naming_it(root):
+    with pytest.raises(UsageError, match="expected http://HOST:PORT, state:PATH or local:NAME"):
+        parse_members("f", ["ftp://h/x"])
+    with pytest.raises(FleetSwitchError, match="local:nobody: no in-process engine registered"):
+        run_fleet(root, ["local:nobody"], name="f")
+
+
+def test_phase_one_waits_for_each_members_prepare_report_in_root(root):
+    """A server member reports its background prepare in ``prepared/<receiver>.json`` (one per TP
+    rank): the coordinator waits for the report with its prepare id, stops at the first failure,
+    ignores an older prepare's report, and gives up after its timeout (False: the start call waits)."""
+    from flows.receive.fleet import MemberError, await_prepared
+    from storage.catalog import Catalog
+    from storage.root import RootRef, open_root
+
+    ref = RootRef(root)
+    cat = Catalog(open_root(ref))
+    m = {"url": "http://gen-0:8000", "receiver": "f-gen-0-8000"}
+    cat.record_prepared("f-gen-0-8000", {"prepare_id": "old", "step": 2, "ok": True, "ranks": 1})
+    assert await_prepared(ref, m, "new", timeout=0.3) is False  # an older prepare's report is not this one
+    cat.record_prepared("f-gen-0-8000", {"prepare_id": "new", "step": 2, "ok": True, "ranks": 1})
+    assert await_prepared(ref, m, "new", timeout=5) is True
+
+    tp = {"url": "http://gen-1:8000", "receiver": "f-gen-1-8000"}
+    cat.record_prepared("f-gen-1-8000-rank0", {"prepare_id": "p", "step": 2, "ok": True, "ranks": 2})
+    assert await_prepared(ref, tp, "p", timeout=0.3) is False  # rank 1 has not reported yet
+    cat.record_prepared("f-gen-1-8000-rank1", {"prepare_id": "p", "step": 2, "ok": False, "ranks": 2,
+                                               "error": "IntegrityError: step 2: chunk digest mismatch"})
+    with pytest.raises(MemberError, match="gen-1:8000: preparing step 2 failed: IntegrityError"):
+        await_prepared(ref, tp, "p", timeout=5)
+    cat.record_prepared("f-gen-1-8000-rank1", {"prepare_id": "p", "step": 2, "ok": True, "ranks": 2})
+    assert await_prepared(ref, tp, "p", timeout=5) is True

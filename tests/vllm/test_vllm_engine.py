@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -395,10 +396,22 @@ def _serves(url: str, env: dict, step: int) -> None:
     assert [[t for t, _ in c] for c in completions(url)] == env["tokens"][step]
 
 
+def _wait_for_line(path: str, line: bytes, timeout: float = 300.0) -> None:
+    """Wait until a server's log (where its failpoints report) holds ``line``."""
+    deadline = time.monotonic() + timeout
+    with open(path, "rb") as log:
+        seen = b""
+        while line not in seen:
+            assert time.monotonic() < deadline, f"{path}: {line!r} not reached"
+            seen += log.read()
+            time.sleep(0.1)
+
+
 def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, fleet_env):
     """``dcr fleet`` over two real servers: a member down before the switch means nobody switches;
     1 -> 3 with one member's apply failing (injected) takes the other back to 1, both exact; then
-    1 -> 3 -> 1, each member equal to fresh engines, top logprobs equal across the fleet."""
+    1 -> 3 -> 1, each member equal to fresh engines, top logprobs equal across the fleet; a member
+    serves while it pulls (phase 1 waits for its report in ROOT, not in its engine loop)."""
     from dcr_bench.vllm_server import Server, call, checksums, completions, free_port, set_failpoints
     from flows.receive.fleet import FleetSwitchError, run_fleet
     from storage import fleet
@@ -436,7 +449,21 @@ def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, f
         call(a.url, "/start_weight_update")  # a coordinator that died after its prepare left an update open
         r = run_fleet(llama.root, engines, step=3, name="f")  # the next switch finishes it and goes on
         assert (r.outcome, r.version) == ("switched", 3)
-        r = run_fleet(llama.root, engines, step=1, name="f")
+
+        # phase 1 runs while the members serve: b's pull is held for 6 s (after reporting it started);
+        # meanwhile b answers a completion at once, and the fleet waits for b's report in ROOT
+        set_failpoints(b.url, "receive.planned@1=report,receive.staged@1=sleep(6)")
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=run_fleet(llama.root, engines, step=1, name="f")))
+        t.start()
+        _wait_for_line(b.log_path, b"failpoint receive.planned@1 reached")
+        t0 = time.monotonic()
+        completions(b.url, max_tokens=2)
+        served_in = time.monotonic() - t0
+        assert t.is_alive() and served_in < 3.0, f"b served a completion in {served_in:.1f} s during its prepare"
+        t.join(300)
+        r = box["r"]
+        assert (r.outcome, r.version) == ("switched", 1)
         rec = fleet.read(open_root(llama.root), "f")
         assert (rec.version, rec.outcome, [m.step for m in rec.members]) == (1, "switched", [1, 1])
     finally:
@@ -447,7 +474,6 @@ def test_a_member_killed_mid_apply_is_restarted_and_rejoins_at_the_fleets_versio
     """A member killed inside its apply (at a point it reports reaching): the others are taken back
     and the record says the killed one's step is unknown; restarted from its checkpoint directory,
     the next switch brings every member to the step exactly."""
-    import threading
 
     from dcr_bench.vllm_server import Server, kill, set_failpoints
     from flows.receive.fleet import FleetSwitchError, run_fleet
@@ -488,3 +514,24 @@ def test_a_member_killed_mid_apply_is_restarted_and_rejoins_at_the_fleets_versio
             _serves(s.url, fleet_env, 3)
     finally:
         a.stop(), b.stop()
+
+
+def test_an_in_process_engine_and_a_state_file_join_a_fleet_through_the_same_calls(llama, tmp_path):
+    """``local:NAME`` (an ``LLM`` in this process with the dcr backend) and ``state:PATH`` in one fleet:
+    1 -> 3 -> 1, the engine equal to fresh engines and the state file to the checkpoints, bit for
+    bit; the weight version follows."""
+    from flows import register_fleet_engine
+    from flows.receive.fleet import run_fleet
+    from tests.support.helpers import assert_bits_equal, read_state
+
+    refs = {s: llama.reference(s) for s in (1, 3)}
+    state = str(tmp_path / "member.safetensors")
+    with vllm_engine.serving(llama.model_dir(0), weight_transfer_config={"backend": "dcr"}) as llm:
+        members = [register_fleet_engine("gen", llm), f"state:{state}"]
+        for step in (1, 3, 1):
+            r = run_fleet(llama.root, members, step=step, name="mixed-kinds")
+            assert (r.outcome, r.version) == ("switched", step), r
+            _assert_same_engine(llm, refs[step])
+            assert llm.get_weight_version() == str(step)
+            assert_bits_equal(read_state(state), llama.checkpoints[step])
+        assert Catalog(open_root(llama.root)).receiver_record(3, "mixed-kinds-gen")["mode"] == "delta"
