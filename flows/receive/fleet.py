@@ -193,7 +193,7 @@ def prepare_members(root: RootRef, members: list[dict], target: int, timeout: fl
     return [{**m, "ok": r is True, **({} if r is True else {"error": _error(r)})} for m, r in zip(members, results)]
 
 
-def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.1) -> bool:
+def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.02) -> bool:
     """Wait until every worker of member ``m`` reported the prepare ``prepare_id`` done
     (``prepared/<receiver>.json``, one per TP rank as ``<receiver>-rankK``); raise ``MemberError``
     with what one reported failing. False when no report came within ``timeout`` (a member whose
@@ -220,7 +220,7 @@ def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll
             log.warning("%s: no prepare report within %.0f s; its start call waits for the prepare", m["url"], timeout)
             return False
         time.sleep(poll)
-        poll = min(poll * 1.5, 1.0)
+        poll = min(poll * 1.5, 0.5)
 
 
 def drop_prepared(members: list[dict], timeout: float = HTTP_TIMEOUT) -> list[dict]:
