@@ -3,13 +3,21 @@
 
 Each flow runs the same pipeline as the in-process form (``flows.publish.pipeline`` and friends)
 with ``PrefectRunner``: every step of the step table becomes a Prefect task, so the Prefect API
-shows each step's state, duration and its persisted JSON result (Prefect's result storage,
-``PREFECT_LOCAL_STORAGE_PATH`` by default). Tasks take and return references
-(``flows.steps``), never tensors or open files; the flows' options are the typed models of
+shows each step's state and duration. Tasks take and return references (``flows.steps``), never
+tensors or open files (JSON-serializable: ``tests/system/test_prefect_flows.py``); the flows' options are the typed models of
 ``flows.options`` (deployments pass them as mappings, validated by Prefect). Runs are named
 (``publish-step-12``, ``receive-rollout-0-to-12``: renamed to the step it reached, ``gc-keep-5``), tagged (``dcr``, the kind of
 run, ``root:<ROOT>``, ``step:<N>``, ``receiver:<id>``) and leave a table artifact of what they did (one row per task with its seconds); a publish also
 leaves a markdown artifact linking the step's manifest and commit marker.
+
+Results are not persisted and tasks are not cached (``persist_result=False``, ``NO_CACHE``): no
+rerun of these flows could use an earlier result, so storing them would only fill Prefect's result
+storage. Per flow: a publish writes each attempt under a fresh attempt id (a rerun's chunks and
+manifest are another attempt's; the baseline cache already skips re-reading what is committed); a
+receive, materialize or fleet switch plans again from what the target holds now (a finished step
+is found finished by the plan, not by a cache); verify is a report on the bucket as it is now; a
+mirror skips steps the destination already holds by looking at it; gc plans from the bucket each
+run. What a run did is in its artifacts (tables, the publish's links) and its return value.
 
 Retries: none here. Transient request errors are retried by the storage layer's one owner per
 backend (``storage.retry``); everything else is DCR's verdict on the data, which a retry cannot
@@ -37,7 +45,7 @@ from flows import workers as cluster
 from flows.maintenance.audit import VerifyReport, verify
 from flows.maintenance.gc import GcReport, run_gc
 from flows.maintenance.mirror import run_mirror
-from flows.options import GcOptions, PublishOptions, ReceiveOptions
+from flows.options import GcOptions, PublishOptions, ReceiveOptions, refuse_credentials
 from flows.publish.pipeline import run_publish
 from flows.receive.fleet import FleetResult, FleetSwitchError, run_fleet
 from flows.receive.pipeline import run_materialize, run_receive
@@ -55,9 +63,8 @@ from storage.root import open_root
 
 @functools.cache
 def _task(step: Step):
-    # The default cache policy only keys the (optional) persisted result: ``refresh_cache`` runs
-    # every task every time. NO_CACHE would silently turn persistence off.
-    return task(step.fn, name=step.name, refresh_cache=True, result_serializer="json", persist_result=True, retries=0)
+    # Nothing to persist or cache (see the module docstring): every task runs every time.
+    return task(step.fn, name=step.name, persist_result=False, cache_policy=NO_CACHE, retries=0)
 
 
 @functools.cache
@@ -146,7 +153,7 @@ def _gc_name() -> str:
     return f"gc-keep-{keep}"
 
 
-@flow(name="dcr-publish-refit", flow_run_name=_publish_name, log_prints=True, result_serializer="json", persist_result=True)
+@flow(name="dcr-publish-refit", flow_run_name=_publish_name, log_prints=True, persist_result=False)
 def publish_refit(
     root: str | Path, source: Any, step: int, keyframe: bool = False, storage_options: dict | None = None,
     options: PublishOptions | None = None, attempt: str | None = None, workers: int | str | None = None,
@@ -159,6 +166,7 @@ def publish_refit(
     ``workers`` (N worker processes on this machine, or ``dask://HOST:PORT``) or ``task_runner``
     (a ``prefect_dask.DaskTaskRunner``, not started): the encoding runs as tasks mapped over groups
     of tensors on that Dask cluster (a checkpoint path only; ``flows.workers``)."""
+    refuse_credentials(storage_options)
     run_tags = ("dcr", "dcr-publish", f"root:{root}", f"step:{step}")
     _tag_run(*run_tags)
     with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
@@ -168,7 +176,7 @@ def publish_refit(
     return asdict(result)
 
 
-@flow(name="dcr-receive-refit", flow_run_name=_receive_name, log_prints=True, result_serializer="json", persist_result=True)
+@flow(name="dcr-receive-refit", flow_run_name=_receive_name, log_prints=True, persist_result=False)
 def receive_refit(
     root: str | Path, receiver_id: str, target: Any, step: int | None = None, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, state_path: str | None = None, workers: int | str | None = None,
@@ -182,6 +190,7 @@ def receive_refit(
     mapped over groups of tensors on that Dask cluster (``flows.receive.on_workers``)."""
     if (task_runner is not None or cluster.parse_workers(workers) is not None) and not isinstance(target, (str, Path)):
         raise UsageError("workers rewrite a state file; a live module or an engine receives in its own process")
+    refuse_credentials(storage_options)
     run_tags = ("dcr", "dcr-receive", f"root:{root}", f"receiver:{receiver_id}")
     _tag_run(*run_tags)
     with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
@@ -201,8 +210,7 @@ def receive_refit(
     return result
 
 
-@flow(name="dcr-materialize", flow_run_name=_materialize_name, log_prints=True, result_serializer="json",
-      persist_result=True)
+@flow(name="dcr-materialize", flow_run_name=_materialize_name, log_prints=True, persist_result=False)
 def materialize_refit(
     root: str | Path, step: int | None, out: str | Path, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, workers: int | str | None = None, task_runner: Any = None,
@@ -212,6 +220,7 @@ def materialize_refit(
     (``dcr materialize``); with ``workers`` or ``task_runner``, as tasks mapped over groups of
     tensors on that Dask cluster (``flows.receive.on_workers``: the workers must see ``out``).
     ``force``: replace ``out`` even if DCR did not write it."""
+    refuse_credentials(storage_options)
     run_tags = ("dcr", "dcr-materialize", f"root:{root}")
     _tag_run(*run_tags)
     with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
@@ -221,7 +230,7 @@ def materialize_refit(
     return result
 
 
-@flow(name="dcr-verify", flow_run_name=_verify_name, log_prints=True, result_serializer="json", persist_result=True)
+@flow(name="dcr-verify", flow_run_name=_verify_name, log_prints=True, persist_result=False)
 def verify_refit(
     root: str | Path, step: int | None = None, deep: bool = False, storage_options: dict | None = None,
     io_workers: int = 8, workers: int | str | None = None, task_runner: Any = None, group_bytes: int | None = None,
@@ -230,6 +239,7 @@ def verify_refit(
     their digests (``dcr verify``; ``deep``: deltas replayed too); with ``workers`` or
     ``task_runner``, each step's tensors are checked in groups on that Dask cluster. Returns the
     report: a failed check is in ``errors``, not raised."""
+    refuse_credentials(storage_options)
     run_tags = ("dcr", "dcr-verify", f"root:{root}")
     _tag_run(*run_tags)
     with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
@@ -239,7 +249,7 @@ def verify_refit(
     return asdict(report)
 
 
-@flow(name="dcr-mirror", flow_run_name=_mirror_name, log_prints=True, result_serializer="json", persist_result=True)
+@flow(name="dcr-mirror", flow_run_name=_mirror_name, log_prints=True, persist_result=False)
 def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_options: dict | None = None,
                  dst_storage_options: dict | None = None, as_id: str | None = None,
                  io_workers: int = 8, workers: int | str | None = None, task_runner: Any = None,
@@ -248,6 +258,8 @@ def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_option
     ``dst`` (``dcr mirror``); ``as_id``: registered in ``src`` as a receiver (gc there keeps what it needs).
     With ``workers`` or ``task_runner``, each step's objects are copied by tasks mapped over batches
     on that Dask cluster (the marker last, by the flow)."""
+    refuse_credentials(src_storage_options, "src_storage_options")
+    refuse_credentials(dst_storage_options, "dst_storage_options")
     run_tags = ("dcr", "dcr-mirror", f"root:{src}", f"mirror:{dst}")
     _tag_run(*run_tags)
     with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
@@ -258,12 +270,13 @@ def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_option
     return asdict(result)
 
 
-@flow(name="dcr-fleet", flow_run_name=_fleet_name, log_prints=True, result_serializer="json", persist_result=True)
+@flow(name="dcr-fleet", flow_run_name=_fleet_name, log_prints=True, persist_result=False)
 def fleet_refit(root: str, engines: list[str], step: int | None = None, name: str = "default",
                 storage_options: dict | None = None, timeout: float = 600.0) -> dict:
     """Switch every vLLM server of fleet ``name`` to ``step`` (default: the newest live step), all or
     nothing (``dcr fleet``; ``flows.receive.fleet``): prepare-members, apply-members (and
     take-back-members when one fails), record-fleet as tasks; a table artifact of the members."""
+    refuse_credentials(storage_options)
     run_tags = ("dcr", "dcr-fleet", f"root:{root}", f"fleet:{name}")
     _tag_run(*run_tags)
     with tags(*run_tags):
@@ -285,9 +298,10 @@ def _report_fleet(r: FleetResult) -> None:
     )
 
 
-@flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True, result_serializer="json", persist_result=True)
+@flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True, persist_result=False)
 def gc_refit(root: str | Path, options: GcOptions, storage_options: dict | None = None) -> dict:
     """Delete the steps retention no longer keeps and attempts that can never commit (``dcr gc``)."""
+    refuse_credentials(storage_options)
     run_tags = ("dcr", "dcr-gc", f"root:{root}")
     _tag_run(*run_tags)
     with tags(*run_tags):

@@ -38,7 +38,7 @@ from dcr_core import events
 from dcr_core.errors import UsageError
 from flows.options import ReceiveOptions
 from flows.receive import state_file
-from flows.receive.pipeline import with_replans
+from flows.receive.pipeline import Leases
 from storage import layout, reader
 from storage.local import journal, state
 from storage.reader import RefitPlan
@@ -148,7 +148,7 @@ class _Staging:
     receiver_id: str
     plan: RefitPlan
     staged: state_file.Staged | None
-    leased: list[int]
+    leases: Leases
     lock: contextlib.ExitStack = field(repr=False)
 
 
@@ -231,29 +231,22 @@ class StateFileMember:
         opts = ReceiveOptions(**{**(b.get("options") or {}), "in_place": False})  # the old file is the undo
         lock = contextlib.ExitStack()
         lock.enter_context(state.exclusive(self.path))
-        leased: list[int] = []
+        leases = Leases(ref, rid, opts.lease_seconds)  # released after the update (or a drop)
         try:
             journal.settle(self.path)
 
             def stage(p: RefitPlan):
                 if not p.moves:
                     return None
-                leased[:] = state_file.take_leases(ref, rid, p, opts.lease_seconds)
+                leases.take(p)
                 return state_file.stage_refit(p, self.path, opts)
 
-            def release() -> None:
-                if leased:
-                    state_file.release_leases(ref, rid, list(leased))
-                    leased.clear()
-
-            plan, staged = with_replans(lambda: state_file.plan_receive(ref, self.path, step), stage, release,
-                                        self.path)
+            plan, staged = leases.replanned(lambda: state_file.plan_receive(ref, self.path, step), stage, self.path)
             if staged is None:  # already there: the file must hold the step it claims
                 state_file.verify_held_state(plan, self.path)
-            return _Staging(ref, rid, plan, staged, leased, lock)
+            return _Staging(ref, rid, plan, staged, leases, lock)
         except BaseException:
-            if leased:
-                state_file.release_leases(ref, rid, leased)
+            leases.release()
             lock.close()
             raise
 
@@ -268,8 +261,6 @@ class StateFileMember:
             if unlink and s.staged is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(s.staged.path)
-            if s.leased:
-                state_file.release_leases(s.ref, s.receiver_id, s.leased)
-                s.leased = []
+            s.leases.release()
         finally:
             s.lock.close()

@@ -10,7 +10,7 @@ from dcr_core.errors import UsageError
 from flows import refs
 from flows.options import ReceiveOptions
 from flows.receive import module, module_digests, state_file
-from flows.receive.pipeline import check_arguments, with_replans
+from flows.receive.pipeline import Leases, check_arguments
 from flows.results import ReceiveResult, as_dict
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from storage.reader import RefitPlan, manifests
@@ -46,34 +46,24 @@ def receive_into_module(
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
     mirror = os.fspath(state_path or module.default_mirror_path(ref.url, receiver_id))
     tasks = MODULE_STEPS.bind(runner or InProcess())
-    with refs.holding(target, "module") as mod:
-        leased: list[int] = []
-        try:
-            def refit(p: RefitPlan) -> dict:
-                leased[:] = tasks.take_leases(ref, receiver_id, p, options.lease_seconds)
-                return _refit(tasks, p, mod, mirror, options, target)
+    with refs.holding(target, "module") as mod, \
+            Leases(ref, receiver_id, options.lease_seconds, tasks.take_leases, tasks.release_leases) as leases:
+        def refit(p: RefitPlan) -> dict:
+            leases.take(p)
+            return _refit(tasks, p, mod, mirror, options, target)
 
-            def release() -> None:
-                if leased:
-                    tasks.release_leases(ref, receiver_id, list(leased))
-                    leased.clear()
-
-            before = module.held_by(target)
-            plan, info = with_replans(lambda: tasks.plan_module_refit(ref, mod, step), refit, release,
-                                      type(target).__name__)
-            policy = manifests(plan)[plan.target_step].policy_digest
-            # Slot digests: after a delta only the slots it wrote are hashed again (module_digests).
-            written = set(info.pop("slots_written", ()))
-            previous = before.get("slots") if before and info["mode"] != "dense" else None
-            slots = module_digests.record(target, previous, written)
-            module.set_held(target, {"root": ref.url, "step": plan.target_step, "policy_digest": policy,
-                                     "slots": slots, "fingerprint": module_digests.fingerprint(slots)})
-            record = {"from_step": plan.current_step, "moves": plan.describe(), "policy_digest": policy,
-                      "probe": module.probe_counts(target), **info}
-            tasks.record_receiver_commit(ref, receiver_id, plan.target_step, record)
-        finally:
-            if leased:
-                tasks.release_leases(ref, receiver_id, leased)
+        before = module.held_by(target)
+        plan, info = leases.replanned(lambda: tasks.plan_module_refit(ref, mod, step), refit, type(target).__name__)
+        policy = manifests(plan)[plan.target_step].policy_digest
+        # Slot digests: after a delta only the slots it wrote are hashed again (module_digests).
+        written = set(info.pop("slots_written", ()))
+        previous = before.get("slots") if before and info["mode"] != "dense" else None
+        slots = module_digests.record(target, previous, written)
+        module.set_held(target, {"root": ref.url, "step": plan.target_step, "policy_digest": policy,
+                                 "slots": slots, "fingerprint": module_digests.fingerprint(slots)})
+        record = {"from_step": plan.current_step, "moves": plan.describe(), "policy_digest": policy,
+                  "probe": module.probe_counts(target), **info}
+        tasks.record_receiver_commit(ref, receiver_id, plan.target_step, record)
     return as_dict(ReceiveResult(plan.target_step, plan.current_step, plan.describe(), info["bytes_pulled"], policy,
                                  dict(tasks.timings), {"probe": record["probe"], **info}))
 

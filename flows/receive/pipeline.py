@@ -15,6 +15,7 @@ import contextlib
 import logging
 import os
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from dcr_core.errors import IntegrityError, StateMismatchError, StepVanishedError, UsageError
@@ -63,6 +64,41 @@ def with_replans(plan: Callable[[], RefitPlan], run: Callable[[RefitPlan], T], u
     raise AssertionError("unreachable")
 
 
+@dataclass
+class Leases:
+    """The steps a refit has leased (gc keeps them while it reads): taken for each plan, dropped
+    before a replan, released when the refit ends, whether it succeeded or failed (a ``with``
+    block, or ``release()`` by whoever ends it later: a vLLM worker after its apply). Every receiver
+    (state file, live module, vLLM worker, fleet member) leases through this one class;
+    ``take``/``drop`` are the pipeline's steps (Prefect tasks under a flow)."""
+
+    root: RootRef
+    receiver_id: str
+    ttl: float
+    take_fn: Callable = state_file.take_leases
+    drop_fn: Callable = state_file.release_leases
+    steps: list[int] = field(default_factory=list)
+
+    def take(self, plan: RefitPlan) -> None:
+        self.release()
+        self.steps = list(self.take_fn(self.root, self.receiver_id, plan, self.ttl))
+
+    def release(self) -> None:
+        steps, self.steps = self.steps, []
+        if steps:
+            self.drop_fn(self.root, self.receiver_id, steps)
+
+    def replanned(self, plan: Callable[[], RefitPlan], run: Callable[[RefitPlan], T], where: str) -> tuple[RefitPlan, T]:
+        """``with_replans`` with these leases dropped before each replan."""
+        return with_replans(plan, run, self.release, where)
+
+    def __enter__(self) -> Leases:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()  # also when the refit failed: leases only ever protect reads in progress
+
+
 def clear_for_rewrite(state_path: str) -> None:
     """Before a file is rewritten whole (under its lock): a pending in-place patch settled (so a
     failed rewrite leaves one whole step), then its journal and block digests removed."""
@@ -107,24 +143,17 @@ def run_receive(
             if journal.settle(state_path) is not None and cut_off:
                 log.warning("%s: rolled back an interrupted in-place refit", state_path)
                 sidecar.remove(state_path)  # its stamp already fails (the roll back wrote); hash it all next time
-        leased: list[int] = []
-        try:
+        with Leases(ref, receiver_id, options.lease_seconds, tasks.take_leases, tasks.release_leases) as leases:
             def stage(p: RefitPlan):
                 if record:
-                    leased[:] = tasks.take_leases(ref, receiver_id, p, options.lease_seconds)
+                    leases.take(p)
                 if not p.moves:
                     return None
                 if mapped:
                     return on_workers.stage_on_workers(tasks, p, state_path, options, named)
                 return tasks.stage_refit(p, state_path, options)
 
-            def release() -> None:
-                if leased:
-                    tasks.release_leases(ref, receiver_id, list(leased))
-                    leased.clear()
-
-            plan, staged = with_replans(lambda: tasks.plan_receive(ref, state_path, step, fresh), stage, release,
-                                        state_path)
+            plan, staged = leases.replanned(lambda: tasks.plan_receive(ref, state_path, step, fresh), stage, state_path)
             pulled = 0
             if staged is not None:
                 tasks.install_state(staged)
@@ -137,9 +166,6 @@ def run_receive(
                     "from_step": plan.current_step, "moves": plan.describe(), "bytes_pulled": pulled,
                     "policy_digest": policy,
                 })
-        finally:
-            if leased:  # also when the refit failed: leases only ever protect reads in progress
-                tasks.release_leases(ref, receiver_id, leased)
     return ReceiveResult(plan.target_step, plan.current_step, plan.describe(), pulled, policy, dict(tasks.timings))
 
 

@@ -77,7 +77,7 @@ from dcr_core.errors import DCRError, StateMismatchError, UsageError
 from flows.options import ReceiveOptions
 from flows.receive import state_file, vllm_fixups, vllm_layers, vllm_patch, vllm_state
 from flows.receive.module import default_mirror_path
-from flows.receive.pipeline import check_arguments, with_replans
+from flows.receive.pipeline import Leases, check_arguments
 from storage import reader
 from storage.catalog import Catalog
 from storage.local import journal, state
@@ -122,7 +122,7 @@ class _Prepared:
     changed: int
     known: bool
     digests: dict[str, str]  # the engine's module digests, when prepared
-    leased: list[int]
+    leases: Leases
     fetch_seconds: float
     lock: contextlib.ExitStack = field(repr=False)
     record: dict = field(default_factory=dict)  # the receiver's commit record, once applied
@@ -328,21 +328,16 @@ class DCRWorkerExtension:
     def _dcr_stage(self, b: _Begun, step, opts: ReceiveOptions) -> _Prepared:
         """The part of a prepare that only reads the bucket and the mirror (may run in a thread):
         plan, lease, stage the next mirror (verified), and choose what to reload."""
-        leased: list[int] = []
+        leases = Leases(b.ref, b.receiver_id, opts.lease_seconds)  # released after the apply (or an abort)
         t0 = time.perf_counter()
         try:
             def stage(p: RefitPlan):
                 if not p.moves:
                     return None
-                leased[:] = state_file.take_leases(b.ref, b.receiver_id, p, opts.lease_seconds)
+                leases.take(p)
                 return state_file.stage_refit(p, b.mirror, opts)
 
-            def release() -> None:
-                if leased:
-                    state_file.release_leases(b.ref, b.receiver_id, list(leased))
-                    leased.clear()
-
-            plan, staged = with_replans(lambda: state_file.plan_receive(b.ref, b.mirror, step), stage, release, b.mirror)
+            plan, staged = leases.replanned(lambda: state_file.plan_receive(b.ref, b.mirror, step), stage, b.mirror)
             target = reader.manifests(plan)[plan.target_step]
             if staged is None and not b.known:  # the engine is reloaded from the mirror as it is: check it
                 state_file.verify_held_state(plan, b.mirror)
@@ -360,10 +355,9 @@ class DCRWorkerExtension:
                     layers = b.layer_map.layers_of(reload)
                     touched = self._dcr_touched(layers, patches)
             return _Prepared(b.ref, b.receiver_id, b.mirror, plan, staged, reload, layers, patches, touched,
-                             len(changed), b.known, b.digests, leased, time.perf_counter() - t0, b.lock)
+                             len(changed), b.known, b.digests, leases, time.perf_counter() - t0, b.lock)
         except BaseException:
-            if leased:
-                state_file.release_leases(b.ref, b.receiver_id, leased)
+            leases.release()
             b.lock.close()
             raise
 
@@ -421,9 +415,7 @@ class DCRWorkerExtension:
             if p.staged is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(p.staged.path)
-            if p.leased:
-                state_file.release_leases(p.ref, p.receiver_id, p.leased)
-                p.leased = []
+            p.leases.release()
         finally:
             p.lock.close()
 

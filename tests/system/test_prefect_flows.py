@@ -12,6 +12,7 @@ import uuid
 import pytest
 import torch
 
+from dcr_core.errors import UsageError
 from tests.support.fused_module import TinyFused
 from tests.support.helpers import assert_bits_equal
 
@@ -120,35 +121,51 @@ def test_the_prefect_publish_tasks_use_and_keep_a_held_baseline(prefect_settings
     assert not os.path.exists(tmp_path / "cache")
 
 
-def test_task_results_are_serializable_references_persisted_as_json(prefect_settings, tmp_path, monkeypatch):
-    """With result persistence on, every step's result is written by Prefect's JSON serializer:
-    the steps exchange references and small records, never tensors or open files."""
-    from prefect.settings import (
-        PREFECT_LOCAL_STORAGE_PATH,
-        PREFECT_RESULTS_PERSIST_BY_DEFAULT,
-        temporary_settings,
-    )
+def test_task_results_are_serializable_references_and_nothing_is_persisted(prefect_settings, tmp_path):
+    """Every step's arguments and result pass Prefect's JSON serializer (the steps exchange
+    references and small records, never tensors or open files), and no result is written to
+    Prefect's result storage even where persistence is on by default: no rerun could use one."""
+    from prefect.serializers import JSONSerializer
+    from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, PREFECT_RESULTS_PERSIST_BY_DEFAULT, temporary_settings
 
-    from flows import publish_refit, receive_refit
+    from flows import publish_refit, receive_refit, run_publish, run_receive
+    from flows.prefect_flows import PrefectRunner
+
+    seen: list[str] = []
+    serializer = JSONSerializer()
+
+    class Checking(PrefectRunner):  # each step as a Prefect task, its inputs and output serialized
+        def wrap(self, step):
+            run = super().wrap(step)
+
+            def checked(*args, **kwargs):
+                out = run(*args, **kwargs)
+                for what in (args, kwargs, out):
+                    blob = serializer.dumps(what)
+                    assert len(blob) < 1 << 20, f"{step.name}: {len(blob)} bytes: steps pass references, not data"
+                seen.append(step.name)
+                return out
+
+            return checked
 
     store = tmp_path / "results"
     root = str(tmp_path / "bucket")
     ck = TinyFused.checkpoint(4)
     with temporary_settings({PREFECT_RESULTS_PERSIST_BY_DEFAULT: True, PREFECT_LOCAL_STORAGE_PATH: str(store)}):
-        publish_refit(root, ck, 0)
-        publish_refit(root, _next(ck, 1), 1)
+        from prefect import flow
+
+        @flow(persist_result=False)
+        def checked_pipelines():
+            run_publish(root, ck, 0, runner=Checking())
+            run_publish(root, _next(ck, 1), 1, runner=Checking())
+            run_receive(root, "rx", str(tmp_path / "s.safetensors"), runner=Checking())
+
+        checked_pipelines()
+        publish_refit(root, _next(ck, 2), 2)
         receive_refit(root, "rx", str(tmp_path / "s.safetensors"))
-    files = [p for p in store.rglob("*") if p.is_file()]
-    assert len(files) >= 12, "the steps' results were persisted"
-    big = max(p.stat().st_size for p in files)
-    assert big < 1 << 20, f"a step result of {big} bytes: steps must pass references, not data"
-    not_json = []
-    for p in files:  # every result (of each task, and of the flows) is a JSON document
-        try:
-            json.loads(p.read_text())
-        except ValueError:
-            not_json.append(p.name)
-    assert not not_json, f"results not stored as JSON: {not_json[:3]}"
+    assert {"plan-publish", "encode-and-write-chunks", "write-manifest", "commit", "resolve-chain",
+            "fetch-apply-verify", "replace-state", "record-receiver-commit"} <= set(seen), seen
+    assert not [p for p in store.rglob("*") if p.is_file()], "results were persisted"
 
 
 @pytest.mark.slow  # about 16 s: the slow suite (make test-slow)
@@ -315,3 +332,6 @@ def test_the_fleet_flow_is_a_named_tagged_run_whose_members_table_says_who_faile
         (art,) = [a for a in client.read_artifacts() if a.flow_run_id == run.id and a.key == "dcr-fleet-gen"]
         (row,) = json.loads(art.data)
         assert (row["member"], row["receiver"], row["outcome"]) == (dead, "m0", "failed")
+    # a credential in a flow parameter would be stored in Prefect's database: refused before anything runs
+    with pytest.raises(UsageError, match=r"storage_options\['client_kwargs'\]\['aws_secret_access_key'\]: a credential"):
+        fleet_refit(root, [f"m0={dead}"], 0, "gen", {"client_kwargs": {"aws_secret_access_key": "x"}})
