@@ -106,23 +106,28 @@ def slots(task_runner) -> int:
 
 
 def run_mapped(task_runner, task, items: list[dict], shared: dict, each: Callable[[Any], None] | None = None) -> list:
-    """``task(**shared, **item)`` for every item, submitted to ``task_runner`` at once; the results
-    in the items' order, each passed to ``each`` once it and those before it are in. The first
-    failure cancels what has not started and is raised: the task's own exception as it is, a
-    cluster failure as ``WorkersLostError``."""
-    futures = [task_runner.submit(task, {**shared, **item}) for item in items]
+    """``task(**shared, **item)`` for every item, submitted to ``task_runner`` at once (Prefect's
+    ``TaskRunner.submit``); the results in the items' order, each passed to ``each`` once it and
+    those before it are in. The first failure is raised (the task's own exception as it is, a
+    cluster failure as ``WorkersLostError``) and what has not run is dropped.
+
+    Only Prefect's API is used. Prefect 3's futures offer ``wait`` and ``result`` but no release
+    and no cancel: a result is released on the workers, and a task not started yet cancelled, by
+    dropping the last reference to its future (the Dask future under it is released when it is
+    garbage collected, which CPython does at once, and the scheduler forgets a key nobody wants).
+    Cancelling through the Prefect API instead would cost a server round trip per task and would
+    not stop Dask from running it."""
+    futures: list = [task_runner.submit(task, {**shared, **item}) for item in items]
     out: list = []
     try:
-        for f in futures:
-            out.append(f.result())
-            f.wrapped_future.release()  # its result is here: a worker lost later need not recompute it
+        for i in range(len(futures)):
+            out.append(futures[i].result())
+            futures[i] = None  # its result is here: a worker lost later need not recompute it
             if each is not None:
                 each(out[-1])
         return out
     except Exception as e:  # noqa: BLE001 - re-raised: the task's own error as it is, the cluster's as one line
-        for f in futures:
-            with contextlib.suppress(Exception):
-                f.wrapped_future.cancel()
+        futures.clear()  # what has not run is dropped (see the docstring)
         raise _lost(e) or e from None
 
 
