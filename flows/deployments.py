@@ -1,8 +1,9 @@
 """The deployments of ``infra/prefect.yaml``: served from one process (``dcr serve``), or applied
 to a work pool by ``prefect deploy``, from the same file.
 
-``{{ $NAME }}`` values are taken from the environment, as ``prefect deploy`` does; an unset
-variable is an error naming it (an empty parameter would only fail later, in every run).
+``{{ $NAME }}`` values are taken from the environment by Prefect's templating, as ``prefect deploy``
+does; an unset variable is an error naming it (an empty parameter would only fail later, in every
+run).
 
 ``flows.deploy_check.check_deployment`` is the file's build step: ``prefect deploy`` runs it before it creates or
 updates each deployment, so a deployment is either valid or refused at deploy time (an unset or
@@ -17,36 +18,25 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 from pathlib import Path
 
 import yaml
+from prefect.utilities.templating import ENV_VAR_PLACEHOLDER_PREFIX, PlaceholderType, apply_values, find_placeholders
 
 from dcr_core.errors import UsageError
 from storage import layout
 from storage.root import check_root_url
 
 DEFAULT_FILE = Path(__file__).resolve().parent.parent / "infra" / "prefect.yaml"
-_TEMPLATE = re.compile(r"\{\{\s*\$([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 
 
-def _fill(value, used: set[str]):
-    """``value`` with every ``{{ $NAME }}`` replaced by the environment's NAME."""
-    if isinstance(value, dict):
-        return {k: _fill(v, used) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_fill(v, used) for v in value]
-    if not isinstance(value, str):
-        return value
-
-    def env(m: re.Match) -> str:
-        name = m.group(1)
-        used.add(name)
-        if not os.environ.get(name):
-            raise UsageError(f"deployment parameter {value!r} needs the environment variable {name}; set it")
-        return os.environ[name]
-
-    return _TEMPLATE.sub(env, value)
+def _filled(value):
+    """``value`` with every ``{{ $NAME }}`` replaced by the environment's NAME, by Prefect's own templating
+    (what ``prefect deploy`` does with the file); each DCR setting it names checked first (``check_values``)."""
+    names = {p.name.removeprefix(ENV_VAR_PLACEHOLDER_PREFIX) for p in find_placeholders(value)
+             if p.type is PlaceholderType.ENV_VAR}
+    check_values(names)
+    return apply_values(value, os.environ, remove_notset=False)
 
 
 def _flow(entrypoint: str):
@@ -73,13 +63,11 @@ def deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] | None 
     for spec in specs(path):
         if names and spec["name"] not in {n.removeprefix(SERVE_PREFIX) for n in names}:
             continue
-        used: set[str] = set()
-        params = _fill(spec.get("parameters") or {}, used)
-        check_values(used)
+        params, run_tags = _filled(spec.get("parameters") or {}), _filled(spec.get("tags") or [])
         interval = next((s["interval"] for s in spec.get("schedules") or [] if "interval" in s), None)
         out.append(_flow(spec["entrypoint"]).to_deployment(
             name=SERVE_PREFIX + spec["name"], parameters=params, interval=interval, description=spec.get("description"),
-            tags=spec.get("tags"), concurrency_limit=spec.get("concurrency_limit"),
+            tags=run_tags, concurrency_limit=spec.get("concurrency_limit"),
         ))
     missing = {n.removeprefix(SERVE_PREFIX) for n in names or []} - {spec["name"] for spec in specs(path)}
     if missing:

@@ -27,13 +27,14 @@ change. A flow run that failed can simply be run again.
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 import re
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from prefect import flow, get_run_logger, tags, task
+from prefect import Flow, get_run_logger, tags, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE
 from prefect.client.orchestration import get_client
@@ -111,11 +112,60 @@ def _slug(text: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", str(text).lower()).strip("-")[:60] or "x"
 
 
-def _tag_run(*run_tags: str) -> None:
-    """Add tags to the current flow run (the decorator takes none; task runs get them from ``tags``)."""
-    ctx = get_run_context()
-    with get_client(sync_client=True) as client:
-        client.update_flow_run(ctx.flow_run.id, tags=sorted(set(ctx.flow_run.tags) | set(run_tags)))
+class _TaggedFlow(Flow):
+    """A flow whose runs are created with DCR's tags, computed from the call's arguments.
+
+    Prefect takes a run's tags where the run is created: from ``with prefect.tags(...)`` around a call,
+    or from the deployment (``infra/prefect.yaml`` gives each deployment its kind and root). Calling one
+    of these flows enters that context itself, so a run is tagged without a call to update it. The flow
+    body enters it again for its task runs (a deployment's run does not go through ``__call__``).
+    ``with_options`` returns a plain ``Flow``: its runs have the caller's tags only.
+    """
+
+    def __init__(self, fn, tags_of, **kwargs):
+        super().__init__(fn, **kwargs)
+        self.tags_of = tags_of
+
+    def __call__(self, *args, return_state: bool = False, wait_for=None, **kwargs):
+        bound = inspect.signature(self.fn).bind(*args, **kwargs)
+        bound.apply_defaults()
+        with tags(*self.tags_of(**bound.arguments)):
+            return super().__call__(*args, return_state=return_state, wait_for=wait_for, **kwargs)
+
+
+def _dcr_flow(name: str, run_name, tags_of):
+    """``@flow`` for DCR's flows: named runs, tagged at creation (``_TaggedFlow``), nothing persisted."""
+    def decorate(fn):
+        return _TaggedFlow(fn, tags_of, name=name, flow_run_name=run_name, log_prints=True, persist_result=False)
+    return decorate
+
+
+def _publish_tags(root, step, **_) -> tuple[str, ...]:
+    return ("dcr", "dcr-publish", f"root:{root}", f"step:{step}")
+
+
+def _receive_tags(root, receiver_id, **_) -> tuple[str, ...]:
+    return ("dcr", "dcr-receive", f"root:{root}", f"receiver:{receiver_id}")
+
+
+def _materialize_tags(root, **_) -> tuple[str, ...]:
+    return ("dcr", "dcr-materialize", f"root:{root}")
+
+
+def _verify_tags(root, **_) -> tuple[str, ...]:
+    return ("dcr", "dcr-verify", f"root:{root}")
+
+
+def _mirror_tags(src, dst, **_) -> tuple[str, ...]:
+    return ("dcr", "dcr-mirror", f"root:{src}", f"mirror:{dst}")
+
+
+def _fleet_tags(root, name, **_) -> tuple[str, ...]:
+    return ("dcr", "dcr-fleet", f"root:{root}", f"fleet:{name}")
+
+
+def _gc_tags(root, **_) -> tuple[str, ...]:
+    return ("dcr", "dcr-gc", f"root:{root}")
 
 
 def _publish_name() -> str:
@@ -153,7 +203,7 @@ def _gc_name() -> str:
     return f"gc-keep-{keep}"
 
 
-@flow(name="dcr-publish-refit", flow_run_name=_publish_name, log_prints=True, persist_result=False)
+@_dcr_flow("dcr-publish-refit", _publish_name, _publish_tags)
 def publish_refit(
     root: str | Path, source: Any, step: int, keyframe: bool = False, storage_options: dict | None = None,
     options: PublishOptions | None = None, attempt: str | None = None, workers: int | str | None = None,
@@ -167,16 +217,14 @@ def publish_refit(
     (a ``prefect_dask.DaskTaskRunner``, not started): the encoding runs as tasks mapped over groups
     of tensors on that Dask cluster (a checkpoint path only; ``flows.workers``)."""
     refuse_credentials(storage_options)
-    run_tags = ("dcr", "dcr-publish", f"root:{root}", f"step:{step}")
-    _tag_run(*run_tags)
-    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
+    with tags(*_publish_tags(root, step)), cluster.entered(workers, task_runner) as mapped_on:
         result = run_publish(str(root), source, step, keyframe, storage_options, options, PrefectRunner(mapped_on),
                              attempt)
     _best_effort(_report_publish, str(root), storage_options, result)
     return asdict(result)
 
 
-@flow(name="dcr-receive-refit", flow_run_name=_receive_name, log_prints=True, persist_result=False)
+@_dcr_flow("dcr-receive-refit", _receive_name, _receive_tags)
 def receive_refit(
     root: str | Path, receiver_id: str, target: Any, step: int | None = None, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, state_path: str | None = None, workers: int | str | None = None,
@@ -191,9 +239,7 @@ def receive_refit(
     if (task_runner is not None or cluster.parse_workers(workers) is not None) and not isinstance(target, (str, Path)):
         raise UsageError("workers rewrite a state file; a live module or an engine receives in its own process")
     refuse_credentials(storage_options)
-    run_tags = ("dcr", "dcr-receive", f"root:{root}", f"receiver:{receiver_id}")
-    _tag_run(*run_tags)
-    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
+    with tags(*_receive_tags(root, receiver_id)), cluster.entered(workers, task_runner) as mapped_on:
         if isinstance(target, (str, Path)):
             result = as_dict(run_receive(str(root), receiver_id, target, step, storage_options, options,
                                          PrefectRunner(mapped_on)))
@@ -210,7 +256,7 @@ def receive_refit(
     return result
 
 
-@flow(name="dcr-materialize", flow_run_name=_materialize_name, log_prints=True, persist_result=False)
+@_dcr_flow("dcr-materialize", _materialize_name, _materialize_tags)
 def materialize_refit(
     root: str | Path, step: int | None, out: str | Path, storage_options: dict | None = None,
     options: ReceiveOptions | None = None, workers: int | str | None = None, task_runner: Any = None,
@@ -221,16 +267,14 @@ def materialize_refit(
     tensors on that Dask cluster (``flows.receive.on_workers``: the workers must see ``out``).
     ``force``: replace ``out`` even if DCR did not write it."""
     refuse_credentials(storage_options)
-    run_tags = ("dcr", "dcr-materialize", f"root:{root}")
-    _tag_run(*run_tags)
-    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
+    with tags(*_materialize_tags(root)), cluster.entered(workers, task_runner) as mapped_on:
         result = as_dict(run_materialize(str(root), step, str(out), storage_options, options, PrefectRunner(mapped_on),
                                          force=force))
     get_run_logger().info("wrote step %d to %s (%d bytes pulled)", result["step"], out, result["bytes_pulled"])
     return result
 
 
-@flow(name="dcr-verify", flow_run_name=_verify_name, log_prints=True, persist_result=False)
+@_dcr_flow("dcr-verify", _verify_name, _verify_tags)
 def verify_refit(
     root: str | Path, step: int | None = None, deep: bool = False, storage_options: dict | None = None,
     io_workers: int = 8, workers: int | str | None = None, task_runner: Any = None, group_bytes: int | None = None,
@@ -240,16 +284,14 @@ def verify_refit(
     ``task_runner``, each step's tensors are checked in groups on that Dask cluster. Returns the
     report: a failed check is in ``errors``, not raised."""
     refuse_credentials(storage_options)
-    run_tags = ("dcr", "dcr-verify", f"root:{root}")
-    _tag_run(*run_tags)
-    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
+    with tags(*_verify_tags(root)), cluster.entered(workers, task_runner) as mapped_on:
         report = verify(open_root(str(root), storage_options or {}), step, deep, io_workers,
                         PrefectRunner(mapped_on), group_bytes)
     _best_effort(_report_verify, report)
     return asdict(report)
 
 
-@flow(name="dcr-mirror", flow_run_name=_mirror_name, log_prints=True, persist_result=False)
+@_dcr_flow("dcr-mirror", _mirror_name, _mirror_tags)
 def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_options: dict | None = None,
                  dst_storage_options: dict | None = None, as_id: str | None = None,
                  io_workers: int = 8, workers: int | str | None = None, task_runner: Any = None,
@@ -260,9 +302,7 @@ def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_option
     on that Dask cluster (the marker last, by the flow)."""
     refuse_credentials(src_storage_options, "src_storage_options")
     refuse_credentials(dst_storage_options, "dst_storage_options")
-    run_tags = ("dcr", "dcr-mirror", f"root:{src}", f"mirror:{dst}")
-    _tag_run(*run_tags)
-    with tags(*run_tags), cluster.entered(workers, task_runner) as mapped_on:
+    with tags(*_mirror_tags(src, dst)), cluster.entered(workers, task_runner) as mapped_on:
         result = run_mirror(str(src), str(dst), step, src_storage_options, dst_storage_options,
                             PrefectRunner(mapped_on), as_id=as_id, io_workers=io_workers, group_bytes=group_bytes)
     get_run_logger().info("mirrored steps %s to %s (%d objects, %d bytes); already there: %d", result.copied_steps, dst,
@@ -270,16 +310,14 @@ def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_option
     return asdict(result)
 
 
-@flow(name="dcr-fleet", flow_run_name=_fleet_name, log_prints=True, persist_result=False)
+@_dcr_flow("dcr-fleet", _fleet_name, _fleet_tags)
 def fleet_refit(root: str, engines: list[str], step: int | None = None, name: str = "default",
                 storage_options: dict | None = None, timeout: float = 600.0) -> dict:
     """Switch every vLLM server of fleet ``name`` to ``step`` (default: the newest live step), all or
     nothing (``dcr fleet``; ``flows.receive.fleet``): prepare-members, apply-members (and
     take-back-members when one fails), record-fleet as tasks; a table artifact of the members."""
     refuse_credentials(storage_options)
-    run_tags = ("dcr", "dcr-fleet", f"root:{root}", f"fleet:{name}")
-    _tag_run(*run_tags)
-    with tags(*run_tags):
+    with tags(*_fleet_tags(root, name)):
         try:
             result = run_fleet(str(root), list(engines), step, name, storage_options, PrefectRunner(), timeout)
         except FleetSwitchError as e:
@@ -298,13 +336,11 @@ def _report_fleet(r: FleetResult) -> None:
     )
 
 
-@flow(name="dcr-gc", flow_run_name=_gc_name, log_prints=True, persist_result=False)
+@_dcr_flow("dcr-gc", _gc_name, _gc_tags)
 def gc_refit(root: str | Path, options: GcOptions, storage_options: dict | None = None) -> dict:
     """Delete the steps retention no longer keeps and attempts that can never commit (``dcr gc``)."""
     refuse_credentials(storage_options)
-    run_tags = ("dcr", "dcr-gc", f"root:{root}")
-    _tag_run(*run_tags)
-    with tags(*run_tags):
+    with tags(*_gc_tags(root)):
         report = run_gc(str(root), options, storage_options, PrefectRunner())
     _best_effort(_report_gc, report)
     return asdict(report)
