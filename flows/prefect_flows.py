@@ -34,6 +34,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+# Dask workers preload this module as they start (``dask worker --preload flows.prefect_flows``;
+# ``--workers N`` preloads it on its LocalCluster): a worker unpickles the flow with each task's run
+# context, and runs the mapped steps (publish.encode, receive.on_workers, maintenance.audit and
+# mirror, all imported above), so importing it once then keeps about 2 s out of each worker's first
+# task. Prefect's task engine is loaded here for the same reason.
+import prefect.task_engine  # noqa: F401 - loaded with the flows: a worker's first task does not import it
 from prefect import Flow, get_run_logger, tags, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE

@@ -1,4 +1,7 @@
-"""A follower's streaming: while it waits for the next commit, fetch the step being built.
+"""Waiting for ROOT: the one poller, and a follower's streaming (fetch the step being built while it waits).
+
+``poll`` waits for something to appear in ROOT: ``dcr receive --follow``, the ranks of a sharded
+publish waiting for each other and for the commit, and this module's followers.
 
 Shared by receivers (``dcr receive --follow --stream``: a ``Prefetcher`` holds the chunks for the
 refit) and mirrors (``dcr mirror --follow --stream``: a ``Forwarder`` copies them downstream).
@@ -7,7 +10,7 @@ Each poll of ``dcr receive --follow --stream`` also reads ``building.json`` (``s
 it names a step newer than the state and not yet committed, a ``Prefetcher`` fetches and verifies
 that attempt's chunks as the publisher stores them. The wait between polls ends as soon as the
 prefetcher sees the step's marker, and the refit that follows takes the prefetched chunks instead
-of reading them (``storage.prefetched``): the same refit, the same checks, the same outcome as
+of reading them (``storage.held_chunks``): the same refit, the same checks, the same outcome as
 without streaming, only earlier. A newer announcement (a publisher that retried, or the next step)
 replaces the prefetch and drops what it held; so does the end of each refit.
 """
@@ -16,13 +19,35 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
-from dcr_core.errors import DCRError
+from dcr_core.errors import DCRError, StepConflictError
 from storage.catalog import Catalog
+from storage.held_chunks import PREFETCHED
 from storage.prefetch import Prefetcher, marker_exists
-from storage.prefetched import PREFETCHED
 from storage.root import Root, RootRef, open_root
 from storage.stream import read_building
+
+T = TypeVar("T")
+
+
+def poll(check: Callable[[], T | None], what: str, timeout: float | None = None,
+         interval: float = 0.25, first: float = 0.01, sleep: Callable[[float], object] = time.sleep) -> T:
+    """Call ``check`` until it returns something other than None and return that. Waits ``first``
+    seconds after the first miss, doubling up to ``interval``; raises ``StepConflictError`` after
+    ``timeout`` seconds (None: wait for good). Errors ``check`` raises end the wait. ``sleep(s)``
+    waits between checks (it may return early: a streaming follower wakes on the commit)."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    delay = min(first, interval)
+    while True:
+        out = check()
+        if out is not None:
+            return out
+        if deadline is not None and time.monotonic() > deadline:
+            raise StepConflictError(f"{what}: timed out after {timeout:.0f} s; nothing committed")
+        sleep(delay)
+        delay = min(interval, delay * 2)
+
 
 STREAMING_POLL = 0.5
 

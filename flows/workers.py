@@ -28,7 +28,7 @@ from dcr_core.errors import DCRError, UsageError
 from storage.root import RootRef
 
 WorkersSpec = int | str | None
-PRELOAD = "flows.worker_setup"  # imported by every worker as it starts (``dask worker --preload``)
+PRELOAD = "flows.prefect_flows"  # imported by every worker as it starts (``dask worker --preload``)
 # The workers of a LocalCluster print to this command's terminal: Prefect's per-task INFO lines stay
 # off it (they still reach the Prefect API); the command prints its own result.
 QUIET_WORKERS = {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING"}

@@ -25,7 +25,7 @@ import blake3
 
 from dcr_core.chain import DELTA, StepInfo
 from dcr_core.errors import IntegrityError, StepNotFoundError, UntrustedError, UsageError
-from storage import layout, run, signing
+from storage import layout, run_identity, signing
 from storage.manifest import MAX_MANIFEST_BYTES, Manifest
 from storage.marker import MAX_MARKER_BYTES, CommitMarker
 from storage.retraction import MAX_RETRACTION_BYTES, Retraction
@@ -86,7 +86,7 @@ class Catalog:
                                  f"{signing.ENV_KEY} / {signing.ENV_KEY_FILE} (HMAC)")
         self._markers: dict[int, CommitMarker] = {}
         self._retractions: dict[int, Retraction | None] = {}
-        self._run: run.Run | None | bool = False  # False: not read yet
+        self._run: run_identity.Run | None | bool = False  # False: not read yet
 
     def listed_steps(self) -> list[int]:
         """Every step with a prefix under ``steps/`` (committed or not), ascending."""
@@ -195,11 +195,11 @@ class Catalog:
         elif marker.run is not None:
             raise UntrustedError(f"{where}: names run {marker.run}, but {self.root.url} has no run.json (deleted?)")
 
-    def root_run(self, fresh: bool = False) -> run.Run | None:
-        """The ROOT's run (``storage.run.read``: what this process read seconds ago may answer;
+    def root_run(self, fresh: bool = False) -> run_identity.Run | None:
+        """The ROOT's run (``storage.run_identity.read``: what this process read seconds ago may answer;
         ``fresh`` reads it again)."""
         if self._run is False or fresh:
-            self._run = run.read(self.root, cached=not fresh)
+            self._run = run_identity.read(self.root, cached=not fresh)
         return self._run
 
     def manifest(self, step: int) -> Manifest:

@@ -28,8 +28,8 @@ from dcr_core.digest import chunk_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError
 from storage import layout, zarr_meta
+from storage.held_chunks import PREFETCHED
 from storage.manifest import Manifest, TensorEntry
-from storage.prefetched import PREFETCHED
 from storage.root import Root
 
 
@@ -159,7 +159,7 @@ class UncheckedChunk:
 
 def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, checked: bool = True
                ) -> tuple[int, np.ndarray | HeldCoded | UncheckedChunk]:
-    """Fetch (or take from the prefetched chunks, ``storage.prefetched``), decompress and verify the
+    """Fetch (or take from the prefetched chunks, ``storage.held_chunks``), decompress and verify the
     ``pos``-th stored chunk of ``entry`` (main chunks, then parts); unless ``checked`` is false: then
     its stored bytes, size-checked only (``UncheckedChunk``)."""
     rel, index, digest, nbytes = entry.stored_at(pos)
@@ -212,7 +212,7 @@ def payload_digest(payload: np.ndarray | HeldCoded) -> str:
 
 def verified_as(codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int, digest: str, nbytes: int) -> tuple:
     """Everything a chunk's check depends on: stored bytes that decode under these to a payload with
-    this digest are the chunk (the key of ``storage.prefetched``)."""
+    this digest are the chunk (the key of ``storage.held_chunks``)."""
     return (digest, nbytes, dtype, grid.chunk_numel, *grid.chunk_span(index), grid.chunk_size(index), json.dumps(codec.to_dict(), sort_keys=True))
 
 

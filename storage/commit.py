@@ -17,7 +17,7 @@ import logging
 
 from dcr_core import events
 from dcr_core.errors import DCRError, StepConflictError
-from storage import heartbeat, layout, retraction, run, signing
+from storage import heartbeat, layout, retraction, run_identity, signing
 from storage.catalog import Catalog
 from storage.marker import CommitMarker
 from storage.root import Root
@@ -49,7 +49,7 @@ def commit_marker(root: Root, marker: CommitMarker) -> CommitMarker:
                                 "published on it; nothing committed (publish again: it builds on the newest live step)")
     events.reached("publish.base-checked", step=marker.step)
     key = signing.publisher_key()
-    marker = dataclasses.replace(marker, run=run.ensure(root, marker.step, key.algorithm if key else None).run_id)
+    marker = dataclasses.replace(marker, run=run_identity.ensure(root, marker.step, key.algorithm if key else None).run_id)
     if key is not None:
         marker = dataclasses.replace(marker, signature=key.sign(marker.body()), signature_algorithm=key.algorithm)
     if root.create_if_absent(layout.commit_key(marker.step), marker.to_json()):

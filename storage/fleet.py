@@ -26,7 +26,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from storage import layout
-from storage.fields import fail
+from storage.document_fields import fail
 from storage.root import Root
 
 FORMAT = "dcr-fleet"

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from dcr_core.errors import UntrustedError
 from storage import layout, signing
 from storage.catalog import Catalog
-from storage.fields import document, fail, parse_int, parse_run_id
+from storage.document_fields import document, fail, parse_int, parse_run_id
 from storage.root import Root
 
 FORMAT = "dcr-heartbeat"

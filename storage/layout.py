@@ -31,7 +31,7 @@ from dcr_core.errors import UnsafeKeyError, UsageError
 STEP_WIDTH = 12
 MAX_STEP = 10**STEP_WIDTH - 1
 STEPS = "steps"
-RUN = "run.json"  # the ROOT's run identity (storage.run)
+RUN = "run.json"  # the ROOT's run identity (storage.run_identity)
 COMMIT = "commit.json"
 RETRACTED = "retracted.json"  # a committed step taken back (storage.retraction)
 MANIFEST = "manifest.json"

@@ -32,7 +32,7 @@ from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import IntegrityError, UsageError
 from dcr_core.shard_spec import Piece, c_strides, check_cover
 from storage import layout
-from storage.fields import MAX_DIM, MAX_NDIM, fail, parse_attempt, parse_digest, parse_int, parse_shape
+from storage.document_fields import MAX_DIM, MAX_NDIM, fail, parse_attempt, parse_digest, parse_int, parse_shape
 
 # Schema 2: tensor digests are block digests (``dcr_core.digest``, named by ``digest_scheme``).
 # Schema 1 (flat digests) is still read, and written where a publisher asks for flat digests.

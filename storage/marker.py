@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from dcr_core.chain import DELTA, KEYFRAME
 from storage import layout, signing
-from storage.fields import document, fail, parse_attempt, parse_digest, parse_int, parse_run_id
+from storage.document_fields import document, fail, parse_attempt, parse_digest, parse_int, parse_run_id
 
 SCHEMA_VERSION = 1
 FORMAT = "dcr-commit"
@@ -31,7 +31,7 @@ class CommitMarker:
     committed_at: str
     summary: dict = field(default_factory=dict)
     signature: str | None = None  # of body(), when the publisher has a signing key (storage.signing)
-    run: str | None = None  # the ROOT's run id (``storage.run``); None in markers written before runs
+    run: str | None = None  # the ROOT's run id (``storage.run_identity``); None in markers written before runs
     signature_algorithm: str = signing.HMAC_SHA256
 
     @property

@@ -2,7 +2,7 @@
 
 A ``Prefetcher`` (one thread) reads the attempt's stream indexes in order (``storage.stream``),
 fetches every chunk they name on a bounded pool, checks it against the index (size, decodes under
-the codec, payload digest) and holds its stored bytes in ``storage.prefetched.PREFETCHED``, where the
+the codec, payload digest) and holds its stored bytes in ``storage.held_chunks.PREFETCHED``, where the
 refit that follows the commit takes them (``read_chunk``, which uses them only for a manifest entry
 asking for exactly that digest). After the last index it watches for the step's commit marker (one
 HEAD of a known key per poll) and sets ``committed``, so a follower wakes at once. It never applies
@@ -25,8 +25,8 @@ from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
 from storage.chunk_io import BoundedPool, decode_chunk, payload_digest, verified_as
+from storage.held_chunks import PREFETCHED, Prefetched
 from storage.marker import MAX_MARKER_BYTES
-from storage.prefetched import PREFETCHED, Prefetched
 from storage.root import Root
 from storage.stream import StreamedChunk, StreamIndex, read_index
 

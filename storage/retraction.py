@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from storage import layout, signing
-from storage.fields import document, fail, parse_attempt, parse_digest, parse_run_id
+from storage.document_fields import document, fail, parse_attempt, parse_digest, parse_run_id
 
 if TYPE_CHECKING:
     from storage.marker import CommitMarker

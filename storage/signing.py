@@ -33,7 +33,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from dcr_core.errors import UsageError
-from storage.fields import fail
+from storage.document_fields import fail
 
 HMAC_SHA256 = "hmac-sha256"
 ED25519 = "ed25519"

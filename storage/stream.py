@@ -36,7 +36,7 @@ from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
 from storage.catalog import utc_now
 from storage.chunk_io import StoredChunk
-from storage.fields import document, fail, parse_attempt, parse_digest, parse_int, parse_shape
+from storage.document_fields import document, fail, parse_attempt, parse_digest, parse_int, parse_shape
 from storage.root import Root
 
 log = logging.getLogger("dcr.stream")

@@ -38,7 +38,7 @@ from dcr_core.delta import (
 )
 from flows import PublishOptions
 from flows.options import COND_DELTAS
-from flows.publish.steps import PUBLISH
+from flows.publish.pipeline import PUBLISH
 from flows.receive.pipeline import STATE_STEPS
 
 QUICK_SIZES, DEFAULT_SIZES = "2M", "10M,100M"

@@ -23,7 +23,7 @@ import torch
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.projection import ShardBits, project
 from dcr_core.shard_spec import split
-from flows import PublishOptions, Shard, ShardedSource, refs, run_publish
+from flows import PublishOptions, Shard, ShardedSource, local_refs, run_publish
 from flows.publish import ranks
 from flows.publish.shard_baseline import load_shard_baseline
 from storage.root import RootRef
@@ -75,7 +75,7 @@ def encode_memory(rows: int = 4096, cols: int = 2048, world: int = 4, chunk_byte
             return out
 
         run_publish(f"{d}/b", sources(full0), 0, options=opts)
-        snap = refs.put(sources(full1)[0].snapshot(), "shard snapshot")
+        snap = local_refs.put(sources(full1)[0].snapshot(), "shard snapshot")
         plan = ranks.plan_rank(RootRef(f"{d}/b"), snap, 1, False, opts, "ef" * 16)
         baseline = load_shard_baseline(plan, snap)
         tracemalloc.start()
@@ -85,9 +85,9 @@ def encode_memory(rows: int = 4096, cols: int = 2048, world: int = 4, chunk_byte
         secs = time.perf_counter() - t0
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        shard = refs.get(snap).bits[0].nbytes
-        refs.release(snap)
-        refs.release(baseline)
+        shard = local_refs.get(snap).bits[0].nbytes
+        local_refs.release(snap)
+        local_refs.release(baseline)
     return {"tensor_bytes": rows * cols * 2, "shard_bytes": shard, "chunk_bytes": chunk_bytes, "io_workers": io_workers,
             "encode_peak_extra_bytes": peak, "encode_seconds": secs,
             "rank_peak_bytes_estimate": 2 * shard + peak}

@@ -10,8 +10,8 @@ from dcr_core.retention import KeyframePolicy
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options, use_prefect
 from flows.cli.progress import shown
 from flows.options import DELTA_CODECS, PublishOptions
-from flows.publish.kinds import sharded_kind, sharded_sources
 from flows.publish.pipeline import run_publish
+from flows.publish.sources import sharded_kind, sharded_sources
 from flows.workers import parse_workers
 
 

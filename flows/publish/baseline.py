@@ -51,10 +51,10 @@ from dcr_core import events
 from dcr_core.chain import KEYFRAME
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError
-from flows import refs
+from flows import local_refs
+from flows.local_refs import LocalRef
 from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, open_source, opened
-from flows.refs import LocalRef
 from storage import reader
 from storage.local import cache, patch_log, safetensors, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter
@@ -271,9 +271,9 @@ def load_baseline(plan: PublishPlan, held: LocalRef | None = None, recheck: bool
     if plan.kind == KEYFRAME:
         return None
     if held is not None:
-        baseline = refs.get(held)
+        baseline = local_refs.get(held)
         if isinstance(baseline, HeldBaseline) and baseline.is_base_of(plan):
-            return refs.put(baseline.source, "baseline")
+            return local_refs.put(baseline.source, "baseline")
     path = cache_path(plan)
     if plan.options.use_cache:
         _remove_stale_patch_logs(plan)
@@ -328,7 +328,7 @@ def remember_baseline(
         drop_patch_logs(plan)
         held = HeldBaseline(plan.root.url, marker.step, marker.policy_digest, open_source(source))
         events.reached("publish.baseline-kept", step=marker.step, where="memory")
-        return refs.put(held, "held")
+        return local_refs.put(held, "held")
     if not plan.options.use_cache:
         return None
     meta = state.metadata(marker.step, marker.policy_digest, plan.root.url)

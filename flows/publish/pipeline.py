@@ -19,17 +19,17 @@ import uuid
 from collections.abc import Mapping, Sequence
 
 from dcr_core.errors import UsageError
-from flows import refs
+from flows import local_refs
+from flows.local_refs import LocalRef
 from flows.options import PublishOptions
+from flows.publish import baseline, commit, encode, sources
 from flows.publish.baseline import BaselineSlot
 from flows.publish.encode import BaselineMismatchError, announcing
 from flows.publish.groups import plan_groups
-from flows.publish.plan import DEFAULT_TIMEOUT
+from flows.publish.plan import DEFAULT_TIMEOUT, plan_from_source
 from flows.publish.sources import as_source_ref
-from flows.publish.steps import PUBLISH
-from flows.refs import LocalRef
 from flows.results import PublishResult
-from flows.steps import Bound, InProcess, Runner
+from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
 from storage.commit import discard_attempt
 from storage.root import RootRef, open_root
@@ -38,6 +38,20 @@ log = logging.getLogger("dcr.publish")
 
 SHARDS = "flows.publish.shards"  # ShardedSource (torch)
 RANK_PIPELINE = "flows.publish.rank_pipeline"  # publish_rank(...), publish_ranks(...)
+
+# The canonical source's steps, in order (torch-free: a checkpoint path is read as raw bits).
+PUBLISH = StepTable(
+    # a canonical source (a checkpoint, or tensors in memory)
+    Step("snapshot", sources.snapshot),
+    Step("plan-publish", plan_from_source),
+    Step("load-baseline", baseline.load_baseline),
+    Step("encode-and-write-chunks", encode.encode_and_write),
+    Step("encode-group", encode.encode_group),  # mapped over tensor groups on workers (flows.workers)
+    Step("write-snapshot", encode.write_snapshot),
+    Step("write-manifest", commit.write_manifest),
+    Step("commit", commit.commit_step),
+    Step("remember-baseline", baseline.remember_baseline),
+)
 
 
 def sharded(source) -> tuple[bool, bool]:
@@ -130,7 +144,7 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
         snap = tasks.snapshot(src)
         handles.append(snap if snap != src else None)
         plan = tasks.plan_from_source(ref, snap, step, keyframe, options)
-        held_ref = None if held is None or held.baseline is None else refs.put(held.baseline, "held")
+        held_ref = None if held is None or held.baseline is None else local_refs.put(held.baseline, "held")
         handles.append(held_ref)
         baseline = tasks.load_baseline(plan, held_ref)
         handles.append(baseline)
@@ -161,9 +175,9 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
         kept = tasks.remember_baseline(plan, snap, marker, baseline, hold)
         handles.append(kept)
         if held is not None:
-            held.baseline = None if kept is None else refs.get(kept)
+            held.baseline = None if kept is None else local_refs.get(kept)
     finally:
         for h in handles:
             if isinstance(h, LocalRef):
-                refs.release(h)
+                local_refs.release(h)
     return result_of(marker, {**manifest.summary, **marker.summary}, tasks)

@@ -20,7 +20,7 @@ from flows.options import PublishOptions
 from flows.publish.sources import SourceRef, opened
 from storage import backends, layout
 from storage.catalog import Catalog
-from storage.fields import MAX_NDIM
+from storage.document_fields import MAX_NDIM
 from storage.manifest import MAX_TENSORS, Manifest, TensorEntry, refusal
 from storage.reader import StepRef
 from storage.root import Root, RootRef, open_root

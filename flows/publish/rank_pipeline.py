@@ -10,18 +10,29 @@
 from __future__ import annotations
 
 from dcr_core.errors import StepConflictError, UsageError
-from flows import refs
+from flows import local_refs
+from flows.local_refs import LocalRef
 from flows.options import PublishOptions
-from flows.publish import ranks, shard_baseline
+from flows.publish import ranks, shard_baseline, shards
 from flows.publish.pipeline import result_of
 from flows.publish.plan import PublishPlan
-from flows.publish.rank_steps import RANK_PUBLISH
 from flows.publish.shards import ShardedSource
-from flows.refs import LocalRef
 from flows.results import PublishResult
-from flows.steps import Bound, Runner
+from flows.steps import Bound, Runner, Step, StepTable
 from storage.commit import discard_attempt
 from storage.root import RootRef, open_root
+
+# The steps of one rank of a sharded publish, in order.
+RANK_PUBLISH = StepTable(
+    Step("snapshot-shards", shards.snapshot_shards),
+    Step("plan-rank", ranks.plan_rank),
+    Step("load-shard-baseline", shard_baseline.load_shard_baseline),
+    Step("encode-rank-shards", ranks.encode_rank),
+    Step("stage-shard-baseline", shard_baseline.stage_shard_baseline),
+    Step("merge-and-commit", ranks.commit_ranks),
+    Step("await-commit", ranks.await_commit),
+    Step("keep-shard-baseline", shard_baseline.keep_shard_baseline),
+)
 
 
 def _rank_part(tasks: Bound, plan: PublishPlan, snap: LocalRef) -> str | None:
@@ -31,7 +42,7 @@ def _rank_part(tasks: Bound, plan: PublishPlan, snap: LocalRef) -> str | None:
     try:
         tasks.encode_rank(plan, snap, baseline)
     finally:
-        refs.release(baseline)
+        local_refs.release(baseline)
     return tasks.stage_shard_baseline(plan, snap)
 
 
@@ -41,7 +52,7 @@ def publish_rank(runner: Runner, ref: RootRef, source: ShardedSource, step: int,
     tasks = RANK_PUBLISH.bind(runner)
     attempt = ranks.agree_on_attempt(attempt, source.world)  # a collective: every rank, first
     plan, staged = None, None
-    with refs.holding(source, "shards") as src:
+    with local_refs.holding(source, "shards") as src:
         snap = tasks.snapshot_shards(src)
         try:
             plan = tasks.plan_rank(ref, snap, step, keyframe, options, attempt)
@@ -58,7 +69,7 @@ def publish_rank(runner: Runner, ref: RootRef, source: ShardedSource, step: int,
             shard_baseline.drop_shard_baseline(staged)
             raise
         finally:
-            refs.release(snap)
+            local_refs.release(snap)
     tasks.keep_shard_baseline(plan, staged)
     return result_of(marker, summary, tasks)
 
@@ -76,13 +87,13 @@ def publish_ranks(runner: Runner, ref: RootRef, sources: list[ShardedSource], st
     staged: list[str | None] = []
     try:
         for source in sorted(sources, key=lambda s: s.rank):  # memory: one rank's shards at a time
-            with refs.holding(source, "shards") as src:
+            with local_refs.holding(source, "shards") as src:
                 snap = tasks.snapshot_shards(src)
                 try:
                     plans.append(tasks.plan_rank(ref, snap, step, keyframe, options, attempt))
                     staged.append(_rank_part(tasks, plans[-1], snap))
                 finally:
-                    refs.release(snap)
+                    local_refs.release(snap)
         manifest, marker = tasks.commit_ranks(plans[0], 0.0)
     except BaseException as e:
         for s in staged:

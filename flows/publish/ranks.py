@@ -35,18 +35,18 @@ from dcr_core.digest import pieces_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError, SchemaMismatchError, StepConflictError, UsageError
 from dcr_core.projection import ShardBits, project
-from flows import refs
+from flows import local_refs
+from flows.local_refs import LocalRef
 from flows.options import PublishOptions
-from flows.poll import poll
 from flows.publish.commit import WrittenManifest, commit_step, write_manifest
 from flows.publish.plan import DEFAULT_TIMEOUT, PublishPlan, plan_publish
 from flows.publish.shard_baseline import piece_records
 from flows.publish.shards import ShardSnapshot
-from flows.refs import LocalRef
+from flows.streaming import poll
 from storage import layout
 from storage.catalog import Catalog
 from storage.chunk_io import StepWriter
-from storage.fields import fail, parse_digest, parse_int, parse_shape
+from storage.document_fields import fail, parse_digest, parse_int, parse_shape
 from storage.manifest import ChunkTable, PartTable, PieceTable, TensorEntry
 from storage.marker import CommitMarker
 from storage.root import Root, RootRef, open_root
@@ -162,8 +162,8 @@ class RankPartial:
 def encode_rank(plan: PublishPlan, snapshot: LocalRef, baseline: LocalRef | None) -> str:
     """Project this rank's changes into canonical chunks, upload them and write the rank's partial
     manifest; returns its key."""
-    snap: ShardSnapshot = refs.get(snapshot)
-    base_bits = None if baseline is None else refs.get(baseline)
+    snap: ShardSnapshot = local_refs.get(snapshot)
+    base_bits = None if baseline is None else local_refs.get(baseline)
     opts = plan.options
     grids, dtypes = {}, {}
     for name, info in snap.infos.items():
@@ -203,7 +203,7 @@ def encode_rank(plan: PublishPlan, snapshot: LocalRef, baseline: LocalRef | None
 def plan_rank(root: RootRef, snapshot: LocalRef, step: int, keyframe: bool, options: PublishOptions,
               attempt: str) -> PublishPlan:
     """The plan of one rank's part of a sharded publish (the tensors its shards touch)."""
-    snap: ShardSnapshot = refs.get(snapshot)
+    snap: ShardSnapshot = local_refs.get(snapshot)
     if options.delta_codec.conditional and not keyframe:
         raise UsageError("the dcr-cond codec codes each chunk against its whole old bits, which no training rank "
                          "holds: publish from shards with dcr-sparse (the default) or blosc")

@@ -25,11 +25,11 @@ from dcr_core.digest import FLAT, runs_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError, StateMismatchError
 from dcr_core.projection import chunks_touched, scatter_chunk, shard_runs
-from flows import refs
+from flows import local_refs
+from flows.local_refs import LocalRef
 from flows.publish.baseline import cache_path
 from flows.publish.plan import PublishPlan
 from flows.publish.shards import ShardSnapshot
-from flows.refs import LocalRef
 from storage import reader
 from storage.chunk_io import stream_chunks
 from storage.local import state
@@ -79,9 +79,9 @@ def load_shard_baseline(plan: PublishPlan, snapshot: LocalRef) -> LocalRef | Non
     """The rank's shard bits of the base step (deltas), held in this process (see module doc)."""
     if plan.kind == KEYFRAME:
         return None
-    snap: ShardSnapshot = refs.get(snapshot)
+    snap: ShardSnapshot = local_refs.get(snapshot)
     bits = _cached(plan, snap) if plan.options.use_cache else None
-    return refs.put(bits if bits is not None else rebuild(plan, snap), "shard baseline")
+    return local_refs.put(bits if bits is not None else rebuild(plan, snap), "shard baseline")
 
 
 def _cached(plan: PublishPlan, snap: ShardSnapshot) -> list[np.ndarray] | None:
@@ -171,7 +171,7 @@ def stage_shard_baseline(plan: PublishPlan, snapshot: LocalRef) -> str | None:
     cache only costs a rebuild)."""
     if not plan.options.use_cache:
         return None
-    snap: ShardSnapshot = refs.get(snapshot)
+    snap: ShardSnapshot = local_refs.get(snapshot)
     infos = [info for info in snap.local_infos()]
     try:
         w = StreamingSafetensorsWriter(rank_cache_path(plan), infos, {state.STEP: str(plan.step), state.ROOT: plan.root.url},

@@ -1,4 +1,5 @@
-"""Sharded publisher sources: one rank's training shards with their placements.
+"""In-memory publisher sources (torch): canonical tensors (``MemorySource``) and one rank's training
+shards with their placements (``ShardedSource``).
 
 A ``Shard`` is one local tensor as training holds it (a TP slice, an FSDP2/DTensor local shard, a
 fused QKV or gate/up slice, a distributed-optimizer flat-buffer range) plus the pieces saying where
@@ -10,20 +11,35 @@ can go on while encoding runs; nothing is gathered across ranks.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from dcr_core.bits import bits_of, dtype_of
+from dcr_core.bits import bits_of, dtype_of, infos_of
 from dcr_core.conversion import Conversion
 from dcr_core.dtypes import TensorInfo
 from dcr_core.errors import UsageError
 from dcr_core.shard_spec import Piece, ShardSpec, c_strides
-from flows import refs
-from flows.refs import LocalRef
+from flows import local_refs
+from flows.local_refs import LocalRef
+
+
+class MemorySource:
+    """A snapshot (bit copy) of in-memory canonical tensors."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        for name, t in tensors.items():
+            if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+                raise UsageError(f"source entry {name!r} is not a (str, torch.Tensor) pair")
+        self._tensors = {n: t.detach().to("cpu", copy=True).contiguous() for n, t in tensors.items()}
+        self.infos = infos_of(self._tensors)
+        self.path = "<memory>"
+
+    def bits(self, name: str) -> np.ndarray:
+        return bits_of(self._tensors[name])
 
 
 @dataclass(frozen=True)
@@ -135,5 +151,5 @@ def dtensor_pieces(name: str, dt) -> list[Piece]:
 
 def snapshot_shards(source: LocalRef) -> LocalRef:
     """The step that copies (and converts) a rank's shards now, held in this process."""
-    src: ShardedSource = refs.get(source)
-    return refs.put(src.snapshot(), "shard snapshot")
+    src: ShardedSource = local_refs.get(source)
+    return local_refs.put(src.snapshot(), "shard snapshot")

@@ -18,10 +18,9 @@ from collections.abc import Callable, Iterator
 from dcr_core import events
 from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UntrustedError
 from flows.options import ReceiveOptions
-from flows.poll import poll
 from flows.receive.pipeline import run_receive
 from flows.results import ReceiveResult
-from flows.streaming import Streaming
+from flows.streaming import Streaming, poll
 from storage import heartbeat
 from storage.access import StoreUnreachableError
 from storage.catalog import Catalog

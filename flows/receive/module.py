@@ -40,11 +40,11 @@ from dcr_core.bits import tensor_from_bits
 from dcr_core.delta import Encoding, apply_chunk
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import StateMismatchError
-from flows import refs
+from flows import local_refs
+from flows.local_refs import LocalRef
 from flows.options import ReceiveOptions, default_cache_dir
 from flows.receive import module_digests, placement
 from flows.receive.state_file import stage_rewrite
-from flows.refs import LocalRef
 from storage import reader
 from storage.local import state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
@@ -76,7 +76,7 @@ def _tensor(bits: np.ndarray, entry):
 
 def plan_module_refit(root: RootRef, module: LocalRef, step: int | None) -> RefitPlan:
     """Plan the refit of the module from the step it is known to hold (None: unknown, dense)."""
-    target = refs.get(module)
+    target = local_refs.get(module)
     held = held_by(target)
     current = None
     if held and held.get("root") == root.url and module_digests.still_holds(target, held.get("slots")):
@@ -114,7 +114,7 @@ def _write_mirror(path: str, step: int, manifest, tensors: dict[str, np.ndarray]
 
 def load_dense(plan: RefitPlan, module: LocalRef, mirror: str, options: ReceiveOptions) -> dict:
     """Load step N through the loader, tensor by tensor, and keep the overwrite-path tensors."""
-    target = refs.get(module)
+    target = local_refs.get(module)
     root = open_root(plan.root)
     if not plan.from_keyframe or plan.current_step is not None:
         plan = reader.plan_refit(root, None, plan.target_step)
@@ -144,7 +144,7 @@ def fetch_module_payloads(plan: RefitPlan, module: LocalRef, options: ReceiveOpt
     tensor-parallel rank's own chunks), verified, held in this process (the module is not touched)."""
     root = open_root(plan.root)
     ms = reader.manifests(plan, root)
-    table = _probe_table(refs.get(module), ms[plan.target_step])
+    table = _probe_table(local_refs.get(module), ms[plan.target_step])
 
     def wanted(entry) -> frozenset[int] | None:
         probe = table.probes.get(entry.name)
@@ -154,13 +154,13 @@ def fetch_module_payloads(plan: RefitPlan, module: LocalRef, options: ReceiveOpt
             return None  # overwrite-path tensors keep whole canonical copies: every chunk
         return probe.demand.chunks(entry.grid)
 
-    return refs.put(reader.fetch_payloads(root, plan, ms, options.io_workers, wanted), "payloads")
+    return local_refs.put(reader.fetch_payloads(root, plan, ms, options.io_workers, wanted), "payloads")
 
 
 def apply_to_module(plan: RefitPlan, module: LocalRef, fetched: LocalRef, mirror: str) -> dict:
     """Apply the fetched payloads to the module, all or nothing (see the module docstring)."""
-    target = refs.get(module)
-    payloads: reader.Fetched = refs.get(fetched)
+    target = local_refs.get(module)
+    payloads: reader.Fetched = local_refs.get(fetched)
     ms = reader.manifests(plan)
     manifest = ms[plan.target_step]
     table = _probe_table(target, manifest)

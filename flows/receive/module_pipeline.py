@@ -7,7 +7,7 @@ import logging
 import os
 
 from dcr_core.errors import UsageError
-from flows import refs
+from flows import local_refs
 from flows.options import ReceiveOptions
 from flows.receive import module, module_digests, state_file
 from flows.receive.pipeline import Leases, check_arguments
@@ -46,7 +46,7 @@ def receive_into_module(
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
     mirror = os.fspath(state_path or module.default_mirror_path(ref.url, receiver_id))
     tasks = MODULE_STEPS.bind(runner or InProcess())
-    with refs.holding(target, "module") as mod, \
+    with local_refs.holding(target, "module") as mod, \
             Leases(ref, receiver_id, options.lease_seconds, tasks.take_leases, tasks.release_leases) as leases:
         def refit(p: RefitPlan) -> dict:
             leases.take(p)
@@ -96,4 +96,4 @@ def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOpti
             module.set_held(target, held)  # rolled back (or never touched): still at the held step
         raise
     finally:
-        refs.release(fetched)
+        local_refs.release(fetched)

@@ -30,11 +30,11 @@ from __future__ import annotations
 
 import os
 
-from flows import refs
+from flows import local_refs
+from flows.local_refs import LocalRef
 from flows.options import ReceiveOptions
 from flows.receive.pipeline import check_arguments
 from flows.receive.vllm_worker import EXTENSION
-from flows.refs import LocalRef
 from flows.steps import InProcess, Runner, Step, StepTable
 
 __all__ = ["EXTENSION", "refit_engine", "prepare_refit", "apply_refit"]
@@ -46,12 +46,12 @@ def _rpc(llm, method: str, **kwargs) -> list:
 
 def prepare_on_workers(engine: LocalRef, root: str, step: int | None, receiver_id: str, storage_options: dict,
                        options: dict, state_path: str | None, background: bool) -> list[dict]:
-    return _rpc(refs.get(engine), "dcr_prepare", root=root, step=step, receiver_id=receiver_id,
+    return _rpc(local_refs.get(engine), "dcr_prepare", root=root, step=step, receiver_id=receiver_id,
                 storage_options=storage_options, options=options, state_path=state_path, background=background)
 
 
 def apply_on_workers(engine: LocalRef) -> list[dict]:
-    llm = refs.get(engine)
+    llm = local_refs.get(engine)
     try:
         return _rpc(llm, "dcr_apply")
     except BaseException:
@@ -61,11 +61,11 @@ def apply_on_workers(engine: LocalRef) -> list[dict]:
 
 def await_receiver_commit(engine: LocalRef) -> list[dict]:
     """Wait until every worker recorded its commit (written in the background after the apply)."""
-    return _rpc(refs.get(engine), "dcr_wait")
+    return _rpc(local_refs.get(engine), "dcr_wait")
 
 
 def reset_prefix_cache(engine: LocalRef) -> bool:
-    llm = refs.get(engine)
+    llm = local_refs.get(engine)
     reset = getattr(llm, "reset_prefix_cache", None)
     return bool(reset()) if callable(reset) else False
 
@@ -90,7 +90,7 @@ def prepare_refit(llm, root: str | os.PathLike, receiver_id: str = "vllm", step:
     it returns at once and the engine serves meanwhile. ``apply_refit`` completes it."""
     _check_engine(llm)
     options = check_arguments(receiver_id, step, options)
-    with refs.holding(llm, "engine") as engine:
+    with local_refs.holding(llm, "engine") as engine:
         return prepare_on_workers(engine, os.fspath(root), step, receiver_id, dict(storage_options or {}),
                                   options.model_dump(), state_path, background)
 
@@ -98,7 +98,7 @@ def prepare_refit(llm, root: str | os.PathLike, receiver_id: str = "vllm", step:
 def apply_refit(llm) -> dict:
     """Phase 2: the pause window (every worker reloads what changed), then the prefix cache reset."""
     _check_engine(llm)
-    with refs.holding(llm, "engine") as engine:
+    with local_refs.holding(llm, "engine") as engine:
         workers = apply_on_workers(engine)
         reset_prefix_cache(engine)
     return summarize(workers)
@@ -112,7 +112,7 @@ def refit_engine(llm, root: str | os.PathLike, receiver_id: str = "vllm", step: 
     _check_engine(llm)
     options = check_arguments(receiver_id, step, options)
     tasks = ENGINE_STEPS.bind(runner or InProcess())
-    with refs.holding(llm, "engine") as engine:
+    with local_refs.holding(llm, "engine") as engine:
         tasks.prepare_on_workers(engine, os.fspath(root), step, receiver_id, dict(storage_options or {}),
                                  options.model_dump(), state_path, False)
         workers = tasks.apply_on_workers(engine)

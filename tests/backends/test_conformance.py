@@ -14,7 +14,7 @@ from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError
 from flows import run_materialize, run_publish, run_receive
 from flows.maintenance.audit import list_steps, verify
 from flows.options import PublishOptions
-from flows.publish.steps import PUBLISH
+from flows.publish.pipeline import PUBLISH
 from storage import layout
 from storage.catalog import Catalog
 from storage.root import Root

@@ -28,7 +28,7 @@ from flows.receive.follow import follow
 from flows.streaming import Streaming
 from storage import layout
 from storage.catalog import Catalog
-from storage.prefetched import PREFETCHED
+from storage.held_chunks import PREFETCHED
 from storage.root import Root, RootRef
 from tests.support.cli import dcr
 from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes, write_safetensors

@@ -28,7 +28,7 @@ from dcr_core.errors import (
 )
 from flows import run_materialize, run_publish, run_receive
 from flows.options import PublishOptions
-from flows.publish.steps import PUBLISH
+from flows.publish.pipeline import PUBLISH
 from storage import layout, reader
 from storage.catalog import Catalog, manifest_digest
 from storage.root import Root, open_root

@@ -21,7 +21,7 @@ from flows import run_materialize, run_publish
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish import baseline as ps
 from flows.publish import encode
-from flows.publish.steps import PUBLISH
+from flows.publish.pipeline import PUBLISH
 from storage import layout
 from storage.catalog import Catalog
 from storage.local.safetensors import SafetensorsCheckpoint

@@ -17,14 +17,14 @@ from safetensors.torch import load_file, save_file
 from dcr_core.errors import StepConflictError, UsageError
 from dcr_core.retention import KeyframePolicy
 from dcr_core.shard_spec import full
-from flows import Publisher, refs, run_publish, run_receive
+from flows import Publisher, local_refs, run_publish, run_receive
 from flows.options import PublishOptions
 from flows.publish import baseline as ps
 from flows.publish import sources
 from flows.publish.baseline import BaselineSlot, HeldBaseline
+from flows.publish.pipeline import PUBLISH
 from flows.publish.shards import Shard, ShardedSource
 from flows.publish.sources import MemorySource
-from flows.publish.steps import PUBLISH
 from storage.catalog import Catalog
 from storage.root import Root
 from tests.support.helpers import assert_bits_equal, chain_of_steps, nasty_checkpoint, next_step
@@ -62,7 +62,7 @@ def baselines(monkeypatch):
     seen = {"loaded": [], "file_reads": [], "file_writes": [], "rebuilds": []}
     def load(real, plan, *a):
         out = real(plan, *a)
-        seen["loaded"].append(refs.get(out) if isinstance(out, refs.LocalRef) else out)
+        seen["loaded"].append(local_refs.get(out) if isinstance(out, local_refs.LocalRef) else out)
         return out
 
     def spy(key, real):

@@ -20,7 +20,7 @@ import zarr
 from dcr_core.bits import bits_of
 from dcr_core.errors import DCRError, IntegrityError, StateMismatchError
 from dcr_core.shard_spec import BufferParam, flat_buffer, flat_buffer_size, fused_qkv, gated_fc1, replicate, split
-from flows import receive_into_module, refs, run_materialize, run_publish, run_receive
+from flows import local_refs, receive_into_module, run_materialize, run_publish, run_receive
 from flows.maintenance import audit
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish import ranks
@@ -208,9 +208,9 @@ def test_lost_shard_baselines_are_rebuilt_from_root_chunk_by_chunk(tmp_path, opt
     no_cache = PublishOptions(chunk_bytes=32, cache_dir=str(tmp_path / "elsewhere"), use_cache=False)
     for src in sources(steps[3]):
         snap = src.snapshot()
-        with refs.holding(snap, "shard snapshot") as snap_ref:
+        with local_refs.holding(snap, "shard snapshot") as snap_ref:
             plan = ranks.plan_rank(RootRef(root), snap_ref, 4, False, no_cache, "ab" * 16)
-            rebuilt = refs.get(load_shard_baseline(plan, snap_ref))  # use_cache=False: always rebuilt
+            rebuilt = local_refs.get(load_shard_baseline(plan, snap_ref))  # use_cache=False: always rebuilt
         for spec, b, new in zip(snap.specs, rebuilt, snap.bits):
             covered = np.zeros(b.size, dtype=bool)
             for p in spec.pieces:

@@ -6,8 +6,8 @@ import pydantic_core
 import pytest
 import torch
 
-from flows import Publisher, PublishOptions, receive_into_module, refs, run_publish, run_receive
-from flows.publish.steps import PUBLISH
+from flows import Publisher, PublishOptions, local_refs, receive_into_module, run_publish, run_receive
+from flows.publish.pipeline import PUBLISH
 from flows.steps import InProcess, Step
 from storage.root import check_root_url
 from tests.support.fused_module import TinyFused
@@ -55,7 +55,7 @@ def test_handles_of_in_process_objects_are_released_whatever_happens(tmp_path, m
     root = str(tmp_path / "root")
     steps = chain_of_steps(4, seed=32)
     opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"))
-    before = refs.live_count()
+    before = local_refs.live_count()
     pub = Publisher(root, options=opts)
     pub.publish(steps[0], 0)
     run_publish(root, steps[1], 1, options=opts)
@@ -72,18 +72,18 @@ def test_handles_of_in_process_objects_are_released_whatever_happens(tmp_path, m
     ck = TinyFused.checkpoint(0)
     run_publish(str(tmp_path / "m"), ck, 0, options=opts)
     receive_into_module(str(tmp_path / "m"), "m", live, state_path=str(tmp_path / "mirror.safetensors"))
-    assert refs.live_count() == before
+    assert local_refs.live_count() == before
 
 
 def test_a_handle_resolves_only_in_the_process_that_made_it():
-    ref = refs.put(torch.zeros(1), "tensors")
-    assert refs.get(ref) is not None
-    refs.release(ref)
+    ref = local_refs.put(torch.zeros(1), "tensors")
+    assert local_refs.get(ref) is not None
+    local_refs.release(ref)
     with pytest.raises(Exception, match="lives in this process \\(released\\)"):
-        refs.get(ref)
-    foreign = refs.LocalRef("tensors-1-1", "tensors", pid=1)
+        local_refs.get(ref)
+    foreign = local_refs.LocalRef("tensors-1-1", "tensors", pid=1)
     with pytest.raises(Exception, match="lives in another process"):
-        refs.get(foreign)
+        local_refs.get(foreign)
 
 
 @pytest.mark.parametrize("url", ["s3:/dcr/run-1", "gcs:/dcr/x", "s4://dcr/x", "run:1"])

@@ -28,7 +28,7 @@ from flows.streaming import Streaming
 from storage import layout, stream
 from storage.catalog import Catalog
 from storage.chunk_io import verified_as
-from storage.prefetched import PREFETCHED, Prefetched
+from storage.held_chunks import PREFETCHED, Prefetched
 from storage.root import Root, RootRef
 from tests.support.fault_report import FaultCase
 from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes

@@ -49,14 +49,14 @@ def _forget_open_stores() -> None:
     """What a new process would not have: fsspec filesystem instances (an S3 client keeps the
     endpoint it was made with), the ROOTs opened by earlier commands, and what storage remembers
     per process."""
-    from storage import catalog, run
+    from storage import catalog, run_identity
     from storage import root as root_mod
 
     for cls in set(fsspec.registry.values()) | {type(fsspec.filesystem("file"))}:
         cls.clear_instance_cache()
     with root_mod._ROOTS_LOCK:
         root_mod._ROOTS.clear()
-    run._seen.clear()  # the ROOT's run, manifests read, warnings given once per process
+    run_identity._seen.clear()  # the ROOT's run, manifests read, warnings given once per process
     with catalog._MANIFESTS_LOCK:
         catalog._MANIFESTS.clear()
     catalog._WARNED_UNCHECKED.clear()

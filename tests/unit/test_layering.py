@@ -41,7 +41,7 @@ ALLOWED = {"dcr_core": {"dcr_core"}, "storage": {"dcr_core", "storage"}, "flows"
 # Inside flows: the domains do not import each other; only the orchestration, the CLI and the Dask
 # workers' preload combine them.
 DOMAINS = ("flows.publish", "flows.receive", "flows.maintenance")
-COMBINERS = ("flows.prefect_flows", "flows.cli", "flows.deployments", "flows.__init__", "flows.worker_setup")
+COMBINERS = ("flows.prefect_flows", "flows.cli", "flows.deployments", "flows.__init__")
 
 
 def modules() -> dict[str, Path]:
@@ -179,10 +179,10 @@ def test_bucket_commands_and_state_file_receivers_import_neither_torch_nor_prefe
 
 
 def test_dask_workers_import_no_torch():
-    """A worker runs bits-only tasks: it preloads ``flows.worker_setup`` and unpickles the flow
+    """A worker runs bits-only tasks: it preloads the flows module (``flows.prefect_flows``), which it also unpickles
     (``flows.prefect_flows``) with every task's run context; torch there would cost each worker's
     first task 2-3 s."""
-    report = _import_report(["flows.worker_setup", "flows.prefect_flows"])
+    report = _import_report(["flows.prefect_flows"])
     assert not report["torch"], report
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from dcr_core.errors import IntegrityError, UntrustedError
 from storage import layout
-from storage.fields import document, fail, parse_int, parse_run_id
+from storage.document_fields import document, fail, parse_int, parse_run_id
 from storage.root import Root
 from storage.signing import ALGORITHMS
 
