@@ -23,7 +23,7 @@ from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, StateMismatchError
 from flows import run_publish, run_receive
 from flows.options import DELTA_CODECS, PublishOptions, ReceiveOptions
-from flows.receive import in_place, state_file
+from flows.receive import in_place, patch_changes, state_file
 from storage import layout, reader
 from storage.catalog import Catalog
 from storage.layout import store_dir
@@ -153,9 +153,9 @@ def test_chunks_that_change_more_than_their_entry_says_are_refused():
     entry = TensorEntry("w", "BF16", (1000,), tensor_digest(held ^ mask), Encoding.XOR, "w", (1000,),
                         ChunkTable((0,), ("0" * 64,), (10,)), changed=2)
     with pytest.raises(IntegrityError, match="tensor 'w' .*change more than the 2 elements its manifest entry lists") as e:
-        in_place._xor_streamed(held, entry, entry, iter([(None, entry, 0, mask)]), True, 7)
+        patch_changes.xor_streamed(held, entry, entry, iter([(None, entry, 0, mask)]), True, 7)
     assert "\n" not in str(e.value) and "step 7" in str(e.value)
-    exact = in_place._xor_streamed(held, dataclasses.replace(entry, changed=3), entry, iter([(None, entry, 0, mask)]))
+    exact = patch_changes.xor_streamed(held, dataclasses.replace(entry, changed=3), entry, iter([(None, entry, 0, mask)]))
     assert [a.tolist() for a in exact[:3]] == [[3, 500, 999], [3, 500, 999], [2, 501, 998]]
     assert exact[3] is None  # flat digests: no block digests
 
@@ -460,8 +460,8 @@ def applied_in_parallel(monkeypatch):
     small); the names of the tensors that took that path."""
     monkeypatch.setattr(in_place, "LANE_MIN_BYTES", 0)
     names = []
-    real = in_place._xor_parallel
-    monkeypatch.setattr(in_place, "_xor_parallel", lambda *a, **k: names.append(a[1].name) or real(*a, **k))
+    real = in_place.xor_parallel
+    monkeypatch.setattr(in_place, "xor_parallel", lambda *a, **k: names.append(a[1].name) or real(*a, **k))
     return names
 
 
