@@ -130,3 +130,9 @@ bench-workers: install
 .PHONY: bench-tree
 bench-tree: install
 	$(PY) -m dcr_bench.relay_tree --out docs/bench-tree
+
+# Retries of S3 requests under injected faults (moto behind a fault-injecting proxy): DCR's retry
+# owner against botocore's standard retry mode (docs/bench-retry)
+.PHONY: bench-retry
+bench-retry: install
+	$(PY) -m dcr_bench.retry_modes --out docs/bench-retry

@@ -6,7 +6,7 @@ Who retries what (nothing else in the stack retries a request, so attempts never
 | backend | owner | how |
 |---|---|---|
 | local, memory | nobody | file system errors are not transient |
-| S3 (s3fs) | this module, through ``Root`` | s3fs (``retries=1``) and botocore (``total_max_attempts=1``) are told not to retry |
+| S3 (s3fs) | this module, through ``Root`` | s3fs (``retries=1``) and botocore (``total_max_attempts=1``) are told not to retry; botocore's standard mode, measured in its place, does not retry a GET body cut short while it is read and its retry quota stops retrying under a burst of throttling (``docs/benchmarks.md``, "Retries: why DCR owns them (measured)") |
 | GCS (gcsfs) | gcsfs's ``retry_request`` | it retries 408/429/5xx and connection errors itself (fixed at import by gcsfs: it cannot be turned off per filesystem), so ``Root`` does not |
 
 Prefect tasks do not retry either: a failed task fails its flow run, and rerunning the flow is
