@@ -1,5 +1,13 @@
-"""The Prefect flows: ``publish_refit``, ``receive_refit``, ``materialize_refit``, ``verify_refit``,
-``mirror_refit`` and ``gc_refit``.
+"""The Prefect flows, every parameter JSON (what a deployment, the UI and ``prefect deploy``
+validate): ``publish_checkpoint`` (``dcr-publish-refit``), ``receive_state`` (``dcr-receive-refit``),
+``materialize_refit``, ``verify_refit``, ``mirror_refit``, ``fleet_refit`` and ``gc_refit``.
+
+Objects that live in the caller's process (a trainer's tensors or shards, a live module, a vLLM
+``LLM``) are not flow parameters: ``publish_refit`` and ``receive_refit``, the Python entry points,
+are plain functions that run a path through the flows above, and hold an object for the run while
+its flow (``publish_held``, ``receive_live``) takes a ``LocalRef`` to it (``flows.local_refs``:
+a key that resolves only in this process). Dask clusters are named by ``workers`` (N local worker
+processes or ``dask://HOST:PORT``), never passed as objects.
 
 Each flow runs the same pipeline as the in-process form (``flows.publish.pipeline`` and friends)
 with ``PrefectRunner``: every step of the step table becomes a Prefect task, so the Prefect API
@@ -29,6 +37,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import os
 import re
 from dataclasses import asdict
 from pathlib import Path
@@ -48,7 +57,9 @@ from prefect.context import get_run_context
 from prefect.runtime import flow_run, task_run
 
 from dcr_core.errors import DCRError, UsageError
+from flows import local_refs
 from flows import workers as cluster
+from flows.local_refs import LocalRef
 from flows.maintenance.audit import VerifyReport, verify
 from flows.maintenance.gc import GcReport, run_gc
 from flows.maintenance.mirror import run_mirror
@@ -210,70 +221,145 @@ def _gc_name() -> str:
 
 
 @_dcr_flow("dcr-publish-refit", _publish_name, _publish_tags)
-def publish_refit(
-    root: str | Path, source: Any, step: int, keyframe: bool = False, storage_options: dict | None = None,
+def publish_checkpoint(
+    root: str, source: str, step: int, keyframe: bool = False, storage_options: dict | None = None,
     options: PublishOptions | None = None, attempt: str | None = None, workers: int | str | None = None,
-    task_runner: Any = None,
 ) -> dict:
-    """Publish ``source`` as ``step`` of ``root``: a checkpoint path (what deployments pass), a
-    name -> tensor mapping, this rank's ``ShardedSource`` (every rank runs the flow; rank 0
-    commits), or a list of every rank's ``ShardedSource`` (one process publishes them all).
+    """Publish the checkpoint at path ``source`` (a ``.safetensors`` file, a Hugging Face sharded
+    directory, a torch DCP directory) as ``step`` of ``root``: the flow of the ``publisher``
+    deployment and of ``dcr publish --orchestrator prefect``; every parameter is JSON.
 
-    ``workers`` (N worker processes on this machine, or ``dask://HOST:PORT``) or ``task_runner``
-    (a ``prefect_dask.DaskTaskRunner``, not started): the encoding runs as tasks mapped over groups
-    of tensors on that Dask cluster (a checkpoint path only; ``flows.workers``)."""
+    ``workers`` (N worker processes on this machine, or ``dask://HOST:PORT``): the encoding runs as
+    tasks mapped over groups of tensors on that Dask cluster (``flows.workers``)."""
     refuse_credentials(storage_options)
-    with tags(*_publish_tags(root, step)), cluster.entered(workers, task_runner) as mapped_on:
-        result = run_publish(str(root), source, step, keyframe, storage_options, options, PrefectRunner(mapped_on),
-                             attempt)
+    with tags(*_publish_tags(root, step)), cluster.entered(workers) as mapped_on:
+        result = run_publish(str(root), str(source), step, keyframe, storage_options, options,
+                             PrefectRunner(mapped_on), attempt)
     _best_effort(_report_publish, str(root), storage_options, result)
     return asdict(result)
 
 
-@_dcr_flow("dcr-receive-refit", _receive_name, _receive_tags)
-def receive_refit(
-    root: str | Path, receiver_id: str, target: Any, step: int | None = None, storage_options: dict | None = None,
-    options: ReceiveOptions | None = None, state_path: str | None = None, workers: int | str | None = None,
-    task_runner: Any = None,
+@_dcr_flow("dcr-publish-held", _publish_name, _publish_tags)
+def publish_held(
+    root: str, source: LocalRef, step: int, keyframe: bool = False, storage_options: dict | None = None,
+    options: PublishOptions | None = None, attempt: str | None = None,
 ) -> dict:
-    """Bring ``target`` to ``step`` (default: the latest): a state file path (what deployments
-    pass), a running vLLM engine started with DCR's worker extension (``state_path``: each worker's
-    mirror), or a live module with ``load_weights`` (``state_path``: its partial mirror).
-
-    ``workers`` or ``task_runner`` (a state file only): a refit that rewrites the file runs as tasks
-    mapped over groups of tensors on that Dask cluster (``flows.receive.on_workers``)."""
-    if (task_runner is not None or cluster.parse_workers(workers) is not None) and not isinstance(target, (str, Path)):
-        raise UsageError("workers rewrite a state file; a live module or an engine receives in its own process")
+    """Publish tensors held in this process as ``step`` of ``root``: ``source`` is the reference
+    (``flows.local_refs``) of a name -> tensor mapping, of this rank's ``ShardedSource`` or of a
+    list of every rank's. Called by ``publish_refit``, which holds the object for the run."""
     refuse_credentials(storage_options)
-    with tags(*_receive_tags(root, receiver_id)), cluster.entered(workers, task_runner) as mapped_on:
-        if isinstance(target, (str, Path)):
-            result = as_dict(run_receive(str(root), receiver_id, target, step, storage_options, options,
-                                         PrefectRunner(mapped_on)))
-        elif callable(getattr(target, "collective_rpc", None)):
+    with tags(*_publish_tags(root, step)):
+        result = run_publish(str(root), local_refs.get(source), step, keyframe, storage_options, options,
+                             PrefectRunner(), attempt)
+    _best_effort(_report_publish, str(root), storage_options, result)
+    return asdict(result)
+
+
+def publish_refit(
+    root: str | Path, source: Any, step: int, keyframe: bool = False, storage_options: dict | None = None,
+    options: PublishOptions | None = None, attempt: str | None = None, workers: int | str | None = None,
+    return_state: bool = False,
+):
+    """Publish ``source`` as ``step`` of ``root`` as a Prefect flow run: a checkpoint path (the
+    ``dcr-publish-refit`` flow, ``publish_checkpoint``), a name -> tensor mapping, this rank's
+    ``ShardedSource`` (every rank runs it; rank 0 commits) or a list of every rank's (the
+    ``dcr-publish-held`` flow, ``publish_held``, given a reference to ``source``). Returns the flow's
+    result (its final state with ``return_state=True``).
+
+    ``workers`` (N worker processes on this machine, or ``dask://HOST:PORT``; a checkpoint path
+    only): the encoding runs as tasks mapped over groups of tensors on that Dask cluster."""
+    if isinstance(source, (str, os.PathLike)):
+        return publish_checkpoint(os.fspath(root), os.fspath(source), step, keyframe, storage_options, options,
+                                  attempt, workers, return_state=return_state)
+    if cluster.parse_workers(workers) is not None:
+        raise UsageError("publishing on workers reads a checkpoint file where each task runs; tensors held in this "
+                         "process cannot travel: pass a checkpoint path, or publish without workers")
+    with local_refs.holding(source, "source") as ref:
+        return publish_held(os.fspath(root), ref, step, keyframe, storage_options, options, attempt,
+                            return_state=return_state)
+
+
+@_dcr_flow("dcr-receive-refit", _receive_name, _receive_tags)
+def receive_state(
+    root: str, receiver_id: str, state: str, step: int | None = None, storage_options: dict | None = None,
+    options: ReceiveOptions | None = None, workers: int | str | None = None,
+) -> dict:
+    """Bring the state file at path ``state`` of receiver ``receiver_id`` to ``step`` (default: the
+    latest): the flow of the ``receiver`` deployment and of ``dcr receive --orchestrator prefect``;
+    every parameter is JSON.
+
+    ``workers``: a refit that rewrites the file runs as tasks mapped over groups of tensors on that
+    Dask cluster (``flows.receive.on_workers``)."""
+    refuse_credentials(storage_options)
+    with tags(*_receive_tags(root, receiver_id)), cluster.entered(workers) as mapped_on:
+        result = as_dict(run_receive(str(root), receiver_id, str(state), step, storage_options, options,
+                                     PrefectRunner(mapped_on)))
+    _best_effort(_report_receive, str(root), storage_options, receiver_id, result)
+    return result
+
+
+@_dcr_flow("dcr-receive-live", _receive_name, _receive_tags)
+def receive_live(
+    root: str, receiver_id: str, target: LocalRef, step: int | None = None, storage_options: dict | None = None,
+    options: ReceiveOptions | None = None, state_path: str | None = None,
+) -> dict:
+    """Bring a target held in this process to ``step``: ``target`` is the reference
+    (``flows.local_refs``) of a running vLLM engine started with DCR's worker extension
+    (``state_path``: each worker's mirror) or of a live module with ``load_weights``
+    (``state_path``: its partial mirror). Called by ``receive_refit``, which holds the target."""
+    refuse_credentials(storage_options)
+    live = local_refs.get(target)
+    with tags(*_receive_tags(root, receiver_id)):
+        if callable(getattr(live, "collective_rpc", None)):
             from flows.receive.vllm_refit import refit_engine  # noqa: PLC0415 - torch: see the imports
 
-            result = refit_engine(target, str(root), receiver_id, step, storage_options, options, state_path, PrefectRunner())
+            result = refit_engine(live, str(root), receiver_id, step, storage_options, options, state_path,
+                                  PrefectRunner())
         else:
             from flows.receive.module_pipeline import receive_into_module  # noqa: PLC0415 - torch: see the imports
 
-            result = receive_into_module(str(root), receiver_id, target, step, storage_options, options, state_path,
+            result = receive_into_module(str(root), receiver_id, live, step, storage_options, options, state_path,
                                          PrefectRunner())
     _best_effort(_report_receive, str(root), storage_options, receiver_id, result)
     return result
 
 
+def receive_refit(
+    root: str | Path, receiver_id: str, target: Any, step: int | None = None, storage_options: dict | None = None,
+    options: ReceiveOptions | None = None, state_path: str | None = None, workers: int | str | None = None,
+    return_state: bool = False,
+):
+    """Bring ``target`` to ``step`` (default: the latest) as a Prefect flow run: a state file path
+    (the ``dcr-receive-refit`` flow, ``receive_state``), a running vLLM engine started with DCR's
+    worker extension or a live module with ``load_weights`` (the ``dcr-receive-live`` flow,
+    ``receive_live``, given a reference to ``target``; ``state_path``: the mirror). Returns the
+    flow's result (its final state with ``return_state=True``).
+
+    ``workers`` (a state file only): a refit that rewrites the file runs as tasks mapped over groups
+    of tensors on that Dask cluster."""
+    if isinstance(target, (str, os.PathLike)):
+        if state_path is not None:
+            raise UsageError("state_path is the mirror of a live module or engine; a state file target is its own")
+        return receive_state(os.fspath(root), receiver_id, os.fspath(target), step, storage_options, options,
+                             workers, return_state=return_state)
+    if cluster.parse_workers(workers) is not None:
+        raise UsageError("workers rewrite a state file; a live module or an engine receives in its own process")
+    with local_refs.holding(target, "target") as ref:
+        return receive_live(os.fspath(root), receiver_id, ref, step, storage_options, options, state_path,
+                            return_state=return_state)
+
+
 @_dcr_flow("dcr-materialize", _materialize_name, _materialize_tags)
 def materialize_refit(
     root: str | Path, step: int | None, out: str | Path, storage_options: dict | None = None,
-    options: ReceiveOptions | None = None, workers: int | str | None = None, task_runner: Any = None,
-    force: bool = False,
+    options: ReceiveOptions | None = None, workers: int | str | None = None, force: bool = False,
 ) -> dict:
     """Write the full checkpoint of committed ``step`` (default: the latest) to ``out``
-    (``dcr materialize``); with ``workers`` or ``task_runner``, as tasks mapped over groups of
+    (``dcr materialize``); with ``workers``, as tasks mapped over groups of
     tensors on that Dask cluster (``flows.receive.on_workers``: the workers must see ``out``).
     ``force``: replace ``out`` even if DCR did not write it."""
     refuse_credentials(storage_options)
-    with tags(*_materialize_tags(root)), cluster.entered(workers, task_runner) as mapped_on:
+    with tags(*_materialize_tags(root)), cluster.entered(workers) as mapped_on:
         result = as_dict(run_materialize(str(root), step, str(out), storage_options, options, PrefectRunner(mapped_on),
                                          force=force))
     get_run_logger().info("wrote step %d to %s (%d bytes pulled)", result["step"], out, result["bytes_pulled"])
@@ -283,14 +369,13 @@ def materialize_refit(
 @_dcr_flow("dcr-verify", _verify_name, _verify_tags)
 def verify_refit(
     root: str | Path, step: int | None = None, deep: bool = False, storage_options: dict | None = None,
-    io_workers: int = 8, workers: int | str | None = None, task_runner: Any = None, group_bytes: int | None = None,
+    io_workers: int = 8, workers: int | str | None = None, group_bytes: int | None = None,
 ) -> dict:
     """Re-read the stored chunks of ``step`` (default: every committed step) and check them against
-    their digests (``dcr verify``; ``deep``: deltas replayed too); with ``workers`` or
-    ``task_runner``, each step's tensors are checked in groups on that Dask cluster. Returns the
+    their digests (``dcr verify``; ``deep``: deltas replayed too); with ``workers``, each step's tensors are checked in groups on that Dask cluster. Returns the
     report: a failed check is in ``errors``, not raised."""
     refuse_credentials(storage_options)
-    with tags(*_verify_tags(root)), cluster.entered(workers, task_runner) as mapped_on:
+    with tags(*_verify_tags(root)), cluster.entered(workers) as mapped_on:
         report = verify(open_root(str(root), storage_options or {}), step, deep, io_workers,
                         PrefectRunner(mapped_on), group_bytes)
     _best_effort(_report_verify, report)
@@ -300,15 +385,14 @@ def verify_refit(
 @_dcr_flow("dcr-mirror", _mirror_name, _mirror_tags)
 def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_options: dict | None = None,
                  dst_storage_options: dict | None = None, as_id: str | None = None,
-                 io_workers: int = 8, workers: int | str | None = None, task_runner: Any = None,
-                 group_bytes: int | None = None) -> dict:
+                 io_workers: int = 8, workers: int | str | None = None, group_bytes: int | None = None) -> dict:
     """Copy committed steps (``step``, or all newer than ``dst``'s newest) from ROOT ``src`` to ROOT
     ``dst`` (``dcr mirror``); ``as_id``: registered in ``src`` as a receiver (gc there keeps what it needs).
-    With ``workers`` or ``task_runner``, each step's objects are copied by tasks mapped over batches
+    With ``workers``, each step's objects are copied by tasks mapped over batches
     on that Dask cluster (the marker last, by the flow)."""
     refuse_credentials(src_storage_options, "src_storage_options")
     refuse_credentials(dst_storage_options, "dst_storage_options")
-    with tags(*_mirror_tags(src, dst)), cluster.entered(workers, task_runner) as mapped_on:
+    with tags(*_mirror_tags(src, dst)), cluster.entered(workers) as mapped_on:
         result = run_mirror(str(src), str(dst), step, src_storage_options, dst_storage_options,
                             PrefectRunner(mapped_on), as_id=as_id, io_workers=io_workers, group_bytes=group_bytes)
     get_run_logger().info("mirrored steps %s to %s (%d objects, %d bytes); already there: %d", result.copied_steps, dst,

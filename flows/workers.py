@@ -76,12 +76,11 @@ def task_runner_for(spec: WorkersSpec):
 
 
 @contextlib.contextmanager
-def entered(workers: WorkersSpec = None, task_runner: Any = None) -> Iterator[Any]:
-    """The task runner to map steps on, started for the block: ``task_runner`` as given, else the
-    one ``workers`` names, else None (steps run in this process)."""
-    if task_runner is not None and parse_workers(workers) is not None:
-        raise UsageError("give workers or task_runner, not both")
-    runner = task_runner if task_runner is not None else task_runner_for(workers)
+def entered(workers: WorkersSpec = None) -> Iterator[Any]:
+    """The task runner ``workers`` names (``parse_workers``), started for the block, or None (steps
+    run in this process). An existing cluster of any kind (Kubernetes, SLURM, cloud) is named by its
+    scheduler's address, so a flow's parameters stay JSON."""
+    runner = task_runner_for(workers)
     if runner is None:
         yield None
         return

@@ -99,7 +99,7 @@ def test_the_readme_deployment_section_works_as_written(tmp_path):
             assert "dcr: error: refusing to deploy dcr-receive-refit/receiver: DCR_RECEIVER_STATE='relative.safetensors' " \
                    "must be an absolute path" in bad.stderr, bad.stderr[-2000:]
             dep = client.read_deployment_by_name("dcr-receive-refit/receiver")
-            assert dep.parameters["target"] == str(state)
+            assert dep.parameters["state"] == str(state)
 
             # a redeploy with another state path: no run keeps the old one
             moved = tmp_path / "moved.safetensors"
@@ -112,7 +112,7 @@ def test_the_readme_deployment_section_works_as_written(tmp_path):
             dep = client.read_deployment_by_name("dcr-receive-refit/receiver")
             pending = [r for r in client.read_flow_runs() if r.deployment_id == dep.id and r.state
                        and r.state.is_scheduled()]
-            assert all(r.parameters["target"] == str(moved) for r in pending), [r.parameters for r in pending]
+            assert all(r.parameters["state"] == str(moved) for r in pending), [r.parameters for r in pending]
     finally:
         if worker is not None:
             stop(worker, group=True)
