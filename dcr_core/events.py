@@ -48,6 +48,8 @@ POINTS = frozenset({
     "publish.rank-partial-written",
     # a group of tensors of a mapped publish (flows.publish.groups), where its task runs
     "publish.group-started", "publish.group-done", "publish.group-baseline-rebuilt",
+    # ... and in the flow's process, as each group's result comes back (in group order)
+    "publish.group-returned",
     # a group of tensors of a receive rewriting its state on workers (flows.receive.on_workers), where its task runs
     "receive.group-started", "receive.group-done",
     # receiver (state file)

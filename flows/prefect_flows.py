@@ -18,14 +18,19 @@ tensors or open files (JSON-serializable: ``tests/system/test_prefect_flows.py``
 run, ``root:<ROOT>``, ``step:<N>``, ``receiver:<id>``) and leave a table artifact of what they did (one row per task with its seconds); a publish also
 leaves a markdown artifact linking the step's manifest and commit marker.
 
-Results are not persisted and tasks are not cached (``persist_result=False``, ``NO_CACHE``): no
-rerun of these flows could use an earlier result, so storing them would only fill Prefect's result
-storage. Per flow: a publish writes each attempt under a fresh attempt id (a rerun's chunks and
-manifest are another attempt's; the baseline cache already skips re-reading what is committed); a
-receive, materialize or fleet switch plans again from what the target holds now (a finished step
-is found finished by the plan, not by a cache); verify is a report on the bucket as it is now; a
-mirror skips steps the destination already holds by looking at it; gc plans from the bucket each
-run. What a run did is in its artifacts (tables, the publish's links) and its return value.
+What is kept, per flow. A publish on workers keeps each finished ``encode-group`` result (its
+manifest entries, a few KB) in Prefect's task cache, keyed by everything the result depends on
+(``flows.publish.groups.result_key``: ROOT, step, attempt, base, options, the group's tensors, the
+checkpoint's file identity) under the publisher's cache directory; the attempt of a flow run is
+derived from its id (``_run_attempt``), so Prefect running the same flow run again (``retries``, a
+crashed deployment run retried) skips the groups that finished and encodes only the others; the
+results are deleted once the step commits (``tests/system/test_workers.py``). Nothing else is
+persisted or cached (``persist_result=False``, ``NO_CACHE``), because no rerun could use it: a
+publish without workers encodes in one task; a receive, materialize or fleet switch plans again
+from what the target holds now (a finished step is found finished by the plan, not by a cache);
+verify is a report on the bucket as it is now; a mirror skips steps the destination already holds
+by looking at it; gc plans from the bucket each run. What a run did is in its artifacts (tables,
+the publish's links) and its return value.
 
 Retries: none here. Transient request errors are retried by the storage layer's one owner per
 backend (``storage.retry``); everything else is DCR's verdict on the data, which a retry cannot
@@ -34,6 +39,7 @@ change. A flow run that failed can simply be run again.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import logging
@@ -51,7 +57,7 @@ from typing import Any
 import prefect.task_engine  # noqa: F401 - loaded with the flows: a worker's first task does not import it
 from prefect import Flow, get_run_logger, tags, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
-from prefect.cache_policies import NO_CACHE
+from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
 from prefect.runtime import flow_run, task_run
@@ -87,8 +93,8 @@ def _task(step: Step):
 
 @functools.cache
 def _mapped_task(step: Step):
-    # Mapped tasks run on workers: their results (manifest entries) come back through Dask, not
-    # through result storage (a path of this machine), and nothing about them is cached.
+    # Mapped tasks run on workers: their results come back through Dask, not through result
+    # storage; a step with a ResultCache keeps them for a rerun (_cached_task).
     return task(step.fn, name=step.name, task_run_name=_mapped_name, persist_result=False, cache_policy=NO_CACHE,
                 retries=0)
 
@@ -122,7 +128,30 @@ class PrefectRunner:
         return cluster.slots(self.task_runner)
 
     def map(self, step: Step, items: list[dict], shared: dict, each=None) -> list:
-        return cluster.run_mapped(self.task_runner, _mapped_task(step), items, shared, each)
+        mapped = _mapped_task(step) if step.cache is None else _cached_task(step, shared)
+        return cluster.run_mapped(self.task_runner, mapped, items, shared, each)
+
+
+def _cached_task(step: Step, shared: dict):
+    """``step``'s mapped task with Prefect's task cache: its result kept (``persist_result``) in the
+    run's directory (``step.cache.where``) under a key of everything it depends on
+    (``step.cache.key``), so a rerun of a failed flow run finds the calls that finished Cached and
+    runs only the others."""
+    cache = step.cache
+    return _mapped_task(step).with_options(
+        persist_result=True, cache_policy=CachePolicy.from_cache_key_fn(lambda _context, params: cache.key(params)),
+        result_storage=Path(cache.where(shared)), cache_expiration=datetime.timedelta(seconds=cache.seconds))
+
+
+def _run_attempt(attempt: str | None) -> str | None:
+    """The attempt id of this flow run's publish: ``attempt`` if given, else one derived from the
+    flow run's id, so that Prefect running the same flow run again (its ``retries``, a crashed
+    deployment run retried) writes into the same attempt and finds its finished groups Cached; a
+    new run gets a new attempt, as an in-process publish does."""
+    if attempt is not None:
+        return attempt
+    run_id = flow_run.get_id()
+    return None if run_id is None else str(run_id).replace("-", "")
 
 
 def _slug(text: str) -> str:
@@ -234,7 +263,7 @@ def publish_checkpoint(
     refuse_credentials(storage_options)
     with tags(*_publish_tags(root, step)), cluster.entered(workers) as mapped_on:
         result = run_publish(str(root), str(source), step, keyframe, storage_options, options,
-                             PrefectRunner(mapped_on), attempt)
+                             PrefectRunner(mapped_on), _run_attempt(attempt))
     _best_effort(_report_publish, str(root), storage_options, result)
     return asdict(result)
 

@@ -18,11 +18,26 @@ from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
+class ResultCache:
+    """What makes a mapped step's result valid, for a runner that keeps results so that a rerun of
+    a failed flow skips the calls that finished (``PrefectRunner``: Prefect's task cache).
+    ``key(params)``: a digest of everything the result depends on; ``where(shared)``: the
+    directory that keeps the results of one run (its callers' arguments shared by every call);
+    ``seconds``: how long a kept result may be used."""
+
+    key: Callable[[dict], str]
+    where: Callable[[dict], str]
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Step:
-    """One step: its task name (shown by Prefect) and its function."""
+    """One step: its task name (shown by Prefect) and its function; ``cache``: for a mapped step
+    whose results a rerun can use (see ``ResultCache``), else None."""
 
     name: str
     fn: Callable[..., Any]
+    cache: ResultCache | None = None
 
     @property
     def key(self) -> str:
@@ -56,7 +71,7 @@ class StepTable:
     def __iter__(self):
         return iter(self.steps.values())
 
-    def bind(self, runner: Runner) -> Bound:
+    def bind(self, runner: Runner | MappingRunner) -> Bound:
         return Bound(self, runner)
 
 
@@ -64,7 +79,7 @@ class Bound:
     """A step table bound to a runner: ``bound.plan_publish(...)`` runs that step; ``timings`` holds
     the seconds spent in each step this bound table ran."""
 
-    def __init__(self, table: StepTable, runner: Runner):
+    def __init__(self, table: StepTable, runner: Runner | MappingRunner):
         self._table, self._runner = table, runner
         self._calls: dict[str, Callable[..., Any]] = {}
         self.timings: dict[str, float] = {}

@@ -14,11 +14,22 @@ policy digest are the same whatever runs the groups and however many there are.
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import time
 from dataclasses import dataclass
+from importlib import metadata
 
 from dcr_core.batches import batches_for
 from flows.publish.plan import PublishPlan
+from flows.steps import ResultCache
 from storage import layout
+
+RESULTS = "group-results"  # under the publisher's cache directory: <step>-<attempt>/<key>
+RESULT_SECONDS = 24 * 3600.0  # a rerun within a day uses a finished group's result; older ones are swept
 
 
 @dataclass(frozen=True)
@@ -54,3 +65,70 @@ def plan_groups(plan: PublishPlan, slots: int) -> list[TensorGroup]:
     runs = batches_for(((n, plan.infos[n].nbytes) for n in names), slots, plan.options.group_bytes)
     return [TensorGroup(i, len(runs), tuple(r), tuple(arrays[n] for n in r), sum(plan.infos[n].nbytes for n in r))
             for i, r in enumerate(runs)]
+
+
+# -- a finished group's result, kept for a rerun of the same attempt ------------------------------
+
+def result_key(params: dict) -> str:
+    """A digest of everything an ``encode-group`` result depends on: the ROOT, the step, the
+    attempt (a rerun of a failed flow run keeps its attempt: ``flows.prefect_flows``), the base it
+    is a delta of (pinned by manifest digest), the options, DCR's version, the group's tensors and
+    arrays, and the source checkpoint as the file system describes it (path, size, modification
+    and change times, inode of every file: a checkpoint rewritten since is another input)."""
+    plan, group = params["plan"], params["group"]
+    base = plan.base
+    doc = {
+        "dcr": metadata.version("dcr"), "root": plan.root.url, "step": plan.step, "attempt": plan.attempt,
+        "kind": plan.kind, "base": None if base is None else [base.step, base.attempt, base.manifest_digest],
+        "options": plan.options.model_dump(mode="json", exclude={"cache_dir", "io_workers"}),
+        "tensors": [[n, plan.infos[n].dtype, list(plan.infos[n].shape)] for n in group.names],
+        "arrays": list(group.arrays), "source": file_identity(params["source"]),
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True).encode()).hexdigest()
+
+
+def file_identity(path: str) -> list:
+    """``[path, size, mtime_ns, ctime_ns, inode]`` of ``path``, of every file under it if it is a
+    directory (a sharded checkpoint), in path order."""
+    paths = [path] if not os.path.isdir(path) else sorted(
+        os.path.join(d, f) for d, _, files in os.walk(path) for f in files)
+    out = []
+    for p in paths:
+        st = os.stat(p)
+        out.append([os.path.relpath(p, path) if p != path else p, st.st_size, st.st_mtime_ns, st.st_ctime_ns,
+                    st.st_ino])
+    return out
+
+
+def results_dir(shared: dict) -> str:
+    """Where the results of one attempt's groups are kept: ``<cache_dir>/group-results/<step>-<attempt>``
+    (the publisher's cache directory, made absolute for workers: a LocalCluster's workers share it;
+    a worker on another machine keeps its own, and a rerun there simply encodes the group again)."""
+    plan = shared["plan"]
+    return os.path.join(plan.options.cache_dir, RESULTS, f"{plan.step}-{plan.attempt}")
+
+
+GROUP_CACHE = ResultCache(result_key, results_dir, RESULT_SECONDS)
+
+
+def drop_results(plan: PublishPlan) -> None:
+    """Once the step is committed, its groups' results are of no further use: removed, with those
+    of attempts older than ``RESULT_SECONDS`` (a run that failed and was never run again)."""
+    shutil.rmtree(results_dir({"plan": plan}), ignore_errors=True)
+    where, now = os.path.join(plan.options.cache_dir, RESULTS), time.time()
+    with contextlib.suppress(OSError):
+        for name in os.listdir(where):
+            path = os.path.join(where, name)
+            with contextlib.suppress(OSError):
+                if now - os.stat(path).st_mtime > RESULT_SECONDS:
+                    shutil.rmtree(path, ignore_errors=True)
+
+
+def stored_keys(entries) -> set[str]:
+    """The keys (inside the step's store) of every object the entries name: each array's metadata
+    and every stored chunk and part."""
+    keys: set[str] = set()
+    for e in entries:
+        keys.add(layout.array_meta_key(e.array))
+        keys.update(e.stored_at(pos)[0] for pos in range(len(e.stored_nbytes)))
+    return keys

@@ -18,19 +18,21 @@ import sys
 import uuid
 from collections.abc import Mapping, Sequence
 
-from dcr_core.errors import UsageError
+from dcr_core import events
+from dcr_core.errors import DCRError, UsageError
 from flows import local_refs
 from flows.local_refs import LocalRef
 from flows.options import PublishOptions
 from flows.publish import baseline, commit, encode, sources
 from flows.publish.baseline import BaselineSlot
 from flows.publish.encode import BaselineMismatchError, announcing
-from flows.publish.groups import plan_groups
+from flows.publish.groups import GROUP_CACHE, drop_results, plan_groups, stored_keys
 from flows.publish.plan import DEFAULT_TIMEOUT, plan_from_source
 from flows.publish.sources import as_source_ref
 from flows.results import PublishResult
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
+from storage import layout
 from storage.commit import discard_attempt
 from storage.root import RootRef, open_root
 
@@ -46,7 +48,8 @@ PUBLISH = StepTable(
     Step("plan-publish", plan_from_source),
     Step("load-baseline", baseline.load_baseline),
     Step("encode-and-write-chunks", encode.encode_and_write),
-    Step("encode-group", encode.encode_group),  # mapped over tensor groups on workers (flows.workers)
+    # mapped over tensor groups on workers (flows.workers); a rerun of the attempt skips finished groups
+    Step("encode-group", encode.encode_group, GROUP_CACHE),
     Step("write-snapshot", encode.write_snapshot),
     Step("write-manifest", commit.write_manifest),
     Step("commit", commit.commit_step),
@@ -97,7 +100,7 @@ def run_publish(
         return importlib.import_module(RANK_PIPELINE).publish_ranks(
             runner or InProcess(), ref, list(source), step, keyframe, options)
     tasks = PUBLISH.bind(runner or InProcess())
-    return _publish(tasks, ref, source, step, keyframe, options, held)
+    return _publish(tasks, ref, source, step, keyframe, options, held, attempt)
 
 
 def _encode(tasks: Bound, plan, snap, baseline) -> dict:
@@ -110,10 +113,32 @@ def _encode(tasks: Bound, plan, snap, baseline) -> dict:
     groups = plan_groups(plan, tasks.slots)
     log.info("step %d: encoding %d tensors in %d groups on %d worker slots", plan.step, len(plan.infos), len(groups),
              tasks.slots)
+    root, store = open_root(plan.root), layout.store_dir(plan.step, plan.attempt)
+    again = bool(root.objects(store))  # a rerun of this attempt: finished groups come from the kept results
+
+    def each(part: dict) -> None:
+        events.reached("publish.group-returned", step=plan.step, arrays=[e.array for e in part.values()])
+        if announce is not None:
+            announce(part)
+
     with announcing(plan) as announce:  # streaming: each group's chunks announced as it returns
-        parts = tasks.map("encode_group", [{"group": g} for g in groups], each=announce, plan=plan, source=snap,
+        parts = tasks.map("encode_group", [{"group": g} for g in groups], each=each, plan=plan, source=snap,
                           baseline=baseline)
-    return {name: entry for part in parts for name, entry in part.items()}
+    entries = {name: entry for part in parts for name, entry in part.items()}
+    if again:  # kept results are only as good as the objects they name: the attempt must hold exactly those
+        want = stored_keys(entries.values())
+        held = {o.key[len(store) + 1:] for o in root.objects(store)} - {layout.GROUP_META}
+        if held != want:
+            odd = sorted(want - held) or sorted(held - want)
+            raise AttemptLostError(f"{layout.store_key(plan.step, plan.attempt, odd[0])}: attempt {plan.attempt} "
+                                   f"misses {len(want - held)} and has {len(held - want)} other objects than its groups'")
+    return entries
+
+
+class AttemptLostError(DCRError):
+    """A rerun's attempt does not hold exactly the objects its groups' results name: some are gone
+    (``dcr gc`` collected the failed attempt in between) or others are there (the first run read a
+    checkpoint since rewritten). The publish encodes everything again in a fresh attempt."""
 
 
 def mappable(plan, snap, baseline):
@@ -137,19 +162,25 @@ def result_of(marker, summary: dict, tasks: Bound) -> PublishResult:
 
 
 def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, options: PublishOptions,
-             held: BaselineSlot | None) -> PublishResult:
+             held: BaselineSlot | None, attempt: str | None = None) -> PublishResult:
     src, given = as_source_ref(source)
     handles: list = [given]
     try:
         snap = tasks.snapshot(src)
         handles.append(snap if snap != src else None)
-        plan = tasks.plan_from_source(ref, snap, step, keyframe, options)
+        plan = tasks.plan_from_source(ref, snap, step, keyframe, options, attempt)
         held_ref = None if held is None or held.baseline is None else local_refs.put(held.baseline, "held")
         handles.append(held_ref)
         baseline = tasks.load_baseline(plan, held_ref)
         handles.append(baseline)
         redone = None
         try:
+            entries = _encode(tasks, plan, snap, baseline)
+        except AttemptLostError as e:  # nothing of this attempt can be trusted now: all again, afresh
+            log.warning("%s; encoding step %d again in a fresh attempt", e, step)
+            discard_attempt(open_root(ref), step, plan.attempt)
+            drop_results(plan)
+            plan = dataclasses.replace(plan, attempt=uuid.uuid4().hex)
             entries = _encode(tasks, plan, snap, baseline)
         except BaselineMismatchError as e:
             if not options.use_cache:  # a private baseline rebuilt from ROOT just now: a real fault
@@ -168,6 +199,8 @@ def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, opti
         full = tasks.write_snapshot(plan, snap, entries) if plan.snapshot else None
         manifest = tasks.write_manifest(plan, entries, full)
         marker = tasks.commit_step(plan, manifest)
+        if tasks.mapped:
+            drop_results(plan)
         if redone is not None:
             log.warning("%s; step %d was published again from a checked baseline", redone, step)
         # Hold only a copy made here: a mapping passed in may still change under its owner.

@@ -168,10 +168,12 @@ def plan_publish(
     )
 
 
-def plan_from_source(root: RootRef, source: SourceRef, step: int, keyframe: bool, options: PublishOptions) -> PublishPlan:
-    """The plan of publishing a canonical source (a checkpoint path or a snapshot held here)."""
+def plan_from_source(root: RootRef, source: SourceRef, step: int, keyframe: bool, options: PublishOptions,
+                     attempt: str | None = None) -> PublishPlan:
+    """The plan of publishing a canonical source (a checkpoint path or a snapshot held here), in
+    ``attempt`` (default: a fresh one)."""
     with opened(source) as src:
-        return plan_publish(root, src.infos, step, keyframe, options, src.path)
+        return plan_publish(root, src.infos, step, keyframe, options, src.path, attempt=attempt)
 
 
 def _policy_reason(cat: Catalog, latest: int, step: int, options: PublishOptions) -> str:

@@ -190,6 +190,79 @@ def test_a_worker_killed_mid_group_has_its_group_run_again(cluster, client, pref
     client.wait_for_workers(2, timeout=WORKERS_BACK_S)  # the nanny restarted the victim: the cluster is whole again
 
 
+@pytest.mark.faults(component="Prefect task cache", outcome="the flow run runs again in its attempt: the groups that "
+                    "finished are Cached, only the others encode; the step commits bit-exact (a fresh attempt if "
+                    "objects of the kept groups are gone)")
+@pytest.mark.parametrize("lost", [False, True], ids=["kept", "objects-gone"])
+def test_a_failed_publish_run_again_encodes_only_the_groups_that_had_not_finished(cluster, prefect_settings, tmp_path,
+                                                                                   lost):
+    """A ``--workers`` publish whose flow fails as its third group's result comes back, run again by
+    Prefect (the flow's ``retries``): the same flow run keeps its attempt, so the groups that had
+    finished come from Prefect's task cache (Cached) and only the others are encoded; the step equals
+    an in-process publish byte for byte, and the kept results are deleted once it commits. With one
+    object of a kept group deleted in between (what a ``dcr gc`` of the failed attempt does), the
+    rerun notices before writing the manifest and encodes everything in a fresh attempt."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from flows.options import PublishOptions
+    from flows.prefect_flows import publish_checkpoint
+    from flows.publish.groups import RESULTS
+    from flows.publish.pipeline import run_publish
+
+    paths = _checkpoints(tmp_path, 2)
+    opts = {"chunk_bytes": 1 << 12, "group_bytes": 2 << 10}  # 9 groups
+    root, ref, cache = str(tmp_path / "dask"), str(tmp_path / "local"), str(tmp_path / "c2")
+    for step, path in enumerate(paths):
+        run_publish(ref, path, step, options=PublishOptions(cache_dir=str(tmp_path / "c1"), **opts))
+    run_publish(root, paths[0], 0, options=PublishOptions(cache_dir=cache, **opts))
+    returned, gone = [], []
+
+    def on_point(point, fields):
+        if point != "publish.group-returned":
+            return
+        returned.append(fields)
+        if lost and len(returned) == 4:  # the rerun's first result (group 0, kept): take an object of it away
+            attempts = os.path.join(root, "steps", f"{1:012d}", "attempts")
+            (attempt,) = os.listdir(attempts)
+            meta = os.path.join(root, layout.store_key(1, attempt, layout.array_meta_key(fields["arrays"][0])))
+            os.unlink(meta)
+            gone.append(meta)
+
+    events.set_failpoints("publish.group-returned@3=fail")  # this process: the flow fails at the third result
+    try:
+        with events.listening(on_point):
+            state = publish_checkpoint.with_options(retries=1)(
+                root, paths[1], 1, options=PublishOptions(cache_dir=cache, **opts), workers=_address(cluster),
+                return_state=True)
+    finally:
+        events.set_failpoints(None)
+    assert state.is_completed(), state
+    run_id = state.state_details.flow_run_id
+    with get_client(sync_client=True) as client:
+        runs = [t for t in client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+                if t.name.startswith("encode-group-")]
+    groups = {t.name for t in runs}
+    assert len(groups) >= 6, groups
+    done = {g: [t.state.name for t in runs if t.name == g] for g in groups}
+    marker = json.loads(open(os.path.join(root, layout.commit_key(1))).read())
+    if not lost:
+        assert marker["attempt"] == str(run_id).replace("-", "")  # the rerun kept the flow run's attempt
+        for g in ("encode-group-0", "encode-group-1", "encode-group-2"):  # finished before the failure
+            assert sorted(done[g]) == ["Cached", "Completed"], (g, done[g])
+        cached = [g for g, states in done.items() if "Cached" in states]
+        # encoded once each, but for at most the 2 groups that were running on the 2 workers as the flow failed
+        assert sum(states.count("Completed") for states in done.values()) <= len(groups) + 2, done
+        assert 3 <= len(cached) < len(groups), done
+    else:
+        assert gone and marker["attempt"] != str(run_id).replace("-", "")  # everything again, in a fresh attempt
+    assert all("Completed" in states or "Cached" in states for states in done.values())
+    objs, manifest = _attempt_objects(root, 1)
+    want_objs, want_manifest = _attempt_objects(ref, 1)
+    assert objs == want_objs and manifest == want_manifest
+    assert os.listdir(os.path.join(cache, RESULTS)) == []  # the kept results went with the commit
+
+
 @pytest.mark.faults(component="Dask workers", outcome="the group runs again on another worker; the materialized file "
                     "is the one-process file, byte for byte")
 def test_a_worker_killed_mid_rewrite_group_has_its_group_run_again(cluster, client, prefect_settings, tmp_path):
