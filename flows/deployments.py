@@ -31,6 +31,7 @@ from prefect.client.schemas.filters import (
     FlowRunFilterStateType,
 )
 from prefect.client.schemas.objects import StateType
+from prefect.events import DeploymentEventTrigger
 from prefect.exceptions import ObjectNotFound
 from prefect.utilities.templating import ENV_VAR_PLACEHOLDER_PREFIX, PlaceholderType, apply_values, find_placeholders
 
@@ -76,9 +77,11 @@ def deployments(path: str | os.PathLike = DEFAULT_FILE, names: list[str] | None 
             continue
         params, run_tags = _filled(spec.get("parameters") or {}), _filled(spec.get("tags") or [])
         interval = next((s["interval"] for s in spec.get("schedules") or [] if "interval" in s), None)
+        triggers = [DeploymentEventTrigger(**{k: v for k, v in t.items() if k != "type"})
+                    for t in _filled(spec.get("triggers") or [])]
         out.append(_flow(spec["entrypoint"]).to_deployment(
             name=SERVE_PREFIX + spec["name"], parameters=params, interval=interval, description=spec.get("description"),
-            tags=run_tags, concurrency_limit=spec.get("concurrency_limit"),
+            tags=run_tags, concurrency_limit=spec.get("concurrency_limit"), triggers=triggers or None,
         ))
     missing = {n.removeprefix(SERVE_PREFIX) for n in names or []} - {spec["name"] for spec in specs(path)}
     if missing:

@@ -60,6 +60,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.cache_policies import NO_CACHE, CachePolicy
 from prefect.client.orchestration import get_client
 from prefect.context import get_run_context
+from prefect.events import emit_event
 from prefect.runtime import flow_run, task_run
 
 from dcr_core.errors import DCRError, UsageError
@@ -265,6 +266,7 @@ def publish_checkpoint(
         result = run_publish(str(root), str(source), step, keyframe, storage_options, options,
                              PrefectRunner(mapped_on), _run_attempt(attempt))
     _best_effort(_report_publish, str(root), storage_options, result)
+    _best_effort(_announce_commit, str(root), result)
     return asdict(result)
 
 
@@ -281,6 +283,7 @@ def publish_held(
         result = run_publish(str(root), local_refs.get(source), step, keyframe, storage_options, options,
                              PrefectRunner(), attempt)
     _best_effort(_report_publish, str(root), storage_options, result)
+    _best_effort(_announce_commit, str(root), result)
     return asdict(result)
 
 
@@ -519,6 +522,21 @@ def _link(url: str) -> str:
     return url if "://" in url else Path(url).resolve().as_uri()
 
 
+COMMITTED = "dcr.step.committed"  # the event a publish emits once its step is committed
+
+
+def root_resource(root: str) -> str:
+    """The ``prefect.resource.id`` of ROOT in DCR's events: what a deployment trigger matches."""
+    return f"dcr.root.{root}"
+
+
+def _announce_commit(root: str, r: PublishResult) -> None:
+    """Emit ``dcr.step.committed`` for ROOT: the receiver deployment (``infra/prefect.yaml``) is
+    triggered by it, so receivers run when there is a step to take and not on an idle schedule."""
+    emit_event(event=COMMITTED, resource={"prefect.resource.id": root_resource(root), "dcr.step": str(r.step)},
+               payload={"step": r.step, "kind": r.kind, "policy_digest": r.policy_digest})
+
+
 def _report_receive(root: str, storage_options: dict | None, receiver_id: str, r: dict) -> None:
     _rename_run(f"receive-{receiver_id}-to-{r['step']}")
     try:
@@ -530,6 +548,8 @@ def _report_receive(root: str, storage_options: dict | None, receiver_id: str, r
     pause = r.get("pause_seconds")
     get_run_logger().info("receiver %s at step %d (%s; pulled %d bytes; %s steps behind the latest)",
                           receiver_id, r["step"], moves, r["bytes_pulled"], lag)
+    if not r["moves"]:  # nothing happened: the log line says so; no artifact for a run with nothing to show
+        return
     create_table_artifact(
         [{"receiver": receiver_id, "from": r["from_step"], "to": r["step"], "latest": latest, "lag (steps)": lag,
           "moves": moves, "bytes pulled": r["bytes_pulled"],

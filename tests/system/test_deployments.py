@@ -2,8 +2,9 @@
 
 The bash block runs as written; the only change is the values of the ``export DCR_ROOT=...`` line
 and of ``CKPTS`` (a temporary directory instead of a bucket and /data). The test then checks what
-the section promises: the publisher deployment's run commits step 6, a scheduled receiver run
-brings the receiver's state to step 6 bit for bit, a deploy with a bad setting is refused before
+the section promises: the publisher deployment's run commits step 6, the receiver run its commit
+event triggers brings the receiver's state to step 6 bit for bit (an idle run leaves no artifact,
+no run persists a result, a few runs are scheduled ahead), a deploy with a bad setting is refused before
 anything changes, and a redeploy leaves no scheduled run with the old parameters.
 """
 
@@ -88,6 +89,23 @@ def test_the_readme_deployment_section_works_as_written(tmp_path):
             assert {"publish-step-6", "receive-rollout-0-to-6"} <= names, sorted(names)
             assert cat.latest_committed() == 6
             assert_bits_equal(load_file(state), c6)
+            # the receiver ran because the publish committed (its event triggered the deployment), not on a timer
+            (to6,) = [r for r in client.read_flow_runs() if r.name == "receive-rollout-0-to-6"]
+            assert to6.created_by is not None and to6.created_by.type == "AUTOMATION", to6.created_by
+            receiver = client.read_deployment_by_name("dcr-receive-refit/receiver")
+            scheduled = [r for r in client.read_flow_runs() if r.deployment_id == receiver.id and r.state
+                         and r.state.is_scheduled()]
+            assert len(scheduled) <= 4, len(scheduled)  # hourly: a few runs ahead, not one every 30 s
+            # a run with nothing to do: no artifact, and no run anywhere persisted a result
+            artifacts = len(client.read_artifacts())
+            idle = client.create_flow_run_from_deployment(receiver.id)
+            deadline = time.monotonic() + 120
+            while not (run := client.read_flow_run(idle.id)).state.is_final() and time.monotonic() < deadline:
+                time.sleep(1)
+            assert run.state.is_completed() and run.name == "receive-rollout-0-to-6", (run.name, run.state)
+            assert len(client.read_artifacts()) == artifacts
+            kept = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "prefect" / "storage") for f in fs]
+            assert kept == [], kept
 
             # a deploy with a bad setting is refused, naming it; nothing changes
             bad = subprocess.run(
