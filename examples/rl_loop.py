@@ -17,7 +17,6 @@ to before it samples (an assert): rollouts never mix policies.
 from __future__ import annotations
 
 import argparse
-import calendar
 import os
 import shutil
 import sys
@@ -30,7 +29,7 @@ from dcr_bench.models.hf_tiny import checkpoint, make_model, save_config
 from dcr_bench.vllm_server import Server, call
 from flows import run_fleet, run_materialize, run_publish
 from flows.options import PublishOptions
-from storage.catalog import Catalog
+from storage.catalog import Catalog, utc_epoch
 from storage.root import open_root
 
 TARGET = 64  # the reward: fraction of sampled token ids below this
@@ -70,8 +69,7 @@ def pulled(cat: Catalog, step: int, receivers: list[str], since: int) -> list[in
     deadline = time.monotonic() + 30
     while True:
         recs = [cat.receiver_record(step, rid) or {} for rid in receivers]
-        done = [rec.get("committed_at") and calendar.timegm(time.strptime(rec["committed_at"], "%Y-%m-%dT%H:%M:%SZ"))
-                >= since for rec in recs]
+        done = [(utc_epoch(rec.get("committed_at")) or 0) >= since for rec in recs]
         if all(done) or time.monotonic() > deadline:
             return [rec.get("bytes_pulled") if ok else None for rec, ok in zip(recs, done)]
         time.sleep(0.1)

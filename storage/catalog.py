@@ -13,6 +13,7 @@ content-addressed, so a cached manifest is exactly the bytes the marker binds.
 
 from __future__ import annotations
 
+import calendar
 import json
 import logging
 import os
@@ -37,10 +38,31 @@ MANIFEST_CACHE_SIZE = 64
 
 
 MAX_RECORD_BYTES = 64 << 10  # a receiver record or position: a few hundred bytes
+# A receiver record keeps its receiver's earlier visits to the same step (a receiver moved back to a
+# step it held, by a retraction or a lower --step): the most recent ones, so a record stays small.
+MAX_EARLIER_VISITS = 32
+
+_STAMP = re.compile(r"(\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2})(\.\d{1,9})?Z")
 
 
-def utc_now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+def utc_now(at: float | None = None) -> str:
+    """A UTC time stamp to the millisecond (``2025-01-31T12:00:00.123Z``; ``at``: epoch seconds, default
+    now): commits and refits within one second keep their order (``dcr report``'s lag over time)."""
+    ms = int((time.time() if at is None else at) * 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(ms // 1000)) + f".{ms % 1000:03d}Z"
+
+
+def utc_epoch(stamp: object) -> float | None:
+    """Epoch seconds of a ``utc_now`` stamp, or of the whole-second stamps (``...:05Z``) earlier
+    versions wrote; None for anything else (stamps are read from the bucket: shown, not trusted)."""
+    m = _STAMP.fullmatch(stamp) if isinstance(stamp, str) else None
+    if m is None:
+        return None
+    try:
+        whole = calendar.timegm(time.strptime(m.group(1), "%Y-%m-%dT%H:%M:%S"))
+    except ValueError:
+        return None
+    return float(whole) + (float(m.group(2)) if m.group(2) else 0.0)
 
 
 def manifest_digest(data: bytes) -> str:
@@ -266,11 +288,28 @@ class Catalog:
 
     def record_receiver(self, step: int, receiver_id: str, record: dict) -> None:
         """The receiver's commit of ``step`` (``steps/N/receivers/<id>.json``: its history, one record per
-        step it reached, kept as long as the step) and where it is now (``receivers/<id>.json``)."""
+        step it reached, kept as long as the step) and where it is now (``receivers/<id>.json``). A
+        receiver back at a step it held before keeps its earlier visits there: the record's ``earlier``
+        (oldest first, at most ``MAX_EARLIER_VISITS``), which ``dcr status --receiver`` lists as refits."""
         record = {"receiver": receiver_id, "step": step, "committed_at": utc_now(), **record}
         data = json.dumps(record, indent=1).encode() + b"\n"
-        self.root.write(layout.receiver_key(step, receiver_id), data)
+        earlier = self._visits_before(step, receiver_id)
+        kept = json.dumps({**record, "earlier": earlier}, indent=1).encode() + b"\n" if earlier else data
+        self.root.write(layout.receiver_key(step, receiver_id), kept)
         self.root.write(layout.position_key(receiver_id), data)
+
+    def _visits_before(self, step: int, receiver_id: str) -> list[dict]:
+        """The receiver's visits to ``step`` recorded so far (the record there and its ``earlier``)."""
+        try:
+            prev = self.receiver_record(step, receiver_id)
+        except Exception as e:  # noqa: BLE001 - a role that may write records but not read them: no history kept
+            log.info("%s: cannot read receiver %s's record of step %d (%s); its earlier visits are not kept",
+                     self.root.url, receiver_id, step, e)
+            return []
+        if prev is None:
+            return []
+        visits = [*earlier_visits(prev), {k: v for k, v in prev.items() if k != "earlier"}]
+        return visits[-MAX_EARLIER_VISITS:]
 
     def _record(self, key: str) -> dict | None:
         try:
@@ -322,6 +361,14 @@ class Catalog:
                 if rid not in out:
                     out[rid] = self.receiver_record(step, rid) or {"receiver": rid, "step": step}
         return out
+
+
+def earlier_visits(record: dict) -> list[dict]:
+    """The earlier visits a receiver record keeps (``record_receiver``), each a record of the same step."""
+    earlier = record.get("earlier")
+    if not isinstance(earlier, list):
+        return []
+    return [v for v in earlier if isinstance(v, dict) and v.get("step") == record.get("step") and "earlier" not in v]
 
 
 _WARNED_UNCHECKED: set[str] = set()

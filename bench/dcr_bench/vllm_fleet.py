@@ -22,7 +22,6 @@ under ``--out``.
 from __future__ import annotations
 
 import argparse
-import calendar
 import json
 import os
 import platform
@@ -37,7 +36,7 @@ from dcr_bench.vllm_server import Server, call, checksums
 from flows import run_materialize, run_publish
 from flows.options import PublishOptions
 from flows.receive.fleet import run_fleet
-from storage.catalog import Catalog
+from storage.catalog import Catalog, utc_epoch
 from storage.root import open_root
 
 DEFAULT_MODELS = "llama:tiny,llama:medium"
@@ -128,7 +127,7 @@ def _records(cat: Catalog, step: int, receivers: list[str], since: int, timeout:
     the member serves again): committed at ``since`` (epoch seconds) or later."""
     def fresh(rec: dict | None) -> bool:
         stamp = (rec or {}).get("committed_at")
-        return bool(stamp) and calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ")) >= since
+        return (utc_epoch(stamp) or 0) >= since
 
     deadline = time.monotonic() + timeout
     while True:

@@ -3,13 +3,12 @@ receiver is and how it got there. Read-only; no torch."""
 
 from __future__ import annotations
 
-import calendar
 import time
 from dataclasses import dataclass, field
 
 from dcr_core.text import printable
 from flows.maintenance.audit import human_bytes
-from storage.catalog import Catalog
+from storage.catalog import Catalog, earlier_visits, utc_epoch
 from storage.root import Root
 
 
@@ -109,9 +108,8 @@ class ReceiverRow:
 def _age(stamp: str | None, now: float) -> str:
     if not stamp:
         return "-"
-    try:
-        t = calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))
-    except ValueError:
+    t = utc_epoch(stamp)
+    if t is None:
         return stamp
     sec = max(0, int(now - t))
     for unit, n in (("d", 86400), ("h", 3600), ("m", 60)):
@@ -167,8 +165,9 @@ def format_fleets(records: list) -> str:
 
 
 def histories(root: Root, only: str | None = None) -> dict[str, list[dict]]:
-    """Every record each receiver (or ``only`` this one) left on steps ROOT still holds, oldest
-    first: how it got where it is. One listing per step, one read per record."""
+    """Every refit each receiver (or ``only`` this one) recorded on steps ROOT still holds, oldest
+    first: how it got where it is. A step the receiver reached more than once gives one entry per
+    visit (its record keeps the earlier ones). One listing per step, one read per record."""
     cat = Catalog(root)
     out: dict[str, list[dict]] = {}
     for step in cat.listed_steps():
@@ -177,8 +176,14 @@ def histories(root: Root, only: str | None = None) -> dict[str, list[dict]]:
                 continue
             rec = cat.receiver_record(step, rid)
             if rec is not None:
-                out.setdefault(rid, []).append(rec)
-    return {rid: sorted(recs, key=lambda r: (str(r.get("committed_at", "")), r["step"])) for rid, recs in out.items()}
+                latest = {k: v for k, v in rec.items() if k != "earlier"}
+                out.setdefault(rid, []).extend([*earlier_visits(rec), latest])
+    return {rid: sorted(recs, key=_when) for rid, recs in out.items()}
+
+
+def _when(record: dict) -> tuple:
+    stamp = record.get("committed_at")
+    return utc_epoch(stamp) or 0.0, str(stamp or ""), record["step"]
 
 
 def receiver_history(root: Root, receiver_id: str) -> list[dict]:
@@ -189,8 +194,8 @@ def format_history(receiver_id: str, records: list[dict]) -> str:
     if not records:
         return f"receiver {receiver_id}: no record on any step ROOT holds"
     lines = [f"receiver {receiver_id}: {len(records)} refits recorded on steps ROOT still holds (oldest first)",
-             f"{'WHEN':<20}  {'FROM':>8}  {'TO':>8}  {'PULLED':>10}  MOVES"]
+             f"{'WHEN':<24}  {'FROM':>8}  {'TO':>8}  {'PULLED':>10}  MOVES"]
     for r in records:
-        lines.append(f"{printable(r.get('committed_at', '-')):<20}  {'-' if r.get('from_step') is None else r['from_step']:>8}  {r['step']:>8}  "
+        lines.append(f"{printable(r.get('committed_at', '-')):<24}  {'-' if r.get('from_step') is None else r['from_step']:>8}  {r['step']:>8}  "
                      f"{human_bytes(r.get('bytes_pulled')):>10}  {', '.join(r.get('moves') or []) or 'no move'}")
     return "\n".join(lines)

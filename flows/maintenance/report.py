@@ -4,21 +4,14 @@ restart points, and each receiver's lag behind the latest step over time. Read-o
 
 from __future__ import annotations
 
-import calendar
-import time
 from dataclasses import dataclass, field
 
 from dcr_core.chain import DELTA, KEYFRAME
 from flows.maintenance.inspect import histories
-from storage.catalog import Catalog
+from storage.catalog import Catalog, utc_epoch, utc_now
 from storage.root import Root
 
-
-def epoch(stamp: str | None) -> float | None:
-    try:
-        return float(calendar.timegm(time.strptime(stamp, "%Y-%m-%dT%H:%M:%SZ"))) if stamp else None
-    except ValueError:
-        return None
+epoch = utc_epoch  # a stamp's epoch seconds (to the millisecond; whole seconds in older ROOTs), or None
 
 
 @dataclass
@@ -75,7 +68,7 @@ class RunReport:
 
 def build_report(root: Root) -> RunReport:
     cat = Catalog(root)
-    report = RunReport(root.url, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    report = RunReport(root.url, utc_now())
     for step in cat.listed_steps():
         marker = cat.marker(step)
         if marker is None:
@@ -95,7 +88,22 @@ def build_report(root: Root) -> RunReport:
     stamps = {p.step: p.committed_at for p in report.steps}
     for rid in sorted(positions):
         report.receivers[rid] = lag_timeline(commits, records.get(rid, []), stamps)
+    _extend_to_the_end(report.receivers, commits)
     return report
+
+
+def _extend_to_the_end(receivers: dict[str, list[LagPoint]], commits: list[tuple[float | None, int]]) -> None:
+    """End every receiver's timeline at the report's last moment (the last commit or refit), at the
+    lag it has then: a line that stops at its last refit would hide the commits after it."""
+    moments = [(t, p.at) for points in receivers.values() for p in points if (t := epoch(p.at)) is not None]
+    if not moments:
+        return
+    end, at = max(moments)
+    for points in receivers.values():
+        last = epoch(points[-1].at) if points else None
+        if last is not None and last < end:
+            lag = sum(1 for ct, s in commits if ct is not None and ct <= end and s > points[-1].step)
+            points.append(LagPoint(at, points[-1].step, lag))
 
 
 def lag_timeline(commits: list[tuple[float | None, int]], records: list[dict], stamps: dict[int, str]) -> list[LagPoint]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import html
 import json
+import math
 import os
 from dataclasses import asdict
 
@@ -16,61 +17,123 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only, whatever the environment says
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator, PercentFormatter
+from matplotlib.transforms import offset_copy
 
 from flows.maintenance.audit import human_bytes
 from flows.maintenance.report import RunReport, epoch
 
 FIGURES = ("bytes.png", "change_rate.png", "lag.png")
+KEYFRAME_COLOR, DELTA_COLOR, SNAPSHOT_COLOR = "#d62728", "#1f77b4", "#ff9896"
+# One colour per receiver (matplotlib's tab10, in order); lines are also drawn a little apart (points,
+# not steps) so receivers at the same lag stay visible side by side.
+RECEIVER_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f",
+                   "#bcbd22", "#17becf")
+RECEIVER_SPREAD_PT = 2.0  # between neighbouring receivers' lines
+MARKERS_UP_TO = 40  # points per line drawn with markers; longer lines are plain
 
 
-def _bytes_figure(r: RunReport, path: str) -> None:
-    fig, ax = plt.subplots(figsize=(9, 3.6), dpi=110)
-    steps = [p.step for p in r.steps]
-    colors = ["#d62728" if p.kind == "keyframe" else "#1f77b4" for p in r.steps]
-    ax.bar(steps, [max(p.bytes_stored, 1) for p in r.steps], color=colors, label="stored (delta or keyframe)")
+def _step_axis(ax, r: RunReport) -> None:
+    """Steps are whole numbers: integer ticks only, every committed step inside the axis."""
+    steps = [p.step for p in r.steps] or [0]
+    ax.set_xlim(min(steps) - 0.6, max(steps) + 0.6)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.set_xlabel("step")
+
+
+def bytes_figure(r: RunReport) -> Figure:
+    """Stored bytes per step (keyframes red, deltas blue, a restart point's full snapshot stacked in
+    pink) against the full checkpoint, on a log axis that starts a decade below the smallest bar."""
+    fig, ax = plt.subplots(figsize=(9, 3.8), dpi=110)
+    for kind, color, label in (("keyframe", KEYFRAME_COLOR, "keyframe (stored)"), ("delta", DELTA_COLOR, "delta (stored)")):
+        points = [p for p in r.steps if p.kind == kind]
+        if points:
+            ax.bar([p.step for p in points], [max(p.bytes_stored, 1) for p in points], color=color, label=label)
     snaps = [p for p in r.steps if p.snapshot_bytes]
     if snaps:
         ax.bar([p.step for p in snaps], [p.snapshot_bytes for p in snaps], bottom=[max(p.bytes_stored, 1) for p in snaps],
-               color="#ff9896", label="+ full snapshot (restart point)")
-    ax.plot(steps, [p.bytes_full for p in r.steps], color="black", lw=1.2, marker=".", label="full checkpoint")
+               color=SNAPSHOT_COLOR, label="+ full snapshot (restart point)")
+    ax.plot([p.step for p in r.steps], [p.bytes_full for p in r.steps], color="black", lw=1.2,
+            marker="." if len(r.steps) <= MARKERS_UP_TO else None, label="full checkpoint")
     ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("bytes")
-    ax.set_title("Bytes stored per step vs the full checkpoint (keyframes red)")
-    ax.legend(loc="best", fontsize=8)
+    values = [v for p in r.steps for v in (p.bytes_stored, p.bytes_full, p.bytes_stored + p.snapshot_bytes) if v > 0] or [1]
+    ax.set_ylim(10 ** (math.floor(math.log10(min(values))) - 1), 10 ** (math.log10(max(values)) + 0.3))
+    _step_axis(ax, r)
+    ax.set_ylabel("bytes (log)")
+    ax.set_title("Bytes stored per step vs the full checkpoint")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=4, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
-def _rate_figure(r: RunReport, path: str) -> None:
-    fig, ax = plt.subplots(figsize=(9, 3.2), dpi=110)
+def rate_figure(r: RunReport) -> Figure:
+    """Each delta's share of changed elements, on an axis from 0 (small differences stay small)."""
+    fig, ax = plt.subplots(figsize=(9, 3.4), dpi=110)
     deltas = [p for p in r.steps if p.change_rate is not None]
-    ax.plot([p.step for p in deltas], [100 * p.change_rate for p in deltas], marker="o", ms=3, lw=1)
-    for k in r.keyframes:
-        ax.axvline(k, color="#d62728", lw=0.8, ls="--")
-    ax.set_xlabel("step")
-    ax.set_ylabel("elements changed (%)")
-    ax.set_title("Change rate per delta (dashed: keyframes)")
+    rates = [100 * p.change_rate for p in deltas]
+    ax.plot([p.step for p in deltas], rates, color=DELTA_COLOR, lw=1, label="delta",
+            marker="o" if len(deltas) <= MARKERS_UP_TO else None, ms=3)
+    for i, k in enumerate(r.keyframes):
+        ax.axvline(k, color=KEYFRAME_COLOR, lw=0.8, ls="--", label=None if i else "keyframe")
+    ax.set_ylim(0, 1.25 * max(rates) if rates and max(rates) > 0 else 1.0)
+    ax.yaxis.set_major_formatter(PercentFormatter(xmax=100))
+    _step_axis(ax, r)
+    ax.set_ylabel("elements changed")
+    ax.set_title("Change rate per delta")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2, fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path)
-    plt.close(fig)
+    return fig
 
 
-def _lag_figure(r: RunReport, path: str) -> None:
-    fig, ax = plt.subplots(figsize=(9, 3.2), dpi=110)
-    t0 = min((epoch(p.committed_at) or 0 for p in r.steps), default=0)
-    for rid, points in r.receivers.items():
-        xs = [(epoch(p.at) or t0) - t0 for p in points]
-        ax.step(xs, [p.lag for p in points], where="post", marker="o", ms=3, label=rid)
-    ax.set_xlabel("seconds since the first committed step")
+def _time_unit(span_s: float) -> tuple[float, str]:
+    return (3600.0, "hours") if span_s >= 3 * 3600 else (60.0, "minutes") if span_s >= 600 else (1.0, "seconds")
+
+
+def lag_figure(r: RunReport) -> Figure:
+    """Each receiver's lag (committed steps newer than the one it holds) over time: whole steps on
+    the y axis, time since the first commit on the x axis; each receiver its own colour, its line
+    shifted by a few points from the next so that receivers at the same lag do not hide each other."""
+    fig, ax = plt.subplots(figsize=(9, 3.6), dpi=110)
+    t0 = min((t for p in r.steps if (t := epoch(p.committed_at)) is not None), default=0.0)
+    lines = {rid: [(t - t0, p.lag) for p in points if (t := epoch(p.at)) is not None] for rid, points in r.receivers.items()}
+    lines = {rid: xy for rid, xy in lines.items() if xy}
+    span = max((x for xy in lines.values() for x, _ in xy), default=0.0)
+    scale, unit = _time_unit(span)
+    n = len(lines)
+    spread = RECEIVER_SPREAD_PT if n <= 5 else 8.0 / (n - 1)  # at most 8 pt between the outermost lines
+    for i, (rid, xy) in enumerate(lines.items()):
+        shift = offset_copy(ax.transData, fig=fig, y=(i - (n - 1) / 2) * spread, units="points")
+        ax.step([x / scale for x, _ in xy], [lag for _, lag in xy], where="post", transform=shift, lw=1.6,
+                color=RECEIVER_COLORS[i % len(RECEIVER_COLORS)], label=rid,
+                marker="o" if len(xy) <= MARKERS_UP_TO else None, ms=3)
+    top = max((lag for xy in lines.values() for _, lag in xy), default=1)
+    pad = max(0.5, 0.06 * top)
+    ax.set_ylim(-pad, max(top, 1) + pad)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
+    ax.set_xlim(-0.02 * span / scale, (span / scale) * 1.02 if span > 0 else 1.0)
+    ax.set_xlabel(f"{unit} since the first committed step")
     ax.set_ylabel("steps behind the latest")
     ax.set_title("Receivers' lag behind the latest committed step over time")
-    if r.receivers:
-        ax.legend(loc="best", fontsize=8)
+    if lines:
+        ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    else:
+        ax.text(0.5, 0.5, "no receiver has recorded a refit", transform=ax.transAxes, ha="center", color="#555")
     fig.tight_layout()
+    return fig
+
+
+def _save(fig: Figure, path: str) -> None:
     fig.savefig(path)
     plt.close(fig)
+
+
+def _steps_text(steps: list[int]) -> str:
+    """How many, then which: ``1 (step 0)``, ``3 (steps 0, 50, 100)``; a long list is cut in the middle."""
+    if not steps:
+        return "0"
+    shown = [*map(str, steps[:8]), "\u2026", str(steps[-1])] if len(steps) > 10 else list(map(str, steps))
+    return f"{len(steps)} ({'step' if len(steps) == 1 else 'steps'} {', '.join(shown)})"
 
 
 def _table(headers: list[str], rows: list[list], table_id: str) -> str:
@@ -82,9 +145,9 @@ def _table(headers: list[str], rows: list[list], table_id: str) -> str:
 def render(r: RunReport, out_dir: str) -> str:
     """Write the page and its figures into ``out_dir``; the page's path."""
     os.makedirs(out_dir, exist_ok=True)
-    _bytes_figure(r, os.path.join(out_dir, "bytes.png"))
-    _rate_figure(r, os.path.join(out_dir, "change_rate.png"))
-    _lag_figure(r, os.path.join(out_dir, "lag.png"))
+    _save(bytes_figure(r), os.path.join(out_dir, "bytes.png"))
+    _save(rate_figure(r), os.path.join(out_dir, "change_rate.png"))
+    _save(lag_figure(r), os.path.join(out_dir, "lag.png"))
     data = {**asdict(r), "latest": r.latest, "keyframes": r.keyframes, "restart_points": r.restart_points}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(data, f, indent=1)
@@ -113,17 +176,19 @@ dl {{ display: grid; grid-template-columns: max-content auto; gap: 2px 16px; }} 
 <dt>generated</dt><dd>{r.generated_at}</dd>
 <dt>committed steps</dt><dd id="n-steps">{len(r.steps)}</dd>
 <dt>latest step</dt><dd id="latest">{'-' if r.latest is None else r.latest}</dd>
-<dt>keyframes</dt><dd id="keyframes">{', '.join(map(str, r.keyframes)) or '-'}</dd>
-<dt>restart points</dt><dd id="restart-points">{', '.join(map(str, r.restart_points)) or '-'}</dd>
+<dt>keyframes</dt><dd id="keyframes">{_steps_text(r.keyframes)}</dd>
+<dt>restart points</dt><dd id="restart-points">{_steps_text(r.restart_points)}</dd>
 <dt>stored / full</dt><dd id="ratio">{human_bytes(r.stored_total)} of {human_bytes(r.full_total)} ({ratio})</dd>
 <dt>uncommitted attempts</dt><dd>{', '.join(map(str, r.uncommitted)) or '-'}</dd>
 </dl>
 <figure><img src="bytes.png" alt="bytes stored per step"><figcaption>Bytes stored per step against the
-full checkpoint (log scale); keyframes in red, full snapshots of restart points stacked in pink.</figcaption></figure>
+full checkpoint (log scale); keyframes in red, deltas in blue, full snapshots of restart points stacked in
+pink.</figcaption></figure>
 <figure><img src="change_rate.png" alt="change rate per step"><figcaption>Share of elements whose bits
-changed, per delta.</figcaption></figure>
+changed, per delta (the axis starts at 0); dashed: keyframes.</figcaption></figure>
 <figure><img src="lag.png" alt="receivers' lag over time"><figcaption>Each receiver's lag: committed steps
-newer than the one it holds, rising with each commit and falling with each of its refits.</figcaption></figure>
+newer than the one it holds, rising with each commit and falling with each of its refits. Receivers at the
+same lag are drawn a few points apart, each in its own colour.</figcaption></figure>
 <h2>Steps</h2>
 {_table(["step", "kind", "base", "committed at", "stored", "full", "change rate", "restart point"], steps, "steps")}
 <h2>Receivers</h2>

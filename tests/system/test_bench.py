@@ -1,4 +1,5 @@
-"""Smoke test of ``dcr bench``: it runs end to end and writes well-formed results (no timing checks)."""
+"""Smoke test of ``dcr bench``: it runs end to end and writes well-formed results (no timing checks); the
+progress line it prints for an end-to-end refit."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import json
 import pytest
 import torch
 
-from dcr_bench.bench import main
+from dcr_bench.bench import e2e_line, main, ratio
 from dcr_bench.data import synthetic
+from dcr_bench.e2e import e2e_summary
 
 
 def test_synthetic_update_is_small_steps_plus_specials():
@@ -25,6 +27,28 @@ def test_synthetic_update_is_small_steps_plus_specials():
     body[:4] = False
     steps = (n[body] & 0x7FFF) - (o[body] & 0x7FFF)
     assert steps.abs().max().item() <= 3 and bool(((n[body] ^ o[body]) & 0x8000).eq(0).all())
+
+
+def _e2e(bandwidth, dcr_s, cli_s, full_s):
+    side = {"bytes_stored": 1_000_000, "publish_s": dcr_s / 2, "receive_s": dcr_s / 2, "total_s": dcr_s, "exact": True}
+    if bandwidth:
+        side["wire_bytes"] = 2_000_000
+    return e2e_summary({"backend": "s3" if bandwidth else "local", "bandwidth": bandwidth, "source": "synthetic",
+                        "parameters": 200_000, "change_rate": 0.01, "dcr": side,
+                        "cli": {"total_s": cli_s, "exact": True}, "full": {"bytes": 40_000_000, "total_s": full_s}})
+
+
+def test_end_to_end_line_prints_what_was_measured():
+    """The progress line of one end-to-end refit: no ``on link`` without a link (was ``on link n/as``),
+    and a DCR refit slower than the full copy as a fraction (was ``time x0.0 (commands x0.0)``)."""
+    local = e2e_line(_e2e(None, dcr_s=0.46, cli_s=2.3, full_s=0.02))
+    assert local == ("  e2e local: DCR in-process 0.46s (publish 0.23 + receive 0.23), as commands 2.30s; full 0.02s; "
+                     "bytes x40.0, time x0.043 (commands x0.0087), exact yes"), local
+    assert "n/a" not in local and "x0.0 " not in local
+    s3 = e2e_line(_e2e(10e6, dcr_s=0.8, cli_s=3.0, full_s=8.4))
+    assert s3.startswith("  e2e s3 @ 10 MB/s: DCR in-process 0.80s (publish 0.40 + receive 0.40; on link 0.20s),"), s3
+    assert "time x10.5 (commands x2.8)" in s3, s3
+    assert [ratio(x) for x in (None, 250.0, 33.3, 4.24, 0.43, 0.0432)] == ["n/a", "x250", "x33.3", "x4.2", "x0.43", "x0.043"]
 
 
 @pytest.mark.slow  # about 70 s (every section, the scaling commands each a process): with make test-slow

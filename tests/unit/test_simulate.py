@@ -277,3 +277,45 @@ def test_json_prints_every_prediction(tmp_path, capsys):
     assert len(docs) == 1
     with open(tmp_path / "simulation.json") as f:
         assert json.load(f) == json.loads(json.dumps(docs[0]))
+
+
+# ---------------------------------------------------------------- what the command prints and draws
+
+
+def test_sizes_print_in_units_never_as_exponents(tmp_path, capsys):
+    from dcr_bench.sim.output import fmt_bytes, fmt_count
+
+    assert [fmt_bytes(x) for x in (2e12, 60e9, 9.39e6, 400e6, 1500, 12)] == ["2 TB", "60 GB", "9.39 MB", "400 MB",
+                                                                            "1.5 kB", "12 B"]
+    assert [fmt_count(x) for x in (1e12, 247e9, 1e8, 5e4)] == ["1T", "247B", "100M", "50k"]
+    assert cli.main([os.path.join(SCENARIOS, "paper-1t-3pct.toml"), "--out", str(tmp_path)]) == 0
+    head = capsys.readouterr().out.splitlines()[0]
+    assert head.startswith("paper-1t-3pct: 1T params x 2 B = 2 TB, 3% changed x 2 B = delta 60 GB in "), head
+    assert "e+" not in head
+
+
+def test_plot_one_time_scale_labelled_log_ticks_and_a_colour_per_phase():
+    pytest.importorskip("matplotlib")
+    import matplotlib.colors
+    import matplotlib.pyplot as plt
+
+    from dcr_bench.sim.output import figure
+
+    for name in ("paper-1t-3pct.toml", "local-direct-10mbps.toml"):
+        sc = load(os.path.join(SCENARIOS, name))
+        timelines = simulate(sc)
+        fig = figure(sc, timelines)
+        fig.canvas.draw()
+        *gantt, totals = fig.axes
+        assert len(gantt) == len(timelines)
+        assert len({ax.get_xlim() for ax in gantt}) == 1  # one time scale: bar lengths compare across charts
+        assert gantt[0].get_xlim()[1] >= max(t.total_s for t in timelines)
+        lo, hi = totals.get_xlim()
+        labelled = [t.get_text() for t in totals.xaxis.get_ticklabels() if lo <= t.get_position()[0] <= hi and t.get_text()]
+        assert len(labelled) >= 3, labelled  # more than the one decade label a narrow log range gets by default
+        assert lo <= min(t.total_s for t in timelines) and max(t.total_s for t in timelines) < hi
+        legend = fig.legends[0]
+        colours = {t.get_text(): matplotlib.colors.to_hex(h.get_facecolor()) for t, h in
+                   zip(legend.get_texts(), legend.legend_handles)}
+        assert len(set(colours.values())) == len(colours), colours  # upload is not encode+upload's colour
+        plt.close(fig)

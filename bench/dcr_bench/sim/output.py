@@ -9,9 +9,11 @@ import sys
 from dcr_bench.sim.model import Model, Timeline
 from dcr_bench.sim.scenario import Scenario, to_dict
 
+# One colour per phase: the full checkpoint's upload and download are not DCR's encode+upload and
+# fetch+decode (lighter shades of the same hues).
 COLORS = {"prepare": "#bbbbbb", "encode+upload": "#1f77b4", "commit": "#444444", "copy": "#ff7f0e",
           "wait for commit": "#eeeeee", "fetch+decode": "#2ca02c", "verify+install": "#9467bd",
-          "upload": "#1f77b4", "download": "#2ca02c"}
+          "upload": "#9ecae1", "download": "#a1d99b"}
 ACTORS = ("publisher", "mirror", "receiver")
 
 
@@ -21,6 +23,22 @@ def fmt_s(x: float) -> str:
     if x >= 120:
         return f"{x / 60:.1f} min"
     return f"{x:.2f} s"
+
+
+def fmt_bytes(x: float) -> str:
+    """Decimal units, three significant digits, never an exponent: ``2 TB``, ``60 GB``, ``9.4 MB``."""
+    for unit, n in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if x >= n:
+            return f"{x / n:.3g} {unit}"
+    return f"{x:.3g} B"
+
+
+def fmt_count(x: float) -> str:
+    """A parameter count: ``1T``, ``247B``, ``100M``, ``50k``."""
+    for unit, n in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if x >= n:
+            return f"{x / n:.3g}{unit}"
+    return f"{x:.3g}"
 
 
 def label(t: Timeline) -> str:
@@ -36,8 +54,8 @@ def rows(timelines: list[Timeline]) -> list[dict]:
 
 def table(sc: Scenario, timelines: list[Timeline]) -> str:
     m = Model(sc).size
-    head = (f"{sc.name}: {sc.model.parameters:.3g} params x {sc.model.bytes_per_param} B = {m.raw / 1e9:.3g} GB, "
-            f"{100 * sc.model.change_rate:g}% changed x {sc.model.bytes_per_change:g} B = delta {m.delta / 1e9:.3g} GB "
+    head = (f"{sc.name}: {fmt_count(sc.model.parameters)} params x {sc.model.bytes_per_param} B = {fmt_bytes(m.raw)}, "
+            f"{100 * sc.model.change_rate:g}% changed x {sc.model.bytes_per_change:g} B = delta {fmt_bytes(m.delta)} "
             f"in {m.objects:.0f} objects; {sc.topology.regions} region(s) x {sc.topology.receivers_per_region} receiver(s)")
     lines = [head, f"  {'mode':<8} {'streaming':<10} {'total':>10} {'seconds':>10} {'ratio to full':>14} {'x faster':>9}"]
     for r in rows(timelines):
@@ -71,7 +89,18 @@ def write(sc: Scenario, source: str, timelines: list[Timeline], out: str) -> lis
 
 
 def plot(sc: Scenario, timelines: list[Timeline], path: str) -> str:
-    """One Gantt chart per (mode, streaming), each on its own time axis, and the totals as bars."""
+    """Write ``figure``'s chart to ``path``."""
+    import matplotlib.pyplot as plt
+
+    fig = figure(sc, timelines)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def figure(sc: Scenario, timelines: list[Timeline]):
+    """One Gantt chart per (mode, streaming), all on one time axis (the bars' lengths compare across
+    charts), and the totals as bars on a log axis with a labelled tick at 1, 2 and 5 of each decade."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -82,8 +111,11 @@ def plot(sc: Scenario, timelines: list[Timeline], path: str) -> str:
     fig = plt.figure(figsize=(13, 1.6 * n + 1.6))
     grid = fig.add_gridspec(n, 2, width_ratios=(2.2, 1))
     seen: dict[str, object] = {}
+    longest = max(t.total_s for t in timelines)
+    first = None
     for i, t in enumerate(timelines):
-        ax = fig.add_subplot(grid[i, 0])
+        ax = fig.add_subplot(grid[i, 0], sharex=first)
+        first = first or ax
         actors = [a for a in ACTORS if any(s.actor == a for s in t.segments)]
         for s in t.segments:
             if s.end <= s.start:
@@ -94,18 +126,25 @@ def plot(sc: Scenario, timelines: list[Timeline], path: str) -> str:
             seen.setdefault(s.phase, bar)
         ax.set_yticks(range(len(actors)), actors, fontsize=8)
         ax.invert_yaxis()
-        ax.set_xlim(0, t.total_s * 1.02)
         ax.set_title(f"{label(t)}: {fmt_s(t.total_s)}", fontsize=9, loc="left")
-        ax.tick_params(axis="x", labelsize=8)
+        ax.tick_params(axis="x", labelsize=8, labelbottom=i == n - 1)
         ax.grid(True, axis="x", alpha=0.3)
-    ax.set_xlabel("seconds since the publish started")
+    first.set_xlim(0, longest * 1.02)
+    ax.set_xlabel("seconds since the publish started (one scale for every chart)")
     bx = fig.add_subplot(grid[:, 1])
     labels = [label(t) for t in timelines]
-    bx.barh(range(n), [t.total_s for t in timelines], color=["#d62728" if t.mode == "full" else "#2ca02c" for t in timelines])
+    totals = [t.total_s for t in timelines]
+    bx.barh(range(n), totals, color=["#d62728" if t.mode == "full" else "#2ca02c" for t in timelines])
     bx.set_yticks(range(n), labels, fontsize=8)
     bx.invert_yaxis()
     bx.set_xscale("log")
+    lo, hi = min(totals) / 2, max(totals) * 4  # room on the right for each bar's label
+    bx.set_xlim(lo, hi)
+    # labelled ticks at 1, 2 and 5 of each decade (one decade alone would leave a single label)
+    bx.xaxis.set_major_locator(matplotlib.ticker.LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    bx.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:g}"))
     bx.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    bx.tick_params(axis="x", labelsize=8)
     bx.set_xlabel("refit time (s, log)")
     for y, t in enumerate(timelines):
         bx.text(t.total_s, y, f" {fmt_s(t.total_s)}", va="center", fontsize=8)
@@ -113,6 +152,4 @@ def plot(sc: Scenario, timelines: list[Timeline], path: str) -> str:
     fig.legend(list(seen.values()), list(seen), loc="lower center", ncol=min(8, len(seen)), fontsize=8)
     fig.suptitle(f"dcr simulate: {sc.name}", fontsize=11)
     fig.tight_layout(rect=(0, 0.05, 1, 0.97))
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
