@@ -89,7 +89,7 @@ class PublishOptions(_Options):
     )
     group_bytes: int | None = Field(
         None, ge=1, description="on workers (flows.workers): raw bytes of tensors per mapped encoding task; None: "
-        "about a quarter of the model per worker thread, at least 64 MiB (flows.publish.groups)",
+        "one task per worker thread, of near-equal bytes, more only where each holds 1 GiB (flows.publish.groups)",
     )
 
 
@@ -108,7 +108,11 @@ class ReceiveOptions(_Options):
     )
     group_bytes: int | None = Field(
         None, ge=1, description="materialize on workers (flows.workers): raw bytes of tensors per mapped task; None: "
-        "about a quarter of the model per worker thread, at least 64 MiB (dcr_core.batches)",
+        "one task per worker thread, of near-equal bytes, more only where each holds 1 GiB (dcr_core.batches)",
+    )
+    as_state: bool = Field(
+        False, description="materialize: write a file in DCR's state format (dcr.* metadata, room to patch it) "
+        "even for a step published from a safetensors file or directory, whose bytes it otherwise writes exactly",
     )
 
 

@@ -3,6 +3,7 @@
     ROOT/run.json                                           the run's identity, bound into every marker
     ROOT/steps/<step:012d>/commit.json                      publisher commit marker (written last)
     ROOT/steps/<step:012d>/attempts/<attempt>/manifest.json JSON manifest of one publish attempt
+    ROOT/steps/<step:012d>/attempts/<attempt>/source.json   the published file's own header(s) (storage.source_layout)
     ROOT/steps/<step:012d>/attempts/<attempt>/data.zarr/    Zarr v3 group, one array per tensor
     .../data.zarr/<array>/c/<i>/<j>                         a stored chunk (Zarr's default chunk keys)
     .../data.zarr/<array>%parts/c/<rank>/<i>/<j>            a rank's part of a shared chunk
@@ -35,6 +36,7 @@ RUN = "run.json"  # the ROOT's run identity (storage.run_identity)
 COMMIT = "commit.json"
 RETRACTED = "retracted.json"  # a committed step taken back (storage.retraction)
 MANIFEST = "manifest.json"
+SOURCE = "source.json"  # the published safetensors file's header bytes, for byte-identical materialization
 STORE = "data.zarr"
 BUILDING = "building.json"  # the step being written now: a hint for streaming receivers, never trusted
 STREAM = "stream"
@@ -100,6 +102,11 @@ def attempt_dir(step: int, attempt: str) -> str:
 
 def manifest_key(step: int, attempt: str) -> str:
     return f"{attempt_dir(step, attempt)}/{MANIFEST}"
+
+
+def source_key(step: int, attempt: str) -> str:
+    """The source layout of an attempt published from a safetensors file or directory."""
+    return f"{attempt_dir(step, attempt)}/{SOURCE}"
 
 
 def ranks_dir(step: int, attempt: str) -> str:

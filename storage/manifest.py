@@ -207,6 +207,33 @@ class PartTable:
         )
 
 
+SOURCE_KINDS = ("file", "directory")  # a single .safetensors file; a (Hugging Face sharded) directory
+MAX_SOURCE_BYTES = 512 << 20  # the source layout document (headers of every file of the checkpoint)
+
+
+@dataclass(frozen=True, slots=True)
+class SourceRecord:
+    """The published checkpoint's own layout (``storage.source_layout``): the object of the
+    attempt that holds it, its digest and size (the manifest binds it, so the commit marker and
+    any signature cover it), and what was published: one file or a directory of them."""
+
+    kind: str
+    digest: str
+    nbytes: int
+
+    def to_dict(self) -> dict:
+        return {"object": layout.SOURCE, "kind": self.kind, "digest": self.digest, "bytes": self.nbytes}
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str) -> SourceRecord:
+        what = f"{where} source"
+        if not isinstance(d, dict) or d.get("object") != layout.SOURCE:
+            raise fail(what, f"must be an object naming {layout.SOURCE!r}")
+        if d.get("kind") not in SOURCE_KINDS:
+            raise fail(what, f"kind must be one of {', '.join(SOURCE_KINDS)}, got {d.get('kind')!r}")
+        return cls(d["kind"], parse_digest(d.get("digest"), what), parse_int(d.get("bytes"), what, 1, MAX_SOURCE_BYTES))
+
+
 @dataclass(frozen=True, slots=True)
 class TensorEntry:
     name: str
@@ -371,6 +398,9 @@ class Manifest:
     # A delta may also carry a full copy of its step (a restart point for new or far-behind
     # receivers, written by the keyframe policy); same names, digests and codec, encoding full.
     snapshot: dict[str, TensorEntry] = field(default_factory=dict)
+    # Published from a safetensors file or directory: its header bytes, kept so that the step
+    # materializes byte for byte (None: published from tensors or shards, or a file that could not be).
+    source: SourceRecord | None = None
 
     def restart_entries(self) -> dict[str, TensorEntry] | None:
         """The entries a receiver loads to start from this step: a keyframe's tensors, a delta's
@@ -424,6 +454,7 @@ class Manifest:
             "producer": self.producer,
             "codec": self.codec.to_dict(),
             "chunk_bytes": self.chunk_bytes,
+            **({"source": self.source.to_dict()} if self.source is not None else {}),
             "summary": self.summary(),
             "tensors": {name: self.tensors[name].to_dict() for name in sorted(self.tensors)},
         } | ({"snapshot": {n: self.snapshot[n].to_dict() for n in sorted(self.snapshot)}} if self.snapshot else {})
@@ -510,6 +541,7 @@ class Manifest:
             producer=d.get("producer") if isinstance(d.get("producer"), dict) else {},
             snapshot=snapshot,
             digest_scheme=scheme,
+            source=None if d.get("source") is None else SourceRecord.from_dict(d["source"], where),
         )
         if m.computed_policy_digest() != m.policy_digest:
             raise fail(where, "policy digest does not match its tensors")

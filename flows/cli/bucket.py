@@ -1,14 +1,17 @@
-"""The commands that only read the bucket: ``dcr ls``, ``dcr show``, ``dcr status``, ``dcr verify``.
+"""The commands that only read the bucket: ``dcr ls``, ``dcr show``, ``dcr status``, ``dcr verify``
+(``--file PATH``: a local file against a step).
 None of them imports torch, Prefect or pydantic (but ``dcr verify --workers``, a Prefect flow; ``dcr gc``, with typed options and an orchestrator,
 is ``flows.cli.gc``)."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from dataclasses import asdict
 
-from dcr_core.errors import IntegrityError
+from dcr_core.errors import IntegrityError, UsageError
+from dcr_core.text import printable
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options
 from flows.cli.progress import shown
 from flows.maintenance.audit import VerifyReport, format_rows, list_steps, verify
@@ -21,6 +24,7 @@ from flows.maintenance.inspect import (
     receiver_status,
     show_step,
 )
+from flows.maintenance.verify_file import verify_file
 from flows.workers import parse_workers
 from storage import layout
 from storage.catalog import require_published
@@ -42,6 +46,10 @@ def add_arguments(name: str, p) -> None:
     elif name == "verify":
         p.add_argument("--step", type=step_arg, default=None, metavar="N", help="verify only step N (default: every committed step)")
         p.add_argument("--deep", action="store_true", help="also replay every delta from its restart point and check tensor digests")
+        p.add_argument("--file", default=None, metavar="PATH",
+                       help="instead, say whether the local file (or directory) PATH is exactly step N (--step): the "
+                       "published file's bytes (header and tensors), hashed here against the manifest; exit 5 naming "
+                       "the first difference")
         add_workers(p, "check each step's tensors")
 
 
@@ -72,6 +80,17 @@ def run(name: str, args) -> int:
         text = "\n".join(filter(None, [format_status(latest, rows), format_fleets(fleets)]))
         say(args, text, {"latest": latest, "receivers": [asdict(r) for r in rows],
                          "fleets": [f.model_dump() for f in fleets]})
+        return 0
+    if name == "verify" and args.file is not None:
+        if args.step is None or args.deep or args.workers is not None:
+            raise UsageError("verify --file PATH compares PATH with one step: give --step N (and no --deep or --workers)")
+        verdict = verify_file(root, args.step, args.file)
+        if not verdict.exact:
+            print(f"dcr: verify: {printable(verdict.message())}", file=sys.stderr)
+            if args.json:
+                print(json.dumps(asdict(verdict), indent=1), flush=True)
+            return IntegrityError.exit_code
+        say(args, verdict.message(), asdict(verdict))
         return 0
     if name == "verify":
         with shown(args, "verify"):

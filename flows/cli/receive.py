@@ -23,7 +23,13 @@ def add_arguments(name: str, p) -> None:
     if name == "materialize":
         add_common(p)
         p.add_argument("--step", type=step_arg, default=None, metavar="N", help="default: the latest committed step")
-        p.add_argument("--out", required=True, metavar="PATH", help="the .safetensors file to write")
+        p.add_argument("--out", required=True, metavar="PATH",
+                       help="the .safetensors file to write: for a step published from a safetensors file, that "
+                       "file byte for byte; for one published from a sharded directory, a directory (its files and "
+                       "index, byte for byte) unless PATH ends in .safetensors")
+        p.add_argument("--as-state", action="store_true",
+                       help="write a file in DCR's state format instead (the step's tensors with dcr.* metadata, as "
+                       "dcr receive keeps; what steps published from tensors or shards always give)")
         p.add_argument("--force", action="store_true",
                        help="replace PATH even if DCR did not write it (by default only a materialization or a "
                        "receiver state is replaced: a trainer's checkpoint named by mistake is kept)")
@@ -67,7 +73,7 @@ def add_arguments(name: str, p) -> None:
 def run(name: str, args) -> int:
     so = storage_options(args)
     if name == "materialize":
-        options = ReceiveOptions(io_workers=args.io_workers)
+        options = ReceiveOptions(io_workers=args.io_workers, as_state=args.as_state)
         with shown(args, "materialize"):
             if parse_workers(args.workers) is not None:
                 from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for

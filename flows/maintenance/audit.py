@@ -10,7 +10,7 @@ from dcr_core.chain import DELTA, Direction, Move
 from dcr_core.errors import DCRError, IntegrityError
 from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
-from storage import layout, reader
+from storage import layout, reader, source_layout
 from storage.catalog import Catalog
 from storage.chunk_io import stream_chunks
 from storage.root import Root, RootRef, open_root
@@ -172,6 +172,26 @@ def _rebuilt_bytes(cat: Catalog, steps: list[int], deep: bool) -> int:
     return total
 
 
+def _check_source(root: Root, cat: Catalog, step: int, report: VerifyReport) -> list[str]:
+    """The step's source layout (the published file's headers), read and checked against its
+    manifest's digest and tensors; the errors (none when the step has none, or when its manifest
+    cannot be read: that is reported already)."""
+    try:
+        m = cat.manifest(step)
+    except Exception:  # noqa: BLE001 - reported by the tensors' check
+        return []
+    if m.source is None:
+        return []
+    try:
+        source_layout.read(root, m)
+    except DCRError as e:
+        return [str(e)]
+    except Exception as e:  # noqa: BLE001 - an unreadable object is a verification failure too
+        return [f"step {step}: {type(e).__name__}: {e}"]
+    report.bytes += m.source.nbytes
+    return []
+
+
 def verify(root: Root, step: int | None = None, deep: bool = False, workers: int = 8,
            runner: Runner | None = None, group_bytes: int | None = None) -> VerifyReport:
     """Re-read every stored chunk of the chosen steps and check it against its manifest.
@@ -211,6 +231,7 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
             report.chunks += part["chunks"]
             report.bytes += part["bytes"]
             errors += [e for e in part["errors"] if e not in errors]  # a step-wide fault: once, not per group
+        errors += [e for e in _check_source(root, cat, s, report) if e not in errors]
         report.errors += errors
         if parts and all(p["replayed"] for p in parts):
             report.replayed.append(s)

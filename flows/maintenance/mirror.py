@@ -8,7 +8,7 @@ yet downstream, ascending; or ``--step N``):
    a signing key configured; its run), and the manifest it names (against the marker's digest);
 2. ``run.json`` is copied if the downstream ROOT has none (the same run); a downstream ROOT of
    another run is refused;
-3. every object of the committed attempt (manifest, Zarr metadata, chunks, snapshots, rank parts)
+3. every object of the committed attempt (manifest, source layout, Zarr metadata, chunks, snapshots, rank parts)
    is copied, byte for byte, unless downstream already holds it with the same size: only the
    attempt the marker names, never a losing or uncommitted one; ``io_workers`` objects at a time
    (an inter-region link is latency-bound one request at a time). Each object the manifest binds
@@ -46,7 +46,7 @@ from dcr_core.batches import batches_for
 from dcr_core.errors import DCRError, IntegrityError, StepConflictError, StepNotFoundError, UsageError
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
-from storage import heartbeat, layout, leases
+from storage import heartbeat, layout, leases, source_layout
 from storage.catalog import Catalog, manifest_digest, no_such_directory
 from storage.chunk_io import BoundedPool, UncheckedChunk
 from storage.manifest import Manifest
@@ -162,6 +162,14 @@ def expected_objects(src: Root, step: int) -> dict[str, Callable[[bytes], None]]
             raise IntegrityError(f"{src.url}/{marker.manifest_key}: manifest digest does not match its commit marker")
 
     checks[marker.manifest_key] = manifest_check
+    if m.source is not None:  # the published file's headers (storage.source_layout), bound by digest too
+        source_key = layout.source_key(m.step, m.attempt)
+
+        def source_check(data: bytes) -> None:
+            if len(data) != m.source.nbytes or source_layout.digest(data) != m.source.digest:
+                raise IntegrityError(f"{src.url}/{source_key}: source layout does not match the digest its manifest gives")
+
+        checks[source_key] = source_check
     for entries in (m.tensors, m.snapshot or {}):
         for e in entries.values():
             for pos in range(e.n_stored):

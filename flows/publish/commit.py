@@ -8,6 +8,7 @@ keyframe path.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from dcr_core import events
@@ -15,12 +16,15 @@ from dcr_core.chain import KEYFRAME
 from dcr_core.digest import policy_digest
 from dcr_core.errors import IntegrityError, InvalidCheckpointError
 from flows.publish.plan import PublishPlan
-from storage import layout
+from storage import layout, source_layout
 from storage.catalog import Catalog, manifest_digest, utc_now
 from storage.commit import commit_marker
-from storage.manifest import Manifest, TensorEntry
+from storage.local.safetensors import SafetensorsCheckpoint
+from storage.manifest import Manifest, SourceRecord, TensorEntry
 from storage.marker import CommitMarker
 from storage.root import open_root
+
+log = logging.getLogger("dcr.publish")
 
 
 @dataclass(frozen=True)
@@ -35,7 +39,10 @@ class WrittenManifest:
 def write_manifest(
     plan: PublishPlan, entries: dict[str, TensorEntry], snapshot: dict[str, TensorEntry] | None = None,
 ) -> WrittenManifest:
-    """Write the attempt's manifest (not yet visible to readers: no marker points at it)."""
+    """Write the attempt's manifest (not yet visible to readers: no marker points at it), and
+    before it the source layout of a checkpoint published from its files (``keep_source``)."""
+    source, note = keep_source(plan, entries)
+    producer = {"tool": "dcr", "source": plan.source_name} | ({"source_layout": note} if note else {})
     m = Manifest(
         step=plan.step,
         kind=plan.kind,
@@ -47,9 +54,10 @@ def write_manifest(
         chunk_bytes=plan.options.chunk_bytes,
         tensors=entries,
         created_at=utc_now(),
-        producer={"tool": "dcr", "source": plan.source_name},
+        producer=producer,
         snapshot=dict(snapshot or {}),
         digest_scheme=plan.scheme,
+        source=source,
     )
     data = m.to_json()
     try:  # what every receiver will do first: a manifest they would refuse is never committed
@@ -59,6 +67,30 @@ def write_manifest(
     open_root(plan.root).write(layout.manifest_key(plan.step, plan.attempt), data)
     events.reached("publish.manifest-written", step=plan.step)
     return WrittenManifest(manifest_digest(data), m.policy_digest, m.summary())
+
+
+def keep_source(plan: PublishPlan, entries: dict[str, TensorEntry]) -> tuple[SourceRecord | None, str]:
+    """Write the source layout of a checkpoint published from its files (``storage.source_layout``:
+    each file's header bytes, so the step materializes byte for byte) into the attempt, when the
+    files are still as planned and hold exactly the published tensors; its record for the manifest,
+    or None and why not (also said in the manifest's ``producer``)."""
+    if plan.source_file is None:
+        return None, ""
+    if plan.source_layout.startswith("not kept"):
+        return None, plan.source_layout
+    try:
+        with SafetensorsCheckpoint(plan.source_file) as ck:
+            kept = source_layout.capture(ck)
+        if kept.digest() != plan.source_layout:
+            raise source_layout.Unkept(f"{plan.source_file}: its headers changed while it was published")
+        kept.check(entries, plan.source_file)
+    except (source_layout.Unkept, InvalidCheckpointError, IntegrityError, OSError) as e:
+        log.warning("%s; step %d is committed without its files' own bytes: it materializes with DCR's header",
+                    e, plan.step)
+        return None, f"not kept: {e}"
+    data = kept.to_json()
+    open_root(plan.root).write(layout.source_key(plan.step, plan.attempt), data)
+    return kept.record(), ""
 
 
 def commit_step(plan: PublishPlan, manifest: WrittenManifest) -> CommitMarker:

@@ -7,6 +7,8 @@ tensors it touches (``rank``/``world``), and rank 0 later checks that every rank
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import uuid
 from dataclasses import dataclass
 
@@ -18,12 +20,15 @@ from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import InvalidCheckpointError, SchemaMismatchError, StepConflictError, UsageError
 from flows.options import PublishOptions
 from flows.publish.sources import SourceRef, opened
-from storage import backends, layout
+from storage import backends, layout, source_layout
 from storage.catalog import Catalog
 from storage.document_fields import MAX_NDIM
+from storage.local.safetensors import SafetensorsCheckpoint
 from storage.manifest import MAX_TENSORS, Manifest, TensorEntry, refusal
 from storage.reader import StepRef
 from storage.root import Root, RootRef, open_root
+
+log = logging.getLogger("dcr.publish")
 
 DEFAULT_TIMEOUT = 600.0  # seconds the ranks of a sharded publish wait for each other (and for the commit)
 
@@ -43,6 +48,10 @@ class PublishPlan:
     snapshot: bool = False  # a delta that also stores a full copy of its step (keyframe policy)
     rank: int = 0
     world: int = 1
+    # A safetensors file or directory published as it is: its path, and the digest of its layout
+    # (``storage.source_layout``) as planned; the manifest keeps the layout if it is still the same.
+    source_file: str | None = None
+    source_layout: str = ""  # the layout's digest, or why the files cannot be rebuilt byte for byte
 
     @property
     def base_step(self) -> int | None:
@@ -173,7 +182,16 @@ def plan_from_source(root: RootRef, source: SourceRef, step: int, keyframe: bool
     """The plan of publishing a canonical source (a checkpoint path or a snapshot held here), in
     ``attempt`` (default: a fresh one)."""
     with opened(source) as src:
-        return plan_publish(root, src.infos, step, keyframe, options, src.path, attempt=attempt)
+        plan = plan_publish(root, src.infos, step, keyframe, options, src.path, attempt=attempt)
+        if not isinstance(src, SafetensorsCheckpoint):
+            return plan
+        try:
+            kept = source_layout.capture(src).digest()
+        except (source_layout.Unkept, OSError) as e:
+            log.warning("%s; step %d is published without its files' own bytes: it materializes with DCR's header",
+                        e, step)
+            return dataclasses.replace(plan, source_file=src.path, source_layout=f"not kept: {e}")
+        return dataclasses.replace(plan, source_file=src.path, source_layout=kept)
 
 
 def _policy_reason(cat: Catalog, latest: int, step: int, options: PublishOptions) -> str:

@@ -12,24 +12,28 @@ header, metadata and tensors), whatever the grouping. Workers must see the state
 (this machine for ``--workers N``; a shared filesystem for a remote cluster): a worker that cannot
 fails in one line naming the file. Any failure leaves the state as it was; the temp file is
 removed then (or by the next writer of the state, after a crash). An in-place patch
-(``--in-place``) is not mapped: it runs in the flow's process.
+(``--in-place``) is not mapped: it runs in the flow's process. A materialization of a step
+published from a safetensors file or directory reserves the published files instead (their
+header bytes, their sizes: ``flows.receive.exact``), and the groups write into those, byte for
+byte what one process writes.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from dcr_core import events
 from dcr_core.batches import batches_for
 from dcr_core.errors import IntegrityError, UsageError
 from flows.options import ReceiveOptions
+from flows.receive import exact as exact_files
 from flows.receive.state_file import Staged
 from flows.steps import Bound
 from storage import reader
 from storage.local import state
-from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, write_at
+from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, write_placed
 from storage.reader import RefitPlan
 from storage.root import open_root
 
@@ -43,6 +47,11 @@ class Reserved:
     tmp: str
     offsets: dict[str, int]
     held: str | None = None
+    # An exact materialization (``flows.receive.exact``): "file" or "directory", the temp file of
+    # each tensor (its offset is in ``offsets``), and the staged files in install order.
+    exact: str | None = None
+    where: dict[str, str] = field(default_factory=dict)
+    moves: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -54,10 +63,14 @@ class Group:
     names: tuple[str, ...]
 
 
-def reserve_file(plan: RefitPlan, state_path: str, root_url: str | None = None) -> Reserved:
+def reserve_file(plan: RefitPlan, state_path: str, root_url: str | None = None, exact: str | None = None) -> Reserved:
     """The temp file beside ``state_path``: header (the step, its policy digest, ROOT: ``root_url``
     as the caller named it, else the plan's) and full size; a held state's schema is checked
-    against its step first."""
+    against its step first. ``exact``: the published files' temp files instead (header bytes as
+    published, full size each: ``flows.receive.exact``)."""
+    if exact is not None:
+        placed = exact_files.reserve(plan, state_path, exact)
+        return Reserved(state_path, placed.moves[0][0], placed.offsets, None, exact, placed.where, placed.moves)
     ms = reader.manifests(plan)
     target = ms[plan.target_step]
     held = None
@@ -82,7 +95,7 @@ def reserve_file(plan: RefitPlan, state_path: str, root_url: str | None = None) 
 def rewrite_group(plan: RefitPlan, reserved: Reserved, group: Group, io_workers: int = 8) -> dict:
     """Rebuild the group's tensors (verified) and write them at their offsets of the reserved file."""
     events.reached("receive.group-started", step=plan.target_step, group=group.index, groups=group.count)
-    if not os.path.exists(reserved.tmp):
+    if not all(os.path.exists(tmp) for tmp, _ in reserved.moves or ((reserved.tmp, None),)):
         raise UsageError(f"{reserved.state_path}: its temp file {reserved.tmp} is not visible where this task runs; "
                          "run on workers that share the state file's filesystem")
     root = open_root(plan.root)
@@ -97,7 +110,8 @@ def rewrite_group(plan: RefitPlan, reserved: Reserved, group: Group, io_workers:
                 pulled[0] += n
                 yield name, bits
 
-        written = write_at(reserved.tmp, reserved.offsets, tensors())
+        placed = {n: (reserved.where.get(n, reserved.tmp), reserved.offsets[n]) for n in group.names}
+        written = write_placed(placed, tensors())
     events.reached("receive.group-done", step=plan.target_step, group=group.index, groups=group.count)
     return {"tensors": len(group.names), "bytes_written": written, "bytes_pulled": pulled[0]}
 
@@ -112,10 +126,11 @@ def groups_of(plan: RefitPlan, slots: int, group_bytes: int | None = None) -> li
 
 
 def stage_on_workers(tasks: Bound, plan: RefitPlan, state_path: str, options: ReceiveOptions,
-                     root_url: str | None = None) -> Staged:
-    """Stage the refit as a new file written by ``rewrite-group`` tasks on the runner's workers;
-    a ``state_file.Staged`` for ``install_state``. The temp file is removed on any failure."""
-    reserved = tasks.reserve_file(plan, state_path, root_url)
+                     root_url: str | None = None, exact: str | None = None) -> Staged:
+    """Stage the refit as a new file written by ``rewrite-group`` tasks on the runner's workers
+    (``exact``: the published files of a materialization); a ``state_file.Staged`` for
+    ``install_state``. The temp files are removed on any failure."""
+    reserved = tasks.reserve_file(plan, state_path, root_url, exact)
     try:
         parts = tasks.map("rewrite_group", [{"group": g} for g in groups_of(plan, tasks.slots, options.group_bytes)],
                           plan=plan, reserved=reserved, io_workers=options.io_workers)
@@ -125,8 +140,13 @@ def stage_on_workers(tasks: Bound, plan: RefitPlan, state_path: str, options: Re
             raise IntegrityError(f"{state_path}: the groups wrote {sum(p['bytes_written'] for p in parts)} of "
                                  f"{expected} bytes; nothing installed")
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(reserved.tmp)
+        for tmp, _ in reserved.moves or ((reserved.tmp, None),):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
         raise
     events.reached("receive.staged", path=reserved.tmp)
-    return Staged(state_path, reserved.tmp, False, sum(p["bytes_pulled"] for p in parts))
+    pulled = sum(p["bytes_pulled"] for p in parts)
+    if exact is not None:
+        return Staged(state_path, reserved.tmp, False, pulled, exact=exact, moves=reserved.moves,
+                      about=exact_files.about(plan))
+    return Staged(state_path, reserved.tmp, False, pulled)

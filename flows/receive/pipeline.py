@@ -20,15 +20,17 @@ from typing import TypeVar
 
 from dcr_core.errors import IntegrityError, StateMismatchError, StepVanishedError, UsageError
 from flows.options import ReceiveOptions
+from flows.receive import exact as exact_files
 from flows.receive import on_workers, state_file
 from flows.results import ReceiveResult
 from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
-from storage import heartbeat, layout
+from storage import heartbeat, layout, reader
 from storage.catalog import Catalog
-from storage.local import journal, sidecar, state
+from storage.local import journal, materialized, sidecar, state
 from storage.reader import RefitPlan, manifests
 from storage.root import RootRef, open_root
+from storage.source_layout import DIRECTORY
 
 log = logging.getLogger("dcr.receive")
 T = TypeVar("T")
@@ -121,15 +123,19 @@ def check_arguments(receiver_id: str | None, step: int | None, options) -> Recei
 def run_receive(
     root: str | os.PathLike, receiver_id: str, state_path: str | os.PathLike, step: int | None = None,
     storage_options: dict | None = None, options: ReceiveOptions | None = None, runner: Runner | None = None,
-    record: bool = True, fresh: bool = False,
+    record: bool = True, fresh: bool = False, exact: str | None = None,
 ) -> ReceiveResult:
-    """Bring the state file at ``state_path`` to ``step`` (default: latest) and record the commit."""
+    """Bring the state file at ``state_path`` to ``step`` (default: latest) and record the commit.
+    ``exact`` (``run_materialize``, with ``fresh``): write the step's published file ("file") or
+    directory ("directory") byte for byte instead of a state file."""
     options = check_arguments(receiver_id if record else None, step, options)
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
     if options.max_staleness is not None:  # before anything is read or written: a stale ROOT changes nothing
         r = open_root(ref)
         heartbeat.check_fresh(r, options.max_staleness, Catalog(r).key)
-    state_path = state_file.check_path(state_path)
+    if exact is not None and (record or not fresh):
+        raise UsageError("an exact materialization writes a fresh output and records no receiver")
+    state_path = exact_files.check_directory(state_path) if exact == DIRECTORY else state_file.check_path(state_path)
     tasks = STATE_STEPS.bind(runner or InProcess())
     mapped = tasks.mapped and not options.in_place  # an in-place patch runs here (see flows.receive.on_workers)
     named = state.absolute_root(ref.url)  # what the state's header records, as in one process (workers' cwd differs)
@@ -150,8 +156,8 @@ def run_receive(
                 if not p.moves:
                     return None
                 if mapped:
-                    return on_workers.stage_on_workers(tasks, p, state_path, options, named)
-                return tasks.stage_refit(p, state_path, options)
+                    return on_workers.stage_on_workers(tasks, p, state_path, options, named, exact)
+                return tasks.stage_refit(p, state_path, options, exact)
 
             plan, staged = leases.replanned(lambda: tasks.plan_receive(ref, state_path, step, fresh), stage, state_path)
             pulled = 0
@@ -174,11 +180,28 @@ def run_materialize(
     options: ReceiveOptions | None = None, runner: Runner | None = None, force: bool = False,
 ) -> ReceiveResult:
     """Write the full checkpoint of a committed step to ``out`` (no receiver record); with a runner
-    that maps, as groups of tensors on its workers. An existing ``out`` is replaced only when DCR
-    wrote it (a materialization or a receiver state: its header names a step), or with ``force``:
-    ``--out`` pointed at a trainer's checkpoint by mistake must not lose it."""
-    target = state_file.check_path(out)
-    if not force and os.path.exists(target) and not state.written_by_dcr(target):
-        raise UsageError(f"{os.fspath(out)}: exists and was not written by dcr materialize or dcr receive (a trainer's "
+    that maps, as groups of tensors on its workers.
+
+    A step published from a safetensors file is written byte for byte as that file (its SHA-256 is
+    the published file's); one published from a sharded directory, as its files (same names, same
+    index) inside the directory ``out``, unless ``out`` names a ``.safetensors`` file. Otherwise
+    (published from tensors or shards, or ``options.as_state``) ``out`` is a file in DCR's state
+    format: the step's tensors, with ``dcr.*`` metadata (``storage.local.state``).
+
+    An existing ``out`` is replaced only when DCR wrote it (a receiver state or a materialization:
+    its header names a step, or its record beside it vouches for it: ``storage.local.materialized``),
+    or with ``force``: ``--out`` pointed at a trainer's checkpoint by mistake must not lose it."""
+    options = check_arguments(None, step, options)
+    ref = RootRef(os.fspath(root), dict(storage_options or {}))
+    cat = Catalog(open_root(ref))
+    step = reader.resolve_target(cat, step)  # fixed now: what is written depends on how the step was published
+    source = cat.manifest(step).source
+    kind = exact_files.output_kind(os.fspath(out), None if source is None else source.kind, options.as_state)
+    target = exact_files.check_directory(out) if kind == DIRECTORY else state_file.check_path(out)
+    theirs = materialized.foreign(target, kind == DIRECTORY)
+    if theirs and not force:
+        what = os.fspath(out) if theirs == [target] else f"{os.fspath(out)}: {os.path.basename(theirs[0])}"
+        raise UsageError(f"{what}: exists and was not written by dcr materialize or dcr receive (a trainer's "
                          "checkpoint?); choose another --out, or pass --force to replace it")
-    return run_receive(root, "materialize", out, step, storage_options, options, runner, record=False, fresh=True)
+    return run_receive(ref.url, "materialize", out, step, ref.storage_options, options, runner, record=False,
+                       fresh=True, exact=kind)

@@ -18,10 +18,11 @@ from dcr_core import events
 from dcr_core.digest import block_leaves, blocks_root
 from dcr_core.errors import StateMismatchError, StepVanishedError
 from flows.options import ReceiveOptions
+from flows.receive import exact as exact_files
 from flows.receive import in_place
 from storage import layout, leases, reader
 from storage.catalog import Catalog, no_such_directory, utc_now
-from storage.local import journal, sidecar, state
+from storage.local import journal, materialized, sidecar, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
 from storage.reader import RefitPlan
 from storage.root import RootRef, open_root, same_root
@@ -39,6 +40,11 @@ class Staged:
     bytes_pulled: int
     journal_bytes: int = 0
     sidecar: str | None = None  # in place: the staged block digests of the new state
+    # An exact materialization (``flows.receive.exact``): "file" or "directory", its staged files
+    # (temp file, destination) in install order, and what its record says (step, policy, ROOT).
+    exact: str | None = None
+    moves: tuple[tuple[str, str], ...] = ()
+    about: dict | None = None
 
 
 def plan_receive(root: RootRef, state_path: str, step: int | None, fresh: bool = False) -> RefitPlan:
@@ -108,10 +114,16 @@ def vanished(plan: RefitPlan) -> list[int]:
     return [s for s in sorted(plan.steps) if cat.marker(s) is None]
 
 
-def stage_refit(plan: RefitPlan, state_path: str, options: ReceiveOptions | None = None) -> Staged:
+def stage_refit(plan: RefitPlan, state_path: str, options: ReceiveOptions | None = None,
+                exact: str | None = None) -> Staged:
     """Stage the refit beside ``state_path`` (the file is not touched): an in-place patch when
-    asked for and possible (``flows.receive.in_place.eligible``), else a whole new file."""
+    asked for and possible (``flows.receive.in_place.eligible``), else a whole new file; with
+    ``exact`` (a materialization: "file" or "directory"), the published files byte for byte."""
     options = options or ReceiveOptions()
+    if exact is not None:
+        moves, pulled = exact_files.stage(plan, state_path, options, exact)
+        events.reached("receive.staged", path=moves[0][0])
+        return Staged(state_path, moves[0][0], False, pulled, exact=exact, moves=moves, about=exact_files.about(plan))
     if options.in_place and in_place.eligible(plan, state_path):
         patch = in_place.stage_patch(plan, state_path, options)
         if patch is not None:
@@ -167,8 +179,13 @@ def install_state(staged: Staged) -> None:
     patch the file (page cache) and commit the patch (the journal becomes a redo journal; the file's
     fsync is left to the kernel's writeback and the next ``journal.settle``). A crash before the
     commit is rolled back by the next receive, one after it rolled forward."""
+    if staged.exact is not None:
+        materialized.install_all(staged.state_path, staged.exact, staged.moves, staged.about or {})
+        events.reached("receive.replaced", path=staged.state_path)
+        return
     if not staged.in_place:
         install(staged.path, staged.state_path)
+        materialized.remove_record(staged.state_path)  # a materialization's record no longer describes it
         events.reached("receive.replaced", path=staged.state_path)
         return
     patch = journal.take_staged(staged.path)  # staged by this process: applied without reading it back

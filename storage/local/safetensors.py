@@ -149,6 +149,7 @@ class SafetensorsCheckpoint:
         self._offset: dict[str, int] = {}
         self.metadata: dict[str, str] = {}
         self.headers: dict[str, Header] = {}
+        self.sizes: dict[str, int] = {}  # each file's size, as opened
         # Files stay open: a reader keeps seeing the file it validated even if a writer atomically
         # replaces the path meanwhile (the publisher's baseline cache is replaced that way).
         self._fh: dict[str, object] = {}
@@ -158,6 +159,7 @@ class SafetensorsCheckpoint:
             except OSError as e:
                 raise InvalidCheckpointError(f"{f}: cannot read checkpoint ({e.strerror or e})") from None
             self.headers[f], infos, meta, offsets = _parse_header(f, self._fh[f].fileno())
+            self.sizes[f] = os.fstat(self._fh[f].fileno()).st_size
             self._offset.update(offsets)
             self.metadata.update(meta)
             for name, info in infos.items():
@@ -238,6 +240,10 @@ class SafetensorsCheckpoint:
         """``(fd, byte offset)`` of one tensor's data in the open file that holds it (the file this
         reader validated, even if its path was replaced since): for copies made by the kernel."""
         return self._fh[self._where[name]].fileno(), self._offset[name]
+
+    def file_named(self, name: str) -> str:
+        """The path of the file that holds tensor ``name``."""
+        return self._where[name]
 
     def data_offset(self, name: str) -> int:
         """Byte offset of one tensor's data in its file."""
@@ -401,6 +407,80 @@ class StreamingSafetensorsWriter:
             os.unlink(self.tmp)
 
 
+class PlacedWriter:
+    """Writes a file whose header bytes and tensor placement are given, tensors in any order: a
+    published safetensors file rebuilt byte for byte (``storage.source_layout``). The temp file
+    beside ``path`` gets the header and its full size at once; ``write`` puts each tensor at its
+    offset; ``finish`` fsyncs and closes it (every tensor written, or ``reserve``d for others to
+    write with ``write_placed``); ``commit`` also renames it over ``path``, ``abort`` removes it."""
+
+    def __init__(self, path: str | os.PathLike, header: bytes, placed: Mapping[str, tuple[int, int]], size: int,
+                 durable: bool = True):
+        self.path = os.fspath(path)
+        self.durable = durable
+        self.tmp = temp_path(self.path)
+        self.offsets = {n: at for n, (at, _) in placed.items()}
+        self._sizes = {n: nbytes for n, (_, nbytes) in placed.items()}
+        self._left = set(placed)
+        self.size = size
+        self._f = open(self.tmp, "wb")
+        with self._naming_the_file():
+            self._f.write(header)
+            self._f.flush()
+            os.ftruncate(self._f.fileno(), size)
+
+    _naming_the_file = StreamingSafetensorsWriter._naming_the_file
+
+    def reserve(self) -> dict[str, int]:
+        """Every tensor's byte offset; the tensors are then written by others (``write_placed``)."""
+        self._left.clear()
+        return dict(self.offsets)
+
+    def write(self, name: str, data) -> None:
+        if name not in self._left:
+            raise ValueError(f"tensor {name!r} is not placed in {self.path} or was written already")
+        view = memoryview(data).cast("B")
+        if view.nbytes != self._sizes[name]:
+            raise ValueError(f"tensor {name!r}: {view.nbytes} bytes, the header says {self._sizes[name]}")
+        with self._naming_the_file():
+            _pwrite_all(self._f.fileno(), view, self.offsets[name], self.path, name)
+        self._left.discard(name)
+
+    def finish(self) -> str:
+        if self._left:
+            raise ValueError(f"{self.path}: {len(self._left)} tensors not written (first {sorted(self._left)[0]!r})")
+        try:
+            with self._naming_the_file():
+                self._f.flush()
+                if self.durable:
+                    os.fsync(self._f.fileno())
+                self._f.close()
+        except BaseException:
+            self.abort()
+            raise
+        return self.tmp
+
+    def commit(self) -> None:
+        tmp = self.finish()
+        try:
+            install(tmp, self.path, self.durable)
+        except BaseException:
+            self.abort()
+            raise
+
+    abort = StreamingSafetensorsWriter.abort
+
+
+def _pwrite_all(fd: int, view: memoryview, at: int, path: str, name: str) -> int:
+    done = 0
+    while done < view.nbytes:
+        n = os.pwrite(fd, view[done:], at + done)
+        if n <= 0:
+            raise OSError(f"{path}: wrote nothing at offset {at + done} (tensor {name!r})")
+        done += n
+    return done
+
+
 def temp_path(path: str) -> str:
     """A fresh temp name beside ``path`` (hidden; removed by the next writer holding its lock)."""
     return os.path.join(os.path.dirname(os.path.abspath(path)), f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
@@ -435,17 +515,30 @@ def write_at(path: str, placed: Mapping[str, int], tensors: Iterator[tuple[str, 
     written = 0
     try:
         for name, data in tensors:
-            view = memoryview(data).cast("B")
-            done = 0
-            while done < view.nbytes:
-                n = os.pwrite(fd, view[done:], placed[name] + done)
-                if n <= 0:
-                    raise OSError(f"{path}: wrote nothing at offset {placed[name] + done} (tensor {name!r})")
-                done += n
-            written += done
+            written += _pwrite_all(fd, memoryview(data).cast("B"), placed[name], path, name)
         os.fsync(fd)
     finally:
         os.close(fd)
+    return written
+
+
+def write_placed(placed: Mapping[str, tuple[str, int]], tensors: Iterator[tuple[str, object]]) -> int:
+    """``write_at`` over several files: each ``(name, bits)`` of ``tensors`` written at
+    ``placed[name] = (file, offset)`` (existing files, reserved), then every file written to is
+    fsynced; the bytes written."""
+    fds: dict[str, int] = {}
+    written = 0
+    try:
+        for name, data in tensors:
+            path, at = placed[name]
+            if path not in fds:
+                fds[path] = os.open(path, os.O_WRONLY)
+            written += _pwrite_all(fds[path], memoryview(data).cast("B"), at, path, name)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return written
 
 

@@ -427,9 +427,11 @@ def test_a_relative_root_is_recorded_absolute_and_verifies_from_anywhere(made, t
     elsewhere.mkdir()
     out = dcr("verify-state", made / "s.safetensors", cwd=elsewhere, check=0)
     assert f"step 2 of {made / 'bucket'}" in out.stdout
-    dcr("materialize", "./bucket", "--step", "1", "--out", "m.safetensors", cwd=made, check=0)
+    dcr("materialize", "./bucket", "--step", "1", "--out", "m.safetensors", "--as-state", cwd=made, check=0)
     with safe_open(str(made / "m.safetensors"), "pt") as f:
         assert f.metadata()["dcr.root"] == str(made / "bucket")
+    dcr("materialize", "./bucket", "--step", "1", "--out", "e.safetensors", cwd=made, check=0)  # the published bytes
+    assert json.loads((made / ".e.safetensors.dcr").read_text())["root"] == str(made / "bucket")  # their record
     _one_line(dcr("receive", "./bucket", "--receiver", "r", "--state", "s2.safetensors", cwd=elsewhere), 4,
               "./bucket: no such directory")
 
@@ -443,8 +445,10 @@ def test_receives_leave_no_lock_files_and_refuse_a_missing_directory(made, tmp_p
     dcr("verify-state", tmp_path / "s.safetensors", check=0)
     dcr("receive", root, "--receiver", "r", "--state", tmp_path / "t.safetensors", "--step", 9, check=4)
     dcr("materialize", root, "--out", tmp_path / "m.safetensors", check=0)
-    # (the one hidden file kept is verify-state's block digests of s.safetensors: a sidecar in-place refits use)
-    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".s.safetensors.blocks"]
+    # (the hidden files kept: verify-state's block digests of s.safetensors, a sidecar in-place refits use, and
+    # the record that DCR wrote m.safetensors, the published file's bytes with nothing of DCR's in them)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".")) == [".m.safetensors.dcr",
+                                                                                     ".s.safetensors.blocks"]
     assert not [p for p in made.iterdir() if p.name.endswith(".lock")]  # beside the checkpoints either
     for command, flag in (("receive", "--state"), ("materialize", "--out")):
         args = ("--receiver", "r") if command == "receive" else ()

@@ -101,7 +101,7 @@ def test_a_reserved_file_written_out_of_order_at_its_offsets_is_the_streamed_fil
 
 
 def test_byte_batches_are_consecutive_runs_of_about_the_target():
-    from dcr_core.batches import MIN_BATCH_BYTES, byte_batches, target_bytes
+    from dcr_core.batches import byte_batches
 
     sizes = [("a", 5), ("b", 5), ("c", 20), ("d", 1), ("e", 1), ("f", 9)]
     assert byte_batches(sizes, 10) == [["a", "b"], ["c"], ["d", "e", "f"]]
@@ -109,4 +109,3 @@ def test_byte_batches_are_consecutive_runs_of_about_the_target():
     assert byte_batches(sizes, 10**9) == [[k for k, _ in sizes]]
     assert byte_batches([], 10) == []
     assert [k for run in byte_batches(sizes, 7) for k in run] == [k for k, _ in sizes]  # order kept, nothing lost
-    assert target_bytes(0, 4) == MIN_BATCH_BYTES and target_bytes(64 * MIN_BATCH_BYTES, 2) == 8 * MIN_BATCH_BYTES

@@ -1,0 +1,169 @@
+"""What ``dcr materialize`` writes byte for byte, and the record that says DCR wrote it.
+
+A step published from a safetensors file or a sharded directory materializes as exactly the bytes
+that were published (``storage.source_layout``): the file at ``--out``, or the directory's files
+(same names, same index) inside ``--out``. Each file is written as a temp file beside its
+destination with the published header and its full size, the tensors put at the offsets the header
+names, and fsynced; once every file is complete they are renamed into place, the index last
+(``install``).
+
+Such a file holds nothing that says DCR wrote it, so the output's record ``.<name>.dcr`` lies beside
+it (beside the file, or beside the directory): the step, its policy digest, the ROOT and, for every
+file written, its stamp as DCR left it (device, inode, size, modification time). A later materialize
+replaces what the record vouches for, and refuses a file that anything else wrote or rewrote since
+(a trainer's checkpoint named by mistake) unless forced (``foreign``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from collections.abc import Iterable
+
+from storage.backends import fsync_dir
+from storage.local import state
+from storage.local.safetensors import INDEX_NAME, PlacedWriter, install, temp_path
+
+FORMAT = "dcr-materialized"
+MAX_RECORD_BYTES = 64 << 20
+SUFFIX = ".safetensors"
+
+
+def record_path(out: str) -> str:
+    directory, name = os.path.split(os.path.realpath(out))
+    return os.path.join(directory, f".{name}.dcr")
+
+
+def stamp(path: str) -> list[int]:
+    """What identifies a file as DCR left it (a rename keeps it; a rewrite in place or a new file does not)."""
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
+
+
+def read_record(out: str) -> dict | None:
+    """The record beside ``out``, or None (absent, damaged, or not one)."""
+    try:
+        with open(record_path(out), "rb") as f:
+            d = json.loads(f.read(MAX_RECORD_BYTES + 1))
+    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+        return None
+    if not isinstance(d, dict) or d.get("format") != FORMAT or not isinstance(d.get("files"), dict):
+        return None
+    return d
+
+
+def _vouched(out: str, record: dict | None, name: str) -> bool:
+    """The record vouches for file ``name`` (``out`` itself for a file) as it is now."""
+    if record is None:
+        return False
+    path = out if record.get("kind") == "file" else os.path.join(out, name)
+    try:
+        return record["files"].get(name) == stamp(path)
+    except OSError:
+        return False
+
+
+def checkpoint_files(directory: str) -> list[str]:
+    """The names in ``directory`` that belong to a safetensors checkpoint (shards and index)."""
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(n for n in names if not n.startswith(".") and (n.endswith(SUFFIX) or n == INDEX_NAME)
+                  and os.path.isfile(os.path.join(directory, n)))
+
+
+def foreign(out: str, directory: bool) -> list[str]:
+    """What materializing to ``out`` would replace that DCR did not write: ``out`` itself (a file that
+    is neither a DCR state nor a materialization its record vouches for), or the checkpoint files in
+    the directory ``out`` that its record does not vouch for."""
+    out = os.path.realpath(out)
+    record = read_record(out)
+    if not directory:
+        if not os.path.exists(out) or state.written_by_dcr(out):
+            return []
+        return [] if _vouched(out, record, os.path.basename(out)) and record.get("kind") == "file" else [out]
+    if record is not None and record.get("kind") != "directory":
+        record = None
+    return [os.path.join(out, n) for n in checkpoint_files(out) if not _vouched(out, record, n)]
+
+
+def remove_record(out: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(record_path(out))
+
+
+def write_record(out: str, kind: str, names: Iterable[str], about: dict) -> None:
+    """Record that DCR wrote ``out`` (``kind``: "file"; or "directory" and the ``names`` written in
+    it), with ``about`` (step, policy digest, ROOT)."""
+    out = os.path.realpath(out)
+    paths = {os.path.basename(out): out} if kind == "file" else {n: os.path.join(out, n) for n in names}
+    doc = {"format": FORMAT, "kind": kind, **about, "files": {n: stamp(p) for n, p in sorted(paths.items())}}
+    path = record_path(out)
+    tmp = temp_path(out)  # a leftover of a killed writer is swept as the output's (storage.local.state.exclusive)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(doc, f, indent=1)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+
+
+def sweep(directory: str) -> None:
+    """Remove the temp files a killed materialize left among a directory's checkpoint files (the
+    caller holds the output's lock)."""
+    for pattern in (f".*{SUFFIX}.tmp-*", f".{INDEX_NAME}.tmp-*"):
+        for leftover in glob.glob(os.path.join(glob.escape(directory), pattern)):
+            with contextlib.suppress(FileNotFoundError, IsADirectoryError):
+                os.unlink(leftover)
+
+
+def write_index(directory: str, data: bytes) -> str:
+    """The index file's bytes in a fsynced temp file beside its place in ``directory``; its path."""
+    tmp = temp_path(os.path.join(directory, INDEX_NAME))
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return tmp
+
+
+def discard(moves: Iterable[tuple[str, str]], writers: Iterable[PlacedWriter] = ()) -> None:
+    """Remove staged temp files (a failed materialize: nothing is installed)."""
+    for w in writers:
+        w.abort()
+    for tmp, _ in moves:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def install_all(out: str, kind: str, moves: tuple[tuple[str, str], ...], about: dict) -> None:
+    """Rename each staged temp file over its destination (in order: the index last), make the
+    renames durable, remove files an earlier materialization of ``out`` wrote that this one does
+    not (a directory whose step has other shard names), and record the output."""
+    out = os.path.realpath(out)
+    earlier = read_record(out)
+    for tmp, dest in moves:
+        if kind == "file":
+            install(tmp, dest)
+        else:
+            os.replace(tmp, dest)
+    names = [os.path.basename(dest) for _, dest in moves]
+    if kind == "directory":
+        fsync_dir(out)
+        if earlier is not None and earlier.get("kind") == "directory":
+            for name in sorted(set(earlier["files"]) - set(names)):
+                if _vouched(out, earlier, name):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(out, name))
+    write_record(out, kind, names, about)
