@@ -4,7 +4,7 @@ State machine of one receiver (held on the module as ``_dcr_refit``):
 
     unknown --dense load of step N--> at N --delta refit--> at N' --...
        ^                                 |
-       +---- fingerprint mismatch -------+   (the module was changed outside DCR)
+       +---- module digests mismatch ----+   (the module was changed outside DCR)
 
 - *Dense load* (first refit, a keyframe path, or after a mismatch): step N is materialized to a
   temp file (streamed) and loaded tensor by tensor through ``load_weights``.
@@ -16,12 +16,12 @@ State machine of one receiver (held on the module as ``_dcr_refit``):
   pause window) is measured separately from fetching.
 - *Failure mid-apply*: the apply is all or nothing. Direct-path masks already XORed are XORed
   again and overwrite-path tensors already reloaded get their base values back, so the module
-  returns to the exact bits of the step it held (checked by its fingerprint) and stays known to be
+  returns to the exact bits of the step it held (checked by its digests) and stays known to be
   there; a retry then takes the delta path again.
-- After each refit the block digests of every parameter and buffer are recorded (only the slots
-  the refit wrote are hashed again); the next refit first checks the module against them
-  (``flows.receive.module_digests``: stamps, a sampled block per slot), so a module changed behind
-  DCR's back is reloaded densely instead of patched.
+- What the module holds is checked as a vLLM engine's is (``flows.receive.held_digests``): every
+  module's digest before each refit (a module changed behind DCR's back, by any path, is reloaded
+  densely instead of patched), the modules a delta writes again right before it writes them, and
+  after the refit only those are hashed again for the record.
 
 The steps exchange the module, and the payloads fetched for it, as ``LocalRef`` handles: they run
 in the process that holds the module.
@@ -43,7 +43,7 @@ from dcr_core.errors import StateMismatchError
 from flows import local_refs
 from flows.local_refs import LocalRef
 from flows.options import ReceiveOptions, default_cache_dir
-from flows.receive import module_digests, placement
+from flows.receive import held_digests, placement
 from flows.receive.state_file import stage_rewrite
 from storage import reader
 from storage.local import state
@@ -79,7 +79,7 @@ def plan_module_refit(root: RootRef, module: LocalRef, step: int | None) -> Refi
     target = local_refs.get(module)
     held = held_by(target)
     current = None
-    if held and held.get("root") == root.url and module_digests.still_holds(target, held.get("slots")):
+    if held and held.get("root") == root.url and held_digests.unchanged(target, held.get("digests")):
         current = held["step"]
     r = open_root(root)
     plan = reader.plan_refit(r, current, step, where=type(target).__name__)
@@ -189,6 +189,11 @@ def apply_to_module(plan: RefitPlan, module: LocalRef, fetched: LocalRef, mirror
         for n, b in mirror_bits.items():
             if not manifest.tensors[n].matches(b):
                 raise StateMismatchError(f"{mirror}: tensor {n!r} does not reach step {plan.target_step}'s digest")
+    slots = placement.slots_of(target)
+    touched = held_digests.holders(target, [slots[i].get() for n in direct + over for i in table.probes[n].slots])
+    t_check = time.perf_counter()
+    _take_held(target, plan, touched)
+    check_s = time.perf_counter() - t_check
     t0 = time.perf_counter()
     direct_masks = [(n, _tensor(masks[n], manifest.tensors[n])) for n in direct]
     pause = placement.xor_into_module(target, table, direct_masks)  # all or nothing
@@ -205,12 +210,21 @@ def apply_to_module(plan: RefitPlan, module: LocalRef, fetched: LocalRef, mirror
     modify_wall = time.perf_counter() - t0
     if table.names(placement.OVERWRITE):
         _write_mirror(mirror, plan.target_step, manifest, mirror_bits)
-    slots = placement.slots_of(target)
-    written = sorted({slots[i].qualname for n in direct + over for i in table.probes[n].slots})
     return {"mode": "delta", "bytes_pulled": payloads.bytes_pulled, "fetch_seconds": payloads.seconds,
-            "slots_written": written,
+            "modules_written": sorted(touched), "check_seconds": check_s,
             "pause_seconds": pause, "modify_wall_seconds": modify_wall,
             "tensors_loaded": len(direct) + len(over), "direct": len(direct), "overwrite": len(over)}
+
+
+def _take_held(target, plan: RefitPlan, touched: set[str]) -> None:
+    """Right before the module changes: the modules the apply writes must still hash to what DCR
+    recorded (``held_digests``, step 2), else nothing is applied; from here until the apply
+    completes the module is unknown (the pipeline restores the record after a rollback)."""
+    held = held_by(target)
+    set_held(target, None)
+    if held is None or held.get("step") != plan.current_step or not held_digests.unchanged(target, held["digests"], touched):
+        raise StateMismatchError("the module was written outside DCR since this refit was planned; nothing was "
+                                 "applied: receive again (it loads the step densely)")
 
 
 def _roll_back(target, table, direct_masks, loaded, masks, mirror_bits, manifest) -> None:

@@ -1,5 +1,6 @@
 """A live module's receive pipeline: plan, then a dense load or fetch-everything-then-apply (all or
-nothing), then record the receiver's commit (see ``flows.receive.module`` for the states)."""
+nothing), then record what the module holds and the receiver's commit (see ``flows.receive.module``
+for the states, ``flows.receive.held_digests`` for the check before each refit)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 from dcr_core.errors import UsageError
 from flows import local_refs
 from flows.options import ReceiveOptions
-from flows.receive import module, module_digests, state_file
+from flows.receive import held_digests, module, state_file
 from flows.receive.pipeline import Leases, check_arguments
 from flows.results import ReceiveResult, as_dict
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
@@ -55,12 +56,9 @@ def receive_into_module(
         before = module.held_by(target)
         plan, info = leases.replanned(lambda: tasks.plan_module_refit(ref, mod, step), refit, type(target).__name__)
         policy = manifests(plan)[plan.target_step].policy_digest
-        # Slot digests: after a delta only the slots it wrote are hashed again (module_digests).
-        written = set(info.pop("slots_written", ()))
-        previous = before.get("slots") if before and info["mode"] != "dense" else None
-        slots = module_digests.record(target, previous, written)
+        digests = _digests_after(target, before, info)
         module.set_held(target, {"root": ref.url, "step": plan.target_step, "policy_digest": policy,
-                                 "slots": slots, "fingerprint": module_digests.fingerprint(slots)})
+                                 "digests": digests, "fingerprint": held_digests.combine(digests)})
         record = {"from_step": plan.current_step, "moves": plan.describe(), "policy_digest": policy,
                   "probe": module.probe_counts(target), **info}
         tasks.record_receiver_commit(ref, receiver_id, plan.target_step, record)
@@ -68,14 +66,23 @@ def receive_into_module(
                                  dict(tasks.timings), {"probe": record["probe"], **info}))
 
 
+def _digests_after(target, before: dict | None, info: dict) -> dict[str, str]:
+    """The module digests after the refit: every module after a dense load; after a delta only the
+    modules it wrote are hashed again (the plan checked the others); nothing after a no-op."""
+    written = info.pop("modules_written", None)
+    if info["mode"] == "dense":
+        return held_digests.digests_of(target)
+    if info["mode"] == "delta":
+        return held_digests.after(target, before["digests"], written)
+    return before["digests"]
+
+
 def _refit(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target) -> dict:
-    held = module.held_by(target)
-    module.set_held(target, None)  # unknown until this refit completes
     if plan.current_step is None or plan.from_keyframe or _held_coded(plan):
+        module.set_held(target, None)  # unknown until the dense load completes
         return tasks.load_dense(plan, mod, mirror, options)
     if plan.moves:
-        return _delta(tasks, plan, mod, mirror, options, target, held)
-    module.set_held(target, held)
+        return _delta(tasks, plan, mod, mirror, options, target)
     return {"mode": "current", "bytes_pulled": 0, "pause_seconds": 0.0, "tensors_loaded": 0}
 
 
@@ -86,14 +93,15 @@ def _held_coded(plan: RefitPlan) -> bool:
     return any(ms[m.step].codec.conditional for m in plan.moves)
 
 
-def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target, held: dict) -> dict:
+def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target) -> dict:
+    held = module.held_by(target)  # the apply drops it right before the module changes
     fetched = None
     try:
         fetched = tasks.fetch_module_payloads(plan, mod, options)  # every payload verified before the module is touched
         return tasks.apply_to_module(plan, mod, fetched, mirror)
     except BaseException:
-        if module_digests.still_holds(target, held.get("slots"), full=True):
-            module.set_held(target, held)  # rolled back (or never touched): still at the held step
+        if held and module.held_by(target) is None and held_digests.unchanged(target, held["digests"]):
+            module.set_held(target, held)  # rolled back: still at the held step, every module hashed to say so
         raise
     finally:
         local_refs.release(fetched)

@@ -193,6 +193,8 @@ def run_materialize(
     or with ``force``: ``--out`` pointed at a trainer's checkpoint by mistake must not lose it."""
     options = check_arguments(None, step, options)
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
+    if getattr(runner, "mapped", False):
+        portable_root(ref)  # refused before anything is read: workers could not reach it
     cat = Catalog(open_root(ref))
     step = reader.resolve_target(cat, step)  # fixed now: what is written depends on how the step was published
     source = cat.manifest(step).source

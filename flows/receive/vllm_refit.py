@@ -21,7 +21,7 @@ run in the driver's process):
    once its engine serves again; ``apply_refit`` leaves it to finish on its own).
 
 A failure in step 1 leaves every worker's engine untouched. In step 2 a worker whose reload fails
-rolls back to its previous step (see ``flows.receive.vllm_worker``); with tensor parallelism the
+rolls back to its previous step (see ``flows.receive.vllm_apply``); with tensor parallelism the
 other ranks may have applied, and the error is raised to the caller. Retrying converges: ranks
 already at the step have nothing to do, the others refit.
 """

@@ -11,13 +11,14 @@ read. So the engine's state is described by:
   attributes (a packed weight of the sgl path, say), except the KV cache (``kv_cache``: requests'
   state, not weights);
 - for every module with a ``cpu_linear`` kernel (vLLM's CPU linear layers): its output for a fixed
-  input. ``module_digests`` (and ``fingerprint``, one hash over them) use one fixed pseudo-random row
-  (one pass over the weights, like hashing them); ``readback`` uses the identity matrix, which returns every weight through the kernel
-  itself (``W^T`` row by row, bias added): byte-equal readbacks of two engines mean their packed
-  kernels compute with the same weights.
+  input. ``kernel_probe`` uses one fixed pseudo-random row (one pass over the weights, like
+  hashing them; ``flows.receive.held_digests`` hashes it); ``readback`` uses the identity matrix,
+  which returns every weight through the kernel itself (``W^T`` row by row, bias added): byte-equal
+  readbacks of two engines mean their packed kernels compute with the same weights.
 
 Opaque handle objects (a pointer differs from engine to engine) are left out; the kernels' outputs
-stand for them. Nothing here imports vLLM: it reads the model the engine passes to its workers.
+stand for them. Nothing here imports vLLM: it reads the model the engine passes to its workers,
+and describes a live torch module (``flows.receive.module``) the same way (``held_digests``).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def raw_bytes(t: torch.Tensor) -> np.ndarray:
 
 
 def _hasher() -> blake3.blake3:
-    return blake3.blake3(max_threads=blake3.blake3.AUTO)  # every core: it runs inside the pause window
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)  # every core
 
 
 def _closure_tensors(fn) -> Iterator[tuple[str, torch.Tensor]]:
@@ -102,47 +103,12 @@ def kernel_output(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     return mod.cpu_linear(x, mod.weight, getattr(mod, "bias", None))
 
 
-def _probe_row(k: int, dtype: torch.dtype) -> torch.Tensor:
+def kernel_probe(mod: torch.nn.Module) -> torch.Tensor:
+    """What the module's CPU linear kernel computes for one fixed pseudo-random row: one pass over
+    its weights, like hashing them (``held_digests`` hashes it)."""
+    k = mod.input_size_per_partition
     g = torch.Generator().manual_seed(PROBE_SEED + k)
-    return torch.randn(1, k, generator=g, dtype=torch.float32).to(dtype)
-
-
-@torch.inference_mode()
-def module_digests(model: torch.nn.Module, names: set[str] | None = None) -> dict[str, str]:
-    """Per module (by qualified name; None: every module, else only those in ``names``) that holds a
-    tensor or a CPU kernel: BLAKE3 of its own tensors (``module_tensors``) and of its kernel's output
-    for a fixed row. A refit re-hashes only the modules it touched: the cost follows the change."""
-    out = {}
-    for mod_name, mod in model.named_modules():
-        if names is not None and mod_name not in names:
-            continue
-        h, held = _hasher(), False
-        for name, t in module_tensors(f"{mod_name}." if mod_name else "", mod):
-            h.update(f"{name}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-            h.update(raw_bytes(t))
-            held = True
-        if has_kernel(mod):
-            out_row = kernel_output(mod, _probe_row(mod.input_size_per_partition, _kernel_dtype(mod)))
-            h.update(b"<kernel>\0")
-            h.update(raw_bytes(out_row))
-            held = True
-        if held:
-            out[mod_name] = h.hexdigest()
-    return out
-
-
-def combine(digests: dict[str, str]) -> str:
-    """One fingerprint for a map of module digests."""
-    h = _hasher()
-    for name in sorted(digests):
-        h.update(f"{name}\0{digests[name]}\0".encode())
-    return h.hexdigest()
-
-
-def fingerprint(model: torch.nn.Module) -> str:
-    """One BLAKE3 over every module's digest (``module_digests``): changes when any weight the engine
-    computes with changes (whoever changed it)."""
-    return combine(module_digests(model))
+    return kernel_output(mod, torch.randn(1, k, generator=g, dtype=torch.float32).to(_kernel_dtype(mod)))
 
 
 @torch.inference_mode()

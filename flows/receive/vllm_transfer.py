@@ -4,7 +4,8 @@ vLLM 0.32's weight-transfer API (``vllm.distributed.weight_transfer``; over HTTP
 ``vllm.entrypoints.rl.online.api_router`` with ``VLLM_SERVER_DEV_MODE=1``) drives every worker of
 an engine through ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
 ``finish_weight_update``. With this backend (registered by ``flows.receive.vllm_plugin``) those
-calls refit the engine from a DCR ROOT, exactly as ``flows.receive.vllm_worker`` does (it is the
+calls refit the engine from a DCR ROOT, exactly as ``flows.receive.vllm_worker`` does (prepare in
+``vllm_prepare``, apply in ``vllm_apply``; it is the
 same code: the engine drives a ``DCRWorkerExtension`` bound to its model):
 
 - ``init_info`` (``POST /init_weight_transfer_engine``, ``LLM.init_weight_transfer_engine``):

@@ -18,51 +18,16 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import os
 from collections.abc import Iterable
 
 from storage.backends import fsync_dir
 from storage.local import state
+from storage.local.output_record import read_record, record_path, write_record
+from storage.local.output_record import vouched as _vouched
 from storage.local.safetensors import INDEX_NAME, PlacedWriter, install, temp_path
 
-FORMAT = "dcr-materialized"
-MAX_RECORD_BYTES = 64 << 20
 SUFFIX = ".safetensors"
-
-
-def record_path(out: str) -> str:
-    directory, name = os.path.split(os.path.realpath(out))
-    return os.path.join(directory, f".{name}.dcr")
-
-
-def stamp(path: str) -> list[int]:
-    """What identifies a file as DCR left it (a rename keeps it; a rewrite in place or a new file does not)."""
-    st = os.stat(path)
-    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns]
-
-
-def read_record(out: str) -> dict | None:
-    """The record beside ``out``, or None (absent, damaged, or not one)."""
-    try:
-        with open(record_path(out), "rb") as f:
-            d = json.loads(f.read(MAX_RECORD_BYTES + 1))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
-        return None
-    if not isinstance(d, dict) or d.get("format") != FORMAT or not isinstance(d.get("files"), dict):
-        return None
-    return d
-
-
-def _vouched(out: str, record: dict | None, name: str) -> bool:
-    """The record vouches for file ``name`` (``out`` itself for a file) as it is now."""
-    if record is None:
-        return False
-    path = out if record.get("kind") == "file" else os.path.join(out, name)
-    try:
-        return record["files"].get(name) == stamp(path)
-    except OSError:
-        return False
 
 
 def checkpoint_files(directory: str) -> list[str]:
@@ -93,25 +58,6 @@ def foreign(out: str, directory: bool) -> list[str]:
 def remove_record(out: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(record_path(out))
-
-
-def write_record(out: str, kind: str, names: Iterable[str], about: dict) -> None:
-    """Record that DCR wrote ``out`` (``kind``: "file"; or "directory" and the ``names`` written in
-    it), with ``about`` (step, policy digest, ROOT)."""
-    out = os.path.realpath(out)
-    paths = {os.path.basename(out): out} if kind == "file" else {n: os.path.join(out, n) for n in names}
-    doc = {"format": FORMAT, "kind": kind, **about, "files": {n: stamp(p) for n, p in sorted(paths.items())}}
-    path = record_path(out)
-    tmp = temp_path(out)  # a leftover of a killed writer is swept as the output's (storage.local.state.exclusive)
-    try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def sweep(directory: str) -> None:

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 
 from dcr_core.errors import InvalidCheckpointError, StateMismatchError, UsageError
 from storage import layout
-from storage.local import journal
+from storage.local import journal, output_record
 from storage.local.safetensors import SafetensorsCheckpoint
 
 STEP = "dcr.step"
@@ -46,6 +46,22 @@ def absolute_root(url: str) -> str:
     return os.path.abspath(url)
 
 
+def claims(path: str, meta: dict[str, str]) -> dict[str, str]:
+    """What the file ``path`` with header metadata ``meta`` says it holds: its ``dcr.*`` metadata; for
+    a file ``dcr materialize`` wrote byte for byte (no ``dcr.step`` in it), what its record beside it
+    says while the record vouches for the file (``storage.local.output_record``)."""
+    if STEP in meta:
+        return meta
+    record = output_record.vouched_file(path)
+    if record is None:
+        return meta
+    out = {STEP: str(record["step"])}
+    for key, field in ((POLICY, "policy_digest"), (ROOT, "root")):
+        if isinstance(record.get(field), str):
+            out[key] = record[field]
+    return out
+
+
 def claimed_step(meta: dict[str, str], path: str) -> int:
     """The step a state file's metadata claims (an error if it claims none)."""
     raw = meta.get(STEP)
@@ -65,7 +81,7 @@ def peek_step(path: str) -> int | None:
     if pending is not None:
         return pending
     with SafetensorsCheckpoint(path) as ck:
-        return claimed_step(ck.metadata, path)
+        return claimed_step(claims(path, ck.metadata), path)
 
 
 def peek_origin(path: str) -> tuple[int, str | None, str | None] | None:
@@ -74,15 +90,17 @@ def peek_origin(path: str) -> tuple[int, str | None, str | None] | None:
     if not os.path.exists(path) or journal.pending_step(path) is not None:
         return None
     with SafetensorsCheckpoint(path) as ck:
-        return claimed_step(ck.metadata, path), ck.metadata.get(POLICY), ck.metadata.get(ROOT)
+        meta = claims(path, ck.metadata)
+    return claimed_step(meta, path), meta.get(POLICY), meta.get(ROOT)
 
 
 def written_by_dcr(path: str) -> bool:
     """Whether the existing file ``path`` is a DCR state or materialization (a safetensors file whose
-    metadata names the step it holds): what ``dcr materialize`` may replace without ``--force``."""
+    metadata, or record, names the step it holds): what ``dcr materialize`` may replace without
+    ``--force``."""
     try:
         with SafetensorsCheckpoint(path) as ck:
-            claimed_step(ck.metadata, path)
+            claimed_step(claims(path, ck.metadata), path)
     except (InvalidCheckpointError, StateMismatchError, OSError):
         return False
     return True

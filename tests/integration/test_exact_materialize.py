@@ -17,7 +17,7 @@ import pytest
 from safetensors import safe_open
 
 from dcr_core.dtypes import DTYPES
-from dcr_core.errors import IntegrityError, UsageError
+from dcr_core.errors import IntegrityError, StateMismatchError, UsageError
 from flows import run_materialize, run_publish, run_receive
 from flows.maintenance.mirror import run_mirror
 from flows.options import PublishOptions, ReceiveOptions
@@ -369,3 +369,31 @@ def test_a_file_whose_header_changes_while_it_is_published_keeps_no_layout(tmp_p
     out = tmp_path / "m.safetensors"
     run_materialize(root, 0, str(out))
     assert_bits_equal(read_state(out), ck)
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["rewrite", "in-place"])
+def test_a_receive_starts_from_a_materialized_file_its_record_vouches_for(files, tmp_path, in_place):
+    """``dcr materialize`` then ``dcr receive --state`` on that file: its header names no step, its
+    record beside it does, so the receive goes on from there (step 0 -> 2: a keyframe then a delta)
+    and the state equals a dense load of step 2; ``verify_state`` reads the same record. Once the
+    file is rewritten by anything else the record no longer vouches and the file is refused."""
+    from flows.receive.verify_state import verify_state
+    from storage.local import state
+
+    out = str(tmp_path / "m.safetensors")
+    run_materialize(files["root"], 0, out)
+    assert state.peek_origin(out)[:2] == (0, Catalog(Root(files["root"])).manifest(0).policy_digest)
+    checked = verify_state(out)  # raises on any difference
+    assert (checked.step, checked.tensors) == (0, len(files["steps"][0]))
+    r = run_receive(files["root"], "from-materialized", out, 2, options=ReceiveOptions(in_place=in_place))
+    assert r.step == 2
+    assert_bits_equal(read_state(out), files["steps"][2])
+    assert state.peek_step(out) == 2
+
+    other = str(tmp_path / "o.safetensors")
+    run_materialize(files["root"], 0, other)
+    shutil.copyfile(files["paths"][1], other)  # rewritten by something else: the record vouches no more
+    before = open(other, "rb").read()
+    with pytest.raises(StateMismatchError, match="not a DCR receiver state"):
+        run_receive(files["root"], "from-materialized", other, 2)
+    assert open(other, "rb").read() == before

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint
-from flows.receive import vllm_layers, vllm_state
+from flows.receive import held_digests, vllm_layers, vllm_state
 
 
 def _schema(ck):
@@ -18,10 +18,10 @@ def test_the_layer_map_follows_the_loader_and_writes_nothing():
     model = VllmLlama(cfg)
     ck = canonical_checkpoint(cfg, seed=0)
     model.load_weights(list(ck.items()))
-    before = vllm_state.fingerprint(model)
+    before = held_digests.fingerprint(model)
     loaders = {id(p): getattr(p, "weight_loader", None) for p in model.parameters()}
     lm = vllm_layers.probe_layers(model, _schema(ck))
-    assert vllm_state.fingerprint(model) == before  # meta probes, recorders: nothing written
+    assert held_digests.fingerprint(model) == before  # meta probes, recorders: nothing written
     assert {id(p): getattr(p, "weight_loader", None) for p in model.parameters()} == loaders  # loaders restored
     assert lm.layers["model.layers.0.self_attn.q_proj.weight"] == {"model.layers.0.self_attn.qkv_proj"}
     assert lm.layers["model.layers.1.mlp.up_proj.weight"] == {"model.layers.1.mlp.gate_up_proj"}
@@ -39,23 +39,23 @@ def test_the_fingerprint_sees_parameters_kept_tensors_and_kernels():
     cfg = LlamaConfig()
     model = VllmLlama(cfg)
     model.load_weights(list(canonical_checkpoint(cfg, seed=0).items()))
-    fp = vllm_state.fingerprint(model)
+    fp = held_digests.fingerprint(model)
     norm = model.get_submodule("model.norm").weight
     norm.data.view(torch.int16)[0] ^= 1
-    assert vllm_state.fingerprint(model) != fp
+    assert held_digests.fingerprint(model) != fp
     norm.data.view(torch.int16)[0] ^= 1
-    assert vllm_state.fingerprint(model) == fp
+    assert held_digests.fingerprint(model) == fp
     # a repacked kernel: the weight lives only in the closure of cpu_linear (as vLLM's CPU backend does)
     layer = model.get_submodule("model.layers.0.mlp.down_proj")
     packed = layer.weight.detach().clone()
     layer.input_size_per_partition = packed.shape[1]
     layer.params_dtype = packed.dtype
     layer.cpu_linear = lambda x, weight, bias: torch.nn.functional.linear(x, packed, bias)
-    with_kernel = vllm_state.fingerprint(model)
+    with_kernel = held_digests.fingerprint(model)
     dump = vllm_state.dump(model)
     assert "model.layers.0.mlp.down_proj<kernel>" in dump and "model.layers.0.mlp.down_proj.<closure>cpu_linear.packed" in dump
     packed.view(-1)[5] += 1
-    assert vllm_state.fingerprint(model) != with_kernel
+    assert held_digests.fingerprint(model) != with_kernel
     assert vllm_state.dump(model)["model.layers.0.mlp.down_proj<kernel>"] != dump["model.layers.0.mlp.down_proj<kernel>"]
 
 
@@ -102,16 +102,16 @@ def test_layers_that_keep_the_checkpoints_layout_are_patched_in_place_element_fo
     def bits(ck):
         return lambda n: ck[n]
 
-    before = vllm_state.module_digests(model)
+    before = held_digests.digests_of(model)
     patches = vllm_patch.prepare(model, patchable, patch, bits(held), bits(target))
-    assert [p.elements for p in patches] == [3] and vllm_state.module_digests(model) == before  # prepare writes nothing
+    assert [p.elements for p in patches] == [3] and held_digests.digests_of(model) == before  # prepare writes nothing
     assert vllm_patch.apply(patches) == 3
     got = model.get_submodule("model.norm").weight
     assert torch.equal(got.view(torch.int16), target["model.norm.weight"].view(torch.int16))
-    after = vllm_state.module_digests(model)
+    after = held_digests.digests_of(model)
     assert {k for k in after if after[k] != before[k]} == {"model.norm"}
     vllm_patch.undo(patches)
-    assert vllm_state.module_digests(model) == before
+    assert held_digests.digests_of(model) == before
     # a parameter that does not hold the held step's bytes is not patched: its layer is reloaded
     got.data.view(torch.int16)[5] ^= 1
     assert vllm_patch.prepare(model, patchable, patch, bits(held), bits(target)) is None

@@ -1,0 +1,130 @@
+"""Whether a live target still holds the bits DCR left in it: one digest per module of everything
+the module holds, read whole, and the check both live receivers make with them (a torch module,
+``flows.receive.module_pipeline``; a vLLM engine, ``flows.receive.vllm_worker``).
+
+Memory has no change time. An in-place torch op bumps a tensor's version counter, but a write
+through ``.data`` (what vLLM-style loaders do), a numpy view of the storage, a copy by another
+device, stream or process, or a rebuild of a repacked kernel does not; only the bytes say what the
+target holds. So the digests read them all: per module (by qualified name), BLAKE3 over the name,
+dtype, shape and raw bytes of every tensor it holds itself (``vllm_state.module_tensors``:
+parameters, buffers, tensors kept as attributes or captured by closures) and, for a module that
+computes through vLLM's CPU kernel, that kernel's output for a fixed row (``vllm_state.kernel_probe``).
+
+The check, the same for both receivers (a delta is never applied onto bits DCR did not leave):
+
+1. before a refit, while the target serves: every module hashed and compared with the digests
+   recorded after DCR's last refit; any difference and the target is *unknown*: it is loaded whole;
+2. right before the target is modified: the modules the refit writes (``holders`` of the tensors
+   it writes) hashed again and compared; a difference and nothing is applied, the refit fails
+   and the target is unknown;
+3. after the refit: those modules hashed again for the record; every other module keeps its digest.
+
+A module the refit does not write, rewritten between 1 and 3, is found by the next refit's step 1.
+
+Cost: one read of the whole target per refit, before it is modified (0.11 s per GiB of BF16 on
+CPU with 2 free cores; hashing every block on one thread took 0.185 s), plus two reads of the
+modules the refit writes; no memory for CPU tensors, host copies of at most ``HOST_CHUNK_BYTES``
+for device ones. Checking stamps (version counter, data pointer) and one sampled 1 MiB block per
+tensor instead costs 0.009 s per GiB but misses a one-element write through ``.data`` to a 44 MiB
+tensor 19 times in 20, and every tensor kept as a plain attribute (docs/ARCHITECTURE.md,
+"Live-module receivers").
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import blake3
+import torch
+
+from flows.receive.vllm_state import has_kernel, kernel_probe, module_tensors, raw_bytes
+
+HOST_CHUNK_BYTES = 64 << 20
+
+
+def _hasher() -> blake3.blake3:
+    return blake3.blake3(max_threads=blake3.blake3.AUTO)  # every core: the engine's pause waits on it
+
+
+def _update(h: blake3.blake3, t: torch.Tensor) -> None:
+    """Feed ``t``'s raw bytes, row-major: a CPU tensor in place, any other through bounded host copies."""
+    t = t.detach()
+    if t.device.type == "cpu" and t.is_contiguous():
+        h.update(raw_bytes(t))
+        return
+    flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+    for at in range(0, flat.numel(), HOST_CHUNK_BYTES):
+        h.update(flat[at : at + HOST_CHUNK_BYTES].cpu().numpy())
+
+
+@torch.inference_mode()
+def module_digest(name: str, mod: torch.nn.Module) -> str | None:
+    """BLAKE3 of what ``mod`` holds itself and of its kernel's output (None: it holds nothing)."""
+    h, held = _hasher(), False
+    for tname, t in module_tensors(f"{name}." if name else "", mod):
+        h.update(f"{tname}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+        _update(h, t)
+        held = True
+    if has_kernel(mod):
+        h.update(b"<kernel>\0")
+        _update(h, kernel_probe(mod))
+        held = True
+    return h.hexdigest() if held else None
+
+
+def digests_of(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, str]:
+    """Module name -> digest for every module that holds something (``names``: only those)."""
+    wanted = None if names is None else set(names)
+    out = {}
+    for name, mod in model.named_modules():
+        if wanted is None or name in wanted:
+            d = module_digest(name, mod)
+            if d is not None:
+                out[name] = d
+    return out
+
+
+def unchanged(model: torch.nn.Module, held: dict[str, str] | None, names: Iterable[str] | None = None) -> bool:
+    """Whether the modules ``names`` (None: all, and no module more or less) still hash to ``held``."""
+    if held is None:
+        return False
+    if names is None:
+        return digests_of(model) == held
+    names = set(names)
+    return digests_of(model, names) == {k: v for k, v in held.items() if k in names}
+
+
+def after(model: torch.nn.Module, held: dict[str, str], written: Iterable[str] | None) -> dict[str, str]:
+    """The record after a refit that wrote the modules ``written`` (None: any): those hashed again,
+    every other module's digest kept from ``held``."""
+    if written is None:
+        return digests_of(model)
+    written = set(written)
+    return {**{k: v for k, v in held.items() if k not in written}, **digests_of(model, written)}
+
+
+def holders(model: torch.nn.Module, tensors: Iterable[torch.Tensor]) -> set[str]:
+    """Names of the modules that hold any of ``tensors``' storages (tied twins included): the
+    modules whose digests a write to those tensors changes."""
+    storages = {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+    out = set()
+    for name, mod in model.named_modules():
+        for _, t in module_tensors("", mod):
+            if t.numel() and t.untyped_storage().data_ptr() in storages:
+                out.add(name)
+                break
+    return out
+
+
+def combine(digests: dict[str, str]) -> str:
+    """One fingerprint for a map of module digests."""
+    h = _hasher()
+    for name in sorted(digests):
+        h.update(f"{name}\0{digests[name]}\0".encode())
+    return h.hexdigest()
+
+
+def fingerprint(model: torch.nn.Module) -> str:
+    """One BLAKE3 over every module's digest: changes when any weight the target computes with
+    changes (whoever changed it)."""
+    return combine(digests_of(model))

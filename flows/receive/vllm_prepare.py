@@ -1,0 +1,203 @@
+"""Phase 1 of a vLLM engine refit, while the engine serves: what the worker holds, the next step
+staged beside it, and what the pause will reload or patch. Nothing in the engine changes.
+
+``begin`` runs in the RPC's thread (it reads the model, never beside a forward pass): it locks the
+worker's *mirror* (a DCR state file holding the canonical checkpoint of the step the engine serves,
+one per ROOT and receiver), digests every module of the engine (``held_digests``, step 1) and
+decides whether DCR knows the engine: its digests are those recorded after DCR's last apply
+(``worker._dcr_held``) and the mirror holds that step. ``stage`` only reads the bucket and the
+mirror (it may run in a thread): plan from the mirror's step, lease the steps read, stage the next
+mirror (only the changed chunks pulled, every tensor verified against the step's digest), and, for
+a known engine, split the changed tensors into those patched in place (``vllm_patch``: their
+changed elements found now) and the layers reloaded whole (``vllm_layers``), and name every module
+the apply may change (``Prepared.touched``: checked and hashed again in the pause).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, field
+
+from dcr_core.bits import tensor_from_bits
+from dcr_core.dtypes import DTYPES
+from flows.options import ReceiveOptions
+from flows.receive import held_digests, state_file, vllm_layers, vllm_patch
+from flows.receive.module import default_mirror_path
+from flows.receive.pipeline import Leases
+from storage import reader
+from storage.local import journal, state
+from storage.local.safetensors import SafetensorsCheckpoint
+from storage.reader import RefitPlan
+from storage.root import RootRef
+
+
+@dataclass
+class Begun:
+    ref: RootRef
+    receiver_id: str
+    mirror: str
+    digests: dict[str, str]  # the engine's module digests, when prepared
+    known: bool
+    layer_map: vllm_layers.LayerMap | None
+    patchable: dict[str, str]  # names that can be patched in place (vllm_patch.candidates)
+    lock: contextlib.ExitStack = field(repr=False)
+
+
+@dataclass
+class Prepared:
+    ref: RootRef
+    receiver_id: str
+    mirror: str
+    plan: RefitPlan
+    staged: state_file.Staged | None
+    reload: list[str] | None  # None: every tensor
+    layers: set[str] | None  # the layers those feed (None: all)
+    patches: list[vllm_patch.Patch]  # changed elements written in place, not reloaded
+    touched: set[str] | None  # the modules the apply may change (None: all): checked and re-hashed in the pause
+    changed: int
+    known: bool
+    digests: dict[str, str]  # the engine's module digests, when prepared
+    leases: Leases
+    fetch_seconds: float
+    lock: contextlib.ExitStack = field(repr=False)
+    record: dict = field(default_factory=dict)  # the receiver's commit record, once applied
+
+    @property
+    def mode(self) -> str:
+        if not self.plan.moves and self.known:
+            return "current"
+        return "delta" if self.known and self.reload is not None else "full"
+
+
+def model_of(worker):
+    """The model a worker (or the weight-transfer engine's stand-in) serves."""
+    return worker.model_runner.model
+
+
+def receiver_of(worker, receiver_id: str) -> str:
+    """With tensor parallelism each rank is its own receiver (``<id>-rank<r>``), with its own mirror."""
+    tp = getattr(getattr(worker, "parallel_config", None), "tensor_parallel_size", 1)
+    return receiver_id if tp == 1 else f"{receiver_id}-rank{worker.rank}"
+
+
+def begin(worker, ref: RootRef, receiver_id: str, state_path: str | None) -> Begun:
+    """Lock the mirror, digest the engine, and say whether DCR knows it (see the module docstring)."""
+    rid = receiver_of(worker, receiver_id)
+    mirror = state_file.check_path(
+        f"{state_path}.rank{worker.rank}" if state_path and rid != receiver_id else state_path
+        or default_mirror_path(ref.url, rid))
+    lock = contextlib.ExitStack()
+    lock.enter_context(state.exclusive(mirror))  # one refit per mirror; held until applied or aborted
+    try:
+        journal.settle(mirror)  # a mirror is never patched in place; a foreign journal is settled
+        digests = held_digests.digests_of(model_of(worker))  # the whole engine, while it serves (not in the pause)
+        held = getattr(worker, "_dcr_held", None)
+        known = bool(held) and held["root"] == ref.url and held["mirror"] == mirror \
+            and held["digests"] == digests and state.peek_step(mirror) == held["step"]
+        layer_map, patchable = None, {}
+        if known:
+            with SafetensorsCheckpoint(mirror) as ck:
+                schema = tuple(sorted((n, i.dtype, tuple(i.shape)) for n, i in ck.infos.items()))
+            layer_map, patchable = _layer_map(worker, schema)
+        return Begun(ref, rid, mirror, digests, known, layer_map, patchable, lock)
+    except BaseException:
+        lock.close()
+        raise
+
+
+def stage(worker, b: Begun, step: int | None, opts: ReceiveOptions) -> Prepared:
+    """Plan, lease, stage the next mirror (verified), and choose what to reload and patch."""
+    leases = Leases(b.ref, b.receiver_id, opts.lease_seconds)  # released after the apply (or an abort)
+    t0 = time.perf_counter()
+    try:
+        def staged_for(p: RefitPlan):
+            if not p.moves:
+                return None
+            leases.take(p)
+            return state_file.stage_refit(p, b.mirror, opts)
+
+        plan, staged = leases.replanned(lambda: state_file.plan_receive(b.ref, b.mirror, step), staged_for, b.mirror)
+        target = reader.manifests(plan)[plan.target_step]
+        if staged is None and not b.known:  # the engine is reloaded from the mirror as it is: check it
+            state_file.verify_held_state(plan, b.mirror)
+        changed = changed_names(plan)
+        reload = layers = touched = None
+        patches: list[vllm_patch.Patch] = []
+        schema = tuple(sorted((n, e.dtype, e.shape) for n, e in target.tensors.items()))
+        if b.known and b.layer_map is not None and b.layer_map.schema == schema:
+            patch, reload = vllm_patch.split(changed, b.patchable, b.layer_map)
+            if patch:
+                patches = _patches(worker, b, staged, patch)
+                if patches is None:  # a parameter's bytes are not the checkpoint's: reload its layer
+                    patches, reload = [], b.layer_map.reload_set(changed)
+            if reload is not None:
+                layers = b.layer_map.layers_of(reload)
+                touched = _touched(model_of(worker), layers, patches)
+        return Prepared(b.ref, b.receiver_id, b.mirror, plan, staged, reload, layers, patches, touched,
+                        len(changed), b.known, b.digests, leases, time.perf_counter() - t0, b.lock)
+    except BaseException:
+        leases.release()
+        b.lock.close()
+        raise
+
+
+def release(p: Prepared) -> None:
+    """Drop what a prepared refit holds: its staged mirror (if not installed), its leases, the lock."""
+    try:
+        if p.staged is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(p.staged.path)
+        p.leases.release()
+    finally:
+        p.lock.close()
+
+
+def summary(p: Prepared) -> dict:
+    return {"receiver": p.receiver_id, "from_step": p.plan.current_step, "to_step": p.plan.target_step,
+            "mode": p.mode, "moves": p.plan.describe(), "changed_tensors": p.changed,
+            "bytes_pulled": p.staged.bytes_pulled if p.staged else 0, "fetch_seconds": p.fetch_seconds}
+
+
+def changed_names(plan: RefitPlan) -> list[str]:
+    """Names any move of the plan stores chunks of (all names for a keyframe)."""
+    ms = reader.manifests(plan)
+    out: set[str] = set()
+    for move in plan.moves:
+        out.update(n for n, e in ms[move.step].tensors.items() if e.n_stored)
+    return sorted(out)
+
+
+def _layer_map(worker, schema: tuple) -> tuple[vllm_layers.LayerMap, dict[str, str]]:
+    """The layer map for ``schema`` and the names patchable in place (probed once per schema and
+    kept on the worker)."""
+    cached = getattr(worker, "_dcr_layers", None)
+    if cached is None or cached[0].schema != schema:
+        model = model_of(worker)
+        layer_map = vllm_layers.probe_layers(model, schema)
+        cached = (layer_map, vllm_patch.candidates(model, layer_map))
+        worker._dcr_layers = cached
+    return cached
+
+
+def _patches(worker, b: Begun, staged, names: list[str]) -> list[vllm_patch.Patch] | None:
+    """The in-place patches of ``names``: the held step's bits from the mirror, the target's from
+    the staged mirror (reads the model; writes nothing)."""
+    def reader_of(ck: SafetensorsCheckpoint):
+        return lambda n: tensor_from_bits(ck.bits(n), DTYPES[ck.infos[n].dtype], tuple(ck.infos[n].shape))
+
+    with SafetensorsCheckpoint(b.mirror) as held, SafetensorsCheckpoint(staged.path) as target:
+        return vllm_patch.prepare(model_of(worker), b.patchable, names, reader_of(held), reader_of(target))
+
+
+def _touched(model, layers: set[str], patches: list[vllm_patch.Patch]) -> set[str]:
+    """Every module an apply reloading ``layers`` and writing ``patches`` may change: the layers
+    and their submodules, modules tied to them (``vllm_fixups.after_reload`` processes those) and
+    the patched modules."""
+    out = {pt.module for pt in patches} | {name for name, _ in vllm_layers.tied_followers(model, layers)}
+    for name, _ in model.named_modules():
+        parts = name.split(".")
+        if any(".".join(parts[:i]) in layers for i in range(1, len(parts) + 1)):
+            out.add(name)
+    return out
