@@ -115,8 +115,11 @@ def run_mapped(task_runner, task, items: list[dict], shared: dict, each: Callabl
     dropping the last reference to its future (the Dask future under it is released when it is
     garbage collected, which CPython does at once, and the scheduler forgets a key nobody wants).
     Cancelling through the Prefect API instead would cost a server round trip per task and would
-    not stop Dask from running it."""
-    futures: list = [task_runner.submit(task, {**shared, **item}) for item in items]
+    not stop Dask from running it.
+
+    The tasks are submitted without the flow's tags (``untagged``); their flow run keeps them."""
+    with untagged():
+        futures: list = [task_runner.submit(task, {**shared, **item}) for item in items]
     out: list = []
     try:
         for i in range(len(futures)):
@@ -128,6 +131,20 @@ def run_mapped(task_runner, task, items: list[dict], shared: dict, each: Callabl
     except Exception as e:  # noqa: BLE001 - re-raised: the task's own error as it is, the cluster's as one line
         futures.clear()  # what has not run is dropped (see the docstring)
         raise _lost(e) or e from None
+
+
+def untagged():
+    """A block whose Prefect task runs carry no tags (not the ``dcr``, ``root:``, ``step:`` tags of
+    the flow around them). Prefect checks a tagged task run's tag concurrency limits as it starts, a
+    write to the API's database even where no limit exists; the workers of a mapped step start their
+    tasks together, and on a SQLite-backed API server the writes collide ("database is locked":
+    503), which the client retries only after about 2 s. With ``--workers 2`` on a 2 GB publish that
+    hit one worker's first task in 4 of 11 runs, and the encode step took 3.1-3.6 s instead of
+    2.0-2.4 s (docs/benchmarks.md, "Publishing on Dask workers"). Untagged, no such call is made;
+    the task runs still belong to their flow run, which keeps its tags."""
+    from prefect.context import TagsContext  # noqa: PLC0415 - only when workers are asked for
+
+    return TagsContext(current_tags=set())
 
 
 def _lost(e: Exception) -> WorkersLostError | None:

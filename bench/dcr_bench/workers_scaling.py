@@ -41,7 +41,7 @@ import time
 from dcr_bench.commands import _dcr_argv
 from dcr_bench.relay_tree import free_port
 from dcr_bench.scaling import _shapes, _write
-from dcr_core.batches import BATCHES_PER_SLOT
+from dcr_core.batches import batch_count, batches_for
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PROJECTION_MACHINES = (1, 8, 32, 128)
@@ -97,6 +97,8 @@ def measure_publish(work: str, size: float, rate: float, repeats: int, seed: int
     env = {**env, "DCR_CACHE_DIR": os.path.join(work, "cache")}
     cores = sorted(os.sched_getaffinity(0))
     configs = _configs(cores)
+    tensors = [(i, 2 * r * c) for i, (r, c) in enumerate(shapes)]  # BF16: 2 bytes an element
+    groups = {c["label"]: len(batches_for(tensors, c["workers"])) for c in configs if c["workers"]}
     _publish(dcr, root, old, 0, cores, None, env)  # the keyframe
     step, runs = 0, []
     for rep in range(repeats):
@@ -109,7 +111,7 @@ def measure_publish(work: str, size: float, rate: float, repeats: int, seed: int
             print(f"  {c['label']:<22} step {step}: encode {r['encode_s']:.2f} s, wall {r['wall_s']:.2f} s", flush=True)
     digests = {f: {r["policy_digest"] for r in runs if r["file"] == f} for f in ("old.safetensors", "new.safetensors")}
     return {"bytes": os.path.getsize(new), "tensors": len(shapes), "rate": rate, "cores": cores,
-            "configs": [c["label"] for c in configs], "runs": runs,
+            "configs": [c["label"] for c in configs], "groups": groups, "runs": runs,
             "exact": all(len(d) == 1 for d in digests.values())}
 
 
@@ -177,12 +179,16 @@ def summarize(pub: dict, ovh: dict, size_t: float, cores_per_machine: int, read_
     t_fixed = statistics.median(fixed)
     s.update({"worker_core_gbps": r, "prefect_s_per_task": t_task, "dask_s_per_task": ovh["dask_s"] / ovh["tasks"],
               "fixed_s": t_fixed})
+    if w2 in best and "one process, 2 cores" in best:  # the same 2 cores: workers against one process
+        wall = {c: min(x["wall_s"] for x in by[c]) for c in (w2, "one process, 2 cores")}
+        s["workers_2_over_one_process_2_cores"] = {"encode": best["one process, 2 cores"] / best[w2],
+                                                   "wall": wall["one process, 2 cores"] / wall[w2]}
     proj = []
     for n in PROJECTION_MACHINES:
         slots = n * cores_per_machine
-        groups = BATCHES_PER_SLOT * slots  # flows.publish.groups' default split
+        groups = batch_count(int(size_t), slots)  # flows.publish.groups' default split
         enc, read = size_t / (slots * r * 1e9), size_t / (n * read_gbps * 1e9)
-        proj.append({"machines": n, "encode_s": enc, "read_s": read, "tasks_s": groups / slots * t_task,
+        proj.append({"machines": n, "groups": groups, "encode_s": enc, "read_s": read, "tasks_s": groups / slots * t_task,
                      "total_s": t_fixed + max(enc, read) + groups / slots * t_task})
     s["projection"] = {"bytes": size_t, "cores_per_machine": cores_per_machine, "read_gbps_per_machine": read_gbps,
                        "rows": proj}
@@ -196,17 +202,22 @@ def markdown(res: dict) -> str:
         f"`python -m dcr_bench.workers_scaling` ({res['when']}); {pub['bytes'] / 1e9:.2f} GB BF16 in {pub['tensors']} "
         f"tensors, {100 * pub['rate']:g}% of elements changed per delta, local ROOT, one Prefect API server running "
         f"for all runs, CPUs {pub['cores']}. Seconds; every run its own `dcr publish --json` process.\n",
-        "| configuration | encode s (each run) | best | wall s (each run) |",
-        "|---|---|---:|---|",
+        "| configuration | groups | encode s (each run) | best | wall s (each run) |",
+        "|---|---:|---|---:|---|",
     ]
     for c in pub["configs"]:
-        lines.append(f"| {c} | {', '.join(f'{x:.2f}' for x in s['encode_all_s'][c])} | {s['encode_best_s'][c]:.2f} | "
-                     f"{', '.join(f'{x:.2f}' for x in s['wall_all_s'][c])} |")
+        lines.append(f"| {c} | {pub.get('groups', {}).get(c, '-')} | {', '.join(f'{x:.2f}' for x in s['encode_all_s'][c])} | "
+                     f"{s['encode_best_s'][c]:.2f} | {', '.join(f'{x:.2f}' for x in s['wall_all_s'][c])} |")
     lines.append("")
     if "speedup_2_over_1_workers" in s:
         lines.append(f"- 2 workers against 1 (best encode): **{s['speedup_2_over_1_workers']:.2f}x**"
                      + (f"; one process on 2 cores against 1 core: {s['speedup_2_over_1_core_one_process']:.2f}x" if
                         "speedup_2_over_1_core_one_process" in s else ""))
+    if "workers_2_over_one_process_2_cores" in s:
+        v = s["workers_2_over_one_process_2_cores"]
+        lines.append(f"- `--workers 2` against one process on the same 2 cores (best each): encode step {v['encode']:.2f}x "
+                     f"({'not slower' if v['encode'] >= 1 else 'slower'}); wall time {v['wall']:.2f}x (a `--workers` "
+                     "publish also starts a LocalCluster: the fixed cost below)")
     lines += [
         f"- Same policy digest for each file whichever configuration published it: **{'yes' if pub['exact'] else 'NO'}**",
         f"- One worker on one core encodes {s['worker_core_gbps']:.3f} GB/s (r).",
@@ -218,12 +229,14 @@ def markdown(res: dict) -> str:
         "## Projection (a model, not a measurement)\n",
         (f"T(N) = t_fixed + max(S / (N c r), S / (N b)) + (G / (N c)) t_task with S = {s['projection']['bytes'] / 1e12:g} TB, "
          f"c = {s['projection']['cores_per_machine']} worker processes per machine, b = {s['projection']['read_gbps_per_machine']:g} "
-         f"GB/s read per machine (assumed), G = {BATCHES_PER_SLOT} groups per worker, r, t_task and t_fixed as measured above.\n"),
-        "| machines | encode s | read s | task overhead s | total s |",
-        "|---:|---:|---:|---:|---:|",
+         "GB/s read per machine (assumed), G = the default split's groups (`dcr_core.batches.batch_count`: one per "
+         "worker, up to 4 where each still holds 1 GiB), r, t_task and t_fixed as measured above.\n"),
+        "| machines | groups | encode s | read s | task overhead s | total s |",
+        "|---:|---:|---:|---:|---:|---:|",
     ]
     for p in s["projection"]["rows"]:
-        lines.append(f"| {p['machines']} | {p['encode_s']:.1f} | {p['read_s']:.1f} | {p['tasks_s']:.2f} | {p['total_s']:.1f} |")
+        lines.append(f"| {p['machines']} | {p['groups']} | {p['encode_s']:.1f} | {p['read_s']:.1f} | {p['tasks_s']:.2f} | "
+                     f"{p['total_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -260,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="docs/bench-workers", help="where results.json, results.md and workers.png go")
     p.add_argument("--size", type=float, default=2e9, help="checkpoint bytes (default 2e9: 1B BF16 parameters)")
     p.add_argument("--rate", type=float, default=0.03, help="share of elements changed per delta (default 0.03)")
-    p.add_argument("--repeats", type=int, default=2, help="runs of each configuration (default 2)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of each configuration (default 3: the best of each is compared)")
     p.add_argument("--tasks", type=int, default=50, help="no-op tasks per round of the overhead run (default 50)")
     p.add_argument("--project-bytes", type=float, default=2e12, help="bytes of the projected checkpoint (default 2e12)")
     p.add_argument("--cores-per-machine", type=int, default=32, help="worker processes per projected machine (default 32)")

@@ -1,7 +1,10 @@
 """Groups of tensors: the units a publish's encoding is mapped over when it runs on several workers.
 
-A group is a run of consecutive tensor names (in name order) whose raw bytes add up to about a
-target (``dcr_core.batches``); a tensor larger than the target is a group of its own. It carries only names and the
+A group is a run of consecutive tensor names (in name order). By default there is one group per
+worker thread, of near-equal raw bytes, and more only where each still holds a GiB
+(``dcr_core.batches.batch_count``): every group is a Prefect task run, whose API calls cost a
+worker about 0.1-0.3 s, so fewer, larger groups keep that cost out of the encoding; with
+``options.group_bytes``, runs of about that many bytes (a tensor larger is a group of its own). It carries only names and the
 array each tensor is stored under, so it travels to a worker as a few hundred bytes, and the
 worker reads the tensors and their baseline where it runs (``flows.publish.encode.encode_group``).
 
@@ -58,8 +61,9 @@ def array_names(names) -> dict[str, str]:
 
 
 def plan_groups(plan: PublishPlan, slots: int) -> list[TensorGroup]:
-    """The plan's tensors as groups of about ``options.group_bytes`` (default:
-    ``dcr_core.batches.target_bytes`` for ``slots``), consecutive in name order."""
+    """The plan's tensors as groups consecutive in name order: of about ``options.group_bytes``
+    each, or by default ``dcr_core.batches.batch_count`` groups of near-equal bytes for ``slots``
+    worker threads (see the module doc)."""
     names = sorted(plan.infos)
     arrays = array_names(names)
     runs = batches_for(((n, plan.infos[n].nbytes) for n in names), slots, plan.options.group_bytes)
