@@ -1,5 +1,5 @@
 # The two commands of the README: `make demo` and `make test`. Both set up .venv first.
-# `.ci/run` runs `make test`, then `make lint`, `make test-more` (the backend matrix and the slow
+# `.ci/run` runs `make test`, then `make lint`, `make docs`, `make test-more` (the backend matrix and the slow
 # suite in one run) and `make test-vllm`; docs/testing.md says what each runs and how long it takes.
 PYTHON ?= python3
 VENV ?= .venv
@@ -12,7 +12,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope)
 
-.PHONY: install demo test test-backends test-slow test-more test-vllm example-rl coverage lint fault-matrix race bench bench-vllm bench-stream clean
+.PHONY: install demo test test-backends test-slow test-more test-vllm example-rl coverage lint docs fault-matrix race bench bench-vllm bench-stream clean
 
 # $(1): the virtualenv, $(2): the extras of dcr to install with it
 define make_venv
@@ -83,6 +83,15 @@ test-more: install
 lint: install
 	$(VENV)/bin/ruff check .
 
+# The documentation site: MkDocs + Material, strict (every warning, a broken link or anchor included,
+# is an error) into site/ (git-ignored). Its requirements, the docs extra, are installed into .venv once.
+$(VENV)/.docs-installed: $(VENV)/.installed pyproject.toml
+	$(VENV)/bin/python -m pip install -q -e '.[docs]'
+	touch $@
+
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --quiet
+
 # Line and branch coverage of dcr_core, storage, flows and the codec under every suite .ci/run runs
 # (the processes the tests start included), into .coverage-data/; the table of docs/testing.md.
 COVERAGE_FILE := $(CURDIR)/.coverage-data/.coverage
@@ -112,7 +121,7 @@ bench: install
 	$(DCR) bench --quick
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) dcr-demo .pytest_cache .coverage-data
+	rm -rf $(VENV) $(VLLM_VENV) dcr-demo .pytest_cache .coverage-data site
 
 # Predicted refit timelines of the shipped scenarios (bench/scenarios/), into docs/simulate/<scenario>/
 .PHONY: simulate

@@ -94,7 +94,7 @@ def check_values(names) -> None:
     for name in sorted(names):
         value = os.environ.get(name, "").strip()
         if not value:
-            raise UsageError(f"{name} is not set; the deployment needs it (README, \"Deployments\")")
+            raise UsageError(f"{name} is not set; the deployment needs it (docs/guides/prefect.md, \"Deployments\")")
         if name == "DCR_ROOT":
             check_root_url(value)
         elif name == "DCR_RECEIVER_ID":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Start the GCS emulator on 127.0.0.1 (in memory) with a default bucket; prints what to export.
 # Usage: infra/start-gcs.sh [PORT] [BUCKET]      (stop it: kill "$(cat "${TMPDIR:-/tmp}/dcr-gcs-PORT.pid")")
-# The emulator ignores ifGenerationMatch preconditions: see README, "Backends".
+# The emulator ignores ifGenerationMatch preconditions: see docs/reference/backends.md.
 # Uses the project's Python (DCR_PYTHON, else .venv); exits non-zero, with the emulator's log, if it
 # does not come up.
 set -euo pipefail

@@ -160,8 +160,8 @@ def explain(root_url: str, protocol: str, path: str, endpoint: Endpoint | None, 
     if codes & denied or 403 in statuses or 401 in statuses or "builtins.PermissionError" in names or forbidden:
         code = sorted(codes & denied)[0] if codes & denied else "access denied"
         return StoreUnreachableError(
-            f"{root_url}: {code} at {endpoint}; check the credentials and that they grant what README "
-            "\"Permissions\" lists for this role")
+            f"{root_url}: {code} at {endpoint}; check the credentials and that they grant what "
+            "docs/guides/operations.md, \"Permissions\", lists for this role")
     if retry.is_transient(exc) and names & retry.TRANSIENT_TYPES:  # connection level, retries spent
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return StoreUnreachableError(f"{root_url}: cannot reach {endpoint}: {first[:200]}")

@@ -11,7 +11,7 @@ Create-if-absent is the one write that makes a step (or anything else) real. Ato
   Atomic on AWS S3 and on servers that honour the header (moto 5 does).
 - GCS (gcsfs): upload with ``ifGenerationMatch=0`` (``mode="create"``). Atomic on real GCS; the
   GCS emulator ignores the precondition, so there it degrades to check-then-write: two publishers
-  racing within the same few milliseconds could both "win" (documented in the README).
+  racing within the same few milliseconds could both "win" (docs/reference/backends.md).
 - anything else: refused, rather than silently racy.
 
 Emulator quirk worked around: the GCS emulator's multipart parser drops a trailing carriage

@@ -90,7 +90,7 @@ def discard_attempt(root: Root, step: int, attempt: str) -> None:
     ``dcr gc`` collects it)."""
     try:
         root.remove(layout.attempt_dir(step, attempt), recursive=True)
-    except (OSError, ValueError, DCRError) as e:  # a publisher may lack delete permission (see the README)
+    except (OSError, ValueError, DCRError) as e:  # a publisher may lack delete permission (docs/guides/operations.md, "Permissions")
         log.info("could not remove the losing attempt %s of step %d (%s); dcr gc will", attempt, step, e)
 
 

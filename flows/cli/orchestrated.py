@@ -18,9 +18,17 @@ from collections.abc import Iterator
 from prefect.client.orchestration import get_client
 from prefect.events.worker import EventsWorker
 from prefect.logging.handlers import APILogWorker, PrefectConsoleHandler
-from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_ANALYTICS_ENABLED, PREFECT_UI_URL, temporary_settings
+from prefect.settings import (
+    PREFECT_API_URL,
+    PREFECT_SERVER_ANALYTICS_ENABLED,
+    PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+    PREFECT_UI_URL,
+    temporary_settings,
+)
 
 from flows import prefect_flows
+
+STARTUP_S = 120  # how long a --workers command waits for the local API server it starts
 
 
 class _NotPrefect(logging.Filter):
@@ -50,8 +58,12 @@ def _api_for_workers(workers) -> Iterator[bool]:
     from prefect.server.api.server import SubprocessASGIServer  # noqa: PLC0415 - 1.3 s to import: only here
 
     server = SubprocessASGIServer()
+    # Prefect waits 20 s for it by default; a new server's database migrations take longer than that
+    # on a loaded 2-core machine (seen: "Timed out while attempting to connect to ephemeral Prefect
+    # API server"), so a --workers command waits up to STARTUP_S unless the setting asks for more.
+    wait = max(STARTUP_S, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
     with temporary_settings({PREFECT_SERVER_ANALYTICS_ENABLED: False}):  # no telemetry from a throwaway server
-        server.start()
+        server.start(timeout=wait)
     try:
         with temporary_settings({PREFECT_API_URL: server.api_url}):
             try:
