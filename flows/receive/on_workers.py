@@ -53,6 +53,11 @@ class Reserved:
     where: dict[str, str] = field(default_factory=dict)
     moves: tuple[tuple[str, str], ...] = ()
 
+    @property
+    def temp_files(self) -> list[str]:
+        """Every temp file the groups write into (the staged files of an exact materialization)."""
+        return [tmp for tmp, _ in self.moves] or [self.tmp]
+
 
 @dataclass(frozen=True)
 class Group:
@@ -95,7 +100,7 @@ def reserve_file(plan: RefitPlan, state_path: str, root_url: str | None = None, 
 def rewrite_group(plan: RefitPlan, reserved: Reserved, group: Group, io_workers: int = 8) -> dict:
     """Rebuild the group's tensors (verified) and write them at their offsets of the reserved file."""
     events.reached("receive.group-started", step=plan.target_step, group=group.index, groups=group.count)
-    if not all(os.path.exists(tmp) for tmp, _ in reserved.moves or ((reserved.tmp, None),)):
+    if not all(os.path.exists(tmp) for tmp in reserved.temp_files):
         raise UsageError(f"{reserved.state_path}: its temp file {reserved.tmp} is not visible where this task runs; "
                          "run on workers that share the state file's filesystem")
     root = open_root(plan.root)
@@ -140,7 +145,7 @@ def stage_on_workers(tasks: Bound, plan: RefitPlan, state_path: str, options: Re
             raise IntegrityError(f"{state_path}: the groups wrote {sum(p['bytes_written'] for p in parts)} of "
                                  f"{expected} bytes; nothing installed")
     except BaseException:
-        for tmp, _ in reserved.moves or ((reserved.tmp, None),):
+        for tmp in reserved.temp_files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
         raise

@@ -377,6 +377,10 @@ class StreamingSafetensorsWriter:
         holding the destination's lock (``storage.local.state.exclusive``)."""
         if self._next != len(self._order):
             raise ValueError(f"only {self._next} of {len(self._order)} tensors written")
+        return self._close_temp()
+
+    def _close_temp(self) -> str:
+        """Flush, fsync (when durable) and close the temp file, removed if that fails; its path."""
         try:
             with self._naming_the_file():
                 self._f.flush()
@@ -449,25 +453,10 @@ class PlacedWriter:
     def finish(self) -> str:
         if self._left:
             raise ValueError(f"{self.path}: {len(self._left)} tensors not written (first {sorted(self._left)[0]!r})")
-        try:
-            with self._naming_the_file():
-                self._f.flush()
-                if self.durable:
-                    os.fsync(self._f.fileno())
-                self._f.close()
-        except BaseException:
-            self.abort()
-            raise
-        return self.tmp
+        return self._close_temp()
 
-    def commit(self) -> None:
-        tmp = self.finish()
-        try:
-            install(tmp, self.path, self.durable)
-        except BaseException:
-            self.abort()
-            raise
-
+    _close_temp = StreamingSafetensorsWriter._close_temp
+    commit = StreamingSafetensorsWriter.commit
     abort = StreamingSafetensorsWriter.abort
 
 

@@ -26,7 +26,7 @@ from storage.catalog import Catalog
 from storage.local.safetensors import INDEX_NAME
 from storage.root import Root
 from tests.integration.test_publish_groups import Groups
-from tests.support.cli import dcr
+from tests.support.cli import dcr, one_line_error
 from tests.support.helpers import (
     assert_bits_equal,
     chain_of_steps,
@@ -226,14 +226,6 @@ def _flip(path, offset: int) -> None:
     open(path, "wb").write(bytes(data))
 
 
-def _one_line(out, code: int, *parts: str) -> str:
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == code and len(lines) == 1, (out.returncode, out.stdout, out.stderr)
-    for part in parts:
-        assert part in lines[0], lines[0]
-    return lines[0]
-
-
 def test_verify_file_says_whether_a_file_is_exactly_a_step_and_names_the_first_difference(files, tmp_path):
     root, paths = files["root"], files["paths"]
     ok = dcr("verify", root, "--file", paths[1], "--step", 1, check=0)
@@ -241,7 +233,7 @@ def test_verify_file_says_whether_a_file_is_exactly_a_step_and_names_the_first_d
     report = json.loads(dcr("verify", root, "--file", paths[1], "--step", 1, "--json", check=0).stdout)
     assert report["exact"] and report["tensors"] == len(files["steps"][1])
     # another step (its file's metadata differs too): the header, then the first tensor whose bits differ
-    _one_line(dcr("verify", root, "--file", paths[1], "--step", 2), 5, "is not step 2: its header differs",
+    one_line_error(dcr("verify", root, "--file", paths[1], "--step", 2), 5, "is not step 2: its header differs",
               "; tensor ", "bits differ from step 2's", "more differences")
     # one bit flipped in one tensor's data
     flipped = tmp_path / "flipped.safetensors"
@@ -253,26 +245,26 @@ def test_verify_file_says_whether_a_file_is_exactly_a_step_and_names_the_first_d
     with SafetensorsCheckpoint(flipped) as ck:
         at = ck.data_offset(name)
     _flip(flipped, at)
-    line = _one_line(dcr("verify", root, "--file", flipped, "--step", 1), 5, f"tensor {name!r}", "bits differ")
+    line = one_line_error(dcr("verify", root, "--file", flipped, "--step", 1), 5, f"tensor {name!r}", "bits differ")
     assert "header" not in line
     # the header changed (a metadata value, same length): named, and the tensors said to be the step's
     changed = tmp_path / "header.safetensors"
     data = open(paths[1], "rb").read()
     assert data.count(b'"format":"pt"') == 1
     changed.write_bytes(data.replace(b'"format":"pt"', b'"format":"np"'))
-    _one_line(dcr("verify", root, "--file", changed, "--step", 1), 5, "its header differs from the published one",
+    one_line_error(dcr("verify", root, "--file", changed, "--step", 1), 5, "its header differs from the published one",
               "every tensor's bits are the step's")
     # a receiver's state file: DCR's own header over the step's bits
     state = tmp_path / "s.safetensors"
     run_receive(root, "rx", str(state), 1)
-    _one_line(dcr("verify", root, "--file", state, "--step", 1), 5, "header differs", "every tensor's bits are the step's")
+    one_line_error(dcr("verify", root, "--file", state, "--step", 1), 5, "header differs", "every tensor's bits are the step's")
     # a step published from tensors: no header to compare, the tensors are
     mem = str(tmp_path / "mem")
     run_publish(mem, files["steps"][0], 0, options=opts(tmp_path))
     out = dcr("verify", mem, "--file", paths[0], "--step", 0, check=0).stdout
     assert "holds exactly step 0's tensors" in out
-    _one_line(dcr("verify", mem, "--file", paths[1], "--step", 0), 5, "bits differ")
-    _one_line(dcr("verify", root, "--file", paths[1]), 2, "--step")
+    one_line_error(dcr("verify", mem, "--file", paths[1], "--step", 0), 5, "bits differ")
+    one_line_error(dcr("verify", root, "--file", paths[1]), 2, "--step")
 
 
 def test_verify_file_of_a_sharded_directory(sharded, tmp_path):
@@ -281,13 +273,13 @@ def test_verify_file_of_a_sharded_directory(sharded, tmp_path):
     copy = tmp_path / "copy"
     shutil.copytree(dirs[2], copy)
     (copy / INDEX_NAME).write_text((copy / INDEX_NAME).read_text().replace("  ", "    "))
-    _one_line(dcr("verify", root, "--file", copy, "--step", 2), 5, f"{INDEX_NAME} differs",
+    one_line_error(dcr("verify", root, "--file", copy, "--step", 2), 5, f"{INDEX_NAME} differs",
               "every tensor's bits are the step's")
     shutil.copyfile(dirs[2] / INDEX_NAME, copy / INDEX_NAME)
     shard = sorted(p for p in os.listdir(copy) if p.endswith(".safetensors"))[1]
     os.remove(copy / shard)
-    _one_line(dcr("verify", root, "--file", copy, "--step", 2), 5, f"{shard} is missing")
-    _one_line(dcr("verify", root, "--file", dirs[2] / shard, "--step", 2), 5, "not a directory")
+    one_line_error(dcr("verify", root, "--file", copy, "--step", 2), 5, f"{shard} is missing")
+    one_line_error(dcr("verify", root, "--file", dirs[2] / shard, "--step", 2), 5, "not a directory")
 
 
 def test_materialize_replaces_its_own_output_but_not_a_trainers_file(files, sharded, tmp_path):
@@ -328,7 +320,7 @@ def test_a_damaged_source_layout_is_refused_and_a_mirror_copies_it_checked(files
     data = open(key, "rb").read()
     assert b'\\"pt\\"' in data
     open(key, "wb").write(data.replace(b'\\"pt\\"', b'\\"PT\\"', 1))  # the same size, another digest
-    _one_line(dcr("verify", mirror, "--step", 2), 5, layout.SOURCE, "digest")
+    one_line_error(dcr("verify", mirror, "--step", 2), 5, layout.SOURCE, "digest")
     with pytest.raises(IntegrityError, match="source layout does not match"):
         run_materialize(mirror, 2, str(tmp_path / "n.safetensors"))
     assert not (tmp_path / "n.safetensors").exists()

@@ -128,6 +128,15 @@ _LAUNCH = (
 )
 
 
+def one_line_error(out, code: int, *parts: str) -> str:
+    """The one stderr line of a command that exited with ``code``, holding every one of ``parts``."""
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == code and len(lines) == 1, (out.returncode, out.stdout, out.stderr)
+    for part in parts:
+        assert part in lines[0], lines[0]
+    return lines[0]
+
+
 def dcr_peak_rss(*args, env=None, timeout: float = 300) -> tuple[int, str, int]:
     """``dcr ARGS`` in a fresh process: (exit code, stderr, peak resident bytes), the peak read from
     the process's own /proc status (the rusage of a child would include what the forking test

@@ -17,7 +17,7 @@ import pytest
 from flows import run_publish
 from flows.results import PublishResult
 from storage import layout
-from tests.support.cli import copy_tree, dcr, publish_chain
+from tests.support.cli import copy_tree, dcr, one_line_error, publish_chain
 from tests.support.helpers import write_safetensors
 
 
@@ -39,14 +39,6 @@ def _dead_port() -> int:
         return s.getsockname()[1]
 
 
-def _one_line(out, code: int, *parts: str) -> str:
-    lines = out.stderr.strip().splitlines()
-    assert out.returncode == code and len(lines) == 1, (out.returncode, out.stdout, out.stderr)
-    for part in parts:
-        assert part in lines[0], lines[0]
-    return lines[0]
-
-
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_an_endpoint_that_is_down_fails_within_seconds_naming_it_and_the_setting(scheme, tmp_path):
     url = f"http://127.0.0.1:{_dead_port()}"
@@ -58,7 +50,7 @@ def test_an_endpoint_that_is_down_fails_within_seconds_naming_it_and_the_setting
         t0 = time.monotonic()
         out = dcr(*args, env=env)
         took = time.monotonic() - t0
-        _one_line(out, 1, f"{scheme}://bucket/run: cannot reach {url} ({var})", "is the server running?")
+        one_line_error(out, 1, f"{scheme}://bucket/run: cannot reach {url} ({var})", "is the server running?")
         assert took < 10, f"{args[0]} took {took:.1f} s to fail"  # the clients' own retry loops: 30-50 s
     assert not (tmp_path / "s.safetensors").exists()
 
@@ -69,22 +61,22 @@ def test_s3_without_credentials_or_bucket_says_what_to_set(s3_server, tmp_path):
     write_safetensors(ck, {"w": __import__("torch").ones(3)})
     missing = f"s3://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
     for args in (("ls", missing), ("publish", missing, ck, "--step", 0)):
-        _one_line(dcr(*args), 2, f"{missing}: bucket '{missing[5:].split('/')[0]}' does not exist at {s3_server} "
+        one_line_error(dcr(*args), 2, f"{missing}: bucket '{missing[5:].split('/')[0]}' does not exist at {s3_server} "
                   "(AWS_ENDPOINT_URL)")
     env = {"AWS_ACCESS_KEY_ID": "", "AWS_SECRET_ACCESS_KEY": "", "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"),
            "AWS_CONFIG_FILE": str(tmp_path / "none"), "AWS_EC2_METADATA_DISABLED": "true"}
     out = dcr("ls", "s3://dcr-test/run", env=env)
-    _one_line(out, 2, "s3://dcr-test/run: no AWS credentials found; set AWS_ACCESS_KEY_ID")
+    one_line_error(out, 2, "s3://dcr-test/run: no AWS credentials found; set AWS_ACCESS_KEY_ID")
 
 
 @pytest.mark.backend
 def test_gcs_bucket_that_does_not_exist_is_named(gcs_server, made):
     missing = f"gs://no-such-bucket-{uuid.uuid4().hex[:8]}/run"
-    _one_line(dcr("ls", missing), 2, f"bucket '{missing[5:].split('/')[0]}' does not exist at {gcs_server}")
+    one_line_error(dcr("ls", missing), 2, f"bucket '{missing[5:].split('/')[0]}' does not exist at {gcs_server}")
     # a path that reads like an error is only a path: a new ROOT there is empty, then published to
     odd = f"gs://dcr-test/forbidden-{uuid.uuid4().hex[:6]}/the bucket does not exist"
     assert dcr("ls", odd, "--allow-empty", check=0).stdout.startswith("    STEP")
-    _one_line(dcr("ls", odd), 2, f"{odd}: nothing was ever published here")
+    one_line_error(dcr("ls", odd), 2, f"{odd}: nothing was ever published here")
     dcr("publish", odd, made / "c0.safetensors", "--step", 0, check=0)
     assert dcr("ls", odd, check=0).stdout.splitlines()[1].split()[0] == "0"
 
@@ -96,13 +88,13 @@ def test_a_state_file_of_another_root_is_refused_naming_both(made, tmp_path):
     other = tmp_path / "other"
     dcr("publish", other, made / "c1.safetensors", "--step", 0, check=0)  # other weights at step 0 only
     out = dcr("receive", other, "--receiver", "r", "--state", state)
-    _one_line(out, 5, f"{state}: holds step 2 of {made / 'bucket'}, not of {other}, which has no committed step 2")
+    one_line_error(out, 5, f"{state}: holds step 2 of {made / 'bucket'}, not of {other}, which has no committed step 2")
     assert state.read_bytes() == before
     dcr("publish", other, made / "c2.safetensors", "--step", 2, "--keyframe", check=0)  # the same weights: a mirror
     assert "already there" in dcr("receive", other, "--receiver", "r", "--state", state, check=0).stdout
     third = tmp_path / "third"
     dcr("publish", third, made / "c0.safetensors", "--step", 2, check=0)  # step 2, other weights
-    _one_line(dcr("receive", third, "--receiver", "r", "--state", state), 5,
+    one_line_error(dcr("receive", third, "--receiver", "r", "--state", state), 5,
               f"not of {third}, whose step 2 holds other weights")
 
 
@@ -121,7 +113,7 @@ def test_gc_dry_run_needs_no_keep_last_and_a_real_gc_does(made):
     root = made / "bucket"
     out = dcr("gc", root, "--dry-run", check=0).stdout
     assert out.startswith("gc (dry run): would delete 0 steps") and "kept 3 steps" in out, out
-    _one_line(dcr("gc", root), 2, "needs --keep-last K")
+    one_line_error(dcr("gc", root), 2, "needs --keep-last K")
 
 
 def test_ls_keeps_its_columns_with_uncommitted_steps(made):
@@ -203,7 +195,7 @@ def test_show_lists_every_tensor_of_a_step(made):
     for t in view["tensors"]:
         m = manifest["tensors"][t["name"]]
         assert (t["digest"], t["encoding"], t["changed"]) == (m["digest"], m["encoding"], m["changed_elements"])
-    _one_line(dcr("show", root, "--step", 9), 4, "not committed")
+    one_line_error(dcr("show", root, "--step", 9), 4, "not committed")
 
 
 def _on_a_terminal(*args) -> tuple[int, str, str]:
@@ -333,7 +325,7 @@ def test_error_hints_never_read_object_paths(tmp_path):
 
 def test_a_bad_orchestrator_setting_is_refused(made, tmp_path):
     out = dcr("publish", made / "bucket", made / "c0.safetensors", "--step", 7, env={"DCR_ORCHESTRATOR": "Prefect"})
-    _one_line(out, 2, "DCR_ORCHESTRATOR='Prefect' must be none, prefect or auto")
+    one_line_error(out, 2, "DCR_ORCHESTRATOR='Prefect' must be none, prefect or auto")
 
 
 def test_read_only_commands_take_no_orchestrator_and_prefect_state_is_not_tracked(made):
@@ -364,16 +356,16 @@ def test_a_missing_empty_or_misspelt_root_is_an_error_for_every_read_command(mad
     empty.mkdir()
     a_file = made / "c0.safetensors"
     for command, *more in (("ls",), ("show", "--step", "0"), ("status",), ("verify",), ("report", "--out", tmp_path / "r")):
-        _one_line(dcr(command, tmp_path / "nonexistent", *more), 2, "nonexistent: no such directory")
-        _one_line(dcr(command, empty, *more), 2, f"{empty}: nothing was ever published here")
-        _one_line(dcr(command, a_file, *more), 2, "is a file, not a directory")
-    _one_line(dcr("ls", "s3//dcr/run-1"), 2, "s3//dcr/run-1: no such directory (did you mean s3://dcr/run-1?)")
+        one_line_error(dcr(command, tmp_path / "nonexistent", *more), 2, "nonexistent: no such directory")
+        one_line_error(dcr(command, empty, *more), 2, f"{empty}: nothing was ever published here")
+        one_line_error(dcr(command, a_file, *more), 2, "is a file, not a directory")
+    one_line_error(dcr("ls", "s3//dcr/run-1"), 2, "s3//dcr/run-1: no such directory (did you mean s3://dcr/run-1?)")
     assert not (tmp_path / "r").exists()
     for command in ("ls", "status", "verify"):
         assert dcr(command, empty, "--allow-empty").returncode == 0
-        _one_line(dcr(command, tmp_path / "nonexistent", "--allow-empty"), 2, "no such directory")
+        one_line_error(dcr(command, tmp_path / "nonexistent", "--allow-empty"), 2, "no such directory")
     assert dcr("verify", empty, "--allow-empty", check=0).stdout.startswith("verify ok: 0 steps")
-    _one_line(dcr("publish", a_file, a_file, "--step", 0), 2, "is a file, not a directory")
+    one_line_error(dcr("publish", a_file, a_file, "--step", 0), 2, "is a file, not a directory")
 
 
 def test_version_names_the_command_and_the_codec_package():
@@ -396,7 +388,7 @@ def test_materialize_keeps_a_file_dcr_did_not_write_unless_forced(made, tmp_path
 
     root, trainer = made / "bucket", made / "c1.safetensors"
     before = trainer.read_bytes()
-    _one_line(dcr("materialize", root, "--step", 2, "--out", trainer), 2,
+    one_line_error(dcr("materialize", root, "--step", 2, "--out", trainer), 2,
               f"{trainer}: exists and was not written by dcr materialize or dcr receive", "--force")
     assert trainer.read_bytes() == before
     with pytest.raises(UsageError, match="--force"):
@@ -404,7 +396,7 @@ def test_materialize_keeps_a_file_dcr_did_not_write_unless_forced(made, tmp_path
     assert trainer.read_bytes() == before
     junk = tmp_path / "notes.txt"
     junk.write_text("not a checkpoint")
-    _one_line(dcr("materialize", root, "--out", junk), 2, "was not written by dcr")
+    one_line_error(dcr("materialize", root, "--out", junk), 2, "was not written by dcr")
     assert junk.read_text() == "not a checkpoint"
     out = tmp_path / "m.safetensors"
     dcr("materialize", root, "--step", 0, "--out", out, check=0)
@@ -432,7 +424,7 @@ def test_a_relative_root_is_recorded_absolute_and_verifies_from_anywhere(made, t
         assert f.metadata()["dcr.root"] == str(made / "bucket")
     dcr("materialize", "./bucket", "--step", "1", "--out", "e.safetensors", cwd=made, check=0)  # the published bytes
     assert json.loads((made / ".e.safetensors.dcr").read_text())["root"] == str(made / "bucket")  # their record
-    _one_line(dcr("receive", "./bucket", "--receiver", "r", "--state", "s2.safetensors", cwd=elsewhere), 4,
+    one_line_error(dcr("receive", "./bucket", "--receiver", "r", "--state", "s2.safetensors", cwd=elsewhere), 4,
               "./bucket: no such directory")
 
 
@@ -452,7 +444,7 @@ def test_receives_leave_no_lock_files_and_refuse_a_missing_directory(made, tmp_p
     assert not [p for p in made.iterdir() if p.name.endswith(".lock")]  # beside the checkpoints either
     for command, flag in (("receive", "--state"), ("materialize", "--out")):
         args = ("--receiver", "r") if command == "receive" else ()
-        _one_line(dcr(command, root, *args, flag, tmp_path / "no" / "such" / "x.safetensors"), 2,
+        one_line_error(dcr(command, root, *args, flag, tmp_path / "no" / "such" / "x.safetensors"), 2,
                   f"directory {tmp_path / 'no' / 'such'} does not exist; create it first")
     assert not (tmp_path / "no").exists()
 
