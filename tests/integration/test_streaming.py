@@ -120,12 +120,21 @@ class Follower(threading.Thread):
 
 @contextlib.contextmanager
 def publishing_slowly(root: str, ck: dict, step: int, tmp_path, pause: float = 0.03):
-    """Publish ``ck`` as ``step`` in a thread, each stored chunk delayed by ``pause`` s; yields an event
-    set once the publish returned (a kill test asserts it was still running), joins it on exit."""
-    done = threading.Event()
+    """Publish ``ck`` as ``step`` in a thread, each stored chunk delayed by ``pause`` s, and held after
+    its manifest, before its commit, until the block ends; yields an event set once the publish
+    returned (a kill test asserts it was still running), releases and joins it on exit.
+
+    The hold is what makes a kill "mid-stream" on any machine: a follower or mirror process started
+    in the block needs seconds to import under load, and without it the publish could commit before
+    the process first looked (it would then never reach a streaming point and wait for good)."""
+    done, release = threading.Event(), threading.Event()
+
+    def hold(point: str, fields: dict) -> None:
+        if point == "publish.manifest-written":
+            release.wait(300)
 
     def publish():
-        with events.failpoints(f"chunk.stored@*=sleep({pause})"):
+        with events.listening(hold), events.failpoints(f"chunk.stored@*=sleep({pause})"):
             run_publish(root, ck, step, options=opts(tmp_path, io_workers=2))
         done.set()
 
@@ -134,6 +143,7 @@ def publishing_slowly(root: str, ck: dict, step: int, tmp_path, pause: float = 0
     try:
         yield done
     finally:
+        release.set()
         t.join(120)
 
 
