@@ -60,10 +60,14 @@ from storage.chunk_io import BoundedPool, UncheckedChunk
 from storage.manifest import Manifest
 from storage.marker import CommitMarker
 from storage.root import Root, RootRef, open_root
-from storage.stream import read_index
+from storage.stream import MAX_INDEX_BYTES, index_at
 
 log = logging.getLogger("dcr.mirror")
 LEASE_SECONDS = 3600.0
+# What honest stream indexes can hold (``index_budget``), per chunk besides its names, and in all:
+# an index entry (digest, size, position) with its array's dtype and shapes and the index's own fields.
+INDEX_BYTES_PER_CHUNK = 1024
+INDEX_SLACK_BYTES = 64 << 10
 
 
 @dataclass
@@ -231,24 +235,53 @@ def unvouched_copies(src: Root, dst: Root, job: MirrorJob, keys: list[str]) -> l
     checks = expected_objects(src, job)
     m = Catalog(src).manifest_at(job.step, job.attempt, job.manifest_digest)
     bound = chunk_digests(m)
-    vouched: dict[str, str] = {}
-    for seq in range(1 << 20):
-        try:
-            idx = read_index(dst, job.step, job.attempt, seq)
-        except (DCRError, OSError):
-            break  # a damaged index vouches for nothing after it
-        if idx is None:
-            break
-        vouched |= {layout.store_key(job.step, job.attempt, c.key_in_store): c.digest for c in idx.chunks}
+    vouched = vouched_chunks(dst, job, {k: bound[k] for k in keys if k in bound}, index_budget(m))
     again = []
     for key in keys:
-        if key not in checks or (key in bound and vouched.get(key) == bound[key]):
+        if key not in checks or key in vouched:
             continue
         try:
             checks[key](dst.read(key))
         except (IntegrityError, FileNotFoundError):
             again.append(key)
     return again
+
+
+def vouched_chunks(dst: Root, job: MirrorJob, wanted: dict[str, str], budget: int) -> set[str]:
+    """The keys of ``wanted`` (key: the digest the manifest gives) that DST's stream indexes of the
+    job's attempt list with that digest. The indexes are read in order, one at a time (only what
+    they say of ``wanted`` is kept), until the first missing or damaged one, and only while they
+    total at most ``budget`` bytes: an index past it is not read (one warning), and the chunks it
+    might vouch for are read back and checked instead, so forged indexes cost at most the budget."""
+    vouched: set[str] = set()
+    if not wanted:
+        return vouched  # no chunk downstream to vouch for: no index read
+    left = budget
+    for seq in range(1 << 20):
+        key = layout.stream_key(job.step, job.attempt, seq)
+        try:
+            data = dst.read(key, limit=min(MAX_INDEX_BYTES, left))
+            idx = index_at(data, f"{dst.url}/{key}", job.step, job.attempt, seq)
+        except FileNotFoundError:
+            break
+        except (DCRError, OSError) as e:  # a damaged index vouches for nothing after it
+            log.warning("%s (stream indexes of step %d may hold %d bytes in all); the chunks it would vouch for are "
+                        "read back and checked instead", str(e).splitlines()[0], job.step, budget)
+            break
+        left -= len(data)
+        for c in idx.chunks:
+            chunk = layout.store_key(job.step, job.attempt, c.key_in_store)
+            if wanted.get(chunk) == c.digest:
+                vouched.add(chunk)
+    return vouched
+
+
+def index_budget(m: Manifest) -> int:
+    """The most bytes the stream indexes of ``m``'s attempt hold when they are honest: each lists
+    every stored chunk once, and at worst (one chunk per index, a slow upload) repeats with it its
+    tensor's and array's names, shapes and the index's own fields (``INDEX_BYTES_PER_CHUNK``)."""
+    return INDEX_SLACK_BYTES + sum(e.n_stored * (INDEX_BYTES_PER_CHUNK + len(name) + len(e.array))
+                                   for entries in (m.tensors, m.snapshot or {}) for name, e in entries.items())
 
 
 def chunk_digests(m: Manifest) -> dict[str, str]:

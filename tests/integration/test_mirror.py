@@ -519,3 +519,58 @@ def test_a_heartbeat_edited_upstream_while_it_is_copied_reaches_downstream_as_ve
     run_mirror(root, a)  # upstream restored
     assert file_bytes(os.path.join(a, heartbeat.KEY)) == good
     heartbeat.check_fresh(open_root(a), 600, Catalog(open_root(a)).key)
+
+
+# -- stream indexes downstream: read within what the manifest's chunks can take ------------------
+
+
+@pytest.mark.faults(component="mirror", outcome="forged stream indexes downstream are read up to a bound set by the "
+                    "manifest (one warning), then ignored; the step is committed exactly")
+def test_forged_stream_indexes_downstream_cost_at_most_the_index_budget(origin, tmp_path, monkeypatch, caplog):
+    """Four stream indexes of about 1 MiB each, forged downstream for step 2's attempt (a streaming
+    mirror's followers would read them): the mirror reads at most ``index_budget`` bytes of them,
+    says so in one warning, reads back and checks the chunks instead, and commits the step exactly."""
+    from dcr_core.chunking import ChunkGrid
+    from flows.maintenance.mirror import index_budget
+    from flows.options import KEYFRAMES
+    from storage.catalog import Catalog
+    from storage.root import Root, open_root
+    from storage.stream import StreamedChunk, StreamIndex
+
+    root, cks = origin
+    region = str(tmp_path / "region")
+    for step in (0, 1):
+        run_mirror(root, region, step=step)
+    attempt = json.load(open(os.path.join(root, layout.commit_key(2))))["attempt"]
+    files = _attempt_files(root, 2)
+    for key in files:  # a streaming mirror forwarded every object of step 2, then stopped before the commit
+        down = os.path.join(region, layout.attempt_dir(2, attempt), key)
+        os.makedirs(os.path.dirname(down), exist_ok=True)
+        with open(down, "wb") as f:
+            f.write(files[key])
+    n = 16_000
+    grid = ChunkGrid((n,), (1,))
+    for seq in range(4):
+        chunks = tuple(StreamedChunk("w", "U8", grid, f"forged/c/{i}", i, f"{i:064x}", 1) for i in range(n))
+        data = StreamIndex(2, attempt, seq, KEYFRAMES, chunks, seq == 3).to_json()
+        assert len(data) > 1 << 20
+        Root(region).write(layout.stream_key(2, attempt, seq), data)
+    read_bytes = []
+    real = Root.read
+
+    def counting(self, key, limit=None):
+        data = real(self, key, limit)
+        if "/stream/" in key:
+            read_bytes.append(len(data))
+        return data
+
+    monkeypatch.setattr(Root, "read", counting)
+    budget = index_budget(Catalog(open_root(root)).manifest(2))
+    with caplog.at_level("WARNING", logger="dcr.mirror"):
+        r = run_mirror(root, region)
+    assert r.copied_steps == [2] and sum(read_bytes) <= budget + 1 < 1 << 20
+    warned = [rec.getMessage() for rec in caplog.records if rec.name == "dcr.mirror"]
+    assert len(warned) == 1 and layout.stream_key(2, attempt, 0) in warned[0] and "\n" not in warned[0]
+    state = tmp_path / "s.safetensors"
+    run_receive(region, "r", str(state))
+    assert_bits_equal(load_file(state), cks[2])
