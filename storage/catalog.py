@@ -141,8 +141,13 @@ class Catalog:
     def retraction(self, step: int) -> Retraction | None:
         """The verified retraction record of ``step``, or None (``storage.retraction``). Of a step gc
         deleted, the record stays alone (a tombstone): checked by its signature only."""
-        if step in self._retractions:
-            return self._retractions[step]
+        if step not in self._retractions:
+            self.read_retraction(step)
+        return self._retractions[step]
+
+    def read_retraction(self, step: int) -> tuple[Retraction, bytes] | None:
+        """``step``'s retraction record read now and checked as ``retraction`` checks it, with the
+        bytes that were checked (what a mirror copies: never a second read, which may differ)."""
         marker = self.marker(step)
         key = layout.retraction_key(step)
         try:
@@ -166,14 +171,13 @@ class Catalog:
         elif r.signature_algorithm != self.key.algorithm or not self.key.verify(r.body(), r.signature):
             raise UntrustedError(f"{where}: retraction signature does not match (tampered, or another key)")
         self._retractions[step] = r
-        return r
+        return r, data
 
     def marker(self, step: int) -> CommitMarker | None:
         m = self._markers.get(step)
         if m is None:
-            m = self._read_marker(step)
-            if m is not None:
-                self._markers[step] = m
+            found = self.read_marker(step)
+            m = None if found is None else found[0]
         return m
 
     def require_marker(self, step: int) -> CommitMarker:
@@ -182,7 +186,9 @@ class Catalog:
             raise StepNotFoundError(f"{self.root.url}: {no_such_directory(self.root) or f'step {step} is not committed'}")
         return m
 
-    def _read_marker(self, step: int) -> CommitMarker | None:
+    def read_marker(self, step: int) -> tuple[CommitMarker, bytes] | None:
+        """``step``'s commit marker read now and checked (signature, run), with the bytes that were
+        checked (what a mirror copies: never a second read, which may differ); None if absent."""
         key = layout.commit_key(step)
         try:
             data = self.root.read(key, limit=MAX_MARKER_BYTES)
@@ -203,7 +209,8 @@ class Catalog:
             if not self.key.verify(marker.body(), marker.signature):
                 raise UntrustedError(f"{where}: commit marker signature does not match (tampered, or another key)")
         self._check_run(marker, step, where)
-        return marker
+        self._markers[step] = marker
+        return marker, data
 
     def _check_run(self, marker: CommitMarker, step: int, where: str) -> None:
         the_run = self.root_run()

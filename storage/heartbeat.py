@@ -3,8 +3,8 @@
 ``heartbeat.json`` at the ROOT holds ``{"format", "run", "latest_step", "at" (seconds since the
 epoch, the publisher's clock), "at_utc"}``, signed with the publisher's key as commit markers are.
 A publisher writes it after every commit; ``dcr heartbeat ROOT [--every S]`` renews it while a run
-is alive between commits. Mirrors copy it (byte for byte, when upstream's is newer), so a mirror
-that stopped copying serves an old heartbeat.
+is alive between commits. Mirrors copy it (byte for byte: a mirror's heartbeat is its upstream's),
+so a mirror that stopped copying serves an old heartbeat.
 
 Why: a signature proves who wrote a step, not when. A mirror frozen at an old, validly signed step
 (stuck, or replaying an old copy) looks healthy to its receivers. ``dcr receive --max-staleness S``
@@ -79,6 +79,12 @@ def read(root: Root, key: signing.Key | None = None) -> Heartbeat | None:
         data = root.read(KEY, limit=MAX_HEARTBEAT_BYTES)
     except FileNotFoundError:
         return None
+    return verified(data, where, key)
+
+
+def verified(data: bytes, where: str, key: signing.Key | None = None) -> Heartbeat:
+    """The heartbeat ``data`` holds, its signature checked when a reader ``key`` is given (a mirror
+    checks the very bytes it copies)."""
     hb = Heartbeat.from_json(data, where)
     if key is not None:
         if hb.signature is None:

@@ -160,7 +160,11 @@ def read_index(root: Root, step: int, attempt: str, seq: int) -> StreamIndex | N
         data = root.read(key, limit=MAX_INDEX_BYTES)
     except FileNotFoundError:
         return None
-    where = f"{root.url}/{key}"
+    return index_at(data, f"{root.url}/{key}", step, attempt, seq)
+
+
+def index_at(data: bytes, where: str, step: int, attempt: str, seq: int) -> StreamIndex:
+    """The stream index ``data`` holds, which must be index ``seq`` of the attempt (else ``IntegrityError``)."""
     idx = StreamIndex.from_json(data, where)
     if (idx.step, idx.attempt, idx.seq) != (step, attempt, seq):
         raise fail(where, f"names step {idx.step} attempt {idx.attempt} index {idx.seq}")

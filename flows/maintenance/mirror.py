@@ -4,8 +4,8 @@ A mirror is a ROOT like any other: receivers refit from it exactly as from the o
 mirror of a mirror makes a tree. For each step it copies (every step committed upstream and not
 yet downstream, ascending; or ``--step N``):
 
-1. the upstream commit marker is read and checked (its signature, with ``DCR_VERIFY_KEY_FILE`` or
-   a signing key configured; its run), and the manifest it names (against the marker's digest);
+1. the upstream commit marker is read once and checked (its signature, with ``DCR_VERIFY_KEY_FILE``
+   or a signing key configured; its run), and the manifest it names (against the marker's digest);
 2. ``run.json`` is copied if the downstream ROOT has none (the same run); a downstream ROOT of
    another run is refused;
 3. every object of the committed attempt (manifest, source layout, Zarr metadata, chunks, snapshots, rank parts)
@@ -15,11 +15,18 @@ yet downstream, ascending; or ``--step N``):
    is checked as it is read (size and payload digest; the manifest by the marker's digest), before
    it is written downstream: a step that does not verify upstream fails naming the object, and its
    marker is never copied (``expected_objects``);
-4. the marker is copied last, byte for byte (so its signature is the origin's), created only if
-   absent. A downstream marker naming another attempt is refused.
+4. the marker is written last: the bytes checked in 1, never a second read (upstream may have
+   been edited since; what was copied is what those bytes bind), so its signature is the origin's.
+   It is created only if absent; a downstream marker that verifies but names another attempt is
+   refused, and one that does not verify (damaged, or copied before this rule) is replaced.
+
+Every document a mirror writes downstream is the bytes it verified, and a downstream document that
+does not verify is treated as absent (docs/guides/mirrors-signing.md: what a mirror does when
+upstream edits a step it is copying).
 
 Before it copies anything, a mirror copies upstream's retraction records (``dcr retract``) of the
-steps it holds (``sync_retractions``): its receivers move back as the origin's do.
+steps it holds (``sync_retractions``): its receivers move back as the origin's do; after, upstream's
+heartbeat (``sync_heartbeat``).
 
 With ``as_id`` (``dcr mirror --as ID``) the mirror is also a receiver of SRC: it leases each step
 while copying it and records its position in SRC, so gc there keeps what the mirror still needs
@@ -37,6 +44,7 @@ upstream (``dcr mirror --follow --stream``) is ``flows.maintenance.mirror_stream
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -51,12 +59,15 @@ from storage.catalog import Catalog, manifest_digest, no_such_directory
 from storage.chunk_io import BoundedPool, UncheckedChunk
 from storage.manifest import Manifest
 from storage.marker import CommitMarker
-from storage.retraction import MAX_RETRACTION_BYTES
 from storage.root import Root, RootRef, open_root
-from storage.stream import read_index
+from storage.stream import MAX_INDEX_BYTES, index_at
 
 log = logging.getLogger("dcr.mirror")
 LEASE_SECONDS = 3600.0
+# What honest stream indexes can hold (``index_budget``), per chunk besides its names, and in all:
+# an index entry (digest, size, position) with its array's dtype and shapes and the index's own fields.
+INDEX_BYTES_PER_CHUNK = 1024
+INDEX_SLACK_BYTES = 64 << 10
 
 
 @dataclass
@@ -82,14 +93,15 @@ def _copy_run(src: Root, dst: Root) -> None:
 
 @dataclass(frozen=True)
 class MirrorJob:
-    """A committed step of SRC to copy to DST: its attempt, its marker's identity, and the objects
-    of the attempt DST lacks (keys and sizes)."""
+    """A committed step of SRC to copy to DST: its attempt and manifest digest, the bytes of SRC's
+    marker that were verified (exactly what DST gets), and the objects of the attempt DST lacks
+    (keys and sizes)."""
 
     step: int
     attempt: str
     manifest_digest: str
-    signature: str | None
-    todo: tuple[tuple[str, int], ...]
+    marker: bytes
+    todo: tuple[tuple[str, int], ...] = ()
 
 
 def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None,
@@ -101,10 +113,10 @@ def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: st
     if job is None:
         return
     try:
-        objects, nbytes = copy_objects(src, dst, [k for k, _ in job.todo], io_workers, expected_objects(src, step))
+        objects, nbytes = copy_objects(src, dst, [k for k, _ in job.todo], io_workers, expected_objects(src, job))
         result.objects_copied += objects
         result.bytes_copied += nbytes
-        commit_step(src, dst, job, result)
+        commit_step(dst, job, result)
     finally:
         close_step(src, job, as_id)
 
@@ -112,10 +124,14 @@ def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: st
 def open_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None) -> MirrorJob | None:
     """Check upstream's marker, lease the step for ``as_id``, check the manifest, copy ``run.json``
     if needed and list what to copy; None (and the step noted present) when DST already committed
-    the same attempt. Whoever gets a job releases it (``close_step``)."""
+    the same attempt. A marker DST holds that does not verify is no commit: the step is copied
+    again and its marker replaced (``commit_step``). Whoever gets a job releases it (``close_step``)."""
     scat = Catalog(src)
-    marker = scat.require_marker(step)
-    present = Catalog(dst).marker(step)
+    found = scat.read_marker(step)
+    if found is None:
+        raise StepNotFoundError(f"{src.url}: {no_such_directory(src) or f'step {step} is not committed'}")
+    marker, raw = found
+    present = held_marker(Catalog(dst), step)
     if present is not None:
         if present.attempt != marker.attempt or present.manifest_digest != marker.manifest_digest:
             raise StepConflictError(f"{dst.url}: step {step} holds attempt {present.attempt}, upstream committed "
@@ -125,19 +141,44 @@ def open_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str 
     if as_id is not None:
         leases.take(src, as_id, [step], step, LEASE_SECONDS)
     try:
-        scat.manifest(step)  # read and checked against the marker's digest
+        scat.manifest(step)  # read and checked against the marker just verified (scat holds it)
         _copy_run(src, dst)
+        job = MirrorJob(step, marker.attempt, marker.manifest_digest, raw)
         prefix = layout.attempt_dir(step, marker.attempt)
         have = {o.key: o.size for o in dst.objects(prefix)}
         upstream = src.objects(prefix)
         present = [o.key for o in upstream if have.get(o.key) == o.size]
-        again = set(unvouched_copies(src, dst, step, marker.attempt, present))
+        again = set(unvouched_copies(src, dst, job, present))
         todo = tuple((o.key, o.size) for o in upstream if have.get(o.key) != o.size or o.key in again)
     except BaseException:
         if as_id is not None:
             leases.release(src, as_id, [step])
         raise
-    return MirrorJob(step, marker.attempt, marker.manifest_digest, marker.signature, todo)
+    return dataclasses.replace(job, todo=todo)
+
+
+def held_marker(dcat: Catalog, step: int) -> CommitMarker | None:
+    """DST's marker of ``step``, or None: none there, or one that does not verify (under the key,
+    when the mirror has one; malformed, or of another run). Such a marker commits nothing a receiver
+    accepts, so the mirror treats it as absent and replaces it with upstream's verified bytes: a
+    damaged copy never wedges the mirror or its receivers."""
+    try:
+        return dcat.marker(step)
+    except IntegrityError:
+        return None
+
+
+def held_steps(dcat: Catalog) -> set[int]:
+    """The steps DST shows live, and those whose marker or retraction record does not verify
+    (``held_marker``: the mirror repairs them)."""
+    held = set()
+    for step in dcat.listed_steps():
+        try:
+            if dcat.is_live(step):
+                held.add(step)
+        except IntegrityError:
+            held.add(step)
+    return held
 
 
 def close_step(src: Root, job: MirrorJob, as_id: str | None = None) -> None:
@@ -146,22 +187,22 @@ def close_step(src: Root, job: MirrorJob, as_id: str | None = None) -> None:
         leases.release(src, as_id, [job.step])
 
 
-def expected_objects(src: Root, step: int) -> dict[str, Callable[[bytes], None]]:
-    """For each object of committed ``step``'s attempt that its manifest binds (the manifest itself,
-    by the marker's digest; every chunk, snapshot and part, by its size and payload digest), a check
-    of its bytes that raises ``IntegrityError`` naming the object. A mirror runs it on every object
-    it reads before writing it downstream: a damaged object upstream is never copied onward.
+def expected_objects(src: Root, job: MirrorJob) -> dict[str, Callable[[bytes], None]]:
+    """For each object of the job's attempt that its manifest binds (the manifest itself, by the
+    digest of the marker the job verified, never one read again; every chunk, snapshot and part, by
+    its size and payload digest), a check of its bytes that raises ``IntegrityError`` naming the
+    object. A mirror runs it on every object it reads, and writes downstream the very bytes it
+    checked: a damaged object upstream is never copied onward.
     (The Zarr metadata documents of the store are not bound by a digest: receivers never read them.)"""
-    cat = Catalog(src)
-    marker = cat.require_marker(step)
-    m = cat.manifest(step)
+    m = Catalog(src).manifest_at(job.step, job.attempt, job.manifest_digest)
+    manifest_key = layout.manifest_key(job.step, job.attempt)
     checks: dict[str, Callable[[bytes], None]] = {}
 
     def manifest_check(data: bytes) -> None:
-        if manifest_digest(data) != marker.manifest_digest:
-            raise IntegrityError(f"{src.url}/{marker.manifest_key}: manifest digest does not match its commit marker")
+        if manifest_digest(data) != job.manifest_digest:
+            raise IntegrityError(f"{src.url}/{manifest_key}: manifest digest does not match its commit marker")
 
-    checks[marker.manifest_key] = manifest_check
+    checks[manifest_key] = manifest_check
     if m.source is not None:  # the published file's headers (storage.source_layout), bound by digest too
         source_key = layout.source_key(m.step, m.attempt)
 
@@ -185,32 +226,62 @@ def expected_objects(src: Root, step: int) -> dict[str, Callable[[bytes], None]]
     return checks
 
 
-def unvouched_copies(src: Root, dst: Root, step: int, attempt: str, keys: list[str]) -> list[str]:
+def unvouched_copies(src: Root, dst: Root, job: MirrorJob, keys: list[str]) -> list[str]:
     """Of the objects already downstream (``keys``: a copy cut off earlier, or chunks a streaming
     mirror forwarded before the commit), those to copy again: each that the manifest binds is read
     back and checked, unless a downstream stream index lists it with the digest the manifest gives
     (the ``Forwarder`` checked its bytes against that digest before writing them). So a chunk that
     matched only a forged stream index is replaced, never committed onward."""
-    checks = expected_objects(src, step)
-    bound = chunk_digests(Catalog(src).manifest(step))
-    vouched: dict[str, str] = {}
-    for seq in range(1 << 20):
-        try:
-            idx = read_index(dst, step, attempt, seq)
-        except (DCRError, OSError):
-            break  # a damaged index vouches for nothing after it
-        if idx is None:
-            break
-        vouched |= {layout.store_key(step, attempt, c.key_in_store): c.digest for c in idx.chunks}
+    checks = expected_objects(src, job)
+    m = Catalog(src).manifest_at(job.step, job.attempt, job.manifest_digest)
+    bound = chunk_digests(m)
+    vouched = vouched_chunks(dst, job, {k: bound[k] for k in keys if k in bound}, index_budget(m))
     again = []
     for key in keys:
-        if key not in checks or (key in bound and vouched.get(key) == bound[key]):
+        if key not in checks or key in vouched:
             continue
         try:
             checks[key](dst.read(key))
         except (IntegrityError, FileNotFoundError):
             again.append(key)
     return again
+
+
+def vouched_chunks(dst: Root, job: MirrorJob, wanted: dict[str, str], budget: int) -> set[str]:
+    """The keys of ``wanted`` (key: the digest the manifest gives) that DST's stream indexes of the
+    job's attempt list with that digest. The indexes are read in order, one at a time (only what
+    they say of ``wanted`` is kept), until the first missing or damaged one, and only while they
+    total at most ``budget`` bytes: an index past it is not read (one warning), and the chunks it
+    might vouch for are read back and checked instead, so forged indexes cost at most the budget."""
+    vouched: set[str] = set()
+    if not wanted:
+        return vouched  # no chunk downstream to vouch for: no index read
+    left = budget
+    for seq in range(1 << 20):
+        key = layout.stream_key(job.step, job.attempt, seq)
+        try:
+            data = dst.read(key, limit=min(MAX_INDEX_BYTES, left))
+            idx = index_at(data, f"{dst.url}/{key}", job.step, job.attempt, seq)
+        except FileNotFoundError:
+            break
+        except (DCRError, OSError) as e:  # a damaged index vouches for nothing after it
+            log.warning("%s (stream indexes of step %d may hold %d bytes in all); the chunks it would vouch for are "
+                        "read back and checked instead", str(e).splitlines()[0], job.step, budget)
+            break
+        left -= len(data)
+        for c in idx.chunks:
+            chunk = layout.store_key(job.step, job.attempt, c.key_in_store)
+            if wanted.get(chunk) == c.digest:
+                vouched.add(chunk)
+    return vouched
+
+
+def index_budget(m: Manifest) -> int:
+    """The most bytes the stream indexes of ``m``'s attempt hold when they are honest: each lists
+    every stored chunk once, and at worst (one chunk per index, a slow upload) repeats with it its
+    tensor's and array's names, shapes and the index's own fields (``INDEX_BYTES_PER_CHUNK``)."""
+    return INDEX_SLACK_BYTES + sum(e.n_stored * (INDEX_BYTES_PER_CHUNK + len(name) + len(e.array))
+                                   for entries in (m.tensors, m.snapshot or {}) for name, e in entries.items())
 
 
 def chunk_digests(m: Manifest) -> dict[str, str]:
@@ -244,17 +315,18 @@ def copy_objects(src: Root, dst: Root, keys: list[str], io_workers: int = 8,
     return len(sizes), sum(sizes)
 
 
-def commit_step(src: Root, dst: Root, job: MirrorJob, result: MirrorResult) -> None:
-    """Copy the marker last, byte for byte, after checking it still names the attempt copied."""
+def commit_step(dst: Root, job: MirrorJob, result: MirrorResult) -> None:
+    """Write the marker last: the bytes of upstream's marker that ``open_step`` verified, never a
+    second read (upstream may have changed it since; what was copied is what that marker binds).
+    A marker DST holds that does not verify is replaced (``held_marker``)."""
     step = job.step
     events.reached("mirror.payload-copied", step=step)
-    raw = src.read(layout.commit_key(step))
-    copied = CommitMarker.from_json(raw, f"{src.url}/{layout.commit_key(step)}", step)
-    if (copied.attempt, copied.manifest_digest, copied.signature) != (job.attempt, job.manifest_digest, job.signature):
-        raise IntegrityError(f"{src.url}/{layout.commit_key(step)}: changed while it was mirrored")
-    if not dst.create_if_absent(layout.commit_key(step), raw):
-        winner = Catalog(dst).marker(step)
-        if winner is None or winner.attempt != job.attempt:
+    if not dst.create_if_absent(layout.commit_key(step), job.marker):
+        held = held_marker(Catalog(dst), step)
+        if held is None:
+            log.warning("%s/%s did not verify: replaced by upstream's", dst.url, layout.commit_key(step))
+            dst.write(layout.commit_key(step), job.marker)
+        elif held.attempt != job.attempt:
             raise StepConflictError(f"{dst.url}: step {step} was committed by someone else while it was mirrored")
     events.reached("mirror.committed", step=step)
     result.copied_steps.append(step)
@@ -270,7 +342,7 @@ def plan_mirror(src: RootRef, step: int | None, dst: RootRef | None = None) -> l
     scat = Catalog(s)
     listed = scat.listed_steps()
     if dst is not None:
-        held = set(Catalog(open_root(dst)).committed_steps())
+        held = held_steps(Catalog(open_root(dst)))
         if held:
             listed = [st for st in listed if st in held or st > max(held)]
     steps = [st for st in listed if scat.is_live(st)]
@@ -281,49 +353,66 @@ def plan_mirror(src: RootRef, step: int | None, dst: RootRef | None = None) -> l
 
 def sync_retractions(src: RootRef, dst: RootRef) -> list[int]:
     """Copy upstream's retraction records (``dcr retract``) of the steps ``dst`` holds, byte for byte
-    (their signatures are the publisher's), each checked upstream first (it binds the step's
-    attempt, and its signature verifies). Every step live downstream is looked at (a retracted step
-    may be older than upstream's newest: publishing went on after the retraction), and only those:
-    the cost is two small reads upstream per step the mirror holds, whatever upstream's history.
-    The steps it marked retracted downstream."""
+    (their signatures are the publisher's): the very bytes checked upstream (the record binds the
+    step's attempt, and its signature verifies), never a second read. Every step ``dst`` holds is
+    looked at (a retracted step may be older than upstream's newest: publishing went on after the
+    retraction), and only those: the cost is two small reads upstream per step the mirror holds,
+    whatever upstream's history. A record downstream that does not verify is no retraction: it is
+    replaced by upstream's, or removed where upstream has none. The steps it marked retracted downstream."""
     s, d = open_root(src), open_root(dst)
     scat, dcat = Catalog(s), Catalog(d)
     marked = []
-    for step in dcat.ever_committed_steps():
-        if dcat.retraction(step) is not None:
+    for step in dcat.listed_steps():
+        held = held_marker(dcat, step)
+        if held is None:
+            continue  # none (or one that does not verify: mirror_step copies the step again)
+        key = layout.retraction_key(step)
+        try:
+            if dcat.retraction(step) is not None:
+                continue
+            damaged = False
+        except IntegrityError as e:
+            log.warning("%s; replaced by upstream's record, or removed", str(e).splitlines()[0])
+            damaged = True
+        found = scat.read_retraction(step)
+        if found is None:
+            if damaged:
+                d.remove(key)
             continue
-        retraction = scat.retraction(step)
-        if retraction is None:
-            continue
-        held = dcat.require_marker(step)
+        retraction, raw = found
         if (held.attempt, held.manifest_digest) != (retraction.attempt, retraction.manifest_digest):
             raise StepConflictError(f"{d.url}: step {step} holds attempt {held.attempt}; upstream retracted "
                                     f"{retraction.attempt}")
-        d.create_if_absent(layout.retraction_key(step), s.read(layout.retraction_key(step), limit=MAX_RETRACTION_BYTES))
+        if damaged:
+            d.write(key, raw)
+        else:
+            d.create_if_absent(key, raw)
         marked.append(step)
     return marked
 
 
 def sync_heartbeat(src: RootRef, dst: RootRef) -> bool:
-    """Copy upstream's heartbeat (``storage.heartbeat``) downstream, byte for byte, when it is newer
-    than the one there (checked first with the reader's key, if any): a mirror that keeps copying
-    keeps its receivers' ``--max-staleness`` satisfied; one that stops does not. Whether it copied."""
+    """Make ``dst``'s heartbeat (``storage.heartbeat``) upstream's, byte for byte: the very bytes
+    checked upstream (with the mirror's key, if any), never a second read. Whatever else ``dst``
+    holds there (older, or planted: unsigned, dated ahead) is replaced, so a mirror that keeps
+    copying keeps its receivers' ``--max-staleness`` satisfied, and one that stops does not.
+    Not copied when it names a step ``dst`` does not hold (``heartbeat.vouches_for``). Whether it wrote."""
     s, d = open_root(src), open_root(dst)
-    key = Catalog(s).key
-    up = heartbeat.read(s, key)
-    if up is None:
-        return False
     try:
-        down = heartbeat.read(d)
-    except DCRError:  # a damaged copy downstream: replaced
-        down = None
-    if down is not None and down.at >= up.at:
+        raw = s.read(heartbeat.KEY, limit=heartbeat.MAX_HEARTBEAT_BYTES)
+    except FileNotFoundError:
         return False
+    up = heartbeat.verified(raw, f"{s.url}/{heartbeat.KEY}", Catalog(s).key)
+    try:
+        if d.read(heartbeat.KEY, limit=heartbeat.MAX_HEARTBEAT_BYTES) == raw:
+            return False
+    except (FileNotFoundError, IntegrityError):
+        pass  # none, or larger than a heartbeat may be: written
     try:
         heartbeat.vouches_for(d, up)  # only for what the mirror holds (not when it mirrors an older --step)
     except heartbeat.StaleRootError:
         return False
-    d.write(heartbeat.KEY, s.read(heartbeat.KEY, limit=heartbeat.MAX_HEARTBEAT_BYTES))
+    d.write(heartbeat.KEY, raw)
     return True
 
 
@@ -351,18 +440,16 @@ def open_mirror_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = 
     return open_step(open_root(src), open_root(dst), step, MirrorResult(), as_id)
 
 
-def copy_object_batch(src: RootRef, dst: RootRef, keys: tuple[str, ...], io_workers: int = 8,
-                      step: int | None = None) -> dict:
-    """A mapped task: copy ``keys`` (objects of committed ``step``, each checked against its
-    manifest as it is read) where it runs; what it copied."""
+def copy_object_batch(src: RootRef, dst: RootRef, keys: tuple[str, ...], job: MirrorJob, io_workers: int = 8) -> dict:
+    """A mapped task: copy ``keys`` (objects of the job's step, each checked against the manifest
+    its verified marker binds as it is read) where it runs; what it copied."""
     s = open_root(src)
-    checks = None if step is None else expected_objects(s, step)
-    objects, nbytes = copy_objects(s, open_root(dst), list(keys), io_workers, checks)
+    objects, nbytes = copy_objects(s, open_root(dst), list(keys), io_workers, expected_objects(s, job))
     return {"objects": objects, "bytes": nbytes}
 
 
-def commit_mirrored_step(src: RootRef, dst: RootRef, job: MirrorJob) -> None:
-    commit_step(open_root(src), open_root(dst), job, MirrorResult())
+def commit_mirrored_step(dst: RootRef, job: MirrorJob) -> None:
+    commit_step(open_root(dst), job, MirrorResult())
 
 
 def release_mirror_lease(src: RootRef, job: MirrorJob, as_id: str | None) -> None:
@@ -421,10 +508,11 @@ def _mirror_mapped(tasks: Bound, s: RootRef, d: RootRef, step: int, as_id: str |
         return
     try:
         batches = [{"keys": tuple(b)} for b in batches_for(job.todo, tasks.slots, group_bytes)]
-        for part in tasks.map("copy_object_batch", batches, src=s, dst=d, io_workers=io_workers, step=step):
+        marker_only = dataclasses.replace(job, todo=())  # what each task needs of the job: not the others' keys
+        for part in tasks.map("copy_object_batch", batches, src=s, dst=d, job=marker_only, io_workers=io_workers):
             result.objects_copied += part["objects"]
             result.bytes_copied += part["bytes"]
-        tasks.commit_mirrored_step(s, d, job)
+        tasks.commit_mirrored_step(d, job)
         result.copied_steps.append(step)
     finally:
         tasks.release_mirror_lease(s, job, as_id)

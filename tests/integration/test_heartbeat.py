@@ -98,3 +98,20 @@ def test_a_heartbeat_copied_without_its_steps_or_from_another_run_vouches_for_no
     shutil.copy(other / heartbeat.KEY, signed_origin / heartbeat.KEY)
     out = dcr("receive", signed_origin, "--receiver", "r", "--state", state, "--max-staleness", 600, check=5)
     assert "a heartbeat of run" in out.stderr and "but this ROOT holds run" in out.stderr, out.stderr
+
+
+def test_a_heartbeat_planted_in_a_mirror_is_replaced_by_upstreams(signed_origin, tmp_path):
+    """Someone without the key plants an unsigned heartbeat dated a year ahead in a mirror (its
+    ``--max-staleness`` receivers refuse it): the next ``dcr mirror`` replaces it with upstream's,
+    byte for byte, and they accept the mirror again."""
+    region, state = tmp_path / "region", tmp_path / "s.safetensors"
+    dcr("mirror", signed_origin, region, check=0)
+    doc = json.loads((region / heartbeat.KEY).read_text())
+    doc.pop("signature")
+    doc["at"] = time.time() + 365 * 86400
+    (region / heartbeat.KEY).write_text(json.dumps(doc))
+    out = dcr("receive", region, "--receiver", "r", "--state", state, "--max-staleness", 600, check=5)
+    assert "heartbeat is not signed" in out.stderr
+    dcr("mirror", signed_origin, region, check=0)
+    assert file_bytes(region / heartbeat.KEY) == file_bytes(signed_origin / heartbeat.KEY)
+    dcr("receive", region, "--receiver", "r", "--state", state, "--max-staleness", 600, check=0)

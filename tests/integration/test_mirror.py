@@ -3,6 +3,7 @@ last; receivers refit from a mirror as from the origin, checked against the orig
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -12,7 +13,7 @@ import pytest
 from safetensors.torch import load_file
 
 from dcr_core import events
-from dcr_core.errors import IntegrityError, StepConflictError
+from dcr_core.errors import IntegrityError, StepConflictError, UntrustedError
 from flows import run_publish, run_receive
 from flows.maintenance.mirror import run_mirror
 from flows.options import PublishOptions
@@ -335,6 +336,241 @@ def test_a_chunk_already_downstream_that_the_manifest_does_not_vouch_for_is_copi
         Root(region).write(layout.stream_key(2, attempt, 0), StreamIndex(2, attempt, 0, KEYFRAMES, (chunk,), True).to_json())
     run_mirror(root, region)
     assert _attempt_files(region, 2)[key] == files[key]
+    state = tmp_path / "s.safetensors"
+    run_receive(region, "r", str(state))
+    assert_bits_equal(load_file(state), cks[2])
+
+
+# -- what a mirror writes is what it verified; what does not verify downstream is replaced -------
+
+
+def _edit_json(path: str, edit) -> None:
+    d = json.load(open(path))
+    edit(d)
+    with open(path, "w") as f:
+        json.dump(d, f)
+
+
+@contextlib.contextmanager
+def _edited_after_first_read(url: str, key: str, edited: bytes):
+    """An upstream writer who edits ``key`` of ``url`` right after its first read in the block, and
+    restores it at the block's end: every later read in it returns ``edited``. The race of a writer
+    between a reader's check and its copy, made exact."""
+    from storage.root import Root
+
+    real = Root.read
+    seen = []
+
+    def read(self, k, limit=None):
+        if self.url == url and k == key:
+            seen.append(k)
+            if len(seen) > 1:
+                return edited
+        return real(self, k, limit)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(Root, "read", read)
+        yield
+
+
+@pytest.mark.faults(component="mirror", outcome="the marker it verified is committed downstream, not the edit; "
+                    "receivers of the mirror are exact")
+def test_a_marker_edited_upstream_while_its_step_is_copied_reaches_downstream_as_verified(signed_origin, tmp_path):
+    """A writer edits a signed field of step 1's marker upstream while the mirror copies the step:
+    the mirror commits the bytes it verified, so its receivers accept the step; upstream restored,
+    the next run finds the step in place."""
+    root, cks = signed_origin
+    a = str(tmp_path / "a")
+    path = os.path.join(root, layout.commit_key(1))
+    good = file_bytes(path)
+
+    def edit(point, fields):
+        if point == "mirror.payload-copied" and fields["step"] == 1:
+            _edit_json(path, lambda d: d["summary"].update(chain_bytes=1))
+
+    with events.listening(edit):
+        r = run_mirror(root, a)
+    assert r.copied_steps == [0, 1]
+    assert file_bytes(os.path.join(a, layout.commit_key(1))) == good
+    state = tmp_path / "s.safetensors"
+    run_receive(a, "r", str(state))
+    assert_bits_equal(load_file(state), cks[1])
+    with open(path, "wb") as f:
+        f.write(good)
+    assert run_mirror(root, a).present_steps == [0, 1]
+
+
+@pytest.mark.faults(component="mirror", outcome="replaced by upstream's verified marker on the next run; receivers exact")
+@pytest.mark.parametrize("damage", ["signed-field", "not-json"])
+def test_a_marker_that_does_not_verify_downstream_is_replaced_on_the_next_run(signed_origin, tmp_path, damage):
+    """A mirror wedged earlier (a marker copied while upstream's was edited) or a downstream writer
+    leaves step 1's marker there not verifying: receivers refuse it, and the next ``dcr mirror``
+    replaces it with upstream's (checked objects first), after which they receive exactly."""
+    root, cks = signed_origin
+    a = str(tmp_path / "a")
+    run_mirror(root, a)
+    path = os.path.join(a, layout.commit_key(1))
+    if damage == "signed-field":
+        _edit_json(path, lambda d: d["summary"].update(chain_bytes=1))
+    else:
+        with open(path, "wb") as f:
+            f.write(b"{")
+    state = tmp_path / "s.safetensors"
+    with pytest.raises(IntegrityError):
+        run_receive(a, "r", str(state))
+    r = run_mirror(root, a)
+    assert r.copied_steps == [1]
+    assert file_bytes(path) == file_bytes(os.path.join(root, layout.commit_key(1)))
+    run_receive(a, "r", str(state))
+    assert_bits_equal(load_file(state), cks[1])
+
+
+@pytest.fixture
+def retracted_origin(signed_origin, tmp_path, monkeypatch):
+    """``signed_origin`` mirrored to ``a``, then step 1 retracted at the origin (signed)."""
+    from flows import run_retract
+
+    root, cks = signed_origin
+    a = str(tmp_path / "a")
+    run_mirror(root, a)
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    run_retract(root, 1, "bad step")
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    return root, a, cks
+
+
+@pytest.mark.faults(component="mirror", outcome="the retraction record it verified is copied, not the edit")
+def test_a_retraction_edited_upstream_while_it_is_copied_reaches_downstream_as_verified(retracted_origin):
+    """Upstream's retraction record of step 1 is edited right after the mirror checked it: the
+    mirror copies the bytes it checked (or refuses), and once upstream is restored the mirror and
+    its receivers hold the origin's record."""
+    from storage.catalog import Catalog
+    from storage.root import open_root
+
+    root, a, _ = retracted_origin
+    key = layout.retraction_key(1)
+    good = file_bytes(os.path.join(root, key))
+    forged = json.loads(good)
+    forged["reason"] = "edited"
+    with _edited_after_first_read(open_root(root).url, key, json.dumps(forged).encode()):
+        with contextlib.suppress(UntrustedError):  # a later look upstream may see the edit: refused, nothing copied
+            run_mirror(root, a)
+    run_mirror(root, a)  # upstream restored
+    assert file_bytes(os.path.join(a, key)) == good
+    assert Catalog(open_root(a)).retraction(1).reason == "bad step"
+
+
+@pytest.mark.faults(component="mirror", outcome="a retraction record that does not verify downstream is removed, or "
+                    "replaced by upstream's; receivers of the mirror go on")
+@pytest.mark.parametrize("upstream", ["live", "retracted"])
+def test_a_retraction_that_does_not_verify_downstream_is_replaced(signed_origin, tmp_path, monkeypatch, upstream):
+    """An unsigned retraction record of step 1 planted in the mirror (its receivers refuse it):
+    the next ``dcr mirror`` removes it where upstream has none, and replaces it with upstream's
+    where step 1 is retracted there; receivers of the mirror then go on exactly."""
+    from flows import run_retract
+    from storage.catalog import Catalog
+    from storage.root import open_root
+
+    root, cks = signed_origin
+    a = str(tmp_path / "a")
+    run_mirror(root, a)
+    if upstream == "retracted":
+        monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+        run_retract(root, 1, "bad step")
+        monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    marker = json.load(open(os.path.join(a, layout.commit_key(1))))
+    planted = {"format": "dcr-retraction", "step": 1, "attempt": marker["attempt"],
+               "manifest_digest": marker["manifest_digest"], "retracted_at": "2030-01-01T00:00:00Z",
+               "reason": "planted", "run": marker["run"]}  # unsigned
+    with open(os.path.join(a, layout.retraction_key(1)), "w") as f:
+        json.dump(planted, f)
+    run_mirror(root, a)
+    if upstream == "live":
+        assert not os.path.exists(os.path.join(a, layout.retraction_key(1)))
+    else:
+        assert file_bytes(os.path.join(a, layout.retraction_key(1))) == file_bytes(os.path.join(root, layout.retraction_key(1)))
+    state = tmp_path / "s.safetensors"
+    run_receive(a, "r", str(state))
+    assert_bits_equal(load_file(state), cks[1 if upstream == "live" else 0])
+    assert Catalog(open_root(a)).latest_committed() == (1 if upstream == "live" else 0)
+
+
+@pytest.mark.faults(component="mirror", outcome="the heartbeat it verified is copied, not the edit; --max-staleness "
+                    "receivers of the mirror go on")
+def test_a_heartbeat_edited_upstream_while_it_is_copied_reaches_downstream_as_verified(signed_origin, tmp_path):
+    """Upstream's heartbeat is replaced by an unsigned one dated a year ahead right after the mirror
+    checked it: the mirror copies the bytes it checked (or refuses), and once upstream is restored
+    the mirror's heartbeat is the origin's, which its ``--max-staleness`` receivers accept."""
+    import time
+
+    from storage import heartbeat
+    from storage.catalog import Catalog
+    from storage.root import open_root
+
+    root, _ = signed_origin
+    a = str(tmp_path / "a")
+    good = file_bytes(os.path.join(root, heartbeat.KEY))
+    forged = json.loads(good)
+    forged.pop("signature")
+    forged["at"] = time.time() + 365 * 86400
+    with _edited_after_first_read(open_root(root).url, heartbeat.KEY, json.dumps(forged).encode()):
+        with contextlib.suppress(UntrustedError):
+            run_mirror(root, a)
+    run_mirror(root, a)  # upstream restored
+    assert file_bytes(os.path.join(a, heartbeat.KEY)) == good
+    heartbeat.check_fresh(open_root(a), 600, Catalog(open_root(a)).key)
+
+
+# -- stream indexes downstream: read within what the manifest's chunks can take ------------------
+
+
+@pytest.mark.faults(component="mirror", outcome="forged stream indexes downstream are read up to a bound set by the "
+                    "manifest (one warning), then ignored; the step is committed exactly")
+def test_forged_stream_indexes_downstream_cost_at_most_the_index_budget(origin, tmp_path, monkeypatch, caplog):
+    """Four stream indexes of about 1 MiB each, forged downstream for step 2's attempt (a streaming
+    mirror's followers would read them): the mirror reads at most ``index_budget`` bytes of them,
+    says so in one warning, reads back and checks the chunks instead, and commits the step exactly."""
+    from dcr_core.chunking import ChunkGrid
+    from flows.maintenance.mirror import index_budget
+    from flows.options import KEYFRAMES
+    from storage.catalog import Catalog
+    from storage.root import Root, open_root
+    from storage.stream import StreamedChunk, StreamIndex
+
+    root, cks = origin
+    region = str(tmp_path / "region")
+    for step in (0, 1):
+        run_mirror(root, region, step=step)
+    attempt = json.load(open(os.path.join(root, layout.commit_key(2))))["attempt"]
+    files = _attempt_files(root, 2)
+    for key in files:  # a streaming mirror forwarded every object of step 2, then stopped before the commit
+        down = os.path.join(region, layout.attempt_dir(2, attempt), key)
+        os.makedirs(os.path.dirname(down), exist_ok=True)
+        with open(down, "wb") as f:
+            f.write(files[key])
+    n = 16_000
+    grid = ChunkGrid((n,), (1,))
+    for seq in range(4):
+        chunks = tuple(StreamedChunk("w", "U8", grid, f"forged/c/{i}", i, f"{i:064x}", 1) for i in range(n))
+        data = StreamIndex(2, attempt, seq, KEYFRAMES, chunks, seq == 3).to_json()
+        assert len(data) > 1 << 20
+        Root(region).write(layout.stream_key(2, attempt, seq), data)
+    read_bytes = []
+    real = Root.read
+
+    def counting(self, key, limit=None):
+        data = real(self, key, limit)
+        if "/stream/" in key:
+            read_bytes.append(len(data))
+        return data
+
+    monkeypatch.setattr(Root, "read", counting)
+    budget = index_budget(Catalog(open_root(root)).manifest(2))
+    with caplog.at_level("WARNING", logger="dcr.mirror"):
+        r = run_mirror(root, region)
+    assert r.copied_steps == [2] and sum(read_bytes) <= budget + 1 < 1 << 20
+    warned = [rec.getMessage() for rec in caplog.records if rec.name == "dcr.mirror"]
+    assert len(warned) == 1 and layout.stream_key(2, attempt, 0) in warned[0] and "\n" not in warned[0]
     state = tmp_path / "s.safetensors"
     run_receive(region, "r", str(state))
     assert_bits_equal(load_file(state), cks[2])
