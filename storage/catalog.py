@@ -143,13 +143,13 @@ class Catalog:
         deleted, the record stays alone (a tombstone): checked by its signature only."""
         if step in self._retractions:
             return self._retractions[step]
-        marker = self.marker(step)
         key = layout.retraction_key(step)
         try:
             data = self.root.read(key, limit=MAX_RETRACTION_BYTES)
         except FileNotFoundError:
             self._retractions[step] = None  # a retraction only ever appears: re-read by a new Catalog
             return None
+        marker = self.marker(step)  # read after the record: a step with none costs one read
         where = f"{self.root.url}/{key}"
         r = Retraction.from_json(data, where, step)
         if marker is None:
