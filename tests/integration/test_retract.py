@@ -254,3 +254,46 @@ def test_a_mirror_copies_a_retraction_of_a_step_older_than_upstreams_newest(tmp_
     down = tmp_path / "down.safetensors"
     run_receive(region, "down", str(down), options=ReceiveOptions())
     assert_bits_equal(load_file(down), new)
+
+
+def test_a_retraction_takes_back_the_step_and_what_builds_on_it_not_a_later_step_on_another_base(tmp_path):
+    """Step 7 is published on step 5 while another publisher commits step 6 (both live): retracting
+    step 6 takes back step 6 alone, and a step built on it later (8, on 6) with it; step 7 stays the
+    newest live step, and a receiver that held step 6 moves to it exactly."""
+    from dcr_core import events
+
+    root = str(tmp_path / "origin")
+    cks = chain_of_steps(8, seed=53)
+    _publish(root, cks[:6], tmp_path)
+    fired = []
+
+    def publish_six(p, fields):
+        if p == "publish.manifest-written" and fields.get("step") == 7 and not fired:
+            fired.append(p)
+            run_publish(root, cks[6], 6, options=PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "other")))
+
+    with events.listening(publish_six):
+        _publish(root, [cks[7]], tmp_path, first=7)
+    cat = Catalog(Root(root))
+    assert fired and cat.marker(7).base_step == 5 and cat.marker(6).base_step == 5 and cat.latest_committed() == 7
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state), step=6)
+
+    res = run_retract(root, 6, reason="bad")
+    assert res.retracted == [6] and res.latest == 7, res
+    cat = Catalog(Root(root))
+    assert cat.is_live(7) and cat.retraction(6) is not None and cat.is_live(5)
+    assert run_receive(root, "r", str(state)).step == 7
+    assert_bits_equal(load_file(state), cks[7])
+
+
+def test_a_retraction_takes_back_every_step_built_on_the_retracted_one(tmp_path):
+    """A chain 3 -> 4 -> 5 and a keyframe 6: retracting step 4 takes back 4 and 5 (built on it),
+    newest first, and leaves the keyframe live."""
+    root = str(tmp_path / "origin")
+    cks = chain_of_steps(7, seed=55)
+    _publish(root, cks[:6], tmp_path)
+    run_publish(root, cks[6], 6, keyframe=True, options=PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache")))
+    out = dcr("retract", root, "--step", 4, check=0).stdout
+    assert out.startswith("retracted steps 4, 5; the newest live step is 6"), out
+    assert Catalog(Root(root)).committed_steps() == [0, 1, 2, 3, 6]
