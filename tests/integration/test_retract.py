@@ -297,3 +297,48 @@ def test_a_retraction_takes_back_every_step_built_on_the_retracted_one(tmp_path)
     out = dcr("retract", root, "--step", 4, check=0).stdout
     assert out.startswith("retracted steps 4, 5; the newest live step is 6"), out
     assert Catalog(Root(root)).committed_steps() == [0, 1, 2, 3, 6]
+
+
+@pytest.mark.faults(component="retraction", outcome="a retraction in any ROOT is honoured; a mirror hiding it is refused")
+def test_a_retraction_seen_in_any_root_is_honoured_and_a_mirror_hiding_it_is_refused(tmp_path, monkeypatch):
+    """A receiver reads a mirror first and the origin as fallback (signed). The origin retracts step 3
+    while the mirror lags: the receiver moves back to step 2 and stays there (never 2 -> 3 -> 2 -> 3),
+    and asking for step 3 names the ROOT that retracted it. The mirror then copies the record and the
+    origin's heartbeat (which names step 3 retracted); its record deleted, the mirror still serves no
+    step 3, and a receiver with --max-staleness refuses the mirror alone, naming step 3."""
+    from storage import heartbeat, signing
+
+    signing.keygen(tmp_path / "key")
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    origin, region = str(tmp_path / "origin"), str(tmp_path / "region")
+    cks = chain_of_steps(4, seed=57)
+    _publish(origin, cks, tmp_path)
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
+    run_mirror(origin, region)
+    state = tmp_path / "s.safetensors"
+
+    def receive(*extra, check=0):
+        return dcr("receive", region, "--fallback-root", origin, "--receiver", "r", "--state", state, *extra,
+                   check=check)
+
+    receive()
+    assert_bits_equal(load_file(state), cks[3])
+    dcr("retract", origin, "--step", 3, "--reason", "bad", env={"DCR_SIGNING_KEY_FILE": str(tmp_path / "key")}, check=0)
+    for _ in range(2):  # the mirror still shows step 3 live: the origin's retraction wins, every time
+        receive()
+        assert_bits_equal(load_file(state), cks[2])
+    assert json.load(open(os.path.join(origin, heartbeat.KEY)))["retracted"] == [3]
+    assert Catalog(Root(region)).position("r")["step"] == 2  # served by the mirror, moving back
+    out = receive("--step", 3, check=4)
+    assert f"step 3 was retracted in {origin}" in out.stderr and "bad" in out.stderr, out.stderr
+    assert_bits_equal(load_file(state), cks[2])
+
+    assert run_mirror(origin, region).retracted_steps == [3]
+    dcr("receive", region, "--receiver", "m", "--state", tmp_path / "m.safetensors", "--max-staleness", 600, check=0)
+    os.unlink(os.path.join(region, layout.retraction_key(3)))  # the mirror hides it
+    receive()
+    assert_bits_equal(load_file(state), cks[2])
+    out = dcr("receive", region, "--receiver", "m", "--state", tmp_path / "m.safetensors", "--max-staleness", 600,
+              check=5)
+    assert "says step 3 was retracted, but this ROOT shows it live" in out.stderr, out.stderr
