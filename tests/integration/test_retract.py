@@ -65,6 +65,8 @@ def test_every_receiver_of_a_retracted_step_moves_back_exactly_and_the_number_is
     assert "RETRACTED" in dcr("show", root, "--step", 4, check=0).stdout
     status = dcr("status", root, check=0).stdout
     assert "latest committed step: 2" in status and "4!" in status and "! retracted" in status
+    deep = json.loads(dcr("verify", root, "--deep", "--json", check=0).stdout)  # a retracted step's data is whole
+    assert deep["replayed"] == [1, 2, 3, 4] and not deep["errors"], deep
 
     for rid, path, opts in (("rewrite", rewrite, None), ("in-place", in_place, ReceiveOptions(in_place=True))):
         res = run_receive(root, rid, str(path), options=opts)
