@@ -148,13 +148,13 @@ class Catalog:
     def read_retraction(self, step: int) -> tuple[Retraction, bytes] | None:
         """``step``'s retraction record read now and checked as ``retraction`` checks it, with the
         bytes that were checked (what a mirror copies: never a second read, which may differ)."""
-        marker = self.marker(step)
         key = layout.retraction_key(step)
         try:
             data = self.root.read(key, limit=MAX_RETRACTION_BYTES)
         except FileNotFoundError:
             self._retractions[step] = None  # a retraction only ever appears: re-read by a new Catalog
             return None
+        marker = self.marker(step)  # read after the record: a step with none costs one read
         where = f"{self.root.url}/{key}"
         r = Retraction.from_json(data, where, step)
         if marker is None:

@@ -54,7 +54,7 @@ def commit_marker(root: Root, marker: CommitMarker) -> CommitMarker:
         marker = dataclasses.replace(marker, signature=key.sign(marker.body()), signature_algorithm=key.algorithm)
     if root.create_if_absent(layout.commit_key(marker.step), marker.to_json()):
         _unless_base_retracted(root, marker, key)
-        _beat(root, marker, key)
+        heartbeat.beat_after(root, key, f"step {marker.step} committed")
         return marker
     winner = Catalog(root).marker(marker.step)
     if _is_own(winner, marker):
@@ -71,6 +71,7 @@ def _unless_base_retracted(root: Root, marker: CommitMarker, key: signing.Key | 
         return
     events.reached("publish.base-retracted", step=marker.step, base=marker.base_step)
     retraction.record(root, marker, f"its base step {marker.base_step} was retracted while it was being published", key)
+    heartbeat.beat_after(root, key, f"step {marker.step} committed and retracted")
     raise StepConflictError(f"{root.url}: step {marker.base_step} was retracted while step {marker.step} was being "
                             f"published on it; step {marker.step} was committed and then retracted (publish again: it "
                             "builds on the newest live step, under a new number)")
@@ -92,12 +93,3 @@ def discard_attempt(root: Root, step: int, attempt: str) -> None:
         root.remove(layout.attempt_dir(step, attempt), recursive=True)
     except (OSError, ValueError, DCRError) as e:  # a publisher may lack delete permission (docs/guides/operations.md, "Permissions")
         log.info("could not remove the losing attempt %s of step %d (%s); dcr gc will", attempt, step, e)
-
-
-def _beat(root: Root, marker: CommitMarker, key) -> None:
-    """The run's heartbeat after a commit (``storage.heartbeat``). The step is committed whatever
-    happens here: a failure costs only freshness, and is said."""
-    try:
-        heartbeat.beat(root, marker.run, marker.step, key)
-    except (OSError, DCRError) as e:
-        log.warning("%s: step %d committed, but its heartbeat was not written (%s)", root.url, marker.step, e)

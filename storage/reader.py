@@ -84,7 +84,19 @@ def plan_refit(root: Root, current: int | None, step: int | None, where: str = "
     """Resolve the target, plan the cheapest exact moves and pin every manifest they need."""
     cat = Catalog(root)
     target = resolve_target(cat, step)
-    current = held_or_restart(cat, current, where)
+    return _plan(root, cat, held_or_restart(cat, current, where), target)
+
+
+def plan_replay(root: Root, step: int) -> RefitPlan:
+    """The plan that rebuilds committed ``step`` from nothing (its restart point, then deltas), a
+    retracted step too: what ``dcr verify --deep`` replays. No receiver targets it this way."""
+    cat = Catalog(root)
+    cat.require_marker(step)
+    return _plan(root, cat, None, step)
+
+
+def _plan(root: Root, cat: Catalog, current: int | None, target: int) -> RefitPlan:
+    """The cheapest exact moves from ``current`` to ``target``, every manifest they need pinned."""
     # Common case first: one step lies on the other's chain; read only the markers in between.
     moves = plan_direct(cat.step_info, current, target, cat.keyframe_cost(target))
     if moves is None:

@@ -6,9 +6,11 @@ it is signed with the publisher's key as commit markers are, and readers with a 
 is unsigned or does not verify (a forged retraction would roll receivers back). Created once
 (create-if-absent), never changed; ``dcr gc`` deletes it with its step.
 
-Only the newest live steps can be retracted (``flows.maintenance.retract``): a retracted step is
-no refit's target and no publish's base, and its number is never used again; its data stays until
-gc, so a receiver that holds it moves back to the newest live step through the inverse deltas.
+A step is retracted with every step built on it (``flows.maintenance.retract``), so no live step
+stands on a retracted one: a retracted step is no refit's target and no publish's base, and its
+number is never used again; its data stays until gc, so a receiver that holds it moves back to the
+newest live step through the inverse deltas. The publisher's heartbeat names every retracted step
+(``storage.heartbeat``), so a ROOT that hides a record is refused by ``--max-staleness``.
 """
 
 from __future__ import annotations

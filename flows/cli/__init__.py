@@ -36,7 +36,7 @@ COMMANDS = {
     "serve": ("flows.cli.serve", "serve the Prefect deployments of infra/prefect.yaml from this process"),
     "mirror": ("flows.cli.mirror", "copy committed steps from ROOT to another ROOT (a relay tree): payload first, marker last"),
     "keygen": ("flows.cli.keys", "write an Ed25519 key pair for signed commits: PATH (private), PATH.pub (public)"),
-    "retract": ("flows.cli.retract", "take back step N and every live step after it (a signed retraction record each)"),
+    "retract": ("flows.cli.retract", "take back step N and every step built on it (a signed retraction record each)"),
     "heartbeat": ("flows.cli.heartbeat", "renew the run's signed heartbeat (receivers with --max-staleness check it)"),
     "fleet": ("flows.cli.fleet", "switch a fleet of vLLM servers to one step, all or nothing (fleets/NAME.json records it)"),
     "cache": ("flows.cli.cache", "the local cache (publishers' baselines, receiver mirrors): ls, or prune to a bound"),

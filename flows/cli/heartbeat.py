@@ -2,7 +2,9 @@
 
 A publisher writes one with every commit; between commits (a long optimizer step, an evaluation)
 run this beside the trainer so receivers that ask for ``--max-staleness`` keep trusting the ROOT
-and its mirrors. With ``--every`` it renews until interrupted."""
+and its mirrors. With ``--every`` it renews until interrupted. A renewal never goes backwards: it
+refuses to name a step older than the previous heartbeat named (in the bucket, or written by this
+loop) unless that step was retracted, naming both (exit 5)."""
 
 from __future__ import annotations
 
@@ -28,13 +30,13 @@ def run(name: str, args) -> int:
     root = open_root(args.root, storage_options(args))
     require_published(root)
     key = signing.publisher_key()
+    last = None  # the heartbeat this loop wrote last: the next may not go behind it either
     while True:
-        cat = Catalog(root)
-        the_run = cat.root_run(fresh=True)
+        the_run = Catalog(root).root_run(fresh=True)
         if key is None and the_run is not None and the_run.signed is not None:
             raise UsageError(f"{root.url}: its steps are signed, so its heartbeat must be too; set "
                              f"{signing.ENV_KEY_FILE} (or {signing.ENV_KEY}) to the publisher's key")
-        hb = heartbeat.beat(root, None if the_run is None else the_run.run_id, cat.latest_committed(), key)
+        hb = last = heartbeat.beat(root, key, scan=True, floor=last)
         say(args, f"heartbeat of {root.url}: latest step {hb.latest_step}, at {hb.body()['at_utc']}"
             + (" (signed)" if hb.signature else ""), hb.body())
         if args.every is None:

@@ -1,4 +1,4 @@
-"""``dcr retract ROOT --step N [--reason TEXT]``: take back step N and every live step after it."""
+"""``dcr retract ROOT --step N [--reason TEXT]``: take back step N and every step built on it."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from flows.maintenance.retract import run_retract
 def add_arguments(name: str, p) -> None:
     add_common(p)
     p.add_argument("--step", type=step_arg, required=True, metavar="N",
-                   help="the oldest step to take back: N and every live step after it are retracted")
+                   help="the step to take back: N and every step built on it (its chain of bases leads to N) are retracted")
     p.add_argument("--reason", default="", metavar="TEXT", help="why (kept in each retraction record)")
 
 

@@ -144,7 +144,7 @@ def verify_tensors(root: RootRef, step: int, names: tuple[str, ...] | None = Non
             out["chunks"] += sum(restart[n].n_stored for n in chosen)
             out["bytes"] += sum(restart[n].stored_bytes for n in chosen)
         if deep and m.kind == DELTA:
-            _replay(r, reader.plan_refit(r, None, step), io_workers, chosen)
+            _replay(r, reader.plan_replay(r, step), io_workers, chosen)  # a retracted step too: its data stays until gc
             out["replayed"] = True
     except DCRError as e:
         out["errors"].append(str(e))

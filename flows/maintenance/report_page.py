@@ -148,16 +148,16 @@ def render(r: RunReport, out_dir: str) -> str:
     _save(bytes_figure(r), os.path.join(out_dir, "bytes.png"))
     _save(rate_figure(r), os.path.join(out_dir, "change_rate.png"))
     _save(lag_figure(r), os.path.join(out_dir, "lag.png"))
-    data = {**asdict(r), "latest": r.latest, "keyframes": r.keyframes, "restart_points": r.restart_points}
+    data = {**asdict(r), "latest": r.latest, "keyframes": r.keyframes, "restart_points": r.restart_points,
+            "retracted": r.retracted}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(data, f, indent=1)
     ratio = f"{r.stored_total / r.full_total:.4f}" if r.full_total else "-"
-    steps = [[p.step, p.kind, "-" if p.base_step is None else p.base_step, p.committed_at, human_bytes(p.bytes_stored),
+    steps = [[p.step, p.kind + (" (retracted)" if p.retracted else ""), "-" if p.base_step is None else p.base_step,
+              p.committed_at, human_bytes(p.bytes_stored),
               human_bytes(p.bytes_full), "-" if p.change_rate is None else f"{100 * p.change_rate:.3f}%",
               "yes" if p.restart_point else "", ] for p in r.steps]
-    latest = r.latest
-    receivers = [[rid, r.positions.get(rid, "-"),
-                  "-" if latest is None or rid not in r.positions else sum(1 for p in r.steps if p.step > r.positions[rid]),
+    receivers = [[rid, r.positions.get(rid, "-"), "-" if r.lag_now(rid) is None else r.lag_now(rid),
                   max((p.lag for p in points), default="-")] for rid, points in r.receivers.items()]
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>DCR run report: {html.escape(r.root)}</title>
@@ -174,11 +174,12 @@ dl {{ display: grid; grid-template-columns: max-content auto; gap: 2px 16px; }} 
 <dl id="summary">
 <dt>ROOT</dt><dd>{html.escape(r.root)}</dd>
 <dt>generated</dt><dd>{r.generated_at}</dd>
-<dt>committed steps</dt><dd id="n-steps">{len(r.steps)}</dd>
+<dt>committed steps</dt><dd id="n-steps">{len(r.live)}</dd>
 <dt>latest step</dt><dd id="latest">{'-' if r.latest is None else r.latest}</dd>
 <dt>keyframes</dt><dd id="keyframes">{_steps_text(r.keyframes)}</dd>
 <dt>restart points</dt><dd id="restart-points">{_steps_text(r.restart_points)}</dd>
 <dt>stored / full</dt><dd id="ratio">{human_bytes(r.stored_total)} of {human_bytes(r.full_total)} ({ratio})</dd>
+<dt>retracted steps</dt><dd id="retracted">{_steps_text(r.retracted)}</dd>
 <dt>uncommitted attempts</dt><dd>{', '.join(map(str, r.uncommitted)) or '-'}</dd>
 </dl>
 <figure><img src="bytes.png" alt="bytes stored per step"><figcaption>Bytes stored per step against the

@@ -1,17 +1,23 @@
-"""``dcr retract ROOT --step N``: take back the newest committed step(s), N and every live step after it.
+"""``dcr retract ROOT --step N``: take back step N and every step built on it.
 
 Why: a step published by mistake (a typo'd ``--step 999999999999`` that would bar every later
-number, or a bad policy update) must be taken back without rewriting history. Each retracted step
-gets a signed retraction record (``storage.retraction``), newest first, so a retraction cut off
-anywhere leaves the newest steps retracted and the rest live, and a rerun finishes it. From then on:
+number, or a bad policy update) must be taken back without rewriting history. What is taken back
+is N and its descendants: every committed step whose chain of bases leads to N (a delta on N, a
+delta on that, ...). A later step on another base (a keyframe, or a delta a second publisher built
+on N's base) does not depend on N and stays live. Each retracted step gets a signed retraction
+record (``storage.retraction``), newest first, so a retraction cut off anywhere leaves no live step
+on a retracted one, and a rerun finishes it. Then the run's heartbeat is renewed (it names the
+retracted steps: ``storage.heartbeat``). From then on:
 
 - a refit's default target is the newest live step; a retracted step is no target (refused by
   name); a receiver that holds one moves back on its next receive, through the inverse deltas it
   already knows how to apply (exact), or from a restart point if gc deleted them (gc keeps the
-  retraction record as a tombstone);
+  retraction record as a tombstone); a receiver that reads several ROOTs (``--fallback-root``)
+  honours a retraction seen in any of them (``flows.receive.nearest``);
 - the next publish builds on the newest live step and may take any number above it that was never
   committed: a committed number, retracted or not, is never used again;
-- ``dcr ls``, ``status`` and ``show`` mark the step retracted; ``dcr mirror`` copies the record to
+- ``dcr ls``, ``status``, ``show`` and ``report`` mark the step retracted (no lag counts it);
+  ``dcr verify --deep`` still replays it (its data is whole until gc); ``dcr mirror`` copies the record to
   the mirrors that hold the step; ``dcr gc`` may delete retracted steps (a lease still pins them),
   keeping each record;
 - a publish racing a retraction of its base never leaves a live step on it (``storage.commit``).
@@ -27,7 +33,7 @@ from dataclasses import dataclass, field
 
 from dcr_core import events
 from dcr_core.errors import StepNotFoundError, UsageError
-from storage import layout, retraction, signing
+from storage import heartbeat, layout, retraction, signing
 from storage.catalog import Catalog
 from storage.retraction import MAX_REASON_CHARS
 from storage.root import RootRef, open_root
@@ -42,7 +48,7 @@ class RetractResult:
 
 def run_retract(root: str | os.PathLike, step: int, reason: str = "", storage_options: dict | None = None
                 ) -> RetractResult:
-    """Retract committed step ``step`` and every live step after it (see the module docstring)."""
+    """Retract committed step ``step`` and every step built on it (see the module docstring)."""
     layout.check_step(step)
     if not isinstance(reason, str) or len(reason) > MAX_REASON_CHARS:
         raise UsageError(f"the reason must be text of at most {MAX_REASON_CHARS} characters")
@@ -58,8 +64,8 @@ def run_retract(root: str | os.PathLike, step: int, reason: str = "", storage_op
         raise UsageError(f"{r.url}: its steps are signed, so a retraction must be too; set {signing.ENV_KEY_FILE} "
                          f"(or {signing.ENV_KEY}) to the publisher's key")
     seen: set[int] = set()
-    while True:  # listed again once done: a publish that committed meanwhile is retracted too
-        todo = [s for s in cat.ever_committed_steps() if s >= step and s not in seen]
+    while True:  # listed again once done: a publish that committed on a retracted step meanwhile is retracted too
+        todo = [s for s in descendants(cat, step) if s not in seen]
         if not todo:
             break
         for s in sorted(todo, reverse=True):
@@ -73,4 +79,15 @@ def run_retract(root: str | os.PathLike, step: int, reason: str = "", storage_op
     result.retracted.sort(reverse=True)
     result.already.sort(reverse=True)
     result.latest = cat.latest_committed()
+    heartbeat.beat_after(r, key, "a retraction")
     return result
+
+
+def descendants(cat: Catalog, step: int) -> list[int]:
+    """``step`` and every committed step whose chain of bases leads to it, ascending (a base is always
+    older than its step, so one pass upward finds them all)."""
+    found = {step}
+    for s in cat.ever_committed_steps():
+        if s > step and cat.marker(s).base_step in found:
+            found.add(s)
+    return sorted(found)

@@ -2,8 +2,14 @@
 
 ``receive_nearest([mirror, upstream, ...], ...)`` (``dcr receive MIRROR --fallback-root UPSTREAM``):
 
-- the target is ``step``, or the newest step committed in any of the ROOTs (a mirror that lags does
-  not hold a receiver back);
+- the target is ``step``, or the newest step live in any of the ROOTs (a mirror that lags does not
+  hold a receiver back);
+- a retraction seen in any of the ROOTs is honoured in all of them: a step that one ROOT shows
+  retracted (its record verified, signed where the reader has a key, naming the attempt the others
+  serve) is no target, whichever ROOT would serve it, so a mirror that lags behind a retraction, or
+  whose record was deleted, never takes a receiver back to the retracted step (a ROOT that cannot be
+  read shows nothing: ``--max-staleness`` is what refuses a mirror whose heartbeat names a
+  retraction it does not show);
 - the ROOTs are tried in order of preference; one that has not committed the target is skipped, and
   one whose refit fails on what another ROOT may not share (a missing or damaged object, a marker
   that does not verify, an unreachable endpoint) is reported on stderr and the next is tried;
@@ -27,9 +33,16 @@ from flows.receive.pipeline import run_receive
 from flows.results import ReceiveResult
 from storage.access import StoreUnreachableError
 from storage.catalog import Catalog
+from storage.marker import CommitMarker
 from storage.root import RootRef, open_root
 
 log = logging.getLogger("dcr.receive")
+
+
+class RetractedElsewhereError(StepNotFoundError):
+    """The target step is retracted in one of the ROOTs: no ROOT serves it."""
+
+
 NEXT_ROOT = (IntegrityError, StepNotFoundError, StoreUnreachableError, FileNotFoundError, OSError)
 
 
@@ -42,20 +55,66 @@ def _as_ref(root) -> RootRef:
     return RootRef(os.fspath(url), dict(options or {}))
 
 
-def newest_step(roots: Sequence[RootRef], warn: Callable[[str], None]) -> int:
-    """The newest step committed in any of ``roots`` (ROOTs that cannot be read are reported)."""
-    latest = []
+def _readable(roots: Sequence[RootRef], warn: Callable[[str], None]) -> list[Catalog]:
+    """A catalog of each of ``roots`` that can be listed (the others are reported)."""
+    cats = []
     for ref in roots:
         try:
-            s = Catalog(open_root(ref)).latest_committed()
+            cat = Catalog(open_root(ref))
+            cat.listed_steps()
         except NEXT_ROOT as e:
-            warn(f"{ref.url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            warn(_why(ref.url, e))
             continue
-        if s is not None:
-            latest.append(s)
-    if not latest:
-        raise StepNotFoundError(f"no committed step in {', '.join(r.url for r in roots)}")
-    return max(latest)
+        cats.append(cat)
+    return cats
+
+
+def _once(warn: Callable[[str], None]) -> Callable[[str], None]:
+    """``warn``, saying each message once (a ROOT that cannot be read is asked about several steps)."""
+    said: set[str] = set()
+
+    def once(message: str) -> None:
+        if message not in said:
+            said.add(message)
+            warn(message)
+    return once
+
+
+def _why(url: str, e: BaseException) -> str:
+    return f"{url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def retracted_in(cats: Sequence[Catalog], step: int, marker: CommitMarker, warn: Callable[[str], None]) -> str | None:
+    """Where committed ``step`` (the attempt ``marker`` commits) is retracted: the first ROOT of
+    ``cats`` that shows its verified retraction record, or None. A ROOT whose record cannot be read
+    or does not verify is reported and shows nothing."""
+    for cat in cats:
+        try:
+            r = cat.retraction(step)
+        except NEXT_ROOT as e:
+            warn(_why(cat.root.url, e))
+            continue
+        if r is not None and (r.attempt, r.manifest_digest) == (marker.attempt, marker.manifest_digest):
+            why = f" ({r.retracted_at}: {r.reason})" if r.reason else f" ({r.retracted_at})"
+            return f"{cat.root.url}{why}"
+    return None
+
+
+def newest_step(cats: Sequence[Catalog], warn: Callable[[str], None]) -> int:
+    """The newest step live in any of the ROOTs of ``cats`` and retracted in none (a ROOT that cannot
+    be read is reported)."""
+    for step in sorted({s for cat in cats for s in cat.listed_steps()}, reverse=True):
+        for cat in cats:
+            try:
+                marker = cat.marker(step) if cat.is_live(step) else None
+            except NEXT_ROOT as e:
+                warn(_why(cat.root.url, e))
+                continue
+            if marker is not None:
+                if retracted_in(cats, step, marker, warn) is None:
+                    return step
+                break  # retracted somewhere: no ROOT serves it
+    raise StepNotFoundError(f"no live step in {', '.join(c.root.url for c in cats) or 'any ROOT'}")
 
 
 def receive_nearest(
@@ -67,18 +126,23 @@ def receive_nearest(
     refs = [_as_ref(r) for r in roots]
     if not refs:
         raise UsageError("no ROOT to receive from")
-    warn = warn or (lambda m: log.warning("%s", m))
-    target = step if step is not None else newest_step(refs, warn)
+    warn = _once(warn or (lambda m: log.warning("%s", m)))
+    cats = _readable(refs, warn)
+    target = step if step is not None else newest_step(cats, warn)
     failures = []
     for ref in refs:
         try:
-            if Catalog(open_root(ref)).marker(target) is None:
-                failures.append(f"{ref.url}: step {target} not committed (yet)")
-                continue
-            return run_receive(ref.url, receiver_id, state_path, target, ref.storage_options, options)
+            marker = Catalog(open_root(ref)).marker(target)
+            if marker is not None:
+                where = retracted_in(cats, target, marker, warn)
+                if where is not None:
+                    raise RetractedElsewhereError(f"step {target} was retracted in {where}: no ROOT serves it")
+                return run_receive(ref.url, receiver_id, state_path, target, ref.storage_options, options)
+            failures.append(f"{ref.url}: step {target} not committed (yet)")
+        except RetractedElsewhereError:
+            raise
         except NEXT_ROOT as e:  # what another ROOT may not share; bad arguments and the like propagate
-            why = f"{ref.url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            failures.append(why)
+            failures.append(_why(ref.url, e))
             if ref is not refs[-1]:
-                warn(f"{why}; trying the next ROOT")
+                warn(f"{failures[-1]}; trying the next ROOT")
     raise StepNotFoundError(f"no ROOT could serve step {target}: " + "; ".join(failures))

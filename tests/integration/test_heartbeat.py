@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from storage import heartbeat, signing
-from storage.catalog import Catalog
 from storage.root import Root
 from tests.support.cli import dcr
 from tests.support.helpers import file_bytes, write_safetensors
@@ -47,7 +46,7 @@ def test_a_mirror_that_stopped_copying_is_refused_by_age_until_it_copies_again(s
     monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
     monkeypatch.delenv("DCR_VERIFY_KEY_FILE")
     r = Root(str(signed_origin))
-    heartbeat.beat(r, Catalog(r).root_run().run_id, 1, signing.publisher_key(), now=time.time() - 3600)
+    heartbeat.beat(r, signing.publisher_key(), now=time.time() - 3600)
     monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
     monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
     dcr("mirror", signed_origin, region, check=0)
@@ -115,3 +114,25 @@ def test_a_heartbeat_planted_in_a_mirror_is_replaced_by_upstreams(signed_origin,
     dcr("mirror", signed_origin, region, check=0)
     assert file_bytes(region / heartbeat.KEY) == file_bytes(signed_origin / heartbeat.KEY)
     dcr("receive", region, "--receiver", "r", "--state", state, "--max-staleness", 600, check=0)
+
+
+@pytest.mark.faults(component="security", outcome="a renewal that would go backwards signs nothing, naming both steps")
+def test_a_renewal_never_goes_backwards_unless_the_newer_step_was_retracted(signed_origin, tmp_path):
+    """A writer hides step 1's commit marker during a renewal: ``dcr heartbeat`` signs nothing and
+    names both steps (a heartbeat naming step 0 would vouch for a mirror frozen there). With the
+    marker back it renews; after ``dcr retract --step 1`` it names step 0, and step 1 as retracted."""
+    key = {"DCR_SIGNING_KEY_FILE": str(tmp_path / "key")}
+    marker = signed_origin / "steps" / "000000000001" / "commit.json"
+    before = (signed_origin / heartbeat.KEY).read_bytes()
+    os.rename(marker, tmp_path / "hidden.json")
+    out = dcr("heartbeat", signed_origin, env=key, check=5)
+    assert "newest live step is 0, older than step 1 its previous heartbeat named" in out.stderr, out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1 and (signed_origin / heartbeat.KEY).read_bytes() == before
+    os.rename(tmp_path / "hidden.json", marker)
+    dcr("heartbeat", signed_origin, env=key, check=0)
+    assert json.loads((signed_origin / heartbeat.KEY).read_text())["latest_step"] == 1
+    dcr("retract", signed_origin, "--step", 1, env=key, check=0)
+    hb = json.loads(dcr("heartbeat", signed_origin, "--json", env=key, check=0).stdout)
+    assert (hb["latest_step"], hb["retracted"]) == (0, [1])
+    dcr("receive", signed_origin, "--receiver", "r", "--state", tmp_path / "s.safetensors", "--max-staleness", 60,
+        check=0)

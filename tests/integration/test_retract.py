@@ -65,6 +65,8 @@ def test_every_receiver_of_a_retracted_step_moves_back_exactly_and_the_number_is
     assert "RETRACTED" in dcr("show", root, "--step", 4, check=0).stdout
     status = dcr("status", root, check=0).stdout
     assert "latest committed step: 2" in status and "4!" in status and "! retracted" in status
+    deep = json.loads(dcr("verify", root, "--deep", "--json", check=0).stdout)  # a retracted step's data is whole
+    assert deep["replayed"] == [1, 2, 3, 4] and not deep["errors"], deep
 
     for rid, path, opts in (("rewrite", rewrite, None), ("in-place", in_place, ReceiveOptions(in_place=True))):
         res = run_receive(root, rid, str(path), options=opts)
@@ -254,3 +256,91 @@ def test_a_mirror_copies_a_retraction_of_a_step_older_than_upstreams_newest(tmp_
     down = tmp_path / "down.safetensors"
     run_receive(region, "down", str(down), options=ReceiveOptions())
     assert_bits_equal(load_file(down), new)
+
+
+def test_a_retraction_takes_back_the_step_and_what_builds_on_it_not_a_later_step_on_another_base(tmp_path):
+    """Step 7 is published on step 5 while another publisher commits step 6 (both live): retracting
+    step 6 takes back step 6 alone, and a step built on it later (8, on 6) with it; step 7 stays the
+    newest live step, and a receiver that held step 6 moves to it exactly."""
+    from dcr_core import events
+
+    root = str(tmp_path / "origin")
+    cks = chain_of_steps(8, seed=53)
+    _publish(root, cks[:6], tmp_path)
+    fired = []
+
+    def publish_six(p, fields):
+        if p == "publish.manifest-written" and fields.get("step") == 7 and not fired:
+            fired.append(p)
+            run_publish(root, cks[6], 6, options=PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "other")))
+
+    with events.listening(publish_six):
+        _publish(root, [cks[7]], tmp_path, first=7)
+    cat = Catalog(Root(root))
+    assert fired and cat.marker(7).base_step == 5 and cat.marker(6).base_step == 5 and cat.latest_committed() == 7
+    state = tmp_path / "s.safetensors"
+    run_receive(root, "r", str(state), step=6)
+
+    res = run_retract(root, 6, reason="bad")
+    assert res.retracted == [6] and res.latest == 7, res
+    cat = Catalog(Root(root))
+    assert cat.is_live(7) and cat.retraction(6) is not None and cat.is_live(5)
+    assert run_receive(root, "r", str(state)).step == 7
+    assert_bits_equal(load_file(state), cks[7])
+
+
+def test_a_retraction_takes_back_every_step_built_on_the_retracted_one(tmp_path):
+    """A chain 3 -> 4 -> 5 and a keyframe 6: retracting step 4 takes back 4 and 5 (built on it),
+    newest first, and leaves the keyframe live."""
+    root = str(tmp_path / "origin")
+    cks = chain_of_steps(7, seed=55)
+    _publish(root, cks[:6], tmp_path)
+    run_publish(root, cks[6], 6, keyframe=True, options=PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache")))
+    out = dcr("retract", root, "--step", 4, check=0).stdout
+    assert out.startswith("retracted steps 4, 5; the newest live step is 6"), out
+    assert Catalog(Root(root)).committed_steps() == [0, 1, 2, 3, 6]
+
+
+@pytest.mark.faults(component="retraction", outcome="a retraction in any ROOT is honoured; a mirror hiding it is refused")
+def test_a_retraction_seen_in_any_root_is_honoured_and_a_mirror_hiding_it_is_refused(tmp_path, monkeypatch):
+    """A receiver reads a mirror first and the origin as fallback (signed). The origin retracts step 3
+    while the mirror lags: the receiver moves back to step 2 and stays there (never 2 -> 3 -> 2 -> 3),
+    and asking for step 3 names the ROOT that retracted it. The mirror then copies the record and the
+    origin's heartbeat (which names step 3 retracted); its record deleted, the mirror still serves no
+    step 3, and a receiver with --max-staleness refuses the mirror alone, naming step 3."""
+    from storage import heartbeat, signing
+
+    signing.keygen(tmp_path / "key")
+    monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
+    origin, region = str(tmp_path / "origin"), str(tmp_path / "region")
+    cks = chain_of_steps(4, seed=57)
+    _publish(origin, cks, tmp_path)
+    monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
+    monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
+    run_mirror(origin, region)
+    state = tmp_path / "s.safetensors"
+
+    def receive(*extra, check=0):
+        return dcr("receive", region, "--fallback-root", origin, "--receiver", "r", "--state", state, *extra,
+                   check=check)
+
+    receive()
+    assert_bits_equal(load_file(state), cks[3])
+    dcr("retract", origin, "--step", 3, "--reason", "bad", env={"DCR_SIGNING_KEY_FILE": str(tmp_path / "key")}, check=0)
+    for _ in range(2):  # the mirror still shows step 3 live: the origin's retraction wins, every time
+        receive()
+        assert_bits_equal(load_file(state), cks[2])
+    assert json.load(open(os.path.join(origin, heartbeat.KEY)))["retracted"] == [3]
+    assert Catalog(Root(region)).position("r")["step"] == 2  # served by the mirror, moving back
+    out = receive("--step", 3, check=4)
+    assert f"step 3 was retracted in {origin}" in out.stderr and "bad" in out.stderr, out.stderr
+    assert_bits_equal(load_file(state), cks[2])
+
+    assert run_mirror(origin, region).retracted_steps == [3]
+    dcr("receive", region, "--receiver", "m", "--state", tmp_path / "m.safetensors", "--max-staleness", 600, check=0)
+    os.unlink(os.path.join(region, layout.retraction_key(3)))  # the mirror hides it
+    receive()
+    assert_bits_equal(load_file(state), cks[2])
+    out = dcr("receive", region, "--receiver", "m", "--state", tmp_path / "m.safetensors", "--max-staleness", 600,
+              check=5)
+    assert "says step 3 was retracted, but this ROOT shows it live" in out.stderr, out.stderr

@@ -324,3 +324,35 @@ def test_a_one_step_run_still_gets_whole_step_ticks(tmp_path):
     assert _visible_ticks(bytes_figure(r).axes[0], "x") == ["0"] == _visible_ticks(rate_figure(r).axes[0], "x")
     ax = lag_figure(r).axes[0]  # no receiver yet: said, not an empty frame
     assert [t.get_text() for t in ax.texts] == ["no receiver has recorded a refit"]
+
+
+def test_a_retracted_step_is_marked_and_counts_in_no_lag_as_in_status(tmp_path):
+    """Steps 0..2 published, both receivers at step 2, then step 2 retracted and one receiver moved
+    back to step 1: ``report.json`` marks step 2 retracted, its latest step is 1, and each receiver's
+    lag now (and at the end of its timeline) is what ``dcr status`` says: 0 for both (a retracted step
+    is newer than nothing a receiver should reach)."""
+    from flows import run_retract
+
+    root, g = str(tmp_path / "bucket"), torch.Generator().manual_seed(2)
+    ck = {"w": torch.randn(32, 32, generator=g).bfloat16()}
+    for step in range(3):
+        if step:
+            ck["w"].view(-1).view(torch.int16)[torch.randperm(1024, generator=g)[:30]] ^= 1
+        run_publish(root, {k: v.clone() for k, v in ck.items()}, step)
+        run_receive(root, "a", str(tmp_path / "a.safetensors"))
+    run_receive(root, "b", str(tmp_path / "b.safetensors"))
+    run_retract(root, 2, reason="bad")
+    assert run_receive(root, "a", str(tmp_path / "a.safetensors")).step == 1
+
+    dcr("report", root, "--out", tmp_path / "report", check=0)
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["latest"] == 1 and report["retracted"] == [2]
+    assert [(s["step"], s["retracted"]) for s in report["steps"]] == [(0, False), (1, False), (2, True)]
+    assert report["steps"][2]["retracted_at"]
+    status = json.loads(dcr("status", root, "--json", check=0).stdout)
+    assert status["latest"] == 1 and {r["receiver"]: r["lag"] for r in status["receivers"]} == {"a": 0, "b": 0}
+    r = build_report(open_root(root))
+    assert {rid: r.lag_now(rid) for rid in ("a", "b")} == {"a": 0, "b": 0}
+    assert {rid: points[-1]["lag"] for rid, points in report["receivers"].items()} == {"a": 0, "b": 0}, report["receivers"]
+    html_page = (tmp_path / "report" / "index.html").read_text()
+    assert '<dd id="n-steps">2</dd>' in html_page and '<dd id="retracted">1 (step 2)</dd>' in html_page
