@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from dcr_core.chain import StepInfo, ancestors
 from dcr_core.errors import UsageError
+from dcr_core.text import plural
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,7 +46,7 @@ class KeyframePolicy:
         (None) never trigger a keyframe on their own.
         """
         if self.every and keyframe_step is not None and step - keyframe_step >= self.every:
-            return f"{step - keyframe_step} steps since keyframe {keyframe_step} (policy: every {self.every})"
+            return f"{plural(step - keyframe_step, 'step')} since keyframe {keyframe_step} (policy: every {self.every})"
         if self.above and delta_bytes is not None and full_bytes and delta_bytes > self.above * full_bytes:
             return (
                 f"{delta_bytes} delta bytes since keyframe {keyframe_step} exceed {self.above:g} of the full "

@@ -5,6 +5,9 @@ or the checkpoint. Printed raw, an ESC sequence in one sets the terminal's title
 or rewrites lines a person is reading, and a newline forges a row of a table. ``printable`` writes
 every control character (C0, DEL, C1) and the Unicode bidirectional overrides as a visible escape
 (``\\x1b``, ``\\u202e``); newlines only where the caller lays out lines itself.
+
+``plural`` puts a count with its noun in the form the count takes (``1 step``, ``2 steps``): every
+line the commands print about a count goes through it.
 """
 
 from __future__ import annotations
@@ -29,3 +32,10 @@ def _escape(m: re.Match) -> str:
 def printable(text: object, newlines: bool = False) -> str:
     """``str(text)`` with control characters escaped (``newlines``: line breaks kept as they are)."""
     return (_BUT_NEWLINES if newlines else _ANY).sub(_escape, str(text))
+
+
+def plural(n: int, noun: str, nouns: str | None = None, count: bool = True) -> str:
+    """``n`` and ``noun`` in the form that count takes: ``1 step``, ``0 steps``, ``3 entries`` (``nouns``:
+    a plural that is not ``noun + "s"``); ``count=False``: the noun alone."""
+    word = noun if n == 1 else nouns or noun + "s"
+    return f"{n} {word}" if count else word

@@ -64,6 +64,7 @@ from prefect.events import emit_event
 from prefect.runtime import flow_run, task_run
 
 from dcr_core.errors import DCRError, UsageError
+from dcr_core.text import plural
 from flows import local_refs
 from flows import workers as cluster
 from flows.local_refs import LocalRef
@@ -427,8 +428,9 @@ def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_option
     with tags(*_mirror_tags(src, dst)), cluster.entered(workers) as mapped_on:
         result = run_mirror(str(src), str(dst), step, src_storage_options, dst_storage_options,
                             PrefectRunner(mapped_on), as_id=as_id, io_workers=io_workers, group_bytes=group_bytes)
-    get_run_logger().info("mirrored steps %s to %s (%d objects, %d bytes); already there: %d", result.copied_steps, dst,
-                          result.objects_copied, result.bytes_copied, len(result.present_steps))
+    get_run_logger().info("mirrored steps %s to %s (%s, %s); already there: %d", result.copied_steps, dst,
+                          plural(result.objects_copied, "object"), plural(result.bytes_copied, "byte"),
+                          len(result.present_steps))
     return asdict(result)
 
 
@@ -546,8 +548,9 @@ def _report_receive(root: str, storage_options: dict | None, receiver_id: str, r
     lag = "-" if latest is None else max(0, latest - r["step"])
     moves = ", ".join(r["moves"]) or "already there"
     pause = r.get("pause_seconds")
-    get_run_logger().info("receiver %s at step %d (%s; pulled %d bytes; %s steps behind the latest)",
-                          receiver_id, r["step"], moves, r["bytes_pulled"], lag)
+    behind = "- steps" if lag == "-" else plural(lag, "step")
+    get_run_logger().info("receiver %s at step %d (%s; pulled %s; %s behind the latest)",
+                          receiver_id, r["step"], moves, plural(r["bytes_pulled"], "byte"), behind)
     if not r["moves"]:  # nothing happened: the log line says so; no artifact for a run with nothing to show
         return
     create_table_artifact(
@@ -561,9 +564,9 @@ def _report_receive(root: str, storage_options: dict | None, receiver_id: str, r
 
 
 def _report_verify(report: VerifyReport) -> None:
-    get_run_logger().info("verify %s: %d steps, %d chunks, %d bytes checked, %d errors",
-                          "FAILED" if report.errors else "ok", len(report.steps), report.chunks, report.bytes,
-                          len(report.errors))
+    get_run_logger().info("verify %s: %s, %s, %s checked, %s", "FAILED" if report.errors else "ok",
+                          plural(len(report.steps), "step"), plural(report.chunks, "chunk"), plural(report.bytes, "byte"),
+                          plural(len(report.errors), "error"))
     create_table_artifact(
         [{"steps": ", ".join(map(str, report.steps)) or "-", "chunks": report.chunks, "bytes": report.bytes,
           "deep": report.deep, "replayed": ", ".join(map(str, report.replayed)) or "-",
@@ -575,8 +578,9 @@ def _report_verify(report: VerifyReport) -> None:
 
 def _report_gc(report: GcReport) -> None:
     p = report.plan
-    get_run_logger().info("gc: deleted %d steps and %d attempts (%d bytes); kept %d steps",
-                          len(report.deleted_steps), len(report.deleted_attempts), p.bytes_freed, len(p.keep))
+    get_run_logger().info("gc: deleted %s and %s (%s); kept %s", plural(len(report.deleted_steps), "step"),
+                          plural(len(report.deleted_attempts), "attempt"), plural(p.bytes_freed, "byte"),
+                          plural(len(p.keep), "step"))
     create_table_artifact(
         [{"deleted steps": ", ".join(map(str, report.deleted_steps)) or "-",
           "deleted attempts": len(report.deleted_attempts), "bytes freed": p.bytes_freed,

@@ -12,8 +12,13 @@ mkdir -p "$PREFECT_HOME"
 PY="$(find_python prefect)"
 port_free "$PY" "$PORT"
 LOG="$PREFECT_HOME/server.log"
+API_URL="http://127.0.0.1:$PORT/api"
+# The UI in the browser asks the server which API to call (/ui-settings): unless told, that is the
+# PREFECT_API_URL of this shell (a server started earlier?) or 127.0.0.1:4200, never --port's.
+export PREFECT_SERVER_API_HOST=127.0.0.1 PREFECT_SERVER_API_PORT="$PORT"
+export PREFECT_API_URL="$API_URL" PREFECT_SERVER_UI_API_URL="$API_URL"
 "$PY" -m prefect server start --host 127.0.0.1 --port "$PORT" >"$LOG" 2>&1 &
 PID=$!
 echo "$PID" >"$PREFECT_HOME/server.pid"
-wait_healthy "$PY" "$PID" "http://127.0.0.1:$PORT/api/health" "$LOG" 90
-echo "export PREFECT_API_URL=http://127.0.0.1:$PORT/api"
+wait_healthy "$PY" "$PID" "$API_URL/health" "$LOG" 90
+echo "export PREFECT_API_URL=$API_URL"

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 from dcr_bench.models.demo_lm import DEFAULT_LR, DemoLM, ModelConfig, canonical, train_step
 from dcr_core.errors import DCRError
+from dcr_core.text import plural
 from flows import PublishOptions, run_materialize, run_publish, run_receive
 
 RECEIVERS = ("rollout-a", "rollout-b")
@@ -128,7 +129,7 @@ def _summarize(rows, problem, wall_s, root, workdir, lr, c, n_params, say) -> di
         "mean_receive_s": mean("receive_s"), "wall_s": wall_s, "rows": rows,
     }
     say(
-        f"\n{summary['steps']} deltas after the keyframe; mean change rate {100 * summary['mean_change_rate']:.3f}%\n"
+        f"\n{plural(summary['steps'], 'delta')} after the keyframe; mean change rate {100 * summary['mean_change_rate']:.3f}%\n"
         f"deltas stored {_mib(stored)} vs {_mib(full)} x {len(deltas)} = {_mib(full * len(deltas))} full "
         f"({100 * summary['delta_ratio']:.2f}%)\n"
         f"mean publish {summary['mean_publish_s']:.2f}s, mean receive {summary['mean_receive_s']:.2f}s, "

@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict
 
 from dcr_core.errors import IntegrityError, UsageError
-from dcr_core.text import printable
+from dcr_core.text import plural, printable
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options
 from flows.cli.progress import shown
 from flows.maintenance.audit import VerifyReport, format_rows, list_steps, verify
@@ -104,11 +104,12 @@ def run(name: str, args) -> int:
         for err in report.errors:
             print(f"dcr: verify: {err}", file=sys.stderr)
         status = "FAILED" if report.errors else "ok"
-        deep = f", {len(report.replayed)} deltas replayed from their restart points" if args.deep else ""
+        deep = f", {plural(len(report.replayed), 'delta')} replayed from their restart points" if args.deep else ""
         say(
             args,
-            f"verify {status}: {len(report.steps)} steps, {report.chunks} chunks, {report.bytes} bytes checked{deep}"
-            + (f", {len(report.errors)} errors" if report.errors else ""),
+            f"verify {status}: {plural(len(report.steps), 'step')}, {plural(report.chunks, 'chunk')}, "
+            f"{plural(report.bytes, 'byte')} checked{deep}"
+            + (f", {plural(len(report.errors), 'error')}" if report.errors else ""),
             asdict(report),
         )
         return IntegrityError.exit_code if report.errors else 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict
 
-from dcr_core.text import printable
+from dcr_core.text import plural, printable
 from flows.cli.common import say
 from flows.maintenance.audit import human_bytes
 from flows.options import default_cache_dir
@@ -50,6 +50,6 @@ def _table(cache_dir: str, found: list[cache.Entry]) -> str:
         where = printable(e.root or "(unreadable header)") + (" (gone)" if e.orphan else "")
         lines.append(f"{human_bytes(e.nbytes):>10}  {time.strftime('%Y-%m-%d %H:%M', time.localtime(e.last_used)):<16}  "
                      f"{e.kind:<18}  {'-' if e.step is None else e.step:>6}  {where}\n{'':>60}{printable(e.path)}")
-    lines.append(f"cache {cache_dir}: {human_bytes(sum(e.nbytes for e in found))} in {len(found)} entries "
+    lines.append(f"cache {cache_dir}: {human_bytes(sum(e.nbytes for e in found))} in {plural(len(found), 'entry', 'entries')} "
                  f"(bound {human_bytes(cache.max_bytes_setting())}: dcr cache prune)")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from dcr_core import events
 from dcr_core.errors import UsageError
+from dcr_core.text import plural
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options
 from flows.maintenance.mirror import MirrorResult, run_mirror
 from flows.maintenance.mirror_stream import Forwarder
@@ -77,7 +78,8 @@ def run(name: str, args) -> int:
         backoff = args.interval
         if r.copied_steps or r.retracted_steps or not args.follow:
             retracted = f"; retracted as upstream: {r.retracted_steps}" if r.retracted_steps else ""
-            say(args, f"mirrored steps {r.copied_steps or 'none'} ({r.objects_copied} objects, {r.bytes_copied} bytes){retracted}; "
+            copied = f"{plural(r.objects_copied, 'object')}, {plural(r.bytes_copied, 'byte')}"
+            say(args, f"mirrored steps {r.copied_steps or 'none'} ({copied}){retracted}; "
                 f"already there: {len(r.present_steps)}", asdict(r))
         if not args.follow:
             return 0

@@ -6,6 +6,7 @@ import os
 import sys
 
 from dcr_core.errors import UsageError
+from dcr_core.text import plural
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options, use_prefect
 from flows.cli.progress import shown
 from flows.options import ReceiveOptions
@@ -104,7 +105,7 @@ def run(name: str, args) -> int:
         with shown(args, f"receive {args.receiver}"):
             res = as_dict(receive_nearest(roots, args.receiver, args.state, args.step, options, warn_root))
         how = ", ".join(res["moves"]) or "already there"
-        say(args, f"receiver {args.receiver} at step {res['step']} ({how}; pulled {res['bytes_pulled']} bytes)", res)
+        say(args, f"receiver {args.receiver} at step {res['step']} ({how}; pulled {plural(res['bytes_pulled'], 'byte')})", res)
         return 0
     if use_prefect(args) or workers is not None:
         from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
@@ -125,8 +126,10 @@ def run(name: str, args) -> int:
         early = ""
         if args.follow and args.stream and stream.last is not None and stream.last["step"] == res["step"]:
             res = {**res, "prefetched": stream.last}
-            early = f"; {stream.last['chunks']} chunks ({stream.last['bytes']} bytes) fetched before the commit"
-        say(args, f"receiver {args.receiver} at step {res['step']} ({how}; pulled {res['bytes_pulled']} bytes{early})", res)
+            early = (f"; {plural(stream.last['chunks'], 'chunk')} ({plural(stream.last['bytes'], 'byte')}) "
+                     "fetched before the commit")
+        pulled = plural(res["bytes_pulled"], "byte")
+        say(args, f"receiver {args.receiver} at step {res['step']} ({how}; pulled {pulled}{early})", res)
 
     stream = None
     if not args.follow:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dcr_core.errors import UsageError
+from dcr_core.text import plural
 from flows.cli.common import add_common, say, storage_options
 from flows.maintenance.report import build_report
 from storage.catalog import require_published
@@ -29,6 +30,6 @@ def run(name: str, args) -> int:
     require_published(root)
     report = build_report(root)
     page = render(report, args.out)
-    say(args, f"wrote {page} ({len(report.steps)} steps, {len(report.receivers)} receivers; figures: "
+    say(args, f"wrote {page} ({plural(len(report.steps), 'step')}, {plural(len(report.receivers), 'receiver')}; figures: "
         f"{', '.join(FIGURES)})", {"page": page, "steps": len(report.steps), "receivers": len(report.receivers)})
     return 0

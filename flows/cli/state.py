@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import time
 
+from dcr_core.text import plural
 from flows.cli.common import say
 from flows.receive.verify_state import verify_state
 from storage.root import parse_storage_options
@@ -25,8 +26,9 @@ def run(name: str, args) -> int:
     res = verify_state(args.path, args.root, parse_storage_options(args.storage_option))
     seconds = time.perf_counter() - t0
     kept = {"agreed": "its block digests agreed", "absent": "no usable block digests were kept",
-            "differed": f"{res.stale_blocks} kept block digests differed"}[res.sidecar]
-    say(args, f"{res.path}: step {res.step} of {res.root}, {res.tensors} tensors ({res.nbytes} bytes) verified in "
+            "differed": f"{plural(res.stale_blocks, 'kept block digest')} differed"}[res.sidecar]
+    checked = f"{plural(res.tensors, 'tensor')} ({plural(res.nbytes, 'byte')})"
+    say(args, f"{res.path}: step {res.step} of {res.root}, {checked} verified in "
               f"{seconds:.2f} s; {kept}" + ("; block digests rewritten" if res.blocks else ""),
         dataclasses.asdict(res) | {"seconds": seconds})
     return 0

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from dcr_core import events
 from dcr_core.errors import DCRError, UnsafeKeyError
 from dcr_core.retention import steps_to_delete, steps_to_keep
-from dcr_core.text import printable
+from dcr_core.text import plural, printable
 from flows.options import GcOptions
 from flows.steps import InProcess, Runner, Step, StepTable
 from storage import layout, leases
@@ -336,8 +336,8 @@ def format_report(report: GcReport) -> str:
         n, b = p.step_sizes.get(s, (0, 0))
         objects, freed = objects - n, freed - b
     lines.append(
-        f"gc{' (dry run)' if report.dry_run else ''}: {verb} {len(steps)} steps and "
-        f"{len(p.delete_attempts)} stale attempts, {objects} objects, {freed} bytes; "
-        f"kept {len(p.keep)} steps" + (f" ({len(p.receivers)} receivers registered)" if p.receivers else "")
+        f"gc{' (dry run)' if report.dry_run else ''}: {verb} {plural(len(steps), 'step')} and "
+        f"{plural(len(p.delete_attempts), 'stale attempt')}, {plural(objects, 'object')}, {plural(freed, 'byte')}; "
+        f"kept {plural(len(p.keep), 'step')}" + (f" ({plural(len(p.receivers), 'receiver')} registered)" if p.receivers else "")
     )
     return "\n".join(lines)

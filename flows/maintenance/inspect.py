@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from dcr_core.text import printable
+from dcr_core.text import plural, printable
 from flows.maintenance.audit import human_bytes
 from storage.catalog import Catalog, earlier_visits, utc_epoch
 from storage.root import Root
@@ -193,7 +193,7 @@ def receiver_history(root: Root, receiver_id: str) -> list[dict]:
 def format_history(receiver_id: str, records: list[dict]) -> str:
     if not records:
         return f"receiver {receiver_id}: no record on any step ROOT holds"
-    lines = [f"receiver {receiver_id}: {len(records)} refits recorded on steps ROOT still holds (oldest first)",
+    lines = [f"receiver {receiver_id}: {plural(len(records), 'refit')} recorded on steps ROOT still holds (oldest first)",
              f"{'WHEN':<24}  {'FROM':>8}  {'TO':>8}  {'PULLED':>10}  MOVES"]
     for r in records:
         lines.append(f"{printable(r.get('committed_at', '-')):<24}  {'-' if r.get('from_step') is None else r['from_step']:>8}  {r['step']:>8}  "

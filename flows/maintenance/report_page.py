@@ -21,6 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator, PercentFormatter
 from matplotlib.transforms import offset_copy
 
+from dcr_core.text import plural
 from flows.maintenance.audit import human_bytes
 from flows.maintenance.report import RunReport, epoch
 
@@ -133,7 +134,7 @@ def _steps_text(steps: list[int]) -> str:
     if not steps:
         return "0"
     shown = [*map(str, steps[:8]), "\u2026", str(steps[-1])] if len(steps) > 10 else list(map(str, steps))
-    return f"{len(steps)} ({'step' if len(steps) == 1 else 'steps'} {', '.join(shown)})"
+    return f"{len(steps)} ({plural(len(steps), 'step', count=False)} {', '.join(shown)})"
 
 
 def _table(headers: list[str], rows: list[list], table_id: str) -> str:
@@ -152,7 +153,7 @@ def render(r: RunReport, out_dir: str) -> str:
             "retracted": r.retracted}
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(data, f, indent=1)
-    ratio = f"{r.stored_total / r.full_total:.4f}" if r.full_total else "-"
+    ratio = f"{100 * r.stored_total / r.full_total:.2f}%" if r.full_total else "-"  # a percent, as every figure of the page
     steps = [[p.step, p.kind + (" (retracted)" if p.retracted else ""), "-" if p.base_step is None else p.base_step,
               p.committed_at, human_bytes(p.bytes_stored),
               human_bytes(p.bytes_full), "-" if p.change_rate is None else f"{100 * p.change_rate:.3f}%",

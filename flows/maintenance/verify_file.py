@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcr_core.errors import InvalidCheckpointError
+from dcr_core.text import plural
 from storage import source_layout
 from storage.catalog import Catalog
 from storage.local.safetensors import INDEX_NAME, SafetensorsCheckpoint
@@ -140,7 +141,7 @@ def verify_file(root: Root, step: int, path: str | os.PathLike) -> FileVerdict:
             matched = _compare_file(real, lay.files[0], m, "", verdict)
     elif not os.path.isdir(real):
         verdict.differences.append(f"not a directory; step {step} was published as a directory of "
-                                   f"{len(lay.files)} files ({lay.files[0].name}, ...)")
+                                   f"{plural(len(lay.files), 'file')} ({lay.files[0].name}, ...)")
     else:
         for f in lay.files:
             matched |= _compare_file(os.path.join(real, f.name), f, m, f" (in {f.name})", verdict)

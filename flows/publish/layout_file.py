@@ -41,6 +41,7 @@ from dcr_core.bits import tensor_from_bits
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import InvalidCheckpointError, UsageError
 from dcr_core.shard_spec import Piece, fused_qkv, gated_fc1, replicate, split
+from dcr_core.text import plural
 from flows.publish.shards import Shard, ShardedSource, ShardSnapshot
 from flows.publish.sources import LAYOUT_FORMAT, is_layout_file  # noqa: F401 - is_layout_file: its old home
 from storage.local.safetensors import SafetensorsCheckpoint
@@ -113,7 +114,7 @@ def layout_sources(path) -> list[FileRankSource]:
         raise InvalidCheckpointError(f"{path}: not a {LAYOUT_FORMAT} file")
     world = d.get("world", len(d["ranks"]))
     if world != len(d["ranks"]) or not d["ranks"]:
-        raise InvalidCheckpointError(f"{path}: world {world!r} but {len(d['ranks'])} ranks listed")
+        raise InvalidCheckpointError(f"{path}: world {world!r} but {plural(len(d['ranks']), 'rank')} listed")
     base = os.path.dirname(os.path.abspath(path))
     out = []
     for r, rk in enumerate(d["ranks"]):

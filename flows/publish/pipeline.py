@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 
 from dcr_core import events
 from dcr_core.errors import DCRError, UsageError
+from dcr_core.text import plural
 from flows import local_refs
 from flows.local_refs import LocalRef
 from flows.options import PublishOptions
@@ -111,8 +112,8 @@ def _encode(tasks: Bound, plan, snap, baseline) -> dict:
         return tasks.encode_and_write(plan, snap, baseline)
     plan, snap, baseline = mappable(plan, snap, baseline)
     groups = plan_groups(plan, tasks.slots)
-    log.info("step %d: encoding %d tensors in %d groups on %d worker slots", plan.step, len(plan.infos), len(groups),
-             tasks.slots)
+    log.info("step %d: encoding %s in %s on %s", plan.step, plural(len(plan.infos), "tensor"),
+             plural(len(groups), "group"), plural(tasks.slots, "worker slot"))
     root, store = open_root(plan.root), layout.store_dir(plan.step, plan.attempt)
     again = bool(root.objects(store))  # a rerun of this attempt: finished groups come from the kept results
 

@@ -35,6 +35,7 @@ from dcr_core.digest import pieces_digest
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError, SchemaMismatchError, StepConflictError, UsageError
 from dcr_core.projection import ShardBits, project
+from dcr_core.text import plural
 from flows import local_refs
 from flows.local_refs import LocalRef
 from flows.options import PublishOptions
@@ -210,7 +211,7 @@ def plan_rank(root: RootRef, snapshot: LocalRef, step: int, keyframe: bool, opti
     if options.column_blocks > 1:
         raise UsageError("column blocks are not flat ranges of the canonical tensor, which is how training ranks' "
                          "shards are projected onto chunks: publish from shards with column_blocks=1 (the default)")
-    return plan_publish(root, snap.infos, step, keyframe, options, f"<shards of {snap.world} ranks>",
+    return plan_publish(root, snap.infos, step, keyframe, options, f"<shards of {plural(snap.world, 'rank')}>",
                         shard=(snap.rank, snap.world), attempt=attempt)
 
 
@@ -250,7 +251,7 @@ def read_partials(root: Root, plan: PublishPlan, timeout: float) -> list[RankPar
             raise StepConflictError(f"{root.url}: step {plan.step}: {msg}; nothing committed")
         return True if want <= set(root.listdir(rdir)) else None
 
-    poll(all_written, f"{root.url}: step {plan.step}: waiting for the partial manifests of {plan.world} ranks", timeout)
+    poll(all_written, f"{root.url}: step {plan.step}: waiting for the partial manifests of {plural(plan.world, 'rank')}", timeout)
     out = []
     for r in range(plan.world):
         key = layout.rank_partial_key(plan.step, plan.attempt, r)
@@ -287,7 +288,7 @@ def merge_partials(plan: PublishPlan, partials: list[RankPartial]) -> dict[str, 
     arrays = [first.array for first, *_ in merged.values()]
     if len(set(arrays)) != len(arrays):
         raise UsageError("two canonical tensor names map to one array name; rename one")
-    where = f"step {plan.step} (merged from {plan.world} ranks)"
+    where = f"step {plan.step} (merged from {plural(plan.world, 'rank')})"
     entries = {}
     for name, (first, chunks, parts, pieces) in sorted(merged.items()):
         chunks.sort()

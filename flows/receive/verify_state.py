@@ -19,6 +19,7 @@ import numpy as np
 
 from dcr_core.digest import block_leaves, blocks_root
 from dcr_core.errors import StateMismatchError, UsageError
+from dcr_core.text import plural
 from storage import reader
 from storage.catalog import Catalog
 from storage.local import journal, sidecar, state
@@ -82,8 +83,9 @@ def verify_state(state_path: str | os.PathLike, root: str | None = None, storage
         if bad:
             sidecar.remove(path)
             shown = ", ".join(repr(n) for n in bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
-            raise StateMismatchError(f"{path}: {len(bad)} of {len(m.tensors)} tensors are not the bits of step {step} "
-                                     f"of {url}: {shown}; receive it again from a keyframe (remove the file)")
+            are = "is" if len(bad) == 1 else "are"
+            raise StateMismatchError(f"{path}: {len(bad)} of {plural(len(m.tensors), 'tensor')} {are} not the bits of "
+                                     f"step {step} of {url}: {shown}; receive it again from a keyframe (remove the file)")
         if block is not None:
             sidecar.write(path, sidecar.Sidecar(step, m.policy_digest, block, leaves))
     how = "absent" if not usable else ("differed" if stale else "agreed")

@@ -216,7 +216,7 @@ def test_a_flip_no_time_stamp_shows_is_found_by_samples_and_by_verify_state(chai
         assert_bits_equal(load_file(state), steps[2])
     rc = main(["verify-state", state])
     err = capsys.readouterr().err
-    assert rc != 0 and "tensors are not the bits of step 2" in err and "'embed.frozen'" in err and "\n" not in err.strip()
+    assert rc != 0 and "tensors is not the bits of step 2" in err and "'embed.frozen'" in err and "\n" not in err.strip()
     assert sidecar.read(state) is None, "the block digests of a bad state are removed"
     with pytest.raises(StateMismatchError, match="tensor 'embed.frozen' is not the bits of step 2"):
         run_receive(root, "rx", state, 3, options=IN_PLACE)

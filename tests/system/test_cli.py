@@ -53,7 +53,7 @@ def test_publish_receive_materialize_ls_and_verify_from_the_command_line(publish
     out = dcr("verify", root, check=0)
     assert out.stdout.startswith("verify ok: 4 steps")
     deep = dcr("verify", root, "--deep", "--step", 3, check=0).stdout
-    assert "1 deltas replayed from their restart points" in deep, deep
+    assert "1 delta replayed from their restart points" in deep, deep
 
 
 def test_errors_are_one_line_with_distinct_exit_codes(published, tmp_path):

@@ -4,12 +4,14 @@ fail at once, saying why, when it cannot (port taken, no environment with the se
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 
 import pytest
 
@@ -75,16 +77,20 @@ def test_scripts_fail_at_once_without_an_environment_that_has_the_server(tmp_pat
 
 @pytest.mark.prefect
 @pytest.mark.slow  # a Prefect server start: about 10 s
-def test_prefect_script_starts_a_server_from_a_clean_path(tmp_path):
+def test_prefect_script_starts_a_server_from_a_clean_path_and_its_ui_calls_that_server(tmp_path):
     port = _port()
-    out = _script("start-prefect.sh", port, env=_clean_env(tmp_path, PREFECT_HOME=str(tmp_path / "ph")), cwd=tmp_path,
-                  timeout=150)
+    # DCR_PREFECT_PORT names the port; a PREFECT_API_URL left in the shell from a server started
+    # earlier names another one: the UI must call neither 4200 nor that one, but this server
+    stale = f"http://127.0.0.1:{_port()}/api"
+    env = _clean_env(tmp_path, PREFECT_HOME=str(tmp_path / "ph"), DCR_PREFECT_PORT=str(port), PREFECT_API_URL=stale)
+    out = _script("start-prefect.sh", env=env, cwd=tmp_path, timeout=150)
     assert out.returncode == 0, out.stderr
     try:
         url = _exports(out.stdout)["PREFECT_API_URL"]
         assert url == f"http://127.0.0.1:{port}/api"
-        import urllib.request
-
         assert urllib.request.urlopen(f"{url}/health", timeout=5).status == 200
+        # what the UI in the browser asks first: the API it then calls for everything it shows
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/ui-settings", timeout=5) as answer:
+            assert json.load(answer)["api_url"] == url
     finally:
         stop_from_file(tmp_path / "ph" / "server.pid")

@@ -276,6 +276,9 @@ def test_report_of_a_short_run_reads_right_in_a_browser(chromium, tmp_path):
     check_figures(root, out_dir, {"rollout-0": 0, "rollout-1": 1})
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["keyframes"] == [0] and report["restart_points"] == [0, 2]
+    stored = sum(p["bytes_stored"] + p["snapshot_bytes"] for p in report["steps"])
+    full = sum(p["bytes_full"] for p in report["steps"])  # a percent, as the change rates of the table below
+    assert dom.text["ratio"].endswith(f" ({100 * stored / full:.2f}%)"), dom.text["ratio"]
 
 
 def test_report_of_a_long_run_reads_right_in_a_browser(chromium, tmp_path):

@@ -65,10 +65,16 @@ def _flags(action: argparse.Action) -> str:
     return f"`{metavar if isinstance(metavar, str) else ' '.join(metavar)}`"
 
 
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
 def _default(action: argparse.Action) -> str:
     if action.nargs == 0 or action.default in (None, argparse.SUPPRESS, [], ""):
         return ""
-    return f"`{action.default}`"
+    default = str(action.default)
+    if default.startswith(REPO + os.sep):  # a file of the checkout: named from it, not from where this one was built
+        default = os.path.relpath(default, REPO)
+    return f"`{default}`"
 
 
 def _render_parser(title: str, parser: argparse.ArgumentParser, level: int, out: list[str]) -> None:
@@ -98,7 +104,9 @@ def _render_parser(title: str, parser: argparse.ArgumentParser, level: int, out:
         kind = "option" if action.option_strings else "argument"
         rows.append(f"| {_escape(_flags(action))} | {kind} | {_escape(str(help_text))} | {_default(action)} |")
     if rows:
-        out.append("| flag | kind | help | default |\n|---|---|---|---|\n" + "\n".join(rows) + "\n")
+        # the class lets the site's stylesheet keep each flag on one line
+        out.append('<div class="cli-flags" markdown>\n\n| flag | kind | help | default |\n|---|---|---|---|\n'
+                   + "\n".join(rows) + "\n\n</div>\n")
     for name, child in children:
         _render_parser(f"{title} {name}", child, min(level + 1, 6), out)
 

@@ -55,12 +55,21 @@ def save_config(model, directory: str | os.PathLike) -> None:
 def checkpoint(model) -> dict[str, torch.Tensor]:
     """The model's checkpoint exactly as ``save_pretrained`` writes it: transformers converts some
     in-memory layouts on save (Mixtral's fused experts go back to one tensor per expert), and a tied
-    ``lm_head.weight`` is left out. That is the format vLLM loads."""
+    ``lm_head.weight`` is left out. That is the format vLLM loads. transformers' progress bar for
+    the write is kept off: a caller that prints a line per step (examples/rl_loop.py) would get a
+    bar between every two."""
     from safetensors.torch import load_file
+    from transformers.utils import logging as hf_logging
 
-    with tempfile.TemporaryDirectory() as d:
-        model.save_pretrained(d, safe_serialization=True, max_shard_size="100GB")
-        return load_file(os.path.join(d, "model.safetensors"))
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with tempfile.TemporaryDirectory() as d:
+            model.save_pretrained(d, safe_serialization=True, max_shard_size="100GB")
+            return load_file(os.path.join(d, "model.safetensors"))
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
 
 
 def train(model, steps: int, lr: float = 3e-5, batch: int = 4, seq: int = 32, seed: int = 0) -> Iterator[dict]:

@@ -8,6 +8,7 @@ import sys
 
 from dcr_bench.sim.model import Model, Timeline
 from dcr_bench.sim.scenario import Scenario, to_dict
+from dcr_core.text import plural
 
 # One colour per phase: the full checkpoint's upload and download are not DCR's encode+upload and
 # fetch+decode (lighter shades of the same hues).
@@ -56,7 +57,8 @@ def table(sc: Scenario, timelines: list[Timeline]) -> str:
     m = Model(sc).size
     head = (f"{sc.name}: {fmt_count(sc.model.parameters)} params x {sc.model.bytes_per_param} B = {fmt_bytes(m.raw)}, "
             f"{100 * sc.model.change_rate:g}% changed x {sc.model.bytes_per_change:g} B = delta {fmt_bytes(m.delta)} "
-            f"in {m.objects:.0f} objects; {sc.topology.regions} region(s) x {sc.topology.receivers_per_region} receiver(s)")
+            f"in {m.objects:.0f} objects; {plural(sc.topology.regions, 'region')} x "
+            f"{plural(sc.topology.receivers_per_region, 'receiver')}")
     lines = [head, f"  {'mode':<8} {'streaming':<10} {'total':>10} {'seconds':>10} {'ratio to full':>14} {'x faster':>9}"]
     for r in rows(timelines):
         ratio = "" if r["ratio_to_full"] is None else f"{r['ratio_to_full']:.4f}"
