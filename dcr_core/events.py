@@ -57,6 +57,9 @@ POINTS = frozenset({
     "receive.journal-written", "receive.patch-record", "receive.rollback-record", "receive.patch-written",
     "receive.blocks-hashed", "receive.blocks-written",
     "receive.patched", "receive.settled", "receive.replaced",
+    # a directory materialized (storage.local.dir_swap): the swap's journal written, the new directory
+    # in place; where there is no exchange, the old one moved aside first
+    "receive.swap-journaled", "receive.moved-aside", "receive.swapped",
     "receive.recorded",
     # receiver (a vLLM engine): each tensor handed to vLLM's reload, then the reload done
     "receive.engine-tensor", "receive.engine-reloaded",

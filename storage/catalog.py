@@ -111,8 +111,10 @@ class Catalog:
         self._run: run_identity.Run | None | bool = False  # False: not read yet
 
     def listed_steps(self) -> list[int]:
-        """Every step with a prefix under ``steps/`` (committed or not), ascending."""
-        steps = (layout.parse_step_dir(n) for n in self.root.listdir(layout.STEPS))
+        """Every step with a prefix under ``steps/`` (committed or not), ascending. An object named
+        like a step (``steps/000000000007``, not under it) is no step: it is never probed for a
+        marker, so junk objects there cost nothing beyond the one listing."""
+        steps = (layout.parse_step_dir(n) for n in self.root.listdir(layout.STEPS, prefixes=True))
         return sorted(s for s in steps if s is not None)
 
     def committed_steps(self) -> list[int]:

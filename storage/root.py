@@ -251,20 +251,24 @@ class Root:
 
         return self._call("HEAD", key, head)
 
-    def listdir(self, key: str) -> list[str]:
-        """Names of the children of ``key`` ([] if it does not exist). Always a fresh listing."""
+    def listdir(self, key: str, prefixes: bool = False) -> list[str]:
+        """Names of the children of ``key`` ([] if it does not exist). Always a fresh listing.
+        ``prefixes``: only the children that can hold objects (an object's name is left out), in the
+        same one listing."""
         path = self.full(key)
 
         def ls() -> list[str]:
             stats.count(self.url, lists=1)
             if self.backend.local:
-                return local_objects.listdir(self.path, path)
+                return local_objects.listdir(self.path, path, prefixes)
             self.fs.invalidate_cache(path)
             try:
-                entries = self.fs.ls(path, detail=False)
+                entries = self.fs.ls(path, detail=True)
             except FileNotFoundError:
                 return []
-            return sorted({posixpath.basename(e.rstrip("/")) for e in entries} - {""})
+            names = {posixpath.basename(e["name"].rstrip("/")) for e in entries
+                     if not (prefixes and e.get("type") == "file")}
+            return sorted(names - {""})
 
         names = self._call("LIST", key, ls)
         if not names:

@@ -7,8 +7,9 @@ file in DCR's state format (None: a step published from tensors or shards, ``as_
 directory's step written to a ``.safetensors`` path, as before). Staging reads the step's source
 layout (checked against its manifest's digest), rebuilds every tensor as any refit does (chunks
 verified, each result checked against the step's digest) and writes it at the offset the
-published header names, in a temp file beside its destination; nothing is installed until every
-file is complete (``state_file.install_state``). On workers, ``reserve`` makes the temp files and
+published header names, in a temp file beside its destination (a directory's: in the new
+directory that replaces it as a whole, ``storage.local.dir_swap``); nothing is installed until
+every file is complete (``state_file.install_state``). On workers, ``reserve`` makes the temp files and
 ``on_workers.rewrite_group`` writes the tensors into them.
 """
 
@@ -23,7 +24,7 @@ from dcr_core import events
 from dcr_core.errors import UsageError
 from flows.options import ReceiveOptions
 from storage import reader, source_layout
-from storage.local import materialized, state
+from storage.local import dir_swap, materialized, state
 from storage.local.safetensors import INDEX_NAME, PlacedWriter
 from storage.reader import RefitPlan
 from storage.root import open_root
@@ -54,6 +55,9 @@ def check_directory(out: str) -> str:
     if not os.path.isdir(parent):
         raise UsageError(f"{given}: directory {parent} does not exist; create it first (dcr writes materializations "
                          "into existing directories only)")
+    if os.path.ismount(real):
+        raise UsageError(f"{given}: a mount point; dcr materialize replaces the directory as a whole (a reader sees "
+                         "one step or the other), so name a directory inside it")
     return real
 
 
@@ -83,24 +87,20 @@ def _layout(plan: RefitPlan, kind: str) -> SourceLayout:
 
 @contextlib.contextmanager
 def _staging(out: str, lay: SourceLayout, kind: str) -> Iterator[tuple[list[PlacedWriter], list]]:
-    """A temp file per published file (header written, full size), beside its destination; on any
-    failure every temp file is removed (and the directory ``out``, if made here and still empty)."""
-    made = kind == DIRECTORY and not os.path.isdir(out)
-    if made:
-        os.mkdir(out)
+    """A temp file per published file (header written, full size): beside ``out`` (a file), or in
+    the new directory that will replace the directory ``out`` (``storage.local.dir_swap``); on any
+    failure every temp file is removed (and that new directory)."""
+    into = dir_swap.begin(out) if kind == DIRECTORY else None
     writers: list[PlacedWriter] = []
     moves: list[tuple[str, str]] = []
     try:
-        if kind == DIRECTORY:
-            materialized.sweep(out)
         for f in lay.files:
-            writers.append(PlacedWriter(out if kind == FILE else os.path.join(out, f.name), f.header, f.placed, f.size))
+            writers.append(PlacedWriter(out if into is None else os.path.join(into, f.name), f.header, f.placed, f.size))
         yield writers, moves
     except BaseException:
         materialized.discard(moves, writers)
-        if made:
-            with contextlib.suppress(OSError):
-                os.rmdir(out)
+        if into is not None:
+            dir_swap.discard(out)
         raise
 
 
@@ -109,7 +109,8 @@ def _finish(out: str, lay: SourceLayout, kind: str, writers: list[PlacedWriter],
     for w in writers:
         moves.append((w.finish(), w.path))
     if kind == DIRECTORY and lay.index is not None:
-        moves.append((materialized.write_index(out, lay.index), os.path.join(out, INDEX_NAME)))
+        into = dir_swap.staging(out)
+        moves.append((materialized.write_index(into, lay.index), os.path.join(into, INDEX_NAME)))
 
 
 def stage(plan: RefitPlan, out: str, options: ReceiveOptions, kind: str) -> tuple[tuple[tuple[str, str], ...], int]:

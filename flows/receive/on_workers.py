@@ -32,10 +32,11 @@ from flows.receive import exact as exact_files
 from flows.receive.state_file import Staged
 from flows.steps import Bound
 from storage import reader
-from storage.local import state
+from storage.local import dir_swap, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, write_placed
 from storage.reader import RefitPlan
 from storage.root import open_root
+from storage.source_layout import DIRECTORY
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,8 @@ def stage_on_workers(tasks: Bound, plan: RefitPlan, state_path: str, options: Re
         for tmp in reserved.temp_files:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
+        if exact == DIRECTORY:
+            dir_swap.discard(state_path)  # the new directory they were in
         raise
     events.reached("receive.staged", path=reserved.tmp)
     pulled = sum(p["bytes_pulled"] for p in parts)

@@ -142,6 +142,8 @@ def run_receive(
     if mapped:
         ref, state_path = portable_root(ref), os.path.abspath(state_path)
     with state.exclusive(state_path):  # one writer per state file; leftovers of a killed one removed
+        if exact == DIRECTORY:  # a swap a kill cut off: finished (after its journal) or undone (before)
+            materialized.settle(state_path)
         if fresh:  # rewritten whole; still settle a patch first, so a failed rewrite leaves a whole step
             clear_for_rewrite(state_path)
         else:  # an in-place patch: a committed one rolled forward (and fsynced), a cut-off one back

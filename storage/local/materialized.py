@@ -2,10 +2,13 @@
 
 A step published from a safetensors file or a sharded directory materializes as exactly the bytes
 that were published (``storage.source_layout``): the file at ``--out``, or the directory's files
-(same names, same index) inside ``--out``. Each file is written as a temp file beside its
-destination with the published header and its full size, the tensors put at the offsets the header
-names, and fsynced; once every file is complete they are renamed into place, the index last
-(``install``).
+(same names, same index) inside ``--out``. Each file is written as a temp file with the published
+header and its full size, the tensors put at the offsets the header names, and fsynced. A file's
+temp file lies beside it and is renamed over it once complete (``install``). A directory is replaced
+as a whole (``storage.local.dir_swap``): its files are built in a new directory beside it, with
+everything else the old one held carried over, and the two are swapped once every file is
+complete, so a reader (a server started from it) sees one step or the other, never shards of both,
+and a materialize killed at any point is finished or undone by the next one (``settle``).
 
 Such a file holds nothing that says DCR wrote it, so the output's record ``.<name>.dcr`` lies beside
 it (beside the file, or beside the directory): the step, its policy digest, the ROOT and, for every
@@ -21,9 +24,8 @@ import glob
 import os
 from collections.abc import Iterable
 
-from storage.backends import fsync_dir
-from storage.local import state
-from storage.local.output_record import read_record, record_path, write_record
+from storage.local import dir_swap, state
+from storage.local.output_record import parse_record, read_record, record_bytes, record_path, write_record
 from storage.local.output_record import vouched as _vouched
 from storage.local.safetensors import INDEX_NAME, PlacedWriter, install, temp_path
 
@@ -45,7 +47,7 @@ def foreign(out: str, directory: bool) -> list[str]:
     is neither a DCR state nor a materialization its record vouches for), or the checkpoint files in
     the directory ``out`` that its record does not vouch for."""
     out = os.path.realpath(out)
-    record = read_record(out)
+    record = current_record(out)
     if not directory:
         if not os.path.exists(out) or state.written_by_dcr(out):
             return []
@@ -55,14 +57,28 @@ def foreign(out: str, directory: bool) -> list[str]:
     return [os.path.join(out, n) for n in checkpoint_files(out) if not _vouched(out, record, n)]
 
 
+def current_record(out: str) -> dict | None:
+    """The record of ``out`` as it is now: where a kill cut off the end of a directory's swap (the
+    new directory in place, its record not yet written), the record its journal holds."""
+    journaled = dir_swap.journaled_record(os.path.realpath(out))
+    return parse_record(journaled) if journaled is not None else read_record(out)
+
+
+def settle(out: str) -> None:
+    """Finish the swap of the directory ``out`` that a kill cut off, or undo a partial one (the
+    caller holds the output's lock)."""
+    out = os.path.realpath(out)
+    dir_swap.settle(out, record_path(out))
+
+
 def remove_record(out: str) -> None:
     with contextlib.suppress(OSError):
         os.unlink(record_path(out))
 
 
 def sweep(directory: str) -> None:
-    """Remove the temp files a killed materialize left among a directory's checkpoint files (the
-    caller holds the output's lock)."""
+    """Remove the temp files a materialize killed while it renamed them into ``directory`` left
+    among its checkpoint files (earlier versions did; the caller holds the output's lock)."""
     for pattern in (f".*{SUFFIX}.tmp-*", f".{INDEX_NAME}.tmp-*"):
         for leftover in glob.glob(os.path.join(glob.escape(directory), pattern)):
             with contextlib.suppress(FileNotFoundError, IsADirectoryError):
@@ -94,22 +110,30 @@ def discard(moves: Iterable[tuple[str, str]], writers: Iterable[PlacedWriter] = 
 
 
 def install_all(out: str, kind: str, moves: tuple[tuple[str, str], ...], about: dict) -> None:
-    """Rename each staged temp file over its destination (in order: the index last), make the
-    renames durable, remove files an earlier materialization of ``out`` wrote that this one does
-    not (a directory whose step has other shard names), and record the output."""
+    """Install the staged files and record the output: a file renamed over ``out``; or the new
+    directory (each temp file renamed into it, the index last) swapped with ``out``, after the
+    files an earlier materialization of ``out`` wrote that this one does not (a step with other
+    shard names) are left behind, and everything else in ``out`` carried over."""
     out = os.path.realpath(out)
-    earlier = read_record(out)
-    for tmp, dest in moves:
-        if kind == "file":
-            install(tmp, dest)
-        else:
+    if kind == "file":
+        ((tmp, _),) = moves
+        install(tmp, out)
+        write_record(out, about)
+        return
+    staged = dir_swap.staging(out)
+    try:
+        for tmp, dest in moves:
             os.replace(tmp, dest)
-    names = [os.path.basename(dest) for _, dest in moves]
-    if kind == "directory":
-        fsync_dir(out)
+        names = [os.path.basename(dest) for _, dest in moves]
+        earlier = read_record(out)
+        ours = set()
         if earlier is not None and earlier.get("kind") == "directory":
-            for name in sorted(set(earlier["files"]) - set(names)):
-                if _vouched(out, earlier, name):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(out, name))
-    write_record(out, kind, names, about)
+            ours = {n for n in earlier["files"] if _vouched(out, earlier, n)}
+        if os.path.isdir(out):
+            sweep(out)
+        dir_swap.carry(out, staged, set(names) | ours)
+        record = record_bytes(kind, {n: os.path.join(staged, n) for n in names}, about)
+    except BaseException:
+        dir_swap.discard(out)
+        raise
+    dir_swap.commit(out, staged, record_path(out), record)

@@ -206,14 +206,15 @@ def _dir(base: str, path: str) -> Iterator[int | None]:
             os.close(fd)
 
 
-def listdir(base: str, path: str) -> list[str]:
+def listdir(base: str, path: str, prefixes: bool = False) -> list[str]:
     """Names of everything in directory ``path`` ([] if there is none), links and special files
-    included, so that callers see (and report) them; any access through one is refused."""
+    included, so that callers see (and report) them; any access through one is refused. With
+    ``prefixes``, regular files are left out (what an object store lists as common prefixes)."""
     with _dir(base, path) as fd:
         if fd is None:
             return []
         with os.scandir(fd) as it:
-            return sorted(e.name for e in it)
+            return sorted(e.name for e in it if not (prefixes and e.is_file(follow_symlinks=False)))
 
 
 def find(base: str, path: str) -> list[tuple[str, int, float]]:

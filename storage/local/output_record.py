@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Mapping
 
 from storage.local.safetensors import temp_path
 
@@ -36,8 +36,16 @@ def read_record(out: str) -> dict | None:
     """The record beside ``out``, or None (absent, damaged, or not one)."""
     try:
         with open(record_path(out), "rb") as f:
-            d = json.loads(f.read(MAX_RECORD_BYTES + 1))
-    except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            return parse_record(f.read(MAX_RECORD_BYTES + 1))
+    except OSError:
+        return None
+
+
+def parse_record(data: bytes) -> dict | None:
+    """A record's bytes as a record, or None (damaged, or not one)."""
+    try:
+        d = json.loads(data)
+    except (ValueError, UnicodeDecodeError, RecursionError):
         return None
     if not isinstance(d, dict) or d.get("format") != FORMAT or not isinstance(d.get("files"), dict):
         return None
@@ -66,19 +74,23 @@ def vouched_file(path: str) -> dict | None:
     return record if isinstance(step, int) and not isinstance(step, bool) and step >= 0 else None
 
 
-def write_record(out: str, kind: str, names: Iterable[str], about: dict) -> None:
-    """Record that DCR wrote ``out`` (``kind``: "file"; or "directory" and the ``names`` written in
-    it), with ``about`` (step, policy digest, ROOT)."""
+def record_bytes(kind: str, files: Mapping[str, str], about: dict) -> bytes:
+    """The record of an output of ``kind`` ("file" or "directory") whose ``files`` (name: the path
+    where it is now; a rename keeps its stamp) DCR wrote, with ``about`` (step, policy digest, ROOT)."""
+    doc = {"format": FORMAT, "kind": kind, **about, "files": {n: stamp(p) for n, p in sorted(files.items())}}
+    return (json.dumps(doc, indent=1) + "\n").encode()
+
+
+def write_record(out: str, about: dict) -> None:
+    """Record that DCR wrote the file ``out``, with ``about`` (step, policy digest, ROOT). (A
+    directory's record is written as its swap ends: ``storage.local.dir_swap``.)"""
     out = os.path.realpath(out)
-    paths = {os.path.basename(out): out} if kind == "file" else {n: os.path.join(out, n) for n in names}
-    doc = {"format": FORMAT, "kind": kind, **about, "files": {n: stamp(p) for n, p in sorted(paths.items())}}
-    path = record_path(out)
+    data = record_bytes("file", {os.path.basename(out): out}, about)
     tmp = temp_path(out)  # a leftover of a killed writer is swept as the output's (storage.local.state.exclusive)
     try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-        os.replace(tmp, path)
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, record_path(out))
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)

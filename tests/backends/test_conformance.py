@@ -13,9 +13,10 @@ import torch
 from dcr_core.errors import IntegrityError, StepConflictError, StepNotFoundError, UnsafeKeyError
 from flows import run_materialize, run_publish, run_receive
 from flows.maintenance.audit import list_steps, verify
-from flows.options import PublishOptions
+from flows.maintenance.gc import plan_gc
+from flows.options import GcOptions, PublishOptions
 from flows.publish.pipeline import PUBLISH
-from storage import layout
+from storage import layout, run_identity
 from storage.catalog import Catalog
 from storage.root import Root
 from storage.stats import io_stats
@@ -120,6 +121,37 @@ def test_a_corrupted_chunk_is_detected_and_nothing_is_applied(make_root, tmp_pat
     assert key in str(ei.value) and len(str(ei.value).splitlines()) == 1
     assert file_bytes(state) == before
     assert verify(Root(url)).errors
+
+
+@pytest.mark.faults(component="bad input or damaged bucket",
+                    outcome="junk objects named like steps cost no request: a no-op receive, ls and gc read as much as without them")
+def test_junk_objects_named_like_steps_cost_no_requests(make_root, tmp_path, monkeypatch):
+    monkeypatch.setattr(run_identity, "CACHE_SECONDS", 0)  # run.json read by every call alike, however long each takes
+    url = make_root()
+    for i, ck in enumerate(chain_of_steps(2, seed=6)):
+        run_publish(url, ck, i, options=opts(tmp_path))
+    state = str(tmp_path / "state.safetensors")
+    run_receive(url, "rx", state)
+    root = Root(url)
+
+    def requests() -> tuple[int, list[int]]:
+        before = io_stats(url)
+        assert run_receive(url, "rx", state).moves == []  # a follower's poll: nothing new
+        steps = [r.step for r in list_steps(root)]
+        plan_gc(root.ref, GcOptions(keep_last=1))
+        used = io_stats(url).minus(before)
+        return used.gets + used.heads + used.lists, steps
+
+    clean = requests()
+    # above the newest step, where a scan for the newest one starts
+    junk = {root.full(layout.step_dir(s)): b"" for s in range(1000, 3000)}
+    if root.backend.local:
+        for path in junk:
+            open(path, "wb").close()
+    else:
+        root.fs.pipe(junk)
+    assert len(root.listdir(layout.STEPS)) == 2002
+    assert requests() == clean
 
 
 def test_a_publish_that_dies_before_its_commit_is_invisible_and_a_retry_commits(make_root, tmp_path, monkeypatch):

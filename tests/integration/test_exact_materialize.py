@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from safetensors import safe_open
 
+from dcr_core import events
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, StateMismatchError, UsageError
 from flows import run_materialize, run_publish, run_receive
@@ -23,6 +24,7 @@ from flows.maintenance.mirror import run_mirror
 from flows.options import PublishOptions, ReceiveOptions
 from storage import layout
 from storage.catalog import Catalog
+from storage.local import dir_swap, materialized
 from storage.local.safetensors import INDEX_NAME
 from storage.root import Root
 from tests.integration.test_publish_groups import Groups
@@ -35,6 +37,7 @@ from tests.support.helpers import (
     read_state,
     write_safetensors,
 )
+from tests.support.kill import kill_at, sweep
 
 N = 3  # keyframe, delta, delta; a fourth step is a keyframe again (--keyframe)
 
@@ -308,6 +311,84 @@ def test_materialize_replaces_its_own_output_but_not_a_trainers_file(files, shar
     assert tree(hf) == tree(sharded["dirs"][1])
     run_materialize(sharded["root"], 2, str(hf))  # its own output now
     assert tree(hf) == tree(sharded["dirs"][2])
+
+
+SWAP_POINTS = [  # point -> the directory holds the new step afterwards
+    ("receive.tensor-staged@2", False), ("receive.staged", False), ("receive.swap-journaled", False),
+    ("receive.swapped", True), ("receive.replaced", True),
+]
+
+
+def _materialized_dir(sharded, tmp_path, step: int):
+    """A model directory (with a file that is not the checkpoint's) holding ``step``, materialized."""
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    run_materialize(sharded["root"], step, str(out))
+    return out, lambda s: {**tree(sharded["dirs"][s]), "config.json": sha(out / "config.json")}
+
+
+def _leftovers(out) -> list[str]:
+    return sorted(n for n in os.listdir(out.parent) if n.startswith(f".{out.name}") and n != f".{out.name}.dcr")
+
+
+@pytest.mark.faults(component="process", outcome="kill -9 at a reported point of a directory materialize: the directory "
+                    "holds the old step or the new one whole, never shards of both; a rerun finishes without --force")
+@pytest.mark.parametrize("point,at_new", sweep(SWAP_POINTS, {"receive.swapped"}), ids=[p for p, _ in SWAP_POINTS])
+def test_a_directory_materialize_killed_at_each_point_leaves_one_whole_step(sharded, tmp_path, point, at_new):
+    out, expect = _materialized_dir(sharded, tmp_path, 1)
+    kill_at(point, "materialize", sharded["root"], "--step", 2, "--out", out, "--io-workers", 1)
+    assert tree(out) == expect(2 if at_new else 1)  # what a server started now loads: one whole step
+    assert not materialized.foreign(str(out), True)  # still DCR's output, whichever step it holds
+    dcr("materialize", sharded["root"], "--step", 2, "--out", out, check=0)  # no --force
+    assert tree(out) == expect(2)
+    assert _leftovers(out) == []
+    run_materialize(sharded["root"], 0, str(out))  # its record vouches for what it holds
+    assert tree(out) == expect(0)
+
+
+@pytest.mark.faults(component="process", outcome="without a directory exchange, dying between the two renames leaves "
+                    "no directory (never a mix); the next materialize puts the new step in place")
+def test_without_an_exchange_a_materialize_cut_between_its_renames_is_finished_by_the_next(sharded, tmp_path, monkeypatch):
+    out, expect = _materialized_dir(sharded, tmp_path, 1)
+    monkeypatch.setattr(dir_swap, "exchange", lambda a, b: False)  # a platform or filesystem without renameat2's
+    with events.failpoints("receive.moved-aside=raise"), pytest.raises(events.FailpointError):
+        run_materialize(sharded["root"], 2, str(out))
+    assert not out.exists()  # the old step aside, the new one beside it: a reader finds no directory
+    run_materialize(sharded["root"], 0, str(out))  # the cut-off swap finished first, then step 0 in its place
+    assert tree(out) == expect(0)
+    assert _leftovers(out) == []
+    run_materialize(sharded["root"], 2, str(out))
+    assert tree(out) == expect(2)
+
+
+@pytest.mark.faults(component="process", outcome="dying between the renames of two shards leaves the old step whole; "
+                    "the rerun needs no --force")
+def test_a_directory_materialize_dying_between_two_renames_leaves_the_old_step(sharded, tmp_path, monkeypatch):
+    out, expect = _materialized_dir(sharded, tmp_path, 1)
+    replace, renamed = os.replace, []
+
+    def dies_at_the_second(src, dst, *args, **kwargs):
+        renamed.append(dst)
+        if len(renamed) == 2:
+            raise events.FailpointError("killed between two renames")
+        return replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", dies_at_the_second)
+    with pytest.raises(events.FailpointError):
+        run_materialize(sharded["root"], 2, str(out))
+    monkeypatch.undo()
+    assert tree(out) == expect(1)
+    run_materialize(sharded["root"], 2, str(out))
+    assert tree(out) == expect(2)
+
+
+def test_a_directory_materialize_that_fails_leaves_the_directory_as_it_was(sharded, tmp_path):
+    out, expect = _materialized_dir(sharded, tmp_path, 1)
+    with events.failpoints("receive.tensor-staged@2=fail"), pytest.raises(events.FailpointFault):
+        run_materialize(sharded["root"], 2, str(out))
+    assert tree(out) == expect(1)
+    assert _leftovers(out) == []
 
 
 def test_a_damaged_source_layout_is_refused_and_a_mirror_copies_it_checked(files, tmp_path):
