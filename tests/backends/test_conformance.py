@@ -144,13 +144,13 @@ def test_junk_objects_named_like_steps_cost_no_requests(make_root, tmp_path, mon
 
     clean = requests()
     # above the newest step, where a scan for the newest one starts
-    junk = {root.full(layout.step_dir(s)): b"" for s in range(1000, 3000)}
+    junk = {root.full(layout.step_dir(s)): b"" for s in range(1000, 1400)}  # each cost a GET per scan before
     if root.backend.local:
         for path in junk:
             open(path, "wb").close()
-    else:
-        root.fs.pipe(junk)
-    assert len(root.listdir(layout.STEPS)) == 2002
+    else:  # a few connections at a time: 2,000 at once overrun a test server on a busy machine
+        root.fs.pipe(junk, **({"batch_size": 8} if root.fs.async_impl else {}))
+    assert len(root.listdir(layout.STEPS)) == 402
     assert requests() == clean
 
 
