@@ -26,9 +26,10 @@ import blake3
 
 from dcr_core.chain import DELTA, StepInfo
 from dcr_core.errors import IntegrityError, StepNotFoundError, UntrustedError, UsageError
-from storage import layout, run_identity, signing
+from storage import layout, receiver_record, run_identity, signing
 from storage.manifest import MAX_MANIFEST_BYTES, Manifest
 from storage.marker import MAX_MARKER_BYTES, CommitMarker
+from storage.receiver_record import MAX_RECORD_BYTES
 from storage.retraction import MAX_RETRACTION_BYTES, Retraction
 from storage.root import Root
 
@@ -37,7 +38,6 @@ log = logging.getLogger("dcr.catalog")
 MANIFEST_CACHE_SIZE = 64
 
 
-MAX_RECORD_BYTES = 64 << 10  # a receiver record or position: a few hundred bytes
 # A receiver record keeps its receiver's earlier visits to the same step (a receiver moved back to a
 # step it held, by a retraction or a lower --step): the most recent ones, so a record stays small.
 MAX_EARLIER_VISITS = 32
@@ -284,7 +284,8 @@ class Catalog:
         return out
 
     def receivers(self, step: int) -> list[str]:
-        return [n[: -len(".json")] for n in self.root.listdir(layout.receivers_dir(step)) if n.endswith(".json")]
+        """The receivers that recorded a commit of ``step``."""
+        return _receiver_ids(self.root.listdir(layout.receivers_dir(step)))
 
     def record_receiver(self, step: int, receiver_id: str, record: dict) -> None:
         """The receiver's commit of ``step`` (``steps/N/receivers/<id>.json``: its history, one record per
@@ -317,15 +318,34 @@ class Catalog:
         except FileNotFoundError:
             return None
         except (ValueError, IntegrityError) as e:  # a record is what receivers say of themselves: shown, not trusted
-            log.warning("%s/%s: unreadable receiver record (%s)", self.root.url, key, e)
+            log.warning("%s/%s: unreadable record (%s)", self.root.url, key, e)
             return None
         if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
-            log.warning("%s/%s: not a receiver record", self.root.url, key)
+            log.warning("%s/%s: not a record of a step", self.root.url, key)
             return None
         return doc
 
+    def checked_receiver_record(self, key: str) -> dict | IntegrityError | None:
+        """The receiver record at ``key``, validated (``storage.receiver_record``); None if there is
+        none; the error naming it if it is damaged (a record is what receivers say of themselves)."""
+        try:
+            return receiver_record.parse(self.root.read(key, limit=MAX_RECORD_BYTES), f"{self.root.url}/{key}")
+        except FileNotFoundError:
+            return None
+        except IntegrityError as e:
+            return e
+        except ValueError as e:  # a key that cannot be read as an object, said as the damage it is
+            return IntegrityError(f"{self.root.url}/{key}: {e}")
+
+    def _receiver_record(self, key: str) -> dict | None:
+        found = self.checked_receiver_record(key)
+        if isinstance(found, IntegrityError):
+            log.warning("%s", found)  # shown, not trusted: as if it had recorded nothing
+            return None
+        return found
+
     def receiver_record(self, step: int, receiver_id: str) -> dict | None:
-        return self._record(layout.receiver_key(step, receiver_id))
+        return self._receiver_record(layout.receiver_key(step, receiver_id))
 
     def record_prepared(self, receiver_id: str, record: dict) -> None:
         """A receiver's background prepare is over (``prepared/<id>.json``: ``step``, ``prepare_id``,
@@ -340,35 +360,61 @@ class Catalog:
 
     def position(self, receiver_id: str) -> dict | None:
         """Where ``receiver_id`` is now: its latest record (None if it never recorded one here)."""
-        return self._record(layout.position_key(receiver_id))
+        return self._receiver_record(layout.position_key(receiver_id))
 
-    def positions(self, recorded: dict[int, list[str]] | None = None) -> dict[str, dict]:
-        """Every receiver's latest record. Receivers that recorded commits before positions existed
-        are placed at the highest step they recorded (``recorded``: step -> receivers, if listed already)."""
-        out = {}
-        for name in self.root.listdir(layout.POSITIONS_DIR):
-            rid = name.removesuffix(".json")
-            try:
-                doc = self.position(layout.check_receiver(rid)) if name.endswith(".json") else None
-            except UsageError:
-                doc = None  # not a receiver's file: nothing DCR wrote
-            if doc is not None:
-                out[rid] = doc
+    def position_records(self, recorded: dict[int, list[str]] | None = None) -> dict[str, dict | IntegrityError]:
+        """Every receiver's latest record, or the error naming it where it is damaged. Receivers that
+        recorded commits before positions existed are placed at the highest step they recorded
+        (``recorded``: step -> receivers, if listed already)."""
+        out: dict[str, dict | IntegrityError] = {}
+        for rid in _receiver_ids(self.root.listdir(layout.POSITIONS_DIR)):
+            found = self.checked_receiver_record(layout.position_key(rid))
+            if found is not None:
+                out[rid] = found
         if recorded is None:
-            recorded = {step: self.receivers(step) for step in self.listed_steps()}
+            recorded = self.recorded()
         for step in sorted(recorded, reverse=True):
             for rid in recorded[step]:
                 if rid not in out:
-                    out[rid] = self.receiver_record(step, rid) or {"receiver": rid, "step": step}
+                    out[rid] = self.checked_receiver_record(layout.receiver_key(step, rid)) or {"receiver": rid, "step": step}
         return out
+
+    def positions(self, recorded: dict[int, list[str]] | None = None) -> dict[str, dict]:
+        """Every receiver's latest record (``position_records``); a damaged one is said, and its
+        receiver placed at the highest step that lists it, if any (what ``dcr gc`` keeps for it)."""
+        recorded = self.recorded() if recorded is None else recorded
+        out = {}
+        for rid, found in self.position_records(recorded).items():
+            if isinstance(found, IntegrityError):
+                log.warning("%s", found)
+                steps = [step for step, rids in recorded.items() if rid in rids]
+                if not steps:
+                    continue
+                found = {"receiver": rid, "step": max(steps)}
+            out[rid] = found
+        return out
+
+    def recorded(self) -> dict[int, list[str]]:
+        """step -> the receivers that recorded a commit of it, for every step listed."""
+        return {step: self.receivers(step) for step in self.listed_steps()}
+
+
+def _receiver_ids(names: list[str]) -> list[str]:
+    """The receiver ids of a listing of records: a name no receiver id could have is nothing DCR
+    wrote (and, printed, could forge a row): left out."""
+    ids = []
+    for name in names:
+        if name.endswith(".json"):
+            try:
+                ids.append(layout.check_receiver(name[: -len(".json")]))
+            except UsageError:
+                continue
+    return ids
 
 
 def earlier_visits(record: dict) -> list[dict]:
-    """The earlier visits a receiver record keeps (``record_receiver``), each a record of the same step."""
-    earlier = record.get("earlier")
-    if not isinstance(earlier, list):
-        return []
-    return [v for v in earlier if isinstance(v, dict) and v.get("step") == record.get("step") and "earlier" not in v]
+    """The earlier visits a receiver record keeps (``record_receiver``; validated with it), oldest first."""
+    return list(record.get("earlier") or [])
 
 
 _WARNED_UNCHECKED: set[str] = set()
