@@ -25,7 +25,7 @@ from collections import OrderedDict
 import blake3
 
 from dcr_core.chain import DELTA, StepInfo
-from dcr_core.errors import IntegrityError, StepNotFoundError, UntrustedError, UsageError
+from dcr_core.errors import DCRError, IntegrityError, RootNotFoundError, StepNotFoundError, UntrustedError, UsageError
 from storage import layout, receiver_record, run_identity, signing
 from storage.manifest import MAX_MANIFEST_BYTES, Manifest
 from storage.marker import MAX_MARKER_BYTES, CommitMarker
@@ -179,7 +179,7 @@ class Catalog:
     def require_marker(self, step: int) -> CommitMarker:
         m = self.marker(step)
         if m is None:
-            raise StepNotFoundError(f"{self.root.url}: {no_such_directory(self.root) or f'step {step} is not committed'}")
+            raise not_committed(self.root, f"step {step} is not committed")
         return m
 
     def _read_marker(self, step: int) -> CommitMarker | None:
@@ -445,14 +445,34 @@ def no_such_directory(root: Root) -> str | None:
     return f"no such directory{hint}; ROOT is where dcr publish wrote its steps"
 
 
+def missing_root(root: Root) -> RootNotFoundError | None:
+    """The error for a local ROOT whose directory does not exist (a typo, most likely), else None."""
+    missing = no_such_directory(root)
+    return RootNotFoundError(f"{root.url}: {missing}") if missing else None
+
+
+def unpublished(root: Root) -> RootNotFoundError | None:
+    """Why ROOT holds nothing a publisher wrote (``run.json`` or a step): it does not exist, or nothing
+    was ever published there; None if it holds something."""
+    missing = missing_root(root)
+    if missing is not None:
+        return missing
+    if root.exists(layout.RUN) or Catalog(root).listed_steps():
+        return None
+    return RootNotFoundError(f"{root.url}: nothing was ever published here (no {layout.RUN}, no {layout.STEPS}/); "
+                             "check the ROOT, or publish a step first")
+
+
 def require_published(root: Root) -> None:
     """What a read command (``ls``, ``show``, ``status``, ``verify``, ``report``) checks first: ROOT
-    holds something a publisher wrote (``run.json`` or a step), else a one-line ``UsageError``
-    naming the path and saying what was expected. A misspelt ROOT is never reported as healthy."""
-    missing = no_such_directory(root)
-    if missing:
-        raise UsageError(f"{root.url}: {missing}")
-    if root.exists(layout.RUN) or Catalog(root).listed_steps():
-        return
-    raise UsageError(f"{root.url}: nothing was ever published here (no {layout.RUN}, no {layout.STEPS}/); "
-                     "check the ROOT, or publish a step first")
+    holds something a publisher wrote, else a one-line ``RootNotFoundError`` naming the path and
+    saying what was expected. A misspelt ROOT is never reported as healthy."""
+    error = unpublished(root)
+    if error is not None:
+        raise error
+
+
+def not_committed(root: Root, what: str) -> DCRError:
+    """The error for a step ROOT does not hold committed (``what`` says which): ``RootNotFoundError``
+    when ROOT itself is missing or empty (looked at only then), else ``StepNotFoundError``."""
+    return unpublished(root) or StepNotFoundError(f"{root.url}: {what}")
