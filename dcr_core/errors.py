@@ -1,7 +1,9 @@
 """The project's error hierarchy: one base class, each also a matching builtin where one fits.
 
 Every error carries a one-line message that names the object concerned and, where possible,
-says what to do instead. The CLI prints ``str(error)`` and exits with ``exit_code``.
+says what to do instead. The CLI prints ``str(error)`` and exits with ``exit_code``: one class per
+condition, so every command exits with the same code for the same condition (the table is in
+docs/reference/commands.md).
 """
 
 
@@ -63,3 +65,8 @@ class UsageError(DCRError, ValueError):
     """Bad arguments (receiver id, step number, option values)."""
 
     exit_code = 2
+
+
+class RootNotFoundError(UsageError):
+    """ROOT is a local directory that does not exist, or holds nothing a publisher wrote: a misspelt
+    ROOT, said as such by every command (never as a missing step)."""

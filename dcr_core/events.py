@@ -32,6 +32,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 POINTS = frozenset({
+    # the command line, before it imports the modules of the command it runs
+    "cli.importing",
     # progress of long work: the bytes a run will handle, then each tensor handled (raw bytes)
     "work.planned", "tensor.done",
     # publisher

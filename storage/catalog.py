@@ -25,10 +25,11 @@ from collections import OrderedDict
 import blake3
 
 from dcr_core.chain import DELTA, StepInfo
-from dcr_core.errors import IntegrityError, StepNotFoundError, UntrustedError, UsageError
-from storage import layout, run_identity, signing
+from dcr_core.errors import DCRError, IntegrityError, RootNotFoundError, StepNotFoundError, UntrustedError, UsageError
+from storage import layout, receiver_record, run_identity, signing
 from storage.manifest import MAX_MANIFEST_BYTES, Manifest
 from storage.marker import MAX_MARKER_BYTES, CommitMarker
+from storage.receiver_record import MAX_RECORD_BYTES
 from storage.retraction import MAX_RETRACTION_BYTES, Retraction
 from storage.root import Root
 
@@ -37,7 +38,6 @@ log = logging.getLogger("dcr.catalog")
 MANIFEST_CACHE_SIZE = 64
 
 
-MAX_RECORD_BYTES = 64 << 10  # a receiver record or position: a few hundred bytes
 # A receiver record keeps its receiver's earlier visits to the same step (a receiver moved back to a
 # step it held, by a retraction or a lower --step): the most recent ones, so a record stays small.
 MAX_EARLIER_VISITS = 32
@@ -185,7 +185,7 @@ class Catalog:
     def require_marker(self, step: int) -> CommitMarker:
         m = self.marker(step)
         if m is None:
-            raise StepNotFoundError(f"{self.root.url}: {no_such_directory(self.root) or f'step {step} is not committed'}")
+            raise not_committed(self.root, f"step {step} is not committed")
         return m
 
     def read_marker(self, step: int) -> tuple[CommitMarker, bytes] | None:
@@ -293,7 +293,8 @@ class Catalog:
         return out
 
     def receivers(self, step: int) -> list[str]:
-        return [n[: -len(".json")] for n in self.root.listdir(layout.receivers_dir(step)) if n.endswith(".json")]
+        """The receivers that recorded a commit of ``step``."""
+        return _receiver_ids(self.root.listdir(layout.receivers_dir(step)))
 
     def record_receiver(self, step: int, receiver_id: str, record: dict) -> None:
         """The receiver's commit of ``step`` (``steps/N/receivers/<id>.json``: its history, one record per
@@ -326,15 +327,34 @@ class Catalog:
         except FileNotFoundError:
             return None
         except (ValueError, IntegrityError) as e:  # a record is what receivers say of themselves: shown, not trusted
-            log.warning("%s/%s: unreadable receiver record (%s)", self.root.url, key, e)
+            log.warning("%s/%s: unreadable record (%s)", self.root.url, key, e)
             return None
         if not isinstance(doc, dict) or not isinstance(doc.get("step"), int):
-            log.warning("%s/%s: not a receiver record", self.root.url, key)
+            log.warning("%s/%s: not a record of a step", self.root.url, key)
             return None
         return doc
 
+    def checked_receiver_record(self, key: str) -> dict | IntegrityError | None:
+        """The receiver record at ``key``, validated (``storage.receiver_record``); None if there is
+        none; the error naming it if it is damaged (a record is what receivers say of themselves)."""
+        try:
+            return receiver_record.parse(self.root.read(key, limit=MAX_RECORD_BYTES), f"{self.root.url}/{key}")
+        except FileNotFoundError:
+            return None
+        except IntegrityError as e:
+            return e
+        except ValueError as e:  # a key that cannot be read as an object, said as the damage it is
+            return IntegrityError(f"{self.root.url}/{key}: {e}")
+
+    def _receiver_record(self, key: str) -> dict | None:
+        found = self.checked_receiver_record(key)
+        if isinstance(found, IntegrityError):
+            log.warning("%s", found)  # shown, not trusted: as if it had recorded nothing
+            return None
+        return found
+
     def receiver_record(self, step: int, receiver_id: str) -> dict | None:
-        return self._record(layout.receiver_key(step, receiver_id))
+        return self._receiver_record(layout.receiver_key(step, receiver_id))
 
     def record_prepared(self, receiver_id: str, record: dict) -> None:
         """A receiver's background prepare is over (``prepared/<id>.json``: ``step``, ``prepare_id``,
@@ -349,35 +369,61 @@ class Catalog:
 
     def position(self, receiver_id: str) -> dict | None:
         """Where ``receiver_id`` is now: its latest record (None if it never recorded one here)."""
-        return self._record(layout.position_key(receiver_id))
+        return self._receiver_record(layout.position_key(receiver_id))
 
-    def positions(self, recorded: dict[int, list[str]] | None = None) -> dict[str, dict]:
-        """Every receiver's latest record. Receivers that recorded commits before positions existed
-        are placed at the highest step they recorded (``recorded``: step -> receivers, if listed already)."""
-        out = {}
-        for name in self.root.listdir(layout.POSITIONS_DIR):
-            rid = name.removesuffix(".json")
-            try:
-                doc = self.position(layout.check_receiver(rid)) if name.endswith(".json") else None
-            except UsageError:
-                doc = None  # not a receiver's file: nothing DCR wrote
-            if doc is not None:
-                out[rid] = doc
+    def position_records(self, recorded: dict[int, list[str]] | None = None) -> dict[str, dict | IntegrityError]:
+        """Every receiver's latest record, or the error naming it where it is damaged. Receivers that
+        recorded commits before positions existed are placed at the highest step they recorded
+        (``recorded``: step -> receivers, if listed already)."""
+        out: dict[str, dict | IntegrityError] = {}
+        for rid in _receiver_ids(self.root.listdir(layout.POSITIONS_DIR)):
+            found = self.checked_receiver_record(layout.position_key(rid))
+            if found is not None:
+                out[rid] = found
         if recorded is None:
-            recorded = {step: self.receivers(step) for step in self.listed_steps()}
+            recorded = self.recorded()
         for step in sorted(recorded, reverse=True):
             for rid in recorded[step]:
                 if rid not in out:
-                    out[rid] = self.receiver_record(step, rid) or {"receiver": rid, "step": step}
+                    out[rid] = self.checked_receiver_record(layout.receiver_key(step, rid)) or {"receiver": rid, "step": step}
         return out
+
+    def positions(self, recorded: dict[int, list[str]] | None = None) -> dict[str, dict]:
+        """Every receiver's latest record (``position_records``); a damaged one is said, and its
+        receiver placed at the highest step that lists it, if any (what ``dcr gc`` keeps for it)."""
+        recorded = self.recorded() if recorded is None else recorded
+        out = {}
+        for rid, found in self.position_records(recorded).items():
+            if isinstance(found, IntegrityError):
+                log.warning("%s", found)
+                steps = [step for step, rids in recorded.items() if rid in rids]
+                if not steps:
+                    continue
+                found = {"receiver": rid, "step": max(steps)}
+            out[rid] = found
+        return out
+
+    def recorded(self) -> dict[int, list[str]]:
+        """step -> the receivers that recorded a commit of it, for every step listed."""
+        return {step: self.receivers(step) for step in self.listed_steps()}
+
+
+def _receiver_ids(names: list[str]) -> list[str]:
+    """The receiver ids of a listing of records: a name no receiver id could have is nothing DCR
+    wrote (and, printed, could forge a row): left out."""
+    ids = []
+    for name in names:
+        if name.endswith(".json"):
+            try:
+                ids.append(layout.check_receiver(name[: -len(".json")]))
+            except UsageError:
+                continue
+    return ids
 
 
 def earlier_visits(record: dict) -> list[dict]:
-    """The earlier visits a receiver record keeps (``record_receiver``), each a record of the same step."""
-    earlier = record.get("earlier")
-    if not isinstance(earlier, list):
-        return []
-    return [v for v in earlier if isinstance(v, dict) and v.get("step") == record.get("step") and "earlier" not in v]
+    """The earlier visits a receiver record keeps (``record_receiver``; validated with it), oldest first."""
+    return list(record.get("earlier") or [])
 
 
 _WARNED_UNCHECKED: set[str] = set()
@@ -408,14 +454,34 @@ def no_such_directory(root: Root) -> str | None:
     return f"no such directory{hint}; ROOT is where dcr publish wrote its steps"
 
 
+def missing_root(root: Root) -> RootNotFoundError | None:
+    """The error for a local ROOT whose directory does not exist (a typo, most likely), else None."""
+    missing = no_such_directory(root)
+    return RootNotFoundError(f"{root.url}: {missing}") if missing else None
+
+
+def unpublished(root: Root) -> RootNotFoundError | None:
+    """Why ROOT holds nothing a publisher wrote (``run.json`` or a step): it does not exist, or nothing
+    was ever published there; None if it holds something."""
+    missing = missing_root(root)
+    if missing is not None:
+        return missing
+    if root.exists(layout.RUN) or Catalog(root).listed_steps():
+        return None
+    return RootNotFoundError(f"{root.url}: nothing was ever published here (no {layout.RUN}, no {layout.STEPS}/); "
+                             "check the ROOT, or publish a step first")
+
+
 def require_published(root: Root) -> None:
     """What a read command (``ls``, ``show``, ``status``, ``verify``, ``report``) checks first: ROOT
-    holds something a publisher wrote (``run.json`` or a step), else a one-line ``UsageError``
-    naming the path and saying what was expected. A misspelt ROOT is never reported as healthy."""
-    missing = no_such_directory(root)
-    if missing:
-        raise UsageError(f"{root.url}: {missing}")
-    if root.exists(layout.RUN) or Catalog(root).listed_steps():
-        return
-    raise UsageError(f"{root.url}: nothing was ever published here (no {layout.RUN}, no {layout.STEPS}/); "
-                     "check the ROOT, or publish a step first")
+    holds something a publisher wrote, else a one-line ``RootNotFoundError`` naming the path and
+    saying what was expected. A misspelt ROOT is never reported as healthy."""
+    error = unpublished(root)
+    if error is not None:
+        raise error
+
+
+def not_committed(root: Root, what: str) -> DCRError:
+    """The error for a step ROOT does not hold committed (``what`` says which): ``RootNotFoundError``
+    when ROOT itself is missing or empty (looked at only then), else ``StepNotFoundError``."""
+    return unpublished(root) or StepNotFoundError(f"{root.url}: {what}")

@@ -25,9 +25,9 @@ from dcr_core import events
 from dcr_core.chain import Direction, Move, plan_direct, plan_path
 from dcr_core.delta import apply_chunk
 from dcr_core.dtypes import DTYPES
-from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundError, UsageError
+from dcr_core.errors import IntegrityError, RootNotFoundError, StateMismatchError, StepNotFoundError, UsageError
 from storage import layout
-from storage.catalog import Catalog, no_such_directory
+from storage.catalog import Catalog, not_committed, unpublished
 from storage.chunk_io import read_chunks, stored_positions, stream_chunks
 from storage.manifest import Manifest, TensorEntry
 from storage.root import Root, RootRef, open_root
@@ -67,7 +67,7 @@ def resolve_target(cat: Catalog, step: int | None) -> int:
     if step is None:
         latest = cat.latest_committed()
         if latest is None:
-            raise StepNotFoundError(f"{cat.root.url}: {no_such_directory(cat.root) or 'no committed step'}")
+            raise not_committed(cat.root, "no committed step")
         return latest
     layout.check_step(step)
     cat.require_marker(step)
@@ -129,9 +129,9 @@ def held_or_restart(cat: Catalog, current: int | None, where: str) -> int | None
         log.warning("%s holds step %d, which is no longer committed in %s (deleted by gc); restarting from a "
                     "restart point, the state untouched until the new one is verified", where, current, cat.root.url)
         return None
-    missing = no_such_directory(cat.root)
-    if missing:
-        raise StepNotFoundError(f"{cat.root.url}: {missing} ({where} claims step {current} of it)")
+    missing = unpublished(cat.root)
+    if missing is not None:
+        raise RootNotFoundError(f"{missing} ({where} claims step {current} of it)")
     raise StateMismatchError(f"{where}: claims step {current}, which is not committed in {cat.root.url}"
                              + (f" (the latest committed step is {latest}: a ROOT rolled back?)" if latest is not None else ""))
 

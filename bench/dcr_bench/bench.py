@@ -37,6 +37,8 @@ from dcr_core.delta import (
     pad,
 )
 from flows import PublishOptions
+from flows.cli import Parser
+from flows.cli.values import Number
 from flows.options import COND_DELTAS
 from flows.publish.pipeline import PUBLISH
 from flows.receive.pipeline import STATE_STEPS
@@ -79,8 +81,8 @@ def parse_size(text: str) -> int:
     t = text.strip().lower()
     scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}.get(t[-1:], 1)
     value = float(t[:-1] if scale != 1 else t) * scale
-    if value < 1024:
-        raise argparse.ArgumentTypeError(f"size {text!r} is below 1024 parameters")
+    if not math.isfinite(value) or value < 1024:
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a number of parameters of at least 1024")
     return int(value)
 
 
@@ -95,6 +97,9 @@ def _list(text: str, conv, allowed=None) -> list:
     return items
 
 
+BANDWIDTH = Number(float, 0, lo_open=True, unit="bytes/s")
+
+
 def _rate(text: str) -> float:
     r = float(text)
     if not 0.0 < r <= 1.0:
@@ -103,7 +108,7 @@ def _rate(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dcr bench",
         description="Compare DCR's delta codec with peer baselines (dense XOR+zstd, index+value, zstd "
         "--patch-from) and the entropy bound on synthetic and AdamW updates, and time end-to-end refits "
@@ -117,14 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="update generators (default synthetic,adamw)")
     p.add_argument("--backends", type=lambda s: _list(s, str.strip, BACKENDS),
                    help="end-to-end backends (default local,s3; --quick: local)")
-    p.add_argument("--bandwidth", type=lambda s: _list(s, float), default=list(DEFAULT_BANDWIDTHS),
+    p.add_argument("--bandwidth", type=lambda s: _list(s, BANDWIDTH), default=list(DEFAULT_BANDWIDTHS),
                    help="bytes/s caps of the S3 link, each direction, one end-to-end run per cap (default 50e6,10e6)")
     p.add_argument("--e2e-size", type=parse_size, help=f"model size of the end-to-end runs (default the largest size <= {E2E_MAX_PARAMS:.0e})")
     p.add_argument("--e2e-rates", type=lambda s: _list(s, _rate), help="change rates of the end-to-end runs (default 0.01,0.03,0.05)")
     p.add_argument("--scaling-sizes", type=lambda s: _list(s, lambda x: 0 if x.strip() == "0" else parse_size(x)),
                    help="checkpoint bytes of the cost-against-size section (default 200M,700M,1.35G,2.7G; --quick "
                    "10M,40M; 0 skips it)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=Number(int, 0, 2**32 - 1), default=0, help="seed of the synthetic updates (default 0)")
     return p
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shutil
@@ -17,6 +16,8 @@ from dcr_bench.models.demo_lm import DEFAULT_LR, DemoLM, ModelConfig, canonical,
 from dcr_core.errors import DCRError
 from dcr_core.text import plural
 from flows import PublishOptions, run_materialize, run_publish, run_receive
+from flows.cli import Parser
+from flows.cli.values import Number
 
 RECEIVERS = ("rollout-a", "rollout-b")
 MARKER = ".dcr-demo"  # marks a workdir the demo created, so a rerun may wipe it
@@ -148,8 +149,8 @@ def _prepare_workdir(workdir: str, fresh: bool) -> None:
     open(os.path.join(workdir, MARKER), "w").close()
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    p = Parser(
         prog="dcr demo",
         description="Train a small model on CPU, publish each step as a delta and refit two receivers, "
         "checking every refit bit for bit against the trainer and a dense refit. The workdir of an earlier "
@@ -159,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir", default="dcr-demo", help="state files, cache and the default root (default ./dcr-demo)"
     )
     p.add_argument("--root", help="ROOT to publish to; must hold no steps (default WORKDIR/bucket)")
-    p.add_argument("--steps", type=int, default=8, help="training steps, each published as a delta (default 8)")
-    p.add_argument("--lr", type=float, default=DEFAULT_LR, help=f"AdamW learning rate (default {DEFAULT_LR:g})")
+    p.add_argument("--steps", type=Number(int, 1), default=8, help="training steps, each published as a delta (default 8)")
+    p.add_argument("--lr", type=Number(float, 0, lo_open=True), default=DEFAULT_LR, help=f"AdamW learning rate (default {DEFAULT_LR:g})")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON to PATH")
     p.add_argument("--fresh", action="store_true", help="delete WORKDIR even if no earlier demo created it")
-    a = p.parse_args(argv)
-    if a.steps < 1:
-        p.error("--steps must be >= 1")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
     workdir = os.path.abspath(a.workdir)
     _prepare_workdir(workdir, a.fresh)
     root = a.root or os.path.join(workdir, "bucket")

@@ -26,12 +26,19 @@ from dcr_bench.sim import measure, output
 from dcr_bench.sim import validate as val
 from dcr_bench.sim.model import simulate
 from dcr_bench.sim.scenario import DEFAULT_CALIBRATION, ScenarioError, load
+from flows.cli import Parser
+from flows.cli.values import Number
 
 DEFAULT_OUT = "sim-results"
+BANDWIDTH = Number(float, 0, lo_open=True, unit="bytes/s")
+
+
+def _bandwidths(text: str) -> list[float]:
+    return [BANDWIDTH(x) for x in text.split(",") if x.strip()]
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="dcr simulate",
         description="Predict the timeline of a refit (full checkpoint, DCR direct, DCR through a relay tree; "
         "sequential and streaming) from a scenario file; calibrate its CPU costs on this machine; validate it "
@@ -47,8 +54,8 @@ def build_parser() -> argparse.ArgumentParser:
                    f"(default {os.path.relpath(DEFAULT_CALIBRATION)})")
     p.add_argument("--json", action="store_true",
                    help="print the predictions (a list of simulation.json documents) as JSON instead of the tables")
-    p.add_argument("--params", type=float, default=100e6, help="--measure-direct: model parameters (default 1e8)")
-    p.add_argument("--bandwidth", default="10e6,50e6", help="--measure-direct: link caps in bytes/s (default 10e6,50e6)")
+    p.add_argument("--params", type=Number(float, 1), default=100e6, help="--measure-direct: model parameters (default 1e8)")
+    p.add_argument("--bandwidth", type=_bandwidths, default="10e6,50e6", help="--measure-direct: link caps in bytes/s (default 10e6,50e6)")
     return p
 
 
@@ -99,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
             return _validate(a.validate, a.out or DEFAULT_OUT)
         if a.measure_direct:
             out = a.out or DEFAULT_OUT
-            bandwidths = [float(x) for x in a.bandwidth.split(",") if x.strip()]
-            records = measure.measure_direct(out, params=int(a.params), bandwidths=bandwidths)
+            records = measure.measure_direct(out, params=int(a.params), bandwidths=a.bandwidth)
             rows = val.compare([val.Record.model_validate(r) for r in records], "measured")
             return _report(rows, out, os.path.join(out, "records.json"))
         if not a.scenarios:

@@ -6,7 +6,8 @@ from the ``dcr-bench`` package) plug in through the ``dcr.commands`` entry point
 is a ``main(argv) -> int``.
 
 Errors print one line (``dcr: error: ...``) and exit with the error's code (``dcr_core.errors``);
-``DCR_DEBUG=1`` shows tracebacks.
+``DCR_DEBUG=1`` shows tracebacks. Usage errors are one line too (``Parser``), exit 2; Ctrl-C
+is one line and exit 130 at any moment, also while a command's modules are still being imported.
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import logging
 import os
 import sys
 import time
+from typing import NoReturn
 
+from dcr_core import events
 from dcr_core.errors import DCRError
 from dcr_core.text import printable
 
@@ -44,22 +47,39 @@ COMMANDS = {
 PLUGIN_GROUP = "dcr.commands"
 
 
+class Parser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose usage errors (an unknown command or option, a missing
+    argument, a bad value) are one line naming the command, with where to read more, and exit 2:
+    ``dcr receive: error: argument --interval: expected ... (dcr receive --help)``. Its commands (its
+    subparsers, of this class too) refuse an argument they do not know themselves, so the line names them."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {printable(message)} ({self.prog} --help)\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        parsed, extra = super().parse_known_args(args, namespace)
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed, extra
+
+
 def plugins() -> dict:
     from importlib.metadata import entry_points  # noqa: PLC0415 - reads every distribution's metadata: only when listed
 
     return {ep.name: ep for ep in entry_points(group=PLUGIN_GROUP) if ep.name not in COMMANDS}
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> Parser:
     """The parser, with the arguments of ``command`` (the others only listed: nothing imported).
     The plugins are listed only when no built-in command is given (``dcr --help``, a typo): finding
     them reads the metadata of every installed distribution."""
-    parser = argparse.ArgumentParser(prog="dcr", description="Bit-exact delta-compressed refit through object storage.")
+    parser = Parser(prog="dcr", description="Bit-exact delta-compressed refit through object storage.")
     parser.add_argument("--version", action="store_true", help="print the versions of dcr and dcr-zarr-codec, and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
         if name == command:
+            events.reached("cli.importing", command=name)  # the slow part of a start (torch, say)
             importlib.import_module(module).add_arguments(name, p)
     for name, ep in sorted(plugins().items() if command not in COMMANDS else ()):
         sub.add_parser(name, help=f"(from {ep.dist.name if ep.dist else 'a plugin'}) see dcr {name} --help", add_help=False)
@@ -118,7 +138,14 @@ class PrintableRecords(logging.Filter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        return _main(list(sys.argv[1:] if argv is None else argv))
+    except KeyboardInterrupt:  # Ctrl-C, from the first import on: one line, as every other way a command ends
+        print("dcr: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     _return_freed_memory_to_the_os()
     if logging.lastResort is not None and not any(isinstance(f, PrintableRecords) for f in logging.lastResort.filters):
         logging.lastResort.addFilter(PrintableRecords())  # what prints a command's warnings
@@ -129,16 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     extra = plugins().get(command) if command not in COMMANDS else None
     if extra is not None:
         return extra.load()(argv[1:])
-    args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    try:
+        args = build_parser(command if command in COMMANDS else None).parse_args(argv)
+    except SystemExit as e:  # a usage error (its line printed) or --help: the code, for callers in this process
+        return int(e.code or 0)
     t0 = time.perf_counter()
     try:
         return importlib.import_module(COMMANDS[args.command][0]).run(args.command, args)
     except DCRError as e:
         print(f"dcr: error: {printable(e)}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("dcr: interrupted", file=sys.stderr)
-        return 130
     except Exception as e:  # anything unexpected: still one line, unless debugging
         if os.environ.get("DCR_DEBUG"):
             raise

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import time
 from dataclasses import asdict
 
+from dcr_core.errors import UsageError
 from dcr_core.text import plural, printable
 from flows.cli.common import say
 from flows.maintenance.audit import human_bytes
@@ -16,12 +18,19 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("action", choices=("ls", "prune"), help="ls: what the cache holds; prune: delete entries down to a bound")
     p.add_argument("--cache-dir", default=None, metavar="DIR",
                    help="the cache (default: $DCR_CACHE_DIR, else $XDG_CACHE_HOME/dcr, else ~/.cache/dcr)")
-    p.add_argument("--max-bytes", default=None, metavar="B",
+    p.add_argument("--max-bytes", type=_size, default=None, metavar="B",
                    help="prune: the bound, in bytes or with K/M/G/T (default: $DCR_CACHE_MAX_BYTES, else "
                    f"{cache.DEFAULT_MAX_BYTES >> 30} GiB); entries whose local ROOT is gone always go")
     p.add_argument("--dry-run", action="store_true", help="prune: say what would be deleted, delete nothing")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+
+
+def _size(text: str) -> int:
+    try:
+        return cache.parse_size(text, "--max-bytes")
+    except UsageError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def run(name: str, args) -> int:
@@ -31,8 +40,7 @@ def run(name: str, args) -> int:
         say(args, _table(cache_dir, found), {"cache_dir": cache_dir, "entries": [asdict(e) for e in found],
                                              "bytes": sum(e.nbytes for e in found)})
         return 0
-    bound = None if args.max_bytes is None else cache.parse_size(args.max_bytes, "--max-bytes")
-    report = cache.prune(cache_dir, bound, dry_run=args.dry_run)
+    report = cache.prune(cache_dir, args.max_bytes, dry_run=args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     lines = [f"{verb} {printable(r['path'])} ({human_bytes(r['nbytes'])}): {printable(r['why'])}" for r in report.removed]
     lines += [f"kept {printable(p)}: in use" for p in report.skipped]

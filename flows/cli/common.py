@@ -8,7 +8,11 @@ import os
 
 from dcr_core.errors import UsageError
 from dcr_core.text import printable
+from flows.cli.values import WORKERS, Number
+from storage import layout
 from storage.root import parse_storage_options
+
+step_arg = Number(int, 0, layout.MAX_STEP)  # a step number, as ROOT's keys can hold it
 
 
 def add_common(p: argparse.ArgumentParser, orchestrated: bool = False) -> None:
@@ -23,7 +27,7 @@ def add_common(p: argparse.ArgumentParser, orchestrated: bool = False) -> None:
             help="run in-process (none, the default; or $DCR_ORCHESTRATOR) or as a Prefect flow run against "
             "PREFECT_API_URL (prefect); auto: prefect when PREFECT_API_URL is set",
         )
-    p.add_argument("--io-workers", type=int, default=8, help="parallel object reads/writes (default 8)")
+    p.add_argument("--io-workers", type=WORKERS, default=8, help="parallel object reads/writes (default 8)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
 
@@ -38,19 +42,7 @@ def add_workers(p: argparse.ArgumentParser, what: str) -> None:
     )
 
 
-def step_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"step must be a non-negative integer, got {text!r}")
-    return value
-
-
 def storage_options(args) -> dict:
-    if args.io_workers < 1:
-        raise UsageError(f"--io-workers must be >= 1, got {args.io_workers}")
     return parse_storage_options(args.storage_option)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
+from flows.cli.values import SECONDS
 from flows.receive.fleet import HTTP_TIMEOUT, FleetResult, FleetSwitchError, run_fleet
 
 
@@ -19,7 +20,7 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--step", type=step_arg, default=None, metavar="N",
                    help="the step every member serves afterwards (default: the newest live step; lower moves the fleet back)")
     p.add_argument("--name", default="default", metavar="NAME", help="the fleet (its record: fleets/NAME.json; default: default)")
-    p.add_argument("--timeout", type=float, default=HTTP_TIMEOUT, metavar="S",
+    p.add_argument("--timeout", type=SECONDS, default=HTTP_TIMEOUT, metavar="S",
                    help=f"seconds to wait for one member's answer (default {HTTP_TIMEOUT:.0f})")
 
 

@@ -8,22 +8,23 @@ from dataclasses import asdict
 
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, say, storage_options, use_prefect
+from flows.cli.values import Number
 from flows.maintenance.gc import GcReport, format_report, run_gc
 from flows.options import GcOptions
-from storage.catalog import Catalog
+from storage.catalog import Catalog, missing_root
 from storage.root import open_root
 
 
 def add_arguments(name: str, p) -> None:
     add_common(p, orchestrated=True)
     p.add_argument(
-        "--keep-last", type=int, default=None, metavar="K",
+        "--keep-last", type=Number(int, 1), default=None, metavar="K",
         help="keep the newest K committed steps (and the chains to rebuild them); registered receivers' "
         "steps and the deltas they need are always kept (required, except with --dry-run, which then "
         "keeps every committed step and shows only the attempts that would go)",
     )
     p.add_argument(
-        "--grace-seconds", type=float, default=3600.0,
+        "--grace-seconds", type=Number(float, 0, unit="seconds"), default=3600.0,
         help="leave uncommitted attempts younger than this alone: a publisher may still be writing them (default 3600)",
     )
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
@@ -31,6 +32,9 @@ def add_arguments(name: str, p) -> None:
 
 def run(name: str, args) -> int:
     so = storage_options(args)
+    missing = missing_root(open_root(args.root, so))  # a typo, not a ROOT with nothing to collect
+    if missing is not None:
+        raise missing
     keep_last = args.keep_last
     if keep_last is None:
         if not args.dry_run:

@@ -8,11 +8,11 @@ loop) unless that step was retracted, naming both (exit 5)."""
 
 from __future__ import annotations
 
-import math
 import time
 
 from dcr_core.errors import UsageError
 from flows.cli.common import add_common, say, storage_options
+from flows.cli.values import MIN_POLL_INTERVAL, POLL_INTERVAL
 from storage import heartbeat, signing
 from storage.catalog import Catalog, require_published
 from storage.root import open_root
@@ -20,13 +20,11 @@ from storage.root import open_root
 
 def add_arguments(name: str, p) -> None:
     add_common(p)
-    p.add_argument("--every", type=float, default=None, metavar="SECONDS",
-                   help="renew it every SECONDS until interrupted (default: once)")
+    p.add_argument("--every", type=POLL_INTERVAL, default=None, metavar="SECONDS",
+                   help=f"renew it every SECONDS (at least {MIN_POLL_INTERVAL:g}) until interrupted (default: once)")
 
 
 def run(name: str, args) -> int:
-    if args.every is not None and not (math.isfinite(args.every) and args.every > 0):
-        raise UsageError(f"--every must be a positive number of seconds, got {args.every}")
     root = open_root(args.root, storage_options(args))
     require_published(root)
     key = signing.publisher_key()

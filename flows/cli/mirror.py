@@ -10,6 +10,7 @@ from dcr_core import events
 from dcr_core.errors import UsageError
 from dcr_core.text import plural
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options
+from flows.cli.values import MIN_POLL_INTERVAL, POLL_INTERVAL
 from flows.maintenance.mirror import MirrorResult, run_mirror
 from flows.maintenance.mirror_stream import Forwarder
 from flows.receive.follow import worth_retrying
@@ -30,7 +31,8 @@ def add_arguments(name: str, p) -> None:
                    help="register the mirror in SRC as receiver ID (leases while copying, its position after): "
                    "gc in SRC then keeps what the mirror still needs; needs write access to SRC's receivers/ and leases/")
     p.add_argument("--follow", action="store_true", help="keep mirroring steps as they are committed upstream")
-    p.add_argument("--interval", type=float, default=5.0, help="with --follow: seconds between looks upstream (default 5)")
+    p.add_argument("--interval", type=POLL_INTERVAL, default=5.0,
+                   help=f"with --follow: seconds between looks upstream (default 5, at least {MIN_POLL_INTERVAL:g})")
     p.add_argument("--stream", action="store_true",
                    help="with --follow: forward each step's chunks downstream while it is published upstream (and "
                    "its stream indexes, so DST's followers stream too); the marker still follows the upstream commit")

@@ -9,6 +9,7 @@ from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options, use_prefect
 from flows.cli.progress import shown
+from flows.cli.values import Number
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish.pipeline import run_publish
 from flows.publish.sources import sharded_kind, sharded_sources
@@ -26,18 +27,19 @@ def add_arguments(name: str, p) -> None:
         help="CHECKPOINT is a torch.distributed.checkpoint directory: publish only tensors named PREFIX..., "
         "without the prefix (e.g. model.)",
     )
-    p.add_argument("--chunk-bytes", type=int, default=None, help="raw bytes per chunk (default 4 MiB)")
-    p.add_argument("--column-blocks", type=int, default=1, metavar="N",
+    p.add_argument("--chunk-bytes", type=Number(int, 1, 1 << 30), default=None,
+                   help="raw bytes per chunk, at most 1 GiB (default 4 MiB)")
+    p.add_argument("--column-blocks", type=Number(int, 1, 1024), default=1, metavar="N",
                    help="tile tensors larger than a chunk into N column blocks of their last dim (where N divides "
                    "it) and at least N row blocks, so tensor-parallel receiver ranks (TP dividing N) pull only their "
                    "own slices (default 1: contiguous chunks)")
     p.add_argument("--no-cache", action="store_true", help="rebuild the baseline from ROOT instead of the local cache")
     p.add_argument(
-        "--keyframe-every", type=int, default=0, metavar="K",
+        "--keyframe-every", type=Number(int, 0), default=0, metavar="K",
         help="keyframe policy: make this step a restart point once K steps passed since the lineage's keyframe",
     )
     p.add_argument(
-        "--keyframe-above", type=float, default=0.0, metavar="F",
+        "--keyframe-above", type=Number(float, 0), default=0.0, metavar="F",
         help="keyframe policy: make this step a restart point once the stored delta bytes since the lineage's "
         "keyframe exceed F times the full size (e.g. 0.5)",
     )
@@ -67,7 +69,7 @@ def run(name: str, args) -> int:
     so = storage_options(args)
     kw = {"io_workers": args.io_workers, "use_cache": not args.no_cache, "delta_codec": DELTA_CODECS[args.codec],
           "keyframe_policy": KeyframePolicy(every=args.keyframe_every, above=args.keyframe_above)}
-    if args.chunk_bytes:
+    if args.chunk_bytes is not None:
         kw["chunk_bytes"] = args.chunk_bytes
     kw["column_blocks"] = args.column_blocks
     options = PublishOptions(**kw)

@@ -9,6 +9,7 @@ from dcr_core.errors import UsageError
 from dcr_core.text import plural
 from flows.cli.common import add_common, add_workers, say, step_arg, storage_options, use_prefect
 from flows.cli.progress import shown
+from flows.cli.values import MIN_POLL_INTERVAL, POLL_INTERVAL, Number
 from flows.options import ReceiveOptions
 from flows.receive.follow import follow
 from flows.receive.nearest import receive_nearest
@@ -16,7 +17,7 @@ from flows.receive.pipeline import run_materialize, run_receive
 from flows.results import as_dict
 from flows.streaming import Streaming
 from flows.workers import parse_workers
-from storage import signing
+from storage import leases, signing
 from storage.root import RootRef, parse_storage_options
 
 
@@ -48,21 +49,23 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--fallback-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec option for the fallback ROOTs (repeatable; --storage-option applies to ROOT only)")
     p.add_argument("--follow", action="store_true", help="keep polling ROOT and apply every newly committed step")
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between polls with --follow (default 5)")
+    p.add_argument("--interval", type=POLL_INTERVAL, default=5.0,
+                   help=f"seconds between polls with --follow (default 5, at least {MIN_POLL_INTERVAL:g})")
     p.add_argument("--until-step", type=step_arg, default=None, help="with --follow: exit once at this step or later")
     p.add_argument("--stream", action="store_true",
                    help="with --follow: fetch and verify each step's chunks while it is being published (applied "
                    "only after its commit); --interval is then also how soon a new publish is noticed")
-    p.add_argument("--stream-memory", type=float, default=2048.0, metavar="MIB",
+    p.add_argument("--stream-memory", type=Number(float, 0, lo_open=True, unit="MiB"), default=2048.0, metavar="MIB",
                    help="with --stream: stored bytes of prefetched chunks held at once, in MiB (default 2048)")
-    p.add_argument("--max-staleness", type=float, default=None, metavar="SECONDS",
+    p.add_argument("--max-staleness", type=Number(float, 0, lo_open=True, unit="seconds"), default=None, metavar="SECONDS",
                    help="refuse ROOT (a mirror frozen at an old step, say) when its newest signed heartbeat is older "
                    "than SECONDS (publishers write one per commit; dcr heartbeat renews it between commits)")
     p.add_argument("--require-signed", action="store_true",
                    help="refuse to read ROOT without a key to verify its commit markers with (as DCR_REQUIRE_SIGNED=1): "
                    "never apply a step whose signature was not checked")
-    p.add_argument("--lease-seconds", type=float, default=3600.0,
-                   help="how long dcr gc keeps the steps a refit reads, at most (default 3600; released when done)")
+    p.add_argument("--lease-seconds", type=Number(float, 0, leases.MAX_TTL, lo_open=True, unit="seconds"), default=3600.0,
+                   help=f"how long dcr gc keeps the steps a refit reads, at most (default 3600, at most {leases.MAX_TTL:g}; "
+                   "released when done)")
     add_workers(p, "rewrite the state file (the workers must see PATH's directory; not with --in-place, --follow)")
     p.add_argument(
         "--in-place", action="store_true",
@@ -139,8 +142,6 @@ def run(name: str, args) -> int:
         return 0
     if args.step is not None:
         raise UsageError("--follow applies every new step; it takes no --step (use --until-step)")
-    if args.stream_memory <= 0:
-        raise UsageError(f"--stream-memory must be positive, got {args.stream_memory}")
     stream = Streaming(RootRef(args.root, so), args.io_workers, int(args.stream_memory * (1 << 20))) \
         if args.stream else None
     def warn(message: str) -> None:

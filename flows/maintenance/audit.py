@@ -203,6 +203,8 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
     tensors are checked as groups of about ``group_bytes`` raw bytes (default:
     ``dcr_core.batches.target_bytes``) on its workers."""
     cat = Catalog(root)
+    if step is not None:
+        cat.require_marker(step)  # a step that is not committed: that error, as every command says it (not a failed check)
     tasks = VERIFY_STEPS.bind(runner or InProcess())
     report = VerifyReport(deep=deep)
     steps = [step] if step is not None else cat.ever_committed_steps()  # retracted steps' data too, until gc

@@ -1,15 +1,23 @@
 """``dcr show ROOT --step N`` and ``dcr status ROOT``: one step tensor by tensor, and where each
-receiver is and how it got there. Read-only; no torch."""
+receiver is and how it got there. Read-only; no torch.
+
+Every field printed is escaped (``dcr_core.text``): receiver records and fleet records are written
+by whoever may write ``receivers/`` and ``fleets/``, and a newline in one would forge a row."""
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 
+from dcr_core.errors import IntegrityError
 from dcr_core.text import plural, printable
 from flows.maintenance.audit import human_bytes
+from storage import layout
 from storage.catalog import Catalog, earlier_visits, utc_epoch
 from storage.root import Root
+
+log = logging.getLogger("dcr.inspect")
 
 
 @dataclass
@@ -95,7 +103,7 @@ def format_step(v: StepView, digests: bool = False) -> str:
 @dataclass
 class ReceiverRow:
     receiver: str
-    step: int
+    step: int | None  # None: its record is damaged
     lag: int | None  # committed steps behind the latest (None: ROOT holds no committed step)
     from_step: int | None
     moves: list[str]
@@ -103,6 +111,7 @@ class ReceiverRow:
     committed_at: str | None
     step_committed: bool  # False: gc deleted the step it holds (its next refit restarts from a restart point)
     step_retracted: bool = False  # the step it holds was retracted: its next refit moves back
+    damaged: str | None = None  # why its record cannot be read (naming the object): no position shown
 
 
 def _age(stamp: str | None, now: float) -> str:
@@ -125,7 +134,10 @@ def receiver_status(root: Root) -> tuple[int | None, list[ReceiverRow]]:
     retracted = {s for s in cat.ever_committed_steps() if cat.retraction(s) is not None}
     latest = committed[-1] if committed else None
     rows = []
-    for rid, rec in sorted(cat.positions().items()):
+    for rid, rec in sorted(cat.position_records().items()):
+        if isinstance(rec, IntegrityError):
+            rows.append(ReceiverRow(rid, None, None, None, [], None, None, False, damaged=str(rec)))
+            continue
         step = rec["step"]
         lag = None if latest is None else sum(1 for s in committed if s > step)
         rows.append(ReceiverRow(rid, step, lag, rec.get("from_step"), list(rec.get("moves") or []),
@@ -138,20 +150,29 @@ def format_status(latest: int | None, rows: list[ReceiverRow], now: float | None
     lines = [f"latest committed step: {'-' if latest is None else latest}"]
     if not rows:
         return "\n".join([*lines, "no receiver has recorded a commit"])
-    w = max([8, *(len(r.receiver) for r in rows)])
+    names = {r.receiver: printable(r.receiver) for r in rows}
+    w = max([8, *(len(n) for n in names.values())])
     lines.append(f"{'RECEIVER':<{w}}  {'STEP':>8}  {'LAG':>5}  {'FROM':>8}  {'PULLED':>10}  {'UPDATED':>10}  LAST REFIT")
     for r in rows:
+        if r.damaged is not None:
+            lines.append(f"{names[r.receiver]:<{w}}  {'?':>8}  {'-':>5}  {'-':>8}  {'-':>10}  {'-':>10}  "
+                         f"damaged record: {printable(r.damaged)}")
+            continue
         held = f"{r.step}" + ("" if r.step_committed else "!" if r.step_retracted else "*")
         lines.append(
-            f"{r.receiver:<{w}}  {held:>8}  {'-' if r.lag is None else r.lag:>5}  "
+            f"{names[r.receiver]:<{w}}  {held:>8}  {'-' if r.lag is None else r.lag:>5}  "
             f"{'-' if r.from_step is None else r.from_step:>8}  {human_bytes(r.bytes_pulled):>10}  "
-            f"{_age(r.committed_at, now):>10}  {', '.join(r.moves) or 'no move'}"
+            f"{printable(_age(r.committed_at, now)):>10}  {_moves(r.moves)}"
         )
     if any(r.step_retracted for r in rows):
         lines.append("! retracted (dcr retract): the receiver's next refit moves it back to the newest live step")
-    if any(not r.step_committed and not r.step_retracted for r in rows):
+    if any(not r.step_committed and not r.step_retracted and r.damaged is None for r in rows):
         lines.append("* no longer committed (deleted by gc): the receiver's next refit restarts from a restart point")
     return "\n".join(lines)
+
+
+def _moves(moves: list[str] | None) -> str:
+    return printable(", ".join(moves or [])) or "no move"
 
 
 def format_fleets(records: list) -> str:
@@ -160,21 +181,28 @@ def format_fleets(records: list) -> str:
     for r in records:
         version = "mixed" if r.version is None else r.version
         members = ", ".join(f"{m.receiver}@{'?' if m.step is None else m.step}" for m in r.members)
-        lines.append(f"fleet {r.fleet}: version {version} ({r.outcome}, target {r.target}, {r.at_utc}): {members}")
+        lines.append(printable(f"fleet {r.fleet}: version {version} ({r.outcome}, target {r.target}, {r.at_utc}): {members}"))
     return "\n".join(lines)
 
 
-def histories(root: Root, only: str | None = None) -> dict[str, list[dict]]:
+def histories(root: Root, only: str | None = None, damaged: bool = False) -> dict[str, list[dict]]:
     """Every refit each receiver (or ``only`` this one) recorded on steps ROOT still holds, oldest
     first: how it got where it is. A step the receiver reached more than once gives one entry per
-    visit (its record keeps the earlier ones). One listing per step, one read per record."""
+    visit (its record keeps the earlier ones). One listing per step, one read per record. A damaged
+    record is said and left out, or with ``damaged`` is an entry ``{"step", "damaged"}`` (naming it)."""
     cat = Catalog(root)
     out: dict[str, list[dict]] = {}
     for step in cat.listed_steps():
         for rid in cat.receivers(step):
             if only is not None and rid != only:
                 continue
-            rec = cat.receiver_record(step, rid)
+            rec = cat.checked_receiver_record(layout.receiver_key(step, rid))
+            if isinstance(rec, IntegrityError):
+                if damaged:
+                    out.setdefault(rid, []).append({"step": step, "damaged": str(rec)})
+                else:
+                    log.warning("%s", rec)
+                continue
             if rec is not None:
                 latest = {k: v for k, v in rec.items() if k != "earlier"}
                 out.setdefault(rid, []).extend([*earlier_visits(rec), latest])
@@ -187,7 +215,7 @@ def _when(record: dict) -> tuple:
 
 
 def receiver_history(root: Root, receiver_id: str) -> list[dict]:
-    return histories(root, receiver_id).get(receiver_id, [])
+    return histories(root, receiver_id, damaged=True).get(receiver_id, [])
 
 
 def format_history(receiver_id: str, records: list[dict]) -> str:
@@ -196,6 +224,9 @@ def format_history(receiver_id: str, records: list[dict]) -> str:
     lines = [f"receiver {receiver_id}: {plural(len(records), 'refit')} recorded on steps ROOT still holds (oldest first)",
              f"{'WHEN':<24}  {'FROM':>8}  {'TO':>8}  {'PULLED':>10}  MOVES"]
     for r in records:
+        if "damaged" in r:
+            lines.append(f"{'?':<24}  {'-':>8}  {r['step']:>8}  {'-':>10}  damaged record: {printable(r['damaged'])}")
+            continue
         lines.append(f"{printable(r.get('committed_at', '-')):<24}  {'-' if r.get('from_step') is None else r['from_step']:>8}  {r['step']:>8}  "
-                     f"{human_bytes(r.get('bytes_pulled')):>10}  {', '.join(r.get('moves') or []) or 'no move'}")
+                     f"{human_bytes(r.get('bytes_pulled')):>10}  {_moves(r.get('moves'))}")
     return "\n".join(lines)

@@ -51,11 +51,11 @@ from dataclasses import asdict, dataclass, field
 
 from dcr_core import events
 from dcr_core.batches import batches_for
-from dcr_core.errors import DCRError, IntegrityError, StepConflictError, StepNotFoundError, UsageError
+from dcr_core.errors import DCRError, IntegrityError, StepConflictError, UsageError
 from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
 from storage import heartbeat, layout, leases, source_layout
-from storage.catalog import Catalog, manifest_digest, no_such_directory
+from storage.catalog import Catalog, manifest_digest, not_committed
 from storage.chunk_io import BoundedPool, UncheckedChunk
 from storage.manifest import Manifest
 from storage.marker import CommitMarker
@@ -129,7 +129,7 @@ def open_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str 
     scat = Catalog(src)
     found = scat.read_marker(step)
     if found is None:
-        raise StepNotFoundError(f"{src.url}: {no_such_directory(src) or f'step {step} is not committed'}")
+        raise not_committed(src, f"step {step} is not committed")
     marker, raw = found
     present = held_marker(Catalog(dst), step)
     if present is not None:
@@ -347,7 +347,7 @@ def plan_mirror(src: RootRef, step: int | None, dst: RootRef | None = None) -> l
             listed = [st for st in listed if st in held or st > max(held)]
     steps = [st for st in listed if scat.is_live(st)]
     if not steps and scat.latest_committed() is None:
-        raise StepNotFoundError(f"{src.url}: {no_such_directory(s) or 'no committed step to mirror'}")
+        raise not_committed(s, "no committed step to mirror")
     return steps
 
 

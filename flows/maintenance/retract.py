@@ -32,9 +32,9 @@ import os
 from dataclasses import dataclass, field
 
 from dcr_core import events
-from dcr_core.errors import StepNotFoundError, UsageError
+from dcr_core.errors import UsageError
 from storage import heartbeat, layout, retraction, signing
-from storage.catalog import Catalog
+from storage.catalog import Catalog, not_committed
 from storage.retraction import MAX_REASON_CHARS
 from storage.root import RootRef, open_root
 
@@ -56,7 +56,7 @@ def run_retract(root: str | os.PathLike, step: int, reason: str = "", storage_op
     cat = Catalog(r)
     marker = cat.marker(step)
     if marker is None:
-        raise StepNotFoundError(f"{r.url}: step {step} is not committed; nothing to retract")
+        raise not_committed(r, f"step {step} is not committed; nothing to retract")
     result = RetractResult()
     key = signing.publisher_key()
     signed = marker.signature is not None or (cat.root_run() is not None and cat.root_run().signed is not None)

@@ -57,7 +57,7 @@ from dcr_core.errors import DCRError, StepNotFoundError, UsageError
 from flows.receive.fleet_members import HTTP_TIMEOUT, MemberError, http_call, member_call  # noqa: F401 - re-exported
 from flows.steps import InProcess, Runner, Step, StepTable
 from storage import fleet, layout
-from storage.catalog import Catalog
+from storage.catalog import Catalog, not_committed
 from storage.root import RootRef, open_root
 
 log = logging.getLogger("dcr.fleet")
@@ -148,12 +148,13 @@ def resolve_fleet(root: RootRef, name: str, members: list[dict], step: int | Non
     if step is None:
         target = cat.latest_committed()
         if target is None:
-            raise StepNotFoundError(f"{r.url}: no committed step to switch the fleet to")
+            raise not_committed(r, "no committed step to switch the fleet to")
     else:
         target = layout.check_step(step)
         if not cat.is_live(target):
-            why = "retracted" if cat.retraction(target) is not None else "not committed"
-            raise StepNotFoundError(f"{r.url}: step {target} is {why}; a fleet switches only to a live step")
+            if cat.retraction(target) is None:
+                raise not_committed(r, f"step {target} is not committed; a fleet switches only to a live step")
+            raise StepNotFoundError(f"{r.url}: step {target} is retracted; a fleet switches only to a live step")
     held = fleet.read(r, name)
     by_receiver = {m.receiver: m.step for m in held.members} if held else {}
     versions = _each(members, lambda m: member_call(m["url"], "/weight_info", method="GET", timeout=30)["weight_version"])

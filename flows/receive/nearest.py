@@ -27,7 +27,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 
-from dcr_core.errors import IntegrityError, StepNotFoundError, UsageError
+from dcr_core.errors import IntegrityError, RootNotFoundError, StepNotFoundError, UsageError
 from flows.options import ReceiveOptions
 from flows.receive.pipeline import run_receive
 from flows.results import ReceiveResult
@@ -43,7 +43,8 @@ class RetractedElsewhereError(StepNotFoundError):
     """The target step is retracted in one of the ROOTs: no ROOT serves it."""
 
 
-NEXT_ROOT = (IntegrityError, StepNotFoundError, StoreUnreachableError, FileNotFoundError, OSError)
+# what another ROOT may not share (a mirror not created yet: RootNotFoundError); bad arguments propagate
+NEXT_ROOT = (IntegrityError, StepNotFoundError, RootNotFoundError, StoreUnreachableError, FileNotFoundError, OSError)
 
 
 def _as_ref(root) -> RootRef:

@@ -21,7 +21,7 @@ from flows.options import ReceiveOptions
 from flows.receive import exact as exact_files
 from flows.receive import in_place
 from storage import layout, leases, reader
-from storage.catalog import Catalog, no_such_directory, utc_now
+from storage.catalog import Catalog, unpublished, utc_now
 from storage.local import journal, materialized, sidecar, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
 from storage.reader import RefitPlan
@@ -74,7 +74,10 @@ def check_origin(cat: Catalog, state_path: str, origin: tuple[int, str | None, s
     marker = cat.marker(held)
     if marker is not None and marker.policy_digest == policy:
         return
-    what = (no_such_directory(cat.root) or "which has no committed step " + str(held)) if marker is None else (
+    missing = unpublished(cat.root) if marker is None else None
+    if missing is not None:
+        raise missing
+    what = f"which has no committed step {held}" if marker is None else (
         f"whose step {held} holds other weights (policy digest {marker.policy_digest[:16]}, the file's {str(policy)[:16]})")
     raise StateMismatchError(f"{state_path}: holds step {held} of {origin_root}, not of {cat.root.url}, {what}; "
                              "move it away or give another --state")

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import math
 import os
 import re
 import time
@@ -64,9 +65,10 @@ def max_bytes_setting() -> int:
 
 def parse_size(text: str, what: str) -> int:
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?\s*", str(text), re.IGNORECASE)
-    if not m:
+    size = float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " ") if m else math.inf
+    if not math.isfinite(size):  # not a size, or digits beyond a float's range
         raise UsageError(f"{what}={text!r} is not a size (bytes, or a number with K, M, G or T)")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index(m.group(2).upper() or " "))
+    return int(size)
 
 
 def _size_and_use(path: str) -> tuple[int, float]:

@@ -20,6 +20,7 @@ from dcr_core.errors import (
     DCRError,
     IntegrityError,
     InvalidCheckpointError,
+    RootNotFoundError,
     SchemaMismatchError,
     StateMismatchError,
     StepConflictError,
@@ -323,7 +324,7 @@ def test_receiving_a_step_that_is_not_committed_is_step_not_found(published, tmp
         run_receive(p.root, "rx", str(state), 7)
     one_line(ei.value)
     assert state.read_bytes() == before
-    with pytest.raises(StepNotFoundError) as ei:
+    with pytest.raises(RootNotFoundError) as ei:  # a ROOT that does not exist: said as such (exit 2), not a missing step
         run_receive(str(tmp_path / "empty-root"), "rx", str(tmp_path / "x.safetensors"))
     one_line(ei.value)
     assert not (tmp_path / "x.safetensors").exists()

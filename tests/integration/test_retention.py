@@ -231,7 +231,7 @@ def test_dcr_gc_dry_run_and_bad_arguments(tmp_path, capsys):
     assert "would delete step 0" in out and "would delete step 3" in out and "dry run" in out
     assert tree_snapshot(root) == before
     assert main(["gc", root, "--keep-last", "0"]) == 2
-    assert "keep_last" in capsys.readouterr().err
+    assert "argument --keep-last" in capsys.readouterr().err
     assert main(["gc", root, "--keep-last", "1", "--grace-seconds", "-1"]) == 2
     assert tree_snapshot(root) == before
     assert main(["gc", root, "--keep-last", "1", "--json"]) == 0
@@ -281,7 +281,7 @@ def test_leases_that_no_receiver_can_have_taken_pin_nothing_and_gc_says_why(tmp_
     for bad in ("inf", "1e300", "nan", "0"):
         err = dcr("receive", root, "--receiver", "rx", "--state", tmp_path / "s.safetensors", "--lease-seconds", bad,
                   check=2).stderr
-        assert "lease_seconds" in err and len(err.strip().splitlines()) == 1
+        assert "argument --lease-seconds" in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.faults("gc", component="gc", outcome="a real lease written under a garbage lease's name pins its step; "

@@ -1,9 +1,10 @@
-"""kill -9 of a real ``dcr`` process at a point it reports reaching (``dcr_core.events``).
+"""kill -9 (or another signal) of a real ``dcr`` process at a point it reports reaching (``dcr_core.events``).
 
 The process runs with ``DCR_FAILPOINTS=POINT=pause``: on reaching POINT it writes
 ``dcr: failpoint POINT reached`` to stderr and blocks; the test then sends SIGKILL. So a kill
 lands exactly where the test says, and ``kill_at`` proves it: it fails if the process exits
-without reaching the point, and checks that SIGKILL (not a normal exit) ended it.
+without reaching the point, and checks that SIGKILL (not a normal exit) ended it. ``signal_at``
+sends any signal there (SIGINT: Ctrl-C) and returns how the process ended.
 """
 
 from __future__ import annotations
@@ -23,13 +24,22 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def kill_at(point: str, *args, env: dict | None = None, timeout: float = 120.0) -> str:
     """Run ``dcr ARGS`` until it reaches ``point`` (``name`` or ``name@N``), SIGKILL it there, and
     return what it wrote to stderr before dying."""
+    rc, before, _ = signal_at(point, signal.SIGKILL, *args, env=env, timeout=timeout)
+    assert rc == -signal.SIGKILL, f"dcr {args[0]} ended with {rc}, not by the kill at {point}"
+    return before
+
+
+def signal_at(point: str, signum: int, *args, env: dict | None = None,
+              timeout: float = 120.0) -> tuple[int, str, str]:
+    """Run ``dcr ARGS`` until it reaches ``point``, send it ``signum`` there and wait for its end:
+    its exit code, what it wrote to stderr up to the point, and what it wrote after."""
     spec = point if "@" in point else f"{point}@1"
     e = {**os.environ, "DCR_ORCHESTRATOR": "none", **(env or {}), "DCR_FAILPOINTS": f"{spec}=pause"}
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, env=e,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr] + [lines.put(None)], daemon=True).start()
-    seen = []
+    seen, after = [], []
     try:
         while True:
             line = lines.get(timeout=timeout)
@@ -39,14 +49,15 @@ def kill_at(point: str, *args, env: dict | None = None, timeout: float = 120.0) 
             seen.append(line)
             if line.startswith(f"dcr: failpoint {spec} reached"):
                 break
-        proc.send_signal(signal.SIGKILL)
+        proc.send_signal(signum)
         proc.wait(timeout=30)
+        while (line := lines.get(timeout=timeout)) is not None:
+            after.append(line)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    assert proc.returncode == -signal.SIGKILL, f"dcr {args[0]} ended with {proc.returncode}, not by the kill at {spec}"
-    return "".join(seen)
+    return proc.returncode, "".join(seen), "".join(after)
 
 
 def sweep(cases: list, default: set, key=None) -> list:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -11,12 +13,14 @@ import pytest
 from safetensors.torch import load_file
 
 from dcr_core import events
+from flows.cli import COMMANDS, build_parser
+from flows.cli.values import Number
 from storage.catalog import Catalog
 from storage.local import journal as state_journal
 from storage.root import Root
-from tests.support.cli import REPO, copy_tree, dcr, evolve, publish_chain, small_checkpoint
-from tests.support.helpers import assert_bits_equal, write_safetensors
-from tests.support.kill import kill_at, sweep
+from tests.support.cli import REPO, copy_tree, dcr, evolve, one_line_error, publish_chain, small_checkpoint
+from tests.support.helpers import assert_bits_equal, tree_snapshot, write_safetensors
+from tests.support.kill import kill_at, signal_at, sweep
 
 
 @pytest.fixture(scope="module")
@@ -328,5 +332,140 @@ def test_column_blocks_from_the_command_line_refit_exactly_and_bad_counts_are_re
     dcr("materialize", root, "--step", 0, "--out", tmp_path / "m0.safetensors", check=0)
     assert_bits_equal(load_file(tmp_path / "m0.safetensors"), cks[0])
     out = dcr("publish", root, tmp_path / "c1.safetensors", "--step", 2, "--column-blocks", 0)
-    assert out.returncode != 0 and "column_blocks" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+    assert out.returncode == 2 and "argument --column-blocks" in out.stderr and len(out.stderr.strip().splitlines()) == 1
     assert Catalog(Root(str(root))).marker(2) is None
+
+
+# -- usage errors, Ctrl-C and exit codes: the same for every command -------------------------------
+
+
+def _parsers() -> dict[str, argparse.ArgumentParser]:
+    """Every command's parser: the built-in ones and those of the dcr-bench plugins."""
+    from dcr_bench import bench, demo, simulate
+
+    out = {}
+    for name in COMMANDS:
+        top = build_parser(name)
+        out[name] = next(a for a in top._actions if a.dest == "command").choices[name]
+    out.update(bench=bench.build_parser(), demo=demo.build_parser(), simulate=simulate.build_parser())
+    return out
+
+
+def _required(parser: argparse.ArgumentParser, but: str) -> list[str]:
+    """Valid values for what ``parser`` requires (positionals, required options) other than ``but``."""
+    args = []
+    for a in parser._actions:
+        if but in a.option_strings or not (a.required or not a.option_strings) or a.nargs in ("*", "?"):
+            continue
+        value = a.choices[0] if a.choices else _inside(a.type) if isinstance(a.type, Number) else "x"
+        args += [*a.option_strings[:1], str(value)]
+    return args
+
+
+def _inside(n: Number) -> int | float:
+    return n.kind(n.lo + 1) if n.lo_open else n.kind(n.lo)
+
+
+def _outside(n: Number) -> list[str]:
+    """Values just outside ``n``'s range (and 0 and -1 where it excludes them)."""
+    below = str(n.lo) if n.lo_open else str(n.lo - 1) if n.kind is int else f"{n.lo - 0.01:g}"
+    out = [below] + [x for x in ("0", "-1") if not n.admits(float(x))]
+    if n.hi is not None:
+        out.append(str(n.hi + 1) if n.kind is int else f"{n.hi * 2:g}")
+    return out
+
+
+# numeric options read by a type of their own (sizes, lists of numbers): none of these is one either
+OTHER_NUMERIC = {("cache", "--max-bytes"), ("bench", "--sizes"), ("bench", "--rates"), ("bench", "--bandwidth"),
+                 ("bench", "--e2e-size"), ("bench", "--e2e-rates"), ("bench", "--scaling-sizes"),
+                 ("simulate", "--bandwidth")}
+
+
+def _numeric_cases() -> list[tuple[str, str, str]]:
+    cases = []
+    for name, parser in _parsers().items():
+        for a in parser._actions:
+            if isinstance(a.type, Number):
+                bad = ["nan", "inf", "-inf", "x", *_outside(a.type)]
+            elif (name, a.option_strings[0] if a.option_strings else "") in OTHER_NUMERIC:
+                bad = ["nan", "inf", "x", "-1"]
+            else:
+                assert a.type in (None, str) or a.option_strings[0] in {"--sources", "--backends"}, \
+                    f"dcr {name} {a.option_strings}: a numeric option must be read by a Number"
+                continue
+            cases += [(name, a.option_strings[0], v) for v in dict.fromkeys(bad)]
+    return cases
+
+
+@pytest.mark.faults(component="command line", outcome="a usage error: one line naming the command and the option, exit 2")
+@pytest.mark.parametrize(("command", "option", "value"), _numeric_cases())
+def test_every_numeric_option_refuses_a_bad_value_in_one_line_and_exit_2(command, option, value):
+    """NaN, infinities, words and values outside an option's range (a zero or negative interval,
+    count, timeout or size) are usage errors before anything runs: never a traceback (exit 1), a
+    busy loop or a value accepted."""
+    parser = _parsers()[command]
+    out = dcr(command, *_required(parser, option), f"{option}={value}")
+    line = one_line_error(out, 2, f"dcr {command}: error: argument {option}", f"(dcr {command} --help)")
+    assert "usage:" not in line and out.stdout == ""
+
+
+@pytest.mark.faults(component="command line", outcome="a usage error: one line naming the command, exit 2")
+@pytest.mark.parametrize("argv", [["frobnicate"], [], ["ls"], ["receive", "r", "--receiver", "a", "--state", "s", "--frob"],
+                                  ["cache", "dust"], ["publish", "r", "c", "--step", "1", "--codec", "zip"]])
+def test_a_usage_error_is_one_line_naming_the_command_and_its_help(argv):
+    """The parser's own errors (an unknown command, a missing argument, an unknown option, a bad
+    choice) are one line, as the README promises, not argparse's usage block."""
+    command = "dcr" if not argv or argv[0] not in COMMANDS else f"dcr {argv[0]}"
+    one_line_error(dcr(*argv), 2, f"{command}: error: ", f"({command} --help)")
+
+
+@pytest.mark.faults(component="command line", outcome="Ctrl-C: one line, exit 130")
+def test_ctrl_c_while_a_command_still_imports_its_modules_is_one_line_and_exit_130(tmp_path):
+    """SIGINT when ``dcr receive`` reports it is about to import its modules (torch among them, the
+    first second of a start): ``dcr: interrupted`` and exit 130, no traceback."""
+    rc, _, after = signal_at("cli.importing", signal.SIGINT, "receive", tmp_path / "bucket", "--receiver", "r",
+                             "--state", tmp_path / "s.safetensors")
+    assert rc == 130 and after == "dcr: interrupted\n", (rc, after)
+
+
+def _exit_cases() -> list[tuple[str, list[str], int, str]]:
+    """(condition, a command line with {root} and {tmp}, its exit code, a part of its line)."""
+    missing = [["ls", "{root}"], ["show", "{root}", "--step", "0"], ["status", "{root}"], ["verify", "{root}"],
+               ["verify", "{root}", "--step", "0"], ["receive", "{root}", "--receiver", "r", "--state", "{tmp}/s"],
+               ["materialize", "{root}", "--step", "0", "--out", "{tmp}/m"], ["mirror", "{root}", "{tmp}/d"],
+               ["gc", "{root}", "--keep-last", "1"], ["heartbeat", "{root}"], ["retract", "{root}", "--step", "0"],
+               ["report", "{root}", "--out", "{tmp}/rep"], ["fleet", "{root}", "--engine", "state:{tmp}/f"]]
+    absent = [["show", "{root}", "--step", "9"], ["verify", "{root}", "--step", "9"],
+              ["receive", "{root}", "--receiver", "r", "--state", "{tmp}/s", "--step", "9"],
+              ["materialize", "{root}", "--step", "9", "--out", "{tmp}/m"], ["mirror", "{root}", "{tmp}/d", "--step", "9"],
+              ["retract", "{root}", "--step", "9"], ["fleet", "{root}", "--engine", "state:{tmp}/f", "--step", "9"]]
+    return ([("a missing ROOT", argv, 2, "no such directory") for argv in missing]
+            + [("a step that is not committed", argv, 4, "step 9 is not committed") for argv in absent])
+
+
+@pytest.mark.faults(component="command line", outcome="the same exit code for the same condition in every command")
+@pytest.mark.parametrize(("condition", "argv", "code", "says"), _exit_cases(),
+                         ids=[f"{c[0]}: {' '.join(c[1][:1] + c[1][2:3])}" for c in _exit_cases()])
+def test_every_command_exits_with_the_same_code_for_the_same_condition(published, tmp_path, condition, argv, code, says):
+    """One error class per condition, one exit code each (docs/reference/commands.md): a missing
+    ROOT is 2 (RootNotFoundError) and a step that is not committed is 4 (StepNotFoundError) whichever
+    command meets it; nothing is written."""
+    root, _ = published
+    root = tmp_path / "no-such-root" if code == 2 else root
+    before = tree_snapshot(tmp_path)
+    one_line_error(dcr(*(a.format(root=root, tmp=tmp_path) for a in argv)), code, says)
+    assert tree_snapshot(tmp_path) == before
+
+
+def test_the_exit_code_table_of_the_docs_is_the_code_of_each_error_class():
+    """docs/reference/commands.md lists each exit code with its error classes: each is that class's code."""
+    from dcr_core import errors
+    from flows.receive.fleet import FleetSwitchError
+
+    classes = {c.__name__: c for c in vars(errors).values() if isinstance(c, type)} | {"FleetSwitchError": FleetSwitchError}
+    with open(os.path.join(REPO, "docs", "reference", "commands.md")) as f:
+        rows = [line.split("|") for line in f if line.startswith("| ") and line.split("|")[1].strip().isdigit()]
+    named = {name.strip("` "): int(row[1]) for row in rows for name in row[3].split(",") if name.strip()}
+    assert {n for n, c in classes.items() if issubclass(c, errors.DCRError)} <= set(named) | {
+        "StepVanishedError", "StateMismatchError", "UntrustedError", "UnsafeKeyError"}  # subclasses: their parent's code
+    assert all(classes[name].exit_code == code for name, code in named.items()), named

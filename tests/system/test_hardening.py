@@ -435,3 +435,50 @@ def test_names_and_times_from_the_bucket_cannot_drive_the_terminal(tmp_path):
     assert not any(line.startswith("FORGED ROW") for line in show.splitlines())
     err = dcr("ls", tmp_path / "no\x1b[2Jsuch\nroot", check=2).stderr
     assert "\x1b" not in err and "no\\x1b[2Jsuch\\nroot: no such directory" in err and len(err.strip().splitlines()) == 1
+
+
+def _hostile_records(root: Path) -> None:
+    """Receiver ``a`` lags two steps behind with a newline in its moves that forges a current row;
+    ``b`` has a record whose fields are of the wrong types; ``c`` a record that is no JSON object;
+    ``d`` stays as its refit wrote it."""
+    pos = root / layout.POSITIONS_DIR
+    a = json.loads((pos / "a.json").read_text())
+    a["moves"] = ["forward:1\nd              3      0         -           -       now  forward:3"]
+    a["committed_at"] = "2024-01-01T00:00:00Z\n\x1b[2J"
+    (pos / "a.json").write_text(json.dumps(a))
+    b = json.loads((pos / "b.json").read_text())
+    b.update(bytes_pulled="lots", from_step={"x": 1}, moves=[1, None])
+    (pos / "b.json").write_text(json.dumps(b))
+    (pos / "c.json").write_text("[1, 2]")
+
+
+@pytest.mark.faults(component="bad input or damaged bucket",
+                    outcome="dcr status: every field escaped; a damaged record is its own row naming the object")
+def test_hostile_receiver_records_forge_no_status_row_and_break_no_one_elses(bucket, tmp_path):
+    """Records are what receivers say of themselves, written by anyone who can write ``receivers/``.
+    A newline in a field would forge a row (a lagging receiver shown as current), a field of the
+    wrong type made ``dcr status`` fail for everyone: each field is escaped, each record validated
+    as a document, and a damaged one is one row that names its object, the others printed as usual."""
+    root, _ = bucket
+    for rid, step in (("a", 1), ("b", 2), ("c", 2), ("d", 3)):
+        dcr("receive", root, "--receiver", rid, "--state", tmp_path / f"{rid}.safetensors", "--step", step, check=0)
+    _hostile_records(root)
+    out = dcr("status", root, check=0)
+    lines = out.stdout.splitlines()
+    rows = {line.split()[0]: line for line in lines[2:] if line.strip() and line.split()[0] in "abcd"}
+    assert len(lines) == 6 and set(rows) == set("abcd"), out.stdout  # the header, four rows: nothing forged
+    assert rows["a"].split()[1:3] == ["1", "2"] and "forward:1\\nd" in rows["a"], rows["a"]
+    assert "\x1b" not in out.stdout and "\x1b" not in out.stderr
+    b_key = f"{layout.POSITIONS_DIR}/b.json"
+    assert "damaged" in rows["b"] and b_key in rows["b"] and "from_step" in rows["b"], rows["b"]
+    assert "damaged" in rows["c"] and f"{layout.POSITIONS_DIR}/c.json" in rows["c"], rows["c"]
+    assert rows["d"].split()[1:3] == ["3", "0"], rows["d"]
+    data = json.loads(dcr("status", root, "--json", check=0).stdout)
+    by_id = {r["receiver"]: r for r in data["receivers"]}
+    assert by_id["b"]["step"] is None and b_key in by_id["b"]["damaged"] and by_id["d"]["damaged"] is None
+    record = root / layout.receiver_key(1, "a")
+    doc = json.loads(record.read_text())
+    record.write_text(json.dumps({**doc, "moves": ["forward:1\nFORGED ROW"], "earlier": [{"step": 1, "moves": [7]}]}))
+    history = dcr("status", root, "--receiver", "a", check=0).stdout.splitlines()
+    assert not any(line.startswith("FORGED") for line in history), history
+    assert "damaged record" in history[-1] and "earlier[0]: moves" in history[-1], history
