@@ -52,6 +52,18 @@ def client(cluster):
 
 
 @pytest.fixture
+def event_log(client, tmp_path):
+    """The file the workers append the points they reach to, for this test only: the plugin is
+    removed when the test ends (the cluster outlives it, and the test's tmp_path goes with it)."""
+    log = str(tmp_path / "events.jsonl")
+    client.register_plugin(EventLog(log))
+    try:
+        yield log
+    finally:
+        client.unregister_worker_plugin(EventLog.name)
+
+
+@pytest.fixture
 def prefect_settings(prefect_api):
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -148,7 +160,7 @@ def test_workers_store_what_one_process_stores(cluster, prefect_settings, tmp_pa
 
 @pytest.mark.faults(component="Dask workers", outcome="the group runs again on another worker; the step commits once, "
                     "bit-exact")
-def test_a_worker_killed_mid_group_has_its_group_run_again(cluster, client, prefect_settings, tmp_path):
+def test_a_worker_killed_mid_group_has_its_group_run_again(cluster, client, event_log, prefect_settings, tmp_path):
     """SIGKILL of the worker process that is inside a group (paused there, as it reported): Dask
     runs the group again on another worker, the step commits once and equals an in-process publish."""
     from flows import publish_refit
@@ -156,8 +168,7 @@ def test_a_worker_killed_mid_group_has_its_group_run_again(cluster, client, pref
     from flows.publish.pipeline import run_publish
 
     paths = _checkpoints(tmp_path, 2)
-    log = str(tmp_path / "events.jsonl")
-    client.register_plugin(EventLog(log))
+    log = event_log
     pids = client.run(os.getpid)
     victim_addr = sorted(pids)[0]
     victim = pids[victim_addr]
@@ -267,7 +278,7 @@ def test_a_failed_publish_run_again_encodes_only_the_groups_that_had_not_finishe
 
 @pytest.mark.faults(component="Dask workers", outcome="the group runs again on another worker; the materialized file "
                     "is the one-process file, byte for byte")
-def test_a_worker_killed_mid_rewrite_group_has_its_group_run_again(cluster, client, prefect_settings, tmp_path):
+def test_a_worker_killed_mid_rewrite_group_has_its_group_run_again(cluster, client, event_log, prefect_settings, tmp_path):
     """SIGKILL of the worker process paused inside a ``rewrite-group`` of a materialize (as it
     reported): Dask runs the group again elsewhere; the file equals an in-process materialize."""
     from flows import materialize_refit
@@ -279,8 +290,7 @@ def test_a_worker_killed_mid_rewrite_group_has_its_group_run_again(cluster, clie
     root = str(tmp_path / "root")
     for step, path in enumerate(paths):
         run_publish(root, path, step, options=PublishOptions(cache_dir=str(tmp_path / "c"), chunk_bytes=1 << 12))
-    log = str(tmp_path / "events.jsonl")
-    client.register_plugin(EventLog(log))
+    log = event_log
     pids = client.run(os.getpid)
     victim_addr = sorted(pids)[0]
     victim = pids[victim_addr]
@@ -470,7 +480,7 @@ def _files(root: str) -> dict[str, bytes]:
     return out
 
 
-def test_mirror_materialize_receive_and_verify_through_workers(cluster, client, prefect_settings, tmp_path):
+def test_mirror_materialize_receive_and_verify_through_workers(cluster, client, event_log, prefect_settings, tmp_path):
     """The way down from the origin through one LocalCluster of 2 processes: mirror on workers
     (the mirror holds the origin's committed objects byte for byte), materialize and receive on
     workers (the files an in-process materialize and receive write, byte for byte), verify on
@@ -483,8 +493,7 @@ def test_mirror_materialize_receive_and_verify_through_workers(cluster, client, 
 
     paths = _checkpoints(tmp_path)
     origin, mirror, address = str(tmp_path / "origin"), str(tmp_path / "mirror"), _address(cluster)
-    log = str(tmp_path / "events.jsonl")
-    client.register_plugin(EventLog(log))
+    log = event_log
     workers = set(client.run(os.getpid).values())
     for step, path in enumerate(paths):  # publishing on workers: test_workers_store_what_one_process_stores
         run_publish(origin, path, step, options=PublishOptions(cache_dir=str(tmp_path / "cache"), chunk_bytes=1 << 12))
