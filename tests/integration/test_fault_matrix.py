@@ -259,8 +259,8 @@ def test_storage_faults(case, tmp_path, monkeypatch):
         run_publish(root, cks[2], 2, options=opts(tmp_path))
         real = Root.listdir
 
-        def stale(self, key):
-            names = real(self, key)
+        def stale(self, key, **kw):
+            names = real(self, key, **kw)
             return [n for n in names if n != layout.step_dir(2).split("/")[-1]] if key == layout.STEPS else names
 
         monkeypatch.setattr(Root, "listdir", stale)

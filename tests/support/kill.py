@@ -35,8 +35,11 @@ def signal_at(point: str, signum: int, *args, env: dict | None = None,
     its exit code, what it wrote to stderr up to the point, and what it wrote after."""
     spec = point if "@" in point else f"{point}@1"
     e = {**os.environ, "DCR_ORCHESTRATOR": "none", **(env or {}), "DCR_FAILPOINTS": f"{spec}=pause"}
+    # The signal's default disposition in the child: a suite started in the background of a
+    # non-interactive shell inherits SIGINT ignored, and Python then installs no KeyboardInterrupt.
     proc = subprocess.Popen([sys.executable, "-m", "flows.cli", *map(str, args)], cwd=REPO, env=e,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=None if signum == signal.SIGKILL else lambda: signal.signal(signum, signal.SIG_DFL))
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(x) for x in proc.stderr] + [lines.put(None)], daemon=True).start()
     seen, after = [], []
