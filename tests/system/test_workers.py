@@ -6,6 +6,7 @@ commits once, bit-exact."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import os
 import signal
@@ -445,12 +446,15 @@ def test_losing_the_scheduler_commits_nothing_and_a_rerun_succeeds(prefect_setti
             outcome["error"] = e
 
     try:
-        t = threading.Thread(target=publish, daemon=True)
+        # in this context: Prefect's settings (the test's API) are a context variable, which a new
+        # thread does not inherit (without them the publish starts a temporary API server of its own)
+        t = threading.Thread(target=contextvars.copy_context().run, args=(publish,), daemon=True)
         t.start()
         deadline = time.monotonic() + 120
-        while "failpoint publish.group-started@1 reached" not in log.read_text() and time.monotonic() < deadline:
+        while ("failpoint publish.group-started@1 reached" not in log.read_text() and t.is_alive()
+               and time.monotonic() < deadline):
             time.sleep(0.1)
-        assert "failpoint publish.group-started@1 reached" in log.read_text(), "no worker reached a group"
+        assert "failpoint publish.group-started@1 reached" in log.read_text(), f"no worker reached a group: {outcome}"
         _stop(sched)  # kill -9 of the scheduler, with a group paused inside a worker
         t.join(180)
         assert not t.is_alive(), "the publish did not notice the scheduler was gone"
