@@ -37,7 +37,7 @@ POINTS = frozenset({
     # progress of long work: the bytes a run will handle, then each tensor handled (raw bytes)
     "work.planned", "tensor.done",
     # publisher
-    "chunk.stored", "chunk.fetched",
+    "chunk.stored", "chunk.fetched", "pack.stored",
     "publish.planned", "publish.tensors-stored", "publish.manifest-written",
     "publish.committed", "publish.baseline-kept", "publish.baseline-patched-record",
     # the commit: the base found live (then the marker is created), and a base retracted meanwhile

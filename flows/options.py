@@ -87,6 +87,11 @@ class PublishOptions(_Options):
         True, description="expose chunks as they are stored (building.json, stream indexes) so following "
         "receivers fetch them before the commit",
     )
+    pack_bytes: int = Field(
+        8 << 20, ge=0, le=1 << 30, description="stored chunks go into shared pack objects of at least this many "
+        "bytes (manifest schema 3: objects and requests per step follow its bytes, not its tensors); 0: one "
+        "object per chunk and a zarr.json per array, the layout before packs",
+    )
     group_bytes: int | None = Field(
         None, ge=1, description="on workers (flows.workers): raw bytes of tensors per mapped encoding task; None: "
         "one task per worker thread, of near-equal bytes, more only where each holds 1 GiB (flows.publish.groups)",

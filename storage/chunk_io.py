@@ -11,7 +11,9 @@ reader that applies a chunk's stored form directly (the in-place refit) takes it
 
 from __future__ import annotations
 
+import functools
 import json
+import secrets
 import threading
 from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
@@ -66,31 +68,106 @@ class StoredChunk:
     index: int
     digest: str
     nbytes: int
+    pack: str = ""  # the pack holding it (packed steps), at ``offset``; "": its own object
+    offset: int = 0
+
+
+class _Packer:
+    """Stored chunks appended back to back into pack objects (``layout.pack_key``): a pack is
+    sealed once it holds at least ``pack_bytes`` and written by the thread that sealed it, while the
+    others go on encoding into the next. So a step costs about one PUT per ``pack_bytes`` stored,
+    however many tensors and chunks it holds. Pack names carry a tag random to this writer, so the
+    writers of one attempt (a publish mapped over workers, a snapshot beside its delta) never meet."""
+
+    def __init__(self, root: Root, step: int, attempt: str, pack_bytes: int):
+        self.root, self.step, self.attempt, self.pack_bytes = root, step, attempt, pack_bytes
+        self.tag = secrets.token_hex(4)
+        self._lock = threading.Lock()
+        self._seq, self._parts, self._size, self._calls = 0, [], 0, []
+        self.written = 0  # bytes of the packs written
+
+    def _name(self) -> str:
+        return f"{self.tag}.{self._seq:06d}"
+
+    def add(self, data: bytes, stored: Callable[[str, int], None] | None = None) -> tuple[str, int]:
+        """Append ``data`` to the open pack: (its pack, its offset there). Writes the pack if this
+        sealed it (an error then fails this chunk, hence the publish). ``stored(pack, offset)`` is
+        called once the pack is written (streaming announces the chunk then)."""
+        with self._lock:
+            name, offset = self._name(), self._size
+            self._parts.append(data)
+            if stored is not None:
+                self._calls.append(functools.partial(stored, name, offset))
+            self._size += len(data)
+            sealed = self._seal() if self._size >= self.pack_bytes else None
+        if sealed is not None:
+            self._write(*sealed)
+        return name, offset
+
+    def _seal(self) -> tuple[str, list[bytes], list[Callable[[], None]]] | None:
+        if not self._parts:
+            return None
+        sealed = (self._name(), self._parts, self._calls)
+        self._seq, self._parts, self._size, self._calls = self._seq + 1, [], 0, []
+        return sealed
+
+    def _write(self, name: str, parts: list[bytes], calls: list[Callable[[], None]]) -> None:
+        data = b"".join(parts)
+        key = layout.store_key(self.step, self.attempt, layout.pack_key(name))
+        self.root.write(key, data)
+        with self._lock:
+            self.written += len(data)
+        events.reached("pack.stored", key=key, nbytes=len(data), chunks=len(parts))
+        for call in calls:
+            call()
+
+    def flush(self) -> None:
+        """Write the open pack, if it holds anything (every chunk was added)."""
+        with self._lock:
+            sealed = self._seal()
+        if sealed is not None:
+            self._write(*sealed)
 
 
 class StepWriter:
     """Writes one attempt's Zarr store. Use as a context manager; leaving it waits for all uploads
-    (and cancels the ones not started if the block raised)."""
+    (and cancels the ones not started if the block raised).
 
-    def __init__(self, root: Root, step: int, attempt: str, codec: CodecSpec, workers: int = 8):
+    ``pack_bytes`` > 0: a packed store (``_Packer``): chunks go into packs of about that size, the
+    manifest says where each is, and no Zarr metadata document is written (readers take everything
+    from the manifest; an auditor opens a packed step with ``dcr_zarr_codec.open_tensor``). 0: one
+    object per chunk, and a ``zarr.json`` per array, as steps were written before packs."""
+
+    def __init__(self, root: Root, step: int, attempt: str, codec: CodecSpec, workers: int = 8,
+                 pack_bytes: int = 0):
         self.root, self.step, self.attempt, self.codec = root, step, attempt, codec
         self._pool = BoundedPool(workers, name="dcr-put")
-        self.bytes_written = 0
+        self._packer = _Packer(root, step, attempt, pack_bytes) if pack_bytes > 0 else None
+        self._bytes = 0
         self._lock = threading.Lock()
+
+    @property
+    def bytes_written(self) -> int:
+        return self._bytes + (self._packer.written if self._packer is not None else 0)
 
     def __enter__(self) -> StepWriter:
         return self
 
     def __exit__(self, *exc) -> None:
         self._pool.close(cancel=exc[0] is not None)
+        if exc[0] is None and self._packer is not None:
+            self._packer.flush()  # the last pack: every chunk is in one before the manifest is written
 
     def _key(self, key_in_store: str) -> str:
         return layout.store_key(self.step, self.attempt, key_in_store)
 
     def write_group(self, attributes: dict) -> None:
-        self.root.write(self._key(layout.GROUP_META), zarr_meta.group_json(attributes))
+        if self._packer is None:
+            self.root.write(self._key(layout.GROUP_META), zarr_meta.group_json(attributes))
 
     def write_array(self, array: str, shape, chunk_shape, dtype: str, attributes: dict) -> Future:
+        if self._packer is not None:
+            return _done(None)
         data = zarr_meta.array_json(tuple(shape), tuple(chunk_shape), dtype, self.codec, attributes)
         return self._pool.submit(self.root.write, self._key(layout.array_meta_key(array)), data)
 
@@ -120,17 +197,30 @@ class StepWriter:
 
         def work() -> StoredChunk:
             data = self.codec.encode(pad(payload, n), None if base is None else pad(base, n), dtype, changes)
+            digest = stored_digest(data) if self.codec.conditional else chunk_digest(payload)
+            if self._packer is not None:
+                def stored(pack: str, offset: int) -> None:
+                    announce(key_in_store, StoredChunk(index, digest, len(data), pack, offset))
+
+                pack, offset = self._packer.add(data, None if announce is None else stored)
+                events.reached("chunk.stored", key=key, nbytes=len(data), pack=pack)
+                return StoredChunk(index, digest, len(data), pack, offset)
             self.root.write(key, data)
             with self._lock:
-                self.bytes_written += len(data)
+                self._bytes += len(data)
             events.reached("chunk.stored", key=key, nbytes=len(data))
-            digest = stored_digest(data) if self.codec.conditional else chunk_digest(payload)
             stored = StoredChunk(index, digest, len(data))
             if announce is not None:
                 announce(key_in_store, stored)
             return stored
 
         return self._pool.submit(work)
+
+
+def _done(value) -> Future:
+    fut: Future = Future()
+    fut.set_result(value)
+    return fut
 
 
 @dataclass(frozen=True)
@@ -157,26 +247,41 @@ class UncheckedChunk:
         return payload
 
 
-def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, checked: bool = True
-               ) -> tuple[int, np.ndarray | HeldCoded | UncheckedChunk]:
-    """Fetch (or take from the prefetched chunks, ``storage.held_chunks``), decompress and verify the
-    ``pos``-th stored chunk of ``entry`` (main chunks, then parts); unless ``checked`` is false: then
-    its stored bytes, size-checked only (``UncheckedChunk``)."""
+def chunk_where(key: str, offset: int | None, nbytes: int) -> str:
+    """How errors name a stored chunk: its object, and for a packed chunk its bytes there."""
+    return key if offset is None else f"{key} bytes {offset}..{offset + nbytes}"
+
+
+def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, checked: bool = True,
+               fetched: _RangeRead | None = None) -> tuple[int, np.ndarray | HeldCoded | UncheckedChunk]:
+    """Fetch (or take from the prefetched chunks, ``storage.held_chunks``, or from ``fetched``: a
+    coalesced range read holding it), decompress and verify the ``pos``-th stored chunk of ``entry``
+    (main chunks, then parts); unless ``checked`` is false: then its stored bytes, size-checked only
+    (``UncheckedChunk``)."""
     rel, index, digest, nbytes = entry.stored_at(pos)
+    offset = entry.offset_at(pos)
     key = layout.store_key(manifest.step, manifest.attempt, rel)
+    where = chunk_where(key, offset, nbytes)
     grid = entry.grid
-    data = PREFETCHED.take(root.url, key, verified_as(manifest.codec, entry.dtype, grid, index, digest, nbytes))
+    data = PREFETCHED.take(root.url, layout.range_ident(key, offset),
+                           verified_as(manifest.codec, entry.dtype, grid, index, digest, nbytes))
     prefetched = data is not None  # then verified against this very digest, size, dtype, range and codec when it landed
     if not prefetched:
         try:
-            data = root.read(key, limit=nbytes)  # a larger object is refused without being read
+            if fetched is not None:
+                data = fetched.take(offset, nbytes)
+            elif offset is None:
+                data = root.read(key, limit=nbytes)  # a larger object is refused without being read
+            else:
+                data = root.read_range(key, offset, nbytes)
         except FileNotFoundError:
-            raise IntegrityError(f"{root.url}/{key}: chunk listed in the manifest is missing") from None
+            raise IntegrityError(f"{root.url}/{key}: {'pack' if offset is not None else 'chunk'} listed in the "
+                                 "manifest is missing") from None
     if len(data) != nbytes:
-        raise IntegrityError(f"{root.url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
-    chunk = UncheckedChunk(root.url, key, data, manifest.codec, entry.dtype, grid, index, digest)
+        raise IntegrityError(f"{root.url}/{where}: chunk is {len(data)} bytes, the manifest says {nbytes}")
+    chunk = UncheckedChunk(root.url, where, data, manifest.codec, entry.dtype, grid, index, digest)
     if checked:  # a prefetched chunk was checked when it landed: decoded only
-        chunk = chunk.checked() if not prefetched else decode_chunk(root.url, key, data, manifest.codec,
+        chunk = chunk.checked() if not prefetched else decode_chunk(root.url, where, data, manifest.codec,
                                                                      entry.dtype, grid, index, nbytes)
     events.reached("chunk.fetched", key=key, nbytes=nbytes, prefetched=prefetched)
     return index, chunk
@@ -218,36 +323,103 @@ def verified_as(codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int, diges
 
 ChunkJob = tuple[Manifest, TensorEntry, int]  # a manifest, one of its entries, a stored position
 
+# Coalesced reads of packed chunks: the chunks a refit wants from one pack are read with one ranged
+# GET per run of them, a run spanning at most MAX_RANGE_BYTES and skipping at most MAX_GAP_BYTES of
+# chunks nobody here wants (a tensor-parallel rank's neighbours' slices), and holding chunks applied
+# within RANGE_SPREAD jobs of each other (so what is held waiting for its turn stays bounded).
+MAX_RANGE_BYTES = 64 << 20
+MAX_GAP_BYTES = 256 << 10
+RANGE_SPREAD = 4096
+
+
+class _RangeRead:
+    """One ranged GET of a pack, shared by the chunks it holds; its bytes are dropped once the last
+    of them is taken."""
+
+    def __init__(self, root: Root, key: str, start: int, end: int, users: int):
+        self.root, self.key, self.start, self.end, self.users = root, key, start, end, users
+        self._future: Future | None = None
+        self._lock = threading.Lock()
+
+    def submit(self, pool: BoundedPool) -> None:
+        if self._future is None:
+            self._future = pool.submit(self.root.read_range, self.key, self.start, self.end - self.start)
+
+    def take(self, offset: int, nbytes: int) -> bytes:
+        data = self._future.result()
+        with self._lock:
+            self.users -= 1
+            if self.users == 0:
+                self._future = None  # its bytes go with the last chunk taken from them
+        lo = offset - self.start
+        return data[lo:lo + nbytes] if len(data) >= lo + nbytes else data[lo:]
+
+
+def _plan_ranges(root: Root, jobs: list[ChunkJob]) -> list[_RangeRead | None]:
+    """For each job, the coalesced range read that fetches its chunk (None: a chunk that is its own
+    object, or one a streaming prefetcher already holds)."""
+    wanted: dict[str, list[tuple[int, int, int]]] = {}  # pack key -> (offset, nbytes, job)
+    for i, (m, e, pos) in enumerate(jobs):
+        offset = e.offset_at(pos)
+        if offset is None:
+            continue
+        key = layout.store_key(m.step, m.attempt, e.stored_at(pos)[0])
+        if (root.url, layout.range_ident(key, offset)) in PREFETCHED:
+            continue
+        wanted.setdefault(key, []).append((offset, e.stored_nbytes[pos], i))
+    reads: list[_RangeRead | None] = [None] * len(jobs)
+    for key, chunks in wanted.items():
+        chunks.sort()
+        runs, run = [], [chunks[0]]
+        for c in chunks[1:]:
+            start, end, first = run[0][0], run[-1][0] + run[-1][1], run[0][2]
+            if c[0] - end > MAX_GAP_BYTES or c[0] + c[1] - start > MAX_RANGE_BYTES or abs(c[2] - first) > RANGE_SPREAD:
+                runs.append(run)
+                run = []
+            run.append(c)
+        runs.append(run)
+        for run in runs:
+            r = _RangeRead(root, key, run[0][0], max(o + n for o, n, _ in run), len(run))
+            for _, _, j in run:
+                reads[j] = r
+    return reads
+
 
 def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = 8, window: int | None = None,
                   unchecked: Callable[[Manifest, TensorEntry], bool] | None = None
                   ) -> Iterator[tuple[Manifest, TensorEntry, int, np.ndarray | HeldCoded | UncheckedChunk]]:
     """Fetch and verify chunks in the order of ``jobs``, reading ahead across tensors and steps
     with at most ``window`` chunks in flight (default ``2 * workers``): memory stays bounded, and
-    many small tensors do not cost one round trip each. Chunks of the entries ``unchecked`` picks
-    come as ``UncheckedChunk`` (the caller verifies what it builds from them)."""
-    it = iter(jobs)
+    many small tensors do not cost one round trip each. Packed chunks are read by coalesced ranged
+    GETs (``_plan_ranges``: GETs follow the bytes pulled, not the chunks), each started when the
+    first chunk it holds is admitted. Chunks of the entries ``unchecked`` picks come as
+    ``UncheckedChunk`` (the caller verifies what it builds from them)."""
+    jobs = list(jobs)
+    reads = _plan_ranges(root, jobs)
     workers = root.backend.read_workers(workers)
     window = max(1, window or 2 * workers)
     pending: deque = deque()
-    with BoundedPool(workers, window=window + 1, name="dcr-get") as pool:
+    with BoundedPool(workers, window=window + 1, name="dcr-get") as pool, \
+            BoundedPool(workers, window=window + 1, name="dcr-range") as ranges:
         try:
-            while True:
-                while len(pending) < window:
-                    job = next(it, None)
-                    if job is None:
-                        break
-                    m, e, pos = job
-                    pending.append((m, e, pool.submit(read_chunk, root, m, e, pos,
-                                                              unchecked is None or not unchecked(m, e))))
-                if not pending:
-                    return
-                m, e, fut = pending.popleft()
-                index, payload = fut.result()
-                yield m, e, index, payload
+            for (m, e, pos), read in zip(jobs, reads):
+                if len(pending) >= window:
+                    yield _next(pending)
+                if read is not None:
+                    read.submit(ranges)
+                pending.append((m, e, pool.submit(read_chunk, root, m, e, pos,
+                                                  unchecked is None or not unchecked(m, e), read)))
+            while pending:
+                yield _next(pending)
         finally:
             for _, _, f in pending:
                 f.cancel()
+
+
+def _next(pending: deque) -> tuple:
+    m, e, fut = pending.popleft()
+    index, payload = fut.result()
+    return m, e, index, payload
 
 
 def stored_positions(entry: TensorEntry, wanted: Container[int] | None = None) -> list[int]:

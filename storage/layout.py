@@ -6,6 +6,9 @@
     ROOT/steps/<step:012d>/attempts/<attempt>/source.json   the published file's own header(s) (storage.source_layout)
     ROOT/steps/<step:012d>/attempts/<attempt>/data.zarr/    Zarr v3 group, one array per tensor
     .../data.zarr/<array>/c/<i>/<j>                         a stored chunk (Zarr's default chunk keys)
+    .../data.zarr/%packs/<tag>.<k:06d>                      a pack: many stored chunks back to back (packed
+                                                            steps: the manifest gives each chunk's pack, offset
+                                                            and size; no per-array zarr.json is written)
     .../data.zarr/<array>%parts/c/<rank>/<i>/<j>            a rank's part of a shared chunk
     ROOT/steps/<step:012d>/receivers/<receiver-id>.json     receiver commit records
     ROOT/steps/<step:012d>/leases/<receiver-id>.json        a receiver reading the step: gc keeps it
@@ -45,6 +48,7 @@ _ATTEMPT = re.compile(r"^[0-9a-f]{16,64}$")
 _RECEIVER = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 MAX_ARRAY_SEGMENT = 200
 _SEGMENT = re.compile(r"^[A-Za-z0-9_.%-]{1,255}$")
+_PLAIN = re.compile(r"[A-Za-z0-9_-][A-Za-z0-9._-]*\Z")  # an array name as it is: no escape, no leading dot
 
 
 def check_step(step: int) -> int:
@@ -145,6 +149,27 @@ def part_key(parts_array: str, slot: int, grid_index: tuple[int, ...]) -> str:
     return chunk_key(parts_array, (slot, *grid_index))
 
 
+PACKS = "%packs"  # a packed step's pack objects, in its store (array_segment never yields "%p")
+_PACK = re.compile(r"^[0-9a-f]{8}\.[0-9]{6}$")
+
+
+def check_pack(name: str) -> str:
+    """A pack's name from a manifest: ``<writer tag: 8 hex digits>.<6 digits>``."""
+    if not isinstance(name, str) or not _PACK.match(name):
+        raise UnsafeKeyError(f"pack name {name!r} is not <8 hex digits>.<6 digits>")
+    return name
+
+
+def range_ident(key: str, offset: int | None) -> str:
+    """What names a stored chunk among prefetched ones: its object's key, and a packed chunk's offset."""
+    return key if offset is None else f"{key}@{offset}"
+
+
+def pack_key(name: str) -> str:
+    """A pack object's key inside a step's store: many stored chunks, back to back (packed steps)."""
+    return f"{PACKS}/{check_pack(name)}"
+
+
 PARTS_SUFFIX = "%parts"  # array_segment never yields "%p", so no tensor's array can end like this
 SNAPSHOT_SUFFIX = ".full"  # a restart point's full copy of a tensor, beside its delta array
 
@@ -206,6 +231,8 @@ def fleet_key(name: str) -> str:
 
 def array_segment(name: str) -> str:
     """The Zarr array name for a tensor: the tensor name, percent-escaped outside [A-Za-z0-9._-]."""
+    if len(name) <= MAX_ARRAY_SEGMENT and _PLAIN.match(name):
+        return name  # nothing to escape (most names: one pass in C instead of one per character)
     out = []
     for ch in name:
         if ch.isascii() and (ch.isalnum() or ch in "._-"):

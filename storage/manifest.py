@@ -36,9 +36,12 @@ from storage.document_fields import MAX_DIM, MAX_NDIM, fail, parse_attempt, pars
 
 # Schema 2: tensor digests are block digests (``dcr_core.digest``, named by ``digest_scheme``).
 # Schema 1 (flat digests) is still read, and written where a publisher asks for flat digests.
+# Schema 3: chunks may be packed, many to an object (``packs``; ``storage.layout.pack_key``); its
+# digest scheme is named as in schema 2, flat when absent. Written whenever a step holds a pack.
 SCHEMA_VERSION = 2
 FLAT_SCHEMA_VERSION = 1
-READABLE_SCHEMA_VERSIONS = (FLAT_SCHEMA_VERSION, SCHEMA_VERSION)
+PACKED_SCHEMA_VERSION = 3
+READABLE_SCHEMA_VERSIONS = (FLAT_SCHEMA_VERSION, SCHEMA_VERSION, PACKED_SCHEMA_VERSION)
 MIN_BLOCK_BYTES, MAX_BLOCK_BYTES = 1 << 12, 1 << 30
 FORMAT = "dcr-manifest"
 
@@ -51,6 +54,8 @@ MAX_CHUNK_BYTES = 1 << 30  # a padded chunk, decompressed
 MAX_PIECES_PER_TENSOR = 1_000_000
 MAX_PIECE_RUNS_PER_TENSOR = 1 << 23  # contiguous runs the pieces' boxes decompose into
 MAX_PART_SLOTS = 1 << 16
+MAX_PACKS = 1 << 24
+MAX_PACK_BYTES = 1 << 40  # a pack is sealed at about ``pack_bytes`` (8 MiB by default) plus one chunk
 
 def refusal(shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...]) -> str | None:
     """Why every receiver would refuse a tensor of this shape and chunking (the limits a manifest
@@ -71,20 +76,32 @@ def refusal(shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...]) ->
 
 @dataclass(frozen=True, slots=True)
 class ChunkTable:
-    """Stored chunks of one tensor, as parallel columns (compact for large models)."""
+    """Stored chunks of one tensor, as parallel columns (compact for large models). ``packs``:
+    for a packed step (``storage.layout.pack_key``), the pack object holding each chunk and
+    ``offsets`` its first byte there; empty: each chunk is its own object (``layout.chunk_key``)."""
 
     indices: tuple[int, ...] = ()
     digests: tuple[str, ...] = ()
     nbytes: tuple[int, ...] = ()
+    packs: tuple[str, ...] = ()
+    offsets: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def to_dict(self) -> dict:
-        return {"indices": list(self.indices), "digests": list(self.digests), "nbytes": list(self.nbytes)}
+    @property
+    def packed(self) -> bool:
+        return bool(self.packs)
+
+    def to_dict(self, pack_numbers: dict[str, int] | None = None) -> dict:
+        d = {"indices": list(self.indices), "digests": list(self.digests), "nbytes": list(self.nbytes)}
+        if self.packs:
+            d["pack"] = [pack_numbers[p] for p in self.packs]
+            d["offset"] = list(self.offsets)
+        return d
 
     @classmethod
-    def from_dict(cls, d: Any, what: str, n_chunks: int) -> ChunkTable:
+    def from_dict(cls, d: Any, what: str, n_chunks: int, packs: tuple[str, ...] = ()) -> ChunkTable:
         if not isinstance(d, dict):
             raise fail(what, "chunks must be an object")
         idx, dig, nb = d.get("indices"), d.get("digests"), d.get("nbytes")
@@ -95,7 +112,17 @@ class ChunkTable:
         indices = tuple(parse_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
         if any(a >= b for a, b in zip(indices, indices[1:])):
             raise fail(what, "chunk indices must be strictly increasing")
-        return cls(indices, tuple(parse_digest(x, what) for x in dig), tuple(parse_int(x, what) for x in nb))
+        in_packs, offsets = (), ()
+        pk, off = d.get("pack"), d.get("offset")
+        if pk is not None or off is not None:
+            if not packs:
+                raise fail(what, "chunks name packs, but the manifest lists none")
+            if not isinstance(pk, list) or not isinstance(off, list) or not len(pk) == len(off) == len(idx):
+                raise fail(what, "chunks.pack/offset must be lists as long as chunks.indices")
+            in_packs = tuple(packs[parse_int(p, f"{what} chunks.pack", 0, len(packs) - 1)] for p in pk)
+            offsets = tuple(parse_int(o, f"{what} chunks.offset", 0, MAX_PACK_BYTES) for o in off)
+        return cls(indices, tuple(parse_digest(x, what) for x in dig), tuple(parse_int(x, what) for x in nb),
+                   in_packs, offsets)
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,12 +316,18 @@ class TensorEntry:
         """``(object key inside the store, chunk index, payload digest, stored bytes)`` of position ``pos``."""
         n = len(self.chunks)
         if pos < n:
-            index = self.chunks.indices[pos]
-            key = layout.chunk_key(self.array, self.grid.grid_index(index))
-            return key, index, self.chunks.digests[pos], self.chunks.nbytes[pos]
+            c = self.chunks
+            index = c.indices[pos]
+            key = layout.pack_key(c.packs[pos]) if c.packs else layout.chunk_key(self.array, self.grid.grid_index(index))
+            return key, index, c.digests[pos], c.nbytes[pos]
         p, q = self.parts, pos - n
         index = p.indices[q]
         return layout.part_key(p.array, p.slot[q], self.grid.grid_index(index)), index, p.digests[q], p.nbytes[q]
+
+    def offset_at(self, pos: int) -> int | None:
+        """Where position ``pos``'s bytes start in the object ``stored_at`` names: an offset into a
+        pack, or None (the chunk is the whole object)."""
+        return self.chunks.offsets[pos] if pos < len(self.chunks) and self.chunks.packs else None
 
     def encoding_at(self, pos: int) -> Encoding:
         """How position ``pos`` applies: the entry's encoding for main chunks, XOR for parts
@@ -310,7 +343,7 @@ class TensorEntry:
                 return False
         return pieces_digest(self.pieces.records()) == self.digest
 
-    def to_dict(self) -> dict:
+    def to_dict(self, pack_numbers: dict[str, int] | None = None) -> dict:
         d = {
             "dtype": self.dtype,
             "shape": list(self.shape),
@@ -320,7 +353,7 @@ class TensorEntry:
             "changed_elements": self.changed,
             "array": self.array,
             "chunk_shape": list(self.chunk_shape),
-            "chunks": self.chunks.to_dict(),
+            "chunks": self.chunks.to_dict(pack_numbers),
         }
         if self.pieces is not None:
             d["pieces"] = self.pieces.to_dict()
@@ -329,7 +362,8 @@ class TensorEntry:
         return d
 
     @classmethod
-    def from_dict(cls, name: str, d: Any, where: str, scheme: DigestScheme = FLAT) -> TensorEntry:
+    def from_dict(cls, name: str, d: Any, where: str, scheme: DigestScheme = FLAT,
+                  packs: tuple[str, ...] = ()) -> TensorEntry:
         what = f"{where} tensor {name!r}"
         if not isinstance(d, dict):
             raise fail(what, "entry must be an object")
@@ -353,7 +387,7 @@ class TensorEntry:
         if grid.n_chunks > MAX_CHUNKS_PER_TENSOR:
             raise fail(what, f"{grid.n_chunks} chunks exceeds the limit {MAX_CHUNKS_PER_TENSOR}")
         base = d.get("base_digest")
-        chunks = ChunkTable.from_dict(d.get("chunks"), what, grid.n_chunks)
+        chunks = ChunkTable.from_dict(d.get("chunks"), what, grid.n_chunks, packs)
         digest = parse_digest(d.get("digest"), what)
         pieces = None if d.get("pieces") is None else PieceTable.from_dict(d["pieces"], what, shape, digest)
         parts = None if d.get("parts") is None else PartTable.from_dict(d["parts"], what, grid.n_chunks)
@@ -432,12 +466,25 @@ class Manifest:
 
     @property
     def schema_version(self) -> int:
+        if self.packs():
+            return PACKED_SCHEMA_VERSION
         return SCHEMA_VERSION if self.digest_scheme.blocked else FLAT_SCHEMA_VERSION
+
+    def packs(self) -> dict[str, int]:
+        """Every pack object of the step, in name order, and its size in bytes (its chunks tile it)."""
+        sizes: dict[str, int] = {}
+        for entries in (self.tensors, self.snapshot):
+            for e in entries.values():
+                for p, n in zip(e.chunks.packs, e.chunks.nbytes):
+                    sizes[p] = sizes.get(p, 0) + n
+        return dict(sorted(sizes.items()))
 
     def computed_policy_digest(self) -> str:
         return policy_digest((t.name, t.dtype, t.shape, t.digest) for t in self.tensors.values())
 
     def to_dict(self) -> dict:
+        packs = self.packs()
+        numbers = {p: i for i, p in enumerate(packs)}
         return {
             "format": FORMAT,
             "schema_version": self.schema_version,
@@ -456,8 +503,9 @@ class Manifest:
             "chunk_bytes": self.chunk_bytes,
             **({"source": self.source.to_dict()} if self.source is not None else {}),
             "summary": self.summary(),
-            "tensors": {name: self.tensors[name].to_dict() for name in sorted(self.tensors)},
-        } | ({"snapshot": {n: self.snapshot[n].to_dict() for n in sorted(self.snapshot)}} if self.snapshot else {})
+            **({"packs": list(packs)} if packs else {}),
+            "tensors": {name: self.tensors[name].to_dict(numbers) for name in sorted(self.tensors)},
+        } | ({"snapshot": {n: self.snapshot[n].to_dict(numbers) for n in sorted(self.snapshot)}} if self.snapshot else {})
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_dict(), indent=1, sort_keys=False).encode() + b"\n"
@@ -498,9 +546,10 @@ class Manifest:
         tensors_d = d.get("tensors")
         if not isinstance(tensors_d, dict) or len(tensors_d) > MAX_TENSORS:
             raise fail(where, f"tensors must be an object of at most {MAX_TENSORS} entries")
+        packs = _parse_packs(d.get("packs"), version, where)
         tensors = {}
         for name, td in tensors_d.items():
-            entry = TensorEntry.from_dict(name, td, where, scheme)
+            entry = TensorEntry.from_dict(name, td, where, scheme, packs)
             if kind == KEYFRAME and entry.encoding not in (Encoding.FULL,):
                 raise fail(where, f"keyframe tensor {name!r} has encoding {entry.encoding.value}")
             if kind == DELTA and entry.encoding is Encoding.FULL:
@@ -512,7 +561,7 @@ class Manifest:
             if kind != DELTA or not isinstance(snap_d, dict) or set(snap_d) != set(tensors):
                 raise fail(where, "a snapshot belongs to a delta and holds exactly its tensors")
             for name, td in snap_d.items():
-                entry = TensorEntry.from_dict(name, td, f"{where} snapshot", scheme)
+                entry = TensorEntry.from_dict(name, td, f"{where} snapshot", scheme, packs)
                 t = tensors[name]
                 if entry.encoding is not Encoding.FULL or (entry.dtype, entry.shape, entry.digest) != (
                     t.dtype, t.shape, t.digest
@@ -545,10 +594,45 @@ class Manifest:
         )
         if m.computed_policy_digest() != m.policy_digest:
             raise fail(where, "policy digest does not match its tensors")
+        _check_packs_tiled(m, packs, where)
         return m
 
 
+def _parse_packs(d: Any, version: int, where: str) -> tuple[str, ...]:
+    if d is None:
+        return ()
+    if version != PACKED_SCHEMA_VERSION:
+        raise fail(where, f"packs belong to schema {PACKED_SCHEMA_VERSION} manifests")
+    if not isinstance(d, list) or not 0 < len(d) <= MAX_PACKS:
+        raise fail(where, f"packs must be a list of 1..{MAX_PACKS} pack names")
+    names = tuple(layout.check_pack(p) for p in d)
+    if list(names) != sorted(set(names)):
+        raise fail(where, "packs must be distinct and in name order")
+    return names
+
+
+def _check_packs_tiled(m: Manifest, packs: tuple[str, ...], where: str) -> None:
+    """Each pack's chunks tile it from its first byte, none overlapping and no byte unaccounted
+    for: its size is then known from the manifest (a mirror checks the object against it), and no
+    byte of it escapes a digest."""
+    spans: dict[str, list[tuple[int, int]]] = {p: [] for p in packs}
+    for entries in (m.tensors, m.snapshot):
+        for e in entries.values():
+            for p, off, n in zip(e.chunks.packs, e.chunks.offsets, e.chunks.nbytes):
+                spans[p].append((off, n))
+    for p, s in spans.items():
+        if not s:
+            raise fail(where, f"pack {p!r} holds no chunk")
+        end = 0
+        for off, n in sorted(s):
+            if off != end:
+                raise fail(where, f"pack {p!r}: its chunks do not tile it (a gap or an overlap at byte {min(off, end)})")
+            end = off + n
+
+
 def _parse_scheme(d: Any, version: int, where: str) -> DigestScheme:
+    if version == PACKED_SCHEMA_VERSION and d is None:
+        return FLAT
     if version == FLAT_SCHEMA_VERSION:
         if d is not None:
             raise fail(where, "a schema 1 manifest has flat digests (no digest_scheme)")

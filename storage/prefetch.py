@@ -18,13 +18,14 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
+from concurrent.futures import Future
 
 from dcr_core import events
 from dcr_core.chunking import ChunkGrid
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
-from storage.chunk_io import BoundedPool, decode_chunk, payload_digest, verified_as
+from storage.chunk_io import MAX_RANGE_BYTES, BoundedPool, decode_chunk, payload_digest, verified_as
 from storage.held_chunks import PREFETCHED, Prefetched
 from storage.marker import MAX_MARKER_BYTES
 from storage.root import Root
@@ -147,6 +148,7 @@ class Prefetcher:
     def take(self, idx: StreamIndex, pool: BoundedPool) -> bool:
         """Start fetching the chunks ``idx`` names (those it ``admits``) into the store; False if
         stopped meanwhile."""
+        run: list[StreamedChunk] = []  # packed chunks back to back in one pack: one ranged GET
         for c in idx.chunks:
             if not self.admits(c):
                 self.skipped += 1
@@ -154,10 +156,43 @@ class Prefetcher:
                 continue
             if not self.store.reserve(c.nbytes, self.stopped):
                 return False
+            if c.pack:
+                if run and (run[-1].pack != c.pack or run[-1].offset + run[-1].nbytes != c.offset
+                            or c.offset + c.nbytes - run[0].offset > MAX_RANGE_BYTES):
+                    self._fetch_run(idx, run, pool)
+                    run = []
+                run.append(c)
+                continue
             key = layout.store_key(self.step, self.attempt, c.key_in_store)
             verified = verified_as(idx.codec, c.dtype, c.grid, c.index, c.digest, c.nbytes)
             self.store.put(self.root.url, key, verified, pool.submit(self.fetch, key, idx, c), c.nbytes)
+        if run:
+            self._fetch_run(idx, run, pool)
         return True
+
+    def _fetch_run(self, idx: StreamIndex, run: list[StreamedChunk], pool: BoundedPool) -> None:
+        """Fetch chunks that lie back to back in one pack with one ranged GET; each is checked and
+        held on its own."""
+        key, start = run[0].location(self.step, self.attempt)
+        whole = pool.submit(self._read_range, key, start, run[-1].offset + run[-1].nbytes - start)
+        for c in run:
+            fut: Future = Future()
+
+            def done(f: Future, c: StreamedChunk = c, fut: Future = fut) -> None:
+                try:
+                    data = f.result()[c.offset - start:c.offset - start + c.nbytes]
+                    fut.set_result(self.check(layout.range_ident(key, c.offset), idx, c, data))
+                except BaseException as e:  # noqa: BLE001 - the chunk's future carries it to whoever takes it
+                    fut.set_exception(e)
+
+            whole.add_done_callback(done)
+            verified = verified_as(idx.codec, c.dtype, c.grid, c.index, c.digest, c.nbytes)
+            self.store.put(self.root.url, layout.range_ident(key, c.offset), verified, fut, c.nbytes)
+
+    def _read_range(self, key: str, start: int, length: int) -> bytes:
+        if self.stopped.is_set():
+            raise IntegrityError(f"{self.root.url}/{key}: prefetch stopped")
+        return self.root.read_range(key, start, length)
 
     def _await_commit(self) -> None:
         """After the last index the manifest and the marker are moments away: poll often (not so
@@ -169,7 +204,10 @@ class Prefetcher:
         """Read one chunk and check it as the index describes it (runs on the pool)."""
         if self.stopped.is_set():
             raise IntegrityError(f"{self.root.url}/{key}: prefetch stopped")
-        data = self.root.read(key, limit=c.nbytes)
+        return self.check(key, idx, c, self.root.read(key, limit=c.nbytes))
+
+    def check(self, key: str, idx: StreamIndex, c: StreamedChunk, data: bytes) -> bytes:
+        """``data``, once it decodes to a payload with the digest the index gives ``c``."""
         payload = decode_chunk(self.root.url, key, data, idx.codec, c.dtype, c.grid, c.index, c.nbytes)
         if payload_digest(payload) != c.digest:
             raise IntegrityError(f"{self.root.url}/{key}: chunk digest does not match its stream index")

@@ -214,6 +214,22 @@ class Root:
             raise IntegrityError(f"{self.url}/{key}: more than the {limit} bytes this object may hold")
         return data
 
+    def read_range(self, key: str, start: int, length: int) -> bytes:
+        """Bytes ``[start, start + length)`` of the object (one ranged GET); an object that ends
+        sooner gives fewer bytes, for the caller to refuse by size."""
+        path = self.full(key)
+
+        def get() -> bytes:
+            stats.count(self.url, gets=1)
+            if self.backend.local:
+                data = local_objects.read_range(self.path, path, start, length)
+            else:
+                data = self.fs.cat_file(path, start=start, end=start + length)
+            stats.count(self.url, bytes_read=len(data))
+            return data
+
+        return self._call("GET", key, get)
+
     def write(self, key: str, data: bytes) -> None:
         """Write (or replace) an object. Only for objects no reader trusts before a commit."""
         path = self.full(key)

@@ -79,6 +79,14 @@ class StreamedChunk:
     index: int
     digest: str
     nbytes: int
+    pack: str = ""  # packed steps: the pack holding it, at ``offset``
+    offset: int = 0
+
+    def location(self, step: int, attempt: str) -> tuple[str, int | None]:
+        """The object holding the chunk, and its offset there (None: the whole object)."""
+        if self.pack:
+            return layout.store_key(step, attempt, layout.pack_key(self.pack)), self.offset
+        return layout.store_key(step, attempt, self.key_in_store), None
 
 
 @dataclass(frozen=True)
@@ -100,6 +108,9 @@ class StreamIndex:
             a["indices"].append(c.index)
             a["digests"].append(c.digest)
             a["nbytes"].append(c.nbytes)
+            if c.pack:
+                a.setdefault("pack", []).append(c.pack)
+                a.setdefault("offset", []).append(c.offset)
         return json.dumps({"format": INDEX_FORMAT, "step": self.step, "attempt": self.attempt, "seq": self.seq,
                            "codec": self.codec.to_dict(), "last": self.last, "arrays": arrays}).encode()
 
@@ -132,11 +143,19 @@ def _array_chunks(array: str, a: Any, what: str) -> list[StreamedChunk]:
     indices, digests, nbytes = a.get("indices"), a.get("digests"), a.get("nbytes")
     if not all(isinstance(x, list) for x in (indices, digests, nbytes)) or not len(indices) == len(digests) == len(nbytes):
         raise fail(what, "indices, digests and nbytes must be lists of one length")
+    packs, offsets = a.get("pack"), a.get("offset")
+    if packs is None and offsets is None:
+        packs, offsets = [""] * len(indices), [0] * len(indices)
+    elif not isinstance(packs, list) or not isinstance(offsets, list) or not len(packs) == len(offsets) == len(indices):
+        raise fail(what, "pack and offset must be lists as long as indices")
+    else:
+        packs = [layout.check_pack(p) for p in packs]
     out = []
-    for i, dg, nb in zip(indices, digests, nbytes):
+    for i, dg, nb, pk, off in zip(indices, digests, nbytes, packs, offsets):
         index = parse_int(i, what, 0, grid.n_chunks - 1)
         out.append(StreamedChunk(a["tensor"], a["dtype"], grid, layout.chunk_key(array, grid.grid_index(index)),
-                                 index, parse_digest(dg, what), parse_int(nb, what, 1, 1 << 34)))
+                                 index, parse_digest(dg, what), parse_int(nb, what, 1, 1 << 34), pk,
+                                 parse_int(off, what, 0, 1 << 40)))
     return out
 
 
@@ -203,7 +222,7 @@ class StreamAnnouncer:
         """A chunk's upload finished (called from the upload threads)."""
         with self._lock:
             self._ready.append(StreamedChunk(tensor, dtype, grid, key_in_store, chunk.index, chunk.digest,
-                                             chunk.nbytes))
+                                             chunk.nbytes, chunk.pack, chunk.offset))
 
     def finish(self) -> None:
         """Every chunk is stored: write what is left as the last index."""

@@ -29,6 +29,10 @@ def add_arguments(name: str, p) -> None:
     )
     p.add_argument("--chunk-bytes", type=Number(int, 1, 1 << 30), default=None,
                    help="raw bytes per chunk, at most 1 GiB (default 4 MiB)")
+    p.add_argument("--pack-bytes", type=Number(int, 0, 1 << 30), default=None, metavar="B",
+                   help="stored chunks go into shared pack objects of at least B bytes, so a step costs about one "
+                   "object per B stored however many tensors it holds (default 8 MiB); 0: one object per chunk "
+                   "and a zarr.json per array (the layout before packs, which any zarr opens without dcr-zarr-codec)")
     p.add_argument("--column-blocks", type=Number(int, 1, 1024), default=1, metavar="N",
                    help="tile tensors larger than a chunk into N column blocks of their last dim (where N divides "
                    "it) and at least N row blocks, so tensor-parallel receiver ranks (TP dividing N) pull only their "
@@ -71,6 +75,8 @@ def run(name: str, args) -> int:
           "keyframe_policy": KeyframePolicy(every=args.keyframe_every, above=args.keyframe_above)}
     if args.chunk_bytes is not None:
         kw["chunk_bytes"] = args.chunk_bytes
+    if args.pack_bytes is not None:
+        kw["pack_bytes"] = args.pack_bytes
     kw["column_blocks"] = args.column_blocks
     options = PublishOptions(**kw)
     source = _source(args)

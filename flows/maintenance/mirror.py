@@ -45,6 +45,7 @@ upstream (``dcr mirror --follow --stream``) is ``flows.maintenance.mirror_stream
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -56,8 +57,8 @@ from flows.steps import Bound, InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
 from storage import heartbeat, layout, leases, source_layout
 from storage.catalog import Catalog, manifest_digest, not_committed
-from storage.chunk_io import BoundedPool, UncheckedChunk
-from storage.manifest import Manifest
+from storage.chunk_io import BoundedPool, UncheckedChunk, chunk_where
+from storage.manifest import Manifest, TensorEntry
 from storage.marker import CommitMarker
 from storage.root import Root, RootRef, open_root
 from storage.stream import MAX_INDEX_BYTES, index_at
@@ -211,11 +212,16 @@ def expected_objects(src: Root, job: MirrorJob) -> dict[str, Callable[[bytes], N
                 raise IntegrityError(f"{src.url}/{source_key}: source layout does not match the digest its manifest gives")
 
         checks[source_key] = source_check
+    packs: dict[str, list[tuple[int, TensorEntry, int]]] = {}  # key -> (offset, entry, position)
     for entries in (m.tensors, m.snapshot or {}):
         for e in entries.values():
             for pos in range(e.n_stored):
                 rel, index, digest, nbytes = e.stored_at(pos)
                 key = layout.store_key(m.step, m.attempt, rel)
+                offset = e.offset_at(pos)
+                if offset is not None:
+                    packs.setdefault(key, []).append((offset, e, pos))
+                    continue
 
                 def chunk_check(data: bytes, key=key, e=e, index=index, digest=digest, nbytes=nbytes) -> None:
                     if len(data) != nbytes:
@@ -223,7 +229,20 @@ def expected_objects(src: Root, job: MirrorJob) -> dict[str, Callable[[bytes], N
                     UncheckedChunk(src.url, key, data, m.codec, e.dtype, e.grid, index, digest).checked()
 
                 checks[key] = chunk_check
+    for key, held in packs.items():
+        checks[key] = functools.partial(_check_pack, src.url, key, m, sorted(held, key=lambda h: h[0]))
     return checks
+
+
+def _check_pack(url: str, key: str, m: Manifest, held: list[tuple[int, TensorEntry, int]], data: bytes) -> None:
+    """A pack's bytes are exactly its chunks (the manifest's offsets tile it), each decoding to its digest."""
+    size = sum(e.stored_nbytes[pos] for _, e, pos in held)
+    if len(data) != size:
+        raise IntegrityError(f"{url}/{key}: pack is {len(data)} bytes, the manifest says {size}")
+    for offset, e, pos in held:
+        _, index, digest, nbytes = e.stored_at(pos)
+        where = chunk_where(key, offset, nbytes)
+        UncheckedChunk(url, where, data[offset:offset + nbytes], m.codec, e.dtype, e.grid, index, digest).checked()
 
 
 def unvouched_copies(src: Root, dst: Root, job: MirrorJob, keys: list[str]) -> list[str]:
@@ -291,7 +310,8 @@ def chunk_digests(m: Manifest) -> dict[str, str]:
         for e in entries.values():
             for pos in range(e.n_stored):
                 rel, _, digest, _ = e.stored_at(pos)
-                out[layout.store_key(m.step, m.attempt, rel)] = digest
+                if e.offset_at(pos) is None:  # a pack is read back and checked whole (no stream index vouches for it)
+                    out[layout.store_key(m.step, m.attempt, rel)] = digest
     return out
 
 

@@ -35,7 +35,7 @@ class Forwarder(Prefetcher):
     def take(self, idx: StreamIndex, pool: BoundedPool) -> bool:
         admitted = []  # the rest: copied by mirror_step after the commit
         for c in idx.chunks:
-            if self.admits(c):
+            if self.admits(c) and not c.pack:  # a pack is copied whole, checked, after the commit
                 admitted.append(c)
             else:
                 self.skipped += 1

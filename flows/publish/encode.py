@@ -77,7 +77,9 @@ class BaselineMismatchError(IntegrityError):
 
 def _chunk_table(futures: list[Future]) -> ChunkTable:
     stored: list[StoredChunk] = sorted((f.result() for f in futures), key=lambda s: s.index)
-    return ChunkTable(tuple(s.index for s in stored), tuple(s.digest for s in stored), tuple(s.nbytes for s in stored))
+    packed = any(s.pack for s in stored)
+    return ChunkTable(tuple(s.index for s in stored), tuple(s.digest for s in stored), tuple(s.nbytes for s in stored),
+                      tuple(s.pack for s in stored) if packed else (), tuple(s.offset for s in stored) if packed else ())
 
 
 def _window(plan: PublishPlan, root) -> int:
@@ -252,9 +254,10 @@ def announcing(plan: PublishPlan) -> Iterator[Callable[[dict[str, TensorEntry]],
         def announce(entries: dict[str, TensorEntry]) -> None:
             for name, e in entries.items():
                 grid = ChunkGrid(plan.infos[name].shape, e.chunk_shape)
-                for index, digest, nbytes in zip(e.chunks.indices, e.chunks.digests, e.chunks.nbytes):
+                c = e.chunks
+                for pos, (index, digest, nbytes) in enumerate(zip(c.indices, c.digests, c.nbytes)):
                     announcer.stored(name, e.dtype, grid, layout.chunk_key(e.array, grid.grid_index(index)),
-                                     StoredChunk(index, digest, nbytes))
+                                     StoredChunk(index, digest, nbytes, *((c.packs[pos], c.offsets[pos]) if c.packs else ())))
 
         yield announce
         announcer.finish()  # the last index, before the manifest: followers know they have it all
@@ -295,7 +298,8 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
         patch = PatchLogWriter(baseline_cache.patch_log_path(plan, index), baseline_cache.patch_log_head(plan, index, count),
                                limit_bytes=baseline_cache.patch_log_limit(plan, None if whole else group.nbytes))
         stack.callback(patch.abort)  # a no-op once finished
-    with stack, StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
+    with stack, StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers,
+                           pack_bytes=opts.pack_bytes) as w:
         uploads = _Uploads(w, buffers, _window(plan, root))
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step}})
         unchecked: deque[_Digest] = deque()  # bases still hashing on their lane, in lane order
@@ -523,7 +527,7 @@ def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, Tens
     root = open_root(plan.root)
     buffers = _Buffers(_buffer_bytes(plan, grids))
     with opened(source) as src, StepWriter(root, plan.step, plan.attempt, opts.delta_codec,
-                                           workers=opts.io_workers) as w:
+                                           workers=opts.io_workers, pack_bytes=opts.pack_bytes) as w:
         uploads = _Uploads(w, buffers, _window(plan, root))
         pending = []
         for name in sorted(plan.infos):

@@ -128,11 +128,12 @@ def drop_results(plan: PublishPlan) -> None:
                     shutil.rmtree(path, ignore_errors=True)
 
 
-def stored_keys(entries) -> set[str]:
+def stored_keys(entries, packed: bool) -> set[str]:
     """The keys (inside the step's store) of every object the entries name: each array's metadata
-    and every stored chunk and part."""
+    (not in a ``packed`` store: ``storage.chunk_io.StepWriter``) and every stored chunk, pack and part."""
     keys: set[str] = set()
     for e in entries:
-        keys.add(layout.array_meta_key(e.array))
+        if not packed:
+            keys.add(layout.array_meta_key(e.array))
         keys.update(e.stored_at(pos)[0] for pos in range(len(e.stored_nbytes)))
     return keys

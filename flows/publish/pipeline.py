@@ -127,7 +127,7 @@ def _encode(tasks: Bound, plan, snap, baseline) -> dict:
                           baseline=baseline)
     entries = {name: entry for part in parts for name, entry in part.items()}
     if again:  # kept results are only as good as the objects they name: the attempt must hold exactly those
-        want = stored_keys(entries.values())
+        want = stored_keys(entries.values(), plan.options.pack_bytes > 0)
         held = {o.key[len(store) + 1:] for o in root.objects(store)} - {layout.GROUP_META}
         if held != want:
             odd = sorted(want - held) or sorted(held - want)

@@ -87,8 +87,8 @@ def _parent(base: str, path: str, create: bool = False) -> Iterator[tuple[int, s
         os.close(fd)
 
 
-def read(base: str, path: str, limit: int | None = None) -> bytes:
-    """The bytes of the regular file ``path`` (at most ``limit``: a larger file is refused unread)."""
+def _open_file(base: str, path: str) -> tuple[int, os.stat_result]:
+    """An fd of the regular file ``path`` (no link followed on the way) and its stat."""
     with _parent(base, path) as (dfd, name):
         try:
             fd = os.open(name, _FILE, dir_fd=dfd)
@@ -96,10 +96,33 @@ def read(base: str, path: str, limit: int | None = None) -> bytes:
             if e.errno == errno.ELOOP:
                 raise _refuse(path, dfd, name) from None
             raise
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise UnsafeKeyError(f"{path}: not a regular file (a FIFO, device or directory); DCR reads only files")
+    return fd, st
+
+
+def read_range(base: str, path: str, start: int, length: int) -> bytes:
+    """Bytes ``[start, start + length)`` of the regular file ``path`` (fewer where it ends sooner)."""
+    fd, _ = _open_file(base, path)
     try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise UnsafeKeyError(f"{path}: not a regular file (a FIFO, device or directory); DCR reads only files")
+        parts, got = [], 0
+        while got < length:
+            more = os.pread(fd, min(length - got, 64 << 20), start + got)
+            if not more:
+                break
+            parts.append(more)
+            got += len(more)
+        return b"".join(parts)
+    finally:
+        os.close(fd)
+
+
+def read(base: str, path: str, limit: int | None = None) -> bytes:
+    """The bytes of the regular file ``path`` (at most ``limit``: a larger file is refused unread)."""
+    fd, st = _open_file(base, path)
+    try:
         if limit is not None and st.st_size > limit:
             raise IntegrityError(f"{path}: {st.st_size} bytes, more than the {limit} bytes this object may hold")
         chunks, size = [], 0

@@ -9,6 +9,7 @@ leaves a half-written checkpoint or receiver state.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 import os
@@ -101,12 +102,28 @@ def _parse_header(path: str, fd: int) -> tuple[Header, dict[str, TensorInfo], di
     head = read_header(path, fd)
     size = os.fstat(fd).st_size
     n = head.data_start - 8
-    header = dict(head.doc)
+    try:
+        infos, metadata, starts, end_max = _entries(head.raw)
+    except InvalidCheckpointError as e:
+        raise InvalidCheckpointError(f"{path}: {e}") from None
+    if 8 + n + end_max > size:
+        raise InvalidCheckpointError(
+            f"{path}: truncated (needs {8 + n + end_max} bytes, file has {size})"
+        )
+    return head, dict(infos), dict(metadata), {k: 8 + n + v for k, v in starts.items()}
+
+
+@functools.lru_cache(maxsize=8)
+def _entries(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], dict[str, int], int]:
+    """The tensors, metadata, data starts and data end a header's bytes describe, checked (kept for
+    the few headers in use: a publish opens its checkpoint several times, and a header of tens of
+    thousands of tensors costs a second to check). Errors name no file: the caller adds it."""
+    header = dict(json.loads(raw[8:]))
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
-        raise InvalidCheckpointError(f"{path}: safetensors metadata is not an object")
+        raise InvalidCheckpointError("safetensors metadata is not an object")
     infos: dict[str, TensorInfo] = {}
-    offsets: dict[str, int] = {}
+    starts: dict[str, int] = {}
     end_max = 0
     for name, d in header.items():
         try:
@@ -114,23 +131,19 @@ def _parse_header(path: str, fd: int) -> tuple[Header, dict[str, TensorInfo], di
             shape = tuple(int(x) for x in d["shape"])
             start, end = (int(x) for x in d["data_offsets"])
         except InvalidCheckpointError as e:
-            raise InvalidCheckpointError(f"{path}: tensor {name!r}: {e}") from None
+            raise InvalidCheckpointError(f"tensor {name!r}: {e}") from None
         except (KeyError, TypeError, ValueError):
-            raise InvalidCheckpointError(f"{path}: tensor {name!r} has a malformed header entry") from None
+            raise InvalidCheckpointError(f"tensor {name!r} has a malformed header entry") from None
         if any(x < 0 for x in shape) or end - start != math.prod(shape) * dt.itemsize or start < 0:
-            raise InvalidCheckpointError(f"{path}: tensor {name!r} has inconsistent shape/offsets")
+            raise InvalidCheckpointError(f"tensor {name!r} has inconsistent shape/offsets")
         end_max = max(end_max, end)
         infos[name] = TensorInfo(name, dt.name, shape)
-        offsets[name] = 8 + n + start
-    spans = sorted((offsets[k] - 8 - n, offsets[k] - 8 - n + infos[k].nbytes, k) for k in infos)
+        starts[name] = start
+    spans = sorted((starts[k], starts[k] + infos[k].nbytes, k) for k in infos)
     for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
         if start_b < end_a:
-            raise InvalidCheckpointError(f"{path}: tensors {a!r} and {b!r} overlap (data_offsets)")
-    if 8 + n + end_max > size:
-        raise InvalidCheckpointError(
-            f"{path}: truncated (needs {8 + n + end_max} bytes, file has {size})"
-        )
-    return head, infos, {str(k): str(v) for k, v in metadata.items()}, offsets
+            raise InvalidCheckpointError(f"tensors {a!r} and {b!r} overlap (data_offsets)")
+    return infos, {str(k): str(v) for k, v in metadata.items()}, starts, end_max
 
 
 class SafetensorsCheckpoint:
