@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from dcr_core.bits import dtype_of, torch_dtype
+from dcr_core.chunking import ChunkGrid
 from dcr_core.dtypes import DTYPES
 from storage import layout
 
@@ -320,7 +321,10 @@ def file_bytes(path: str | os.PathLike) -> bytes | None:
 
 def attempt_objects(root: str, step: int) -> tuple[dict[str, bytes], dict]:
     """Every stored object of ``step``'s committed attempt (relative to it, stream indexes aside) and
-    its manifest with what differs between any two publishes (attempt id, time) taken out."""
+    its manifest with what differs between any two publishes (attempt id, time) taken out. A packed
+    step's chunks are listed as if each were its own object (``data.zarr/<array>/c/...``, its bytes
+    cut from its pack), and where the packs are is taken out of the manifest: which chunks share a
+    pack, and in what order, depends on which upload thread finished first."""
     marker = json.loads(open(os.path.join(root, layout.commit_key(step))).read())
     attempt_dir = os.path.dirname(os.path.join(root, layout.manifest_key(step, marker["attempt"])))
     objects = {}
@@ -330,6 +334,43 @@ def attempt_objects(root: str, step: int) -> tuple[dict[str, bytes], dict]:
             if not rel.startswith("stream/"):  # announcements: per chunk in one process, per group on workers
                 objects[rel] = open(os.path.join(dirpath, f), "rb").read()
     manifest = json.loads(objects.pop(os.path.basename(layout.manifest_key(step, marker["attempt"]))))
-    for k in ("attempt", "created_at", "created", "time"):
+    packs = manifest.pop("packs", [])
+    for table in ("tensors", "snapshot"):
+        for t in manifest.get(table, {}).values():
+            c = t["chunks"]
+            if "pack" not in c:
+                continue
+            grid = ChunkGrid(tuple(t["shape"]), tuple(t["chunk_shape"]))
+            for index, pack, offset, n in zip(c["indices"], c.pop("pack"), c.pop("offset"), c["nbytes"]):
+                data = objects[f"{layout.STORE}/{layout.pack_key(packs[pack])}"]
+                objects[f"{layout.STORE}/{layout.chunk_key(t['array'], grid.grid_index(index))}"] = data[offset:offset + n]
+    for name in [k for k in objects if k.startswith(f"{layout.STORE}/{layout.PACKS}/")]:
+        del objects[name]
+    for k in ("attempt", "created_at", "created", "time", "schema_version"):
         manifest.pop(k, None)
     return objects, manifest
+
+
+def chunk_at(root: str | os.PathLike, step: int, tensor: str, pos: int = 0, snapshot: bool = False) -> tuple[str, int, int]:
+    """Where the ``pos``-th stored chunk of ``tensor`` at committed ``step`` lies under a local ROOT:
+    ``(file, offset, bytes)`` (a pack and the chunk's range in it, or its own object from 0)."""
+    from storage.manifest import Manifest
+
+    marker = json.loads(open(os.path.join(root, layout.commit_key(step))).read())
+    key = layout.manifest_key(step, marker["attempt"])
+    m = Manifest.from_json(open(os.path.join(root, key), "rb").read(), key)
+    e = (m.snapshot if snapshot else m.tensors)[tensor]
+    rel, _, _, nbytes = e.stored_at(pos)
+    return os.path.join(root, layout.store_key(step, marker["attempt"], rel)), e.offset_at(pos) or 0, nbytes
+
+
+def damage_chunk(root: str | os.PathLike, step: int, tensor: str, pos: int = 0, at: int | None = None) -> str:
+    """Flip one bit of a stored chunk of ``tensor`` (byte ``at`` of it, default its middle), in
+    whichever layout the step has; the file changed."""
+    path, offset, nbytes = chunk_at(root, step, tensor, pos)
+    with open(path, "r+b") as f:
+        f.seek(offset + (nbytes // 2 if at is None else at))
+        b = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([b[0] ^ 0x10]))
+    return path
