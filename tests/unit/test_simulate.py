@@ -6,7 +6,9 @@ from __future__ import annotations
 import copy
 import glob
 import json
+import math
 import os
+import re
 
 import pytest
 
@@ -64,11 +66,28 @@ def test_unknown_key_names_file_and_field(tmp_path):
     ("links__receiver__scope", "everyone", "links.receiver.scope"),
     ("topology__receivers_per_region", 0, "topology.receivers_per_region"),
     ("run__modes", ["full", "teleport"], "run.modes.1"),
+    ("model__layout", "zipped", "model.layout"),
+    ("model__pack_bytes", 0, "model.pack_bytes"),
+    ("cpu__publish_s_per_tensor", -1e-3, "cpu.publish_s_per_tensor"),
+    ("cpu__receiver_processes", 0, "cpu.receiver_processes"),
+    ("requests__get_per_s", 0, "requests.get_per_s"),
+    ("requests__colour", 1, "requests.colour"),
 ])
 def test_bad_values_are_one_line_errors(path, value, field):
     with pytest.raises(ScenarioError) as e:
         parse(base(**{path: value}), "x.toml")
     assert str(e.value).startswith(f"x.toml: {field}:") and "\n" not in str(e.value)
+
+
+def test_layout_and_request_fields_parse():
+    sc = parse(base(**{"model__layout": "packed", "model__pack_bytes": 16 << 20, "model__tensors": 500,
+                       "cpu__publish_s_per_tensor": 2e-3, "cpu__publisher_processes": 4,
+                       "requests__put_per_s": 3500, "requests__get_per_s": 5500, "requests__store_ms": 3}))
+    assert (sc.model.layout, sc.model.pack_bytes, sc.cpu.publisher_processes) == ("packed", 16 << 20, 4)
+    assert (sc.requests.put_per_s, sc.requests.get_per_s, sc.requests.prefixes) == (3500, 5500, 1)
+    today = parse(base())
+    assert today.model.layout == "per-object" and math.isinf(today.requests.get_per_s)
+    assert today.cpu.publish_s_per_tensor is None  # literal costs without a calibration: no per-tensor cost
 
 
 def test_cpu_costs_must_be_complete():
@@ -93,6 +112,63 @@ def test_not_toml(tmp_path):
 
 
 # ---------------------------------------------------------------- the model
+
+
+def test_request_counts_follow_the_layout():
+    # 100 tensors of 20 MB, 8 MiB chunks: 3 chunks each, and at 3% every chunk and tensor changes
+    d = base(**{"model__tensors": 100, "model__chunk_bytes": 8 << 20, "model__fixed_objects": 3})
+    per_object = Model(parse(d)).size
+    assert (per_object.objects, per_object.changed_tensors) == (300, 100)
+    assert per_object.puts == 3 + 100 + 300  # an array document per changed tensor, an object per chunk
+    assert per_object.gets == 3 + 300
+    packed = Model(parse(base(**{"model__tensors": 100, "model__chunk_bytes": 8 << 20, "model__fixed_objects": 3,
+                                 "model__layout": "packed", "model__pack_bytes": 4 << 20}))).size
+    assert packed.objects == 300 and packed.packs == math.ceil(60e6 / (4 << 20))  # D = 1e9 x 3% x 2 B
+    assert packed.puts == packed.gets == 3 + packed.packs
+
+
+def _cpu_bound(**over) -> dict:
+    """A refit whose publisher encode, or receiver apply, is by far its slowest stage."""
+    return base(**{"model__tensors": 1000, "topology__regions": 1, "topology__receivers_per_region": 1,
+                   "io__workers": 64, **over})
+
+
+@pytest.mark.parametrize("side", ["publish", "receive"])
+def test_per_tensor_cpu_adds_tensors_times_its_cost_to_a_cpu_bound_refit(side):
+    # sequential direct = commit + discovery + pipeline(fetch, apply) + tail: with the CPU stage the
+    # slowest before and after, each of the n objects carries T_c tau / (n processes) more, so the
+    # total grows by exactly T_c tau / processes
+    slow = {"cpu__encode_gb_per_s": 0.05} if side == "publish" else {"cpu__decode_apply_gb_per_s": 0.05}
+    tau, procs = 1e-3, 4
+    before = Model(parse(_cpu_bound(**slow)))
+    after = Model(parse(_cpu_bound(**slow, **{f"cpu__{side}_s_per_tensor": tau,
+                                              f"cpu__{'publisher' if side == 'publish' else 'receiver'}_processes": procs})))
+    t_c, n = after.size.changed_tensors, after.size.objects
+    assert t_c == 1000
+    stage = (lambda m: m.cpu_pub) if side == "publish" else (lambda m: m.cpu_rec)
+    assert stage(after).per_item - stage(before).per_item == pytest.approx(t_c * tau / procs / n)
+    grown = after.run("direct", False).total_s - before.run("direct", False).total_s
+    assert grown == pytest.approx(t_c * tau / procs, rel=1e-9)
+
+
+def test_request_rate_limit_bounds_a_fetch():
+    # 10 receivers share the regional store's 100 GETs per second: one receiver's fetch stage takes
+    # GET / n requests per object at 10 / 100 s each, above its wire and latency time
+    d = base(**{"topology__regions": 1, "topology__receivers_per_region": 10, "requests__get_per_s": 100})
+    m = Model(parse(d))
+    fetch = m._delta_stages()["fetch_region"]
+    assert fetch.per_item == pytest.approx(m.size.gets / m.size.objects * 10 / 100)
+    unlimited = Model(parse(base(**{"topology__regions": 1, "topology__receivers_per_region": 10})))
+    assert unlimited._delta_stages()["fetch_region"].per_item < fetch.per_item
+    assert m.run("tree", False).total_s > unlimited.run("tree", False).total_s
+
+
+def test_store_time_per_request_adds_to_latency():
+    one = Model(parse(base(**{"requests__store_ms": 0})))
+    slow = Model(parse(base(**{"requests__store_ms": 40})))
+    up0, up1 = one._delta_stages()["upload"], slow._delta_stages()["upload"]
+    q = one.size.puts / one.size.objects
+    assert up1.per_item - up0.per_item == pytest.approx(q * 0.040 / one.w)
 
 
 def test_pipeline_bound():
@@ -180,6 +256,24 @@ def test_shipped_scenarios_parse_and_run(tmp_path):
         assert all(v.total_s > 0 for v in t.values()), p
 
 
+def test_kimi_scenario_counts_the_tensors_its_comments_add_up():
+    path = os.path.join(SCENARIOS, "kimi-k2-1t-3pct.toml")
+    sc = load(path)
+    text = open(path).read()
+    items = [int(x.replace(",", "")) for x in re.findall(r"^#.*=\s+([\d,]+)\s*$", text, re.M)]
+    total = int(re.search(r"^#\s+-+\s*\n#\s+([\d,]+)\s*$", text, re.M).group(1).replace(",", ""))
+    assert items[0] == 60 * 384 * 3 == 69_120  # routed experts: 60 MoE layers x 384 x 3 projections
+    assert sum(items) == total == sc.model.tensors == 69_975
+    paper = load(os.path.join(SCENARIOS, "paper-1t-3pct.toml"))
+    assert (sc.model.parameters, sc.model.change_rate, sc.model.bytes_per_change) == \
+        (paper.model.parameters, paper.model.change_rate, paper.model.bytes_per_change)
+    assert sc.topology == paper.topology and sc.links == paper.links and sc.requests == paper.requests
+    # today's measured per-tensor costs come from the calibration
+    assert sc.cpu.publish_s_per_tensor > 0 and sc.cpu.receive_s_per_tensor > 0
+    t = totals(sc)
+    assert t[("tree", True)].total_s > totals(paper)[("tree", True)].total_s
+
+
 def test_paper_scenario_tree_is_minutes_not_hours():
     t = totals(load(os.path.join(SCENARIOS, "paper-1t-3pct.toml")))
     assert t[("tree", True)].total_s < 600 < 3600 < t[("full", False)].total_s
@@ -220,6 +314,33 @@ def test_calibration_on_tiny_sizes(tmp_path):
     d["cpu"] = {"from_calibration": str(path), "codec": next(iter(doc["costs"]))}
     sc = parse(d, "x.toml")
     assert sc.cpu.encode_gb_per_s == doc["costs"][d["cpu"]["codec"]]["bfloat16"]["encode_gb_per_s"]
+
+
+def test_calibration_keeps_the_per_tensor_costs_it_does_not_measure(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"costs": {}, "per_tensor": {"publish_s_per_tensor": 2e-3, "receive_s_per_tensor": 5e-4}}))
+    fresh = {"costs": {"dcr-sparse": {"bfloat16": {k: 1.0 for k in ("encode_gb_per_s", "decode_apply_gb_per_s",
+                                                                    "digest_gb_per_s", "copy_gb_per_s")}}}}
+    calibrate.write(fresh, str(path))
+    doc = json.loads(path.read_text())
+    assert doc["costs"] == fresh["costs"] and doc["per_tensor"]["publish_s_per_tensor"] == 2e-3
+    d = base()
+    d["cpu"] = {"from_calibration": str(path), "receive_s_per_tensor": 1e-4}  # a literal value wins
+    sc = parse(d, "x.toml")
+    assert (sc.cpu.publish_s_per_tensor, sc.cpu.receive_s_per_tensor) == (2e-3, 1e-4)
+
+
+def test_bad_per_tensor_calibration_is_a_one_line_error(tmp_path):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"costs": {"dcr-sparse": {"bfloat16": {k: 1.0 for k in (
+        "encode_gb_per_s", "decode_apply_gb_per_s", "digest_gb_per_s", "copy_gb_per_s")}}},
+        "per_tensor": {"publish_s_per_tensor": -1}}))
+    d = base()
+    d["cpu"] = {"from_calibration": str(path)}
+    with pytest.raises(ScenarioError) as e:
+        parse(d, "x.toml")
+    assert str(e.value).startswith(f"x.toml: cpu.from_calibration: {path}: publish_s_per_tensor:")
+    assert "\n" not in str(e.value)
 
 
 def test_fp32_pair_changes_the_asked_fraction():

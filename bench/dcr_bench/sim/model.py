@@ -4,10 +4,22 @@ Quantities (from the scenario)::
 
     M  = N * b                      raw model bytes (N parameters, b bytes each)
     D  = N * r * e                  delta payload bytes (change rate r, e encoded bytes per changed element)
-    n  = ceil(M / c) * (1 - (1 - r)^(c / b))
-                                    stored delta objects: chunks of c raw bytes with at least one change
-                                    (an all-zero XOR chunk is not stored)
-    s  = D / n                      bytes per stored object; CPU stages see M / n raw bytes per object
+    T  tensors, taken as equal in size (M / T raw bytes each); chunks of at most c raw bytes do not
+       cross tensors: k = ceil(M / (T c)) chunks per tensor, of M / (T k) raw bytes
+    n  = T * k * (1 - (1 - r)^(M / (T k b)))
+                                    stored chunks: those with at least one change (an all-zero XOR
+                                    chunk is not stored)
+    T_c = T * (1 - (1 - r)^(M / (T b)))   changed tensors
+    s  = D / n                      bytes per stored chunk; CPU stages see M / n raw bytes per chunk
+
+Requests, from the step layout (F = fixed_objects: source, stream indexes, group document)::
+
+    per-object:  PUT = F + T_c + n  (an array document per changed tensor, an object per stored chunk)
+                 GET = F + n        (a receiver reads the manifest's chunks, not the array documents)
+    packed:      PUT = GET = F + ceil(D / pack_bytes)   (chunks concatenated into packs)
+
+A publish PUTs PUT objects, a mirror GETs and PUTs them, a receiver GETs GET objects: per stored
+chunk, q = PUT / n or GET / n requests.
 
 Links. A link has bandwidth B and per-request latency L (round trip plus server time: time a request
 holds a worker without moving bytes). k concurrent flows on one link instance get B / k each; a flow
@@ -17,15 +29,24 @@ many flows share an instance: ``per_receiver`` (k = 1), ``per_region`` (the flow
 
 Stages. Objects flow through a chain of stages; stage i spends ``t_i`` per object and ``o_i`` once::
 
-    CPU stage:   t = (M / n) * sum_k (1 / (G_k * 1e9)) / threads
+    CPU stage:   t = (M / n) * sum_k (1 / (G_k * 1e9)) / threads  +  (T_c / n) * tau / processes
                                  G_k: GB/s per thread of raw model bytes of each pass k over the data:
                                  publisher: encode + 2 digests (new tensor, chunk payload);
                                  receiver: decode_apply + 2 digests (held bits, chunk payload)
-    link stage:  t = s / rate + L / w + j * s / G,   o = L * (1 - 1/w)
-                                 w workers keep w requests in flight, so latency costs L / w per object
-                                 once the pipe is full, and L for the first; G is a store's own
-                                 processing rate after an object's bytes arrived (a test server's CPU;
-                                 inf for a real object store), j the store passes (1, or 2 for a copy)
+                                 tau: CPU seconds per changed tensor (publish_s_per_tensor in the
+                                 encode stage, receive_s_per_tensor in the apply stage), divided among
+                                 processes (Python work per tensor: threads do not divide it)
+    link stage:  t = max(s / rate + q * L / w + j * s / G,  q / R),   o = L * (1 - 1/w)
+                                 w workers keep w requests in flight, so latency costs L / w per request
+                                 once the pipe is full, and L for the first; L is the links' latency
+                                 plus the store's own time per request (requests.store_ms); G is a
+                                 store's own processing rate after an object's bytes arrived (a test
+                                 server's CPU; inf for a real object store), j the store passes (1, or
+                                 2 for a copy); R the requests per second this client gets under the
+                                 store's per-prefix limit (requests.put_per_s / get_per_s x prefixes),
+                                 shared by the store's clients: the origin's PUTs by the publisher, its
+                                 GETs by every receiver (direct) or by the regions' mirrors (tree); a
+                                 region store's PUTs by its mirror, its GETs by its receivers
     pipeline(stages) = sum_i (o_i + t_i) + (n - 1) * max_i t_i
 
 With ``io.shared_cores = C`` (every actor and the store on one machine of C cores: a local
@@ -41,7 +62,7 @@ Refits. ``P0`` = what a publish does before its first object (fixed ``publish_s`
 copy of the new policy, M / copy rate), ``RT_x`` = round trips x latency, ``tail`` = what a receiver
 does after it holds every payload and has seen the commit::
 
-    commit      = P0 + pipeline(encode, upload) + RT_publish               (+ tensors * L_up / w)
+    commit      = P0 + pipeline(encode, upload) + RT_publish
     tail        = receive_s + M / digest rate + install_copies * M / copy rate + RT_receive  (verify, install
                                                                            it, record the position)
                   + M / decode_apply rate when streamed (the refit decodes the prefetched stored
@@ -117,24 +138,41 @@ def pipeline(n: float, stages: list[Stage]) -> float:
     return sum(s.once + s.per_item for s in stages) + max(0.0, n - 1) * max(s.per_item for s in stages)
 
 
+def _touched(elements: float, rate: float) -> float:
+    """Probability that a run of ``elements`` elements holds at least one change."""
+    return -math.expm1(elements * math.log1p(-rate)) if rate < 1 else 1.0
+
+
 @dataclass(frozen=True)
 class Sizes:
     raw: float  # M
     delta: float  # D
-    objects: float  # n
+    objects: float  # n: stored chunks, the items every stage of a refit passes
     object_bytes: float  # s
     full_parts: float
+    changed_tensors: float  # T_c
+    packs: float  # P (0 in the per-object layout)
+    puts: float  # objects a publish writes and a mirror copies
+    gets: float  # objects a receive reads
 
     @staticmethod
     def of(sc: Scenario) -> Sizes:
         m = sc.model
         raw = m.parameters * m.bytes_per_param
-        chunks = math.ceil(raw / m.chunk_bytes)
-        numel = m.chunk_bytes / m.bytes_per_param
-        touched = -math.expm1(numel * math.log1p(-m.change_rate)) if m.change_rate < 1 else 1.0
-        objects = max(1.0, math.ceil(chunks * touched))
+        tensor_raw = raw / m.tensors
+        per_tensor = math.ceil(tensor_raw / m.chunk_bytes)  # chunks do not cross tensors
+        chunk_numel = tensor_raw / per_tensor / m.bytes_per_param
+        objects = max(1.0, math.ceil(m.tensors * per_tensor * _touched(chunk_numel, m.change_rate)))
+        changed = max(1.0, math.ceil(m.tensors * _touched(tensor_raw / m.bytes_per_param, m.change_rate)))
         delta = m.parameters * m.change_rate * m.bytes_per_change
-        return Sizes(raw, delta, objects, delta / objects, max(1.0, math.ceil(raw / m.full_part_bytes)))
+        if m.layout == "packed":
+            packs = max(1.0, math.ceil(delta / m.pack_bytes))
+            puts = gets = m.fixed_objects + packs
+        else:
+            packs = 0.0
+            puts, gets = m.fixed_objects + changed + objects, m.fixed_objects + objects
+        return Sizes(raw, delta, objects, delta / objects, max(1.0, math.ceil(raw / m.full_part_bytes)),
+                     changed, packs, puts, gets)
 
 
 def _share(link: LinkSpec, flows_per_region: int, regions: int) -> float:
@@ -152,27 +190,41 @@ class Model:
         self.receivers = t.regions * t.receivers_per_region
         cpu = sc.cpu
         per_obj_raw = self.size.raw / self.size.objects
+        # Per-tensor CPU, spread over the objects: work in Python per tensor, divided among processes.
+        tensors_per_obj = self.size.changed_tensors / self.size.objects
+        pub_tensor = tensors_per_obj * (cpu.publish_s_per_tensor or 0.0) / cpu.publisher_processes
+        rec_tensor = tensors_per_obj * (cpu.receive_s_per_tensor or 0.0) / cpu.receiver_processes
         # Digest passes over the raw bytes: the publisher digests each new tensor and each chunk's
         # payload (2); a receiver checks its held bits and each chunk on arrival (2), then the result (1).
         self.cpu_pub = Stage("encode", per_obj_raw * (1 / cpu.encode_gb_per_s + 2 / cpu.digest_gb_per_s)
-                             / (1e9 * cpu.publisher_threads))
+                             / (1e9 * cpu.publisher_threads) + pub_tensor)
         self.cpu_rec = Stage("decode+apply", per_obj_raw * (1 / cpu.decode_apply_gb_per_s + 2 / cpu.digest_gb_per_s)
-                             / (1e9 * cpu.receiver_threads))
+                             / (1e9 * cpu.receiver_threads) + rec_tensor)
         self.verify_s = self.size.raw / (cpu.digest_gb_per_s * 1e9 * cpu.receiver_threads)
         self.snapshot_s = self.size.raw / (cpu.copy_gb_per_s * 1e9 * cpu.publisher_threads)
         self.install_s = self.size.raw / (cpu.copy_gb_per_s * 1e9 * cpu.receiver_threads)
         self.discovery = Stage("discovery", 0.0, io.discovery_s)
-        up = links.uplink
-        self.l_up = up.latency_s
+        req = sc.requests
+        store_s = req.store_ms / 1e3  # every request of a path waits for one store
+        self.l_up = links.uplink.latency_s + store_s
         # Reads of the origin: by every receiver (direct) or by one mirror per region (tree).
         egress = [links.origin_egress] if links.origin_egress else []
         self.direct_path = ([links.inter_region, links.receiver, *egress], t.receivers_per_region)
         self.copy_path = ([links.inter_region, *egress], 1)
         self.region_path = ([links.receiver], t.receivers_per_region)
         # A mirror writes into its region's store as one of that store's clients.
-        self.l_direct = links.inter_region.latency_s + links.receiver.latency_s + sum(e.latency_s for e in egress)
+        self.l_direct = links.inter_region.latency_s + links.receiver.latency_s + sum(e.latency_s for e in egress) \
+            + store_s
         self.l_copy = self.l_direct
-        self.l_region = links.receiver.latency_s
+        self.l_region = links.receiver.latency_s + store_s
+        # Request rates a client may use under a store's per-prefix limits, shared by the clients of
+        # that store: the origin's PUTs by the publisher; its GETs by every receiver (direct) or one
+        # mirror per region (tree); a region's store's PUTs by its mirror, its GETs by its receivers.
+        put_rate, get_rate = req.put_per_s * req.prefixes, req.get_per_s * req.prefixes
+        self.put_limit = put_rate
+        self.origin_get_limit = get_rate / self.receivers
+        self.copy_limit = min(get_rate / t.regions, put_rate)
+        self.region_get_limit = get_rate / t.receivers_per_region
 
     # ---------------------------------------------------------------- stages
 
@@ -180,22 +232,28 @@ class Model:
         links, per_region = path
         return min(_share(link, per_region, regions) for link in links)
 
-    def _link(self, name: str, nbytes: float, rate: float, latency: float, extra_requests: float = 0.0,
-              stores: int = 1) -> Stage:
-        """One object over a link: its bytes at the flow's share, the latency of its request(s), and
-        ``stores`` passes of the store's own processing (not overlapped with the same object's bytes)."""
-        per = nbytes / rate + latency / self.w + stores * nbytes / self.store_rate
-        once = latency * (1 - 1 / self.w) + extra_requests * latency / self.w
-        return Stage(name, per, once, nbytes / rate)
+    def _link(self, name: str, nbytes: float, rate: float, latency: float, requests: float = 1.0,
+              limit: float = math.inf, stores: int = 1) -> Stage:
+        """One object over a link: its bytes at the flow's share, the latency of its ``requests``
+        requests, and ``stores`` passes of the store's own processing (not overlapped with the same
+        object's bytes); no faster than the store lets this client make ``requests`` requests
+        (``limit`` per second)."""
+        wire = nbytes / rate
+        per = max(wire + requests * latency / self.w + stores * nbytes / self.store_rate, requests / limit)
+        return Stage(name, per, latency * (1 - 1 / self.w), wire)
 
     def _delta_stages(self) -> dict[str, Stage]:
-        s, regions, tensors = self.size.object_bytes, self.sc.topology.regions, self.sc.model.tensors
+        s, regions, n = self.size.object_bytes, self.sc.topology.regions, self.size.objects
         up = self.sc.links.uplink
+        put, get = self.size.puts / n, self.size.gets / n  # requests per stored chunk
         return {
-            "upload": self._link("upload", s, up.bytes_per_s, self.l_up, tensors),
-            "fetch_origin": self._link("fetch", s, self._rate(self.direct_path, regions), self.l_direct),
-            "copy": self._link("copy", s, self._rate(self.copy_path, regions), self.l_copy, tensors, stores=2),
-            "fetch_region": self._link("fetch", s, self._rate(self.region_path, regions), self.l_region),
+            "upload": self._link("upload", s, up.bytes_per_s, self.l_up, put, self.put_limit),
+            "fetch_origin": self._link("fetch", s, self._rate(self.direct_path, regions), self.l_direct, get,
+                                       self.origin_get_limit),
+            "copy": self._link("copy", s, self._rate(self.copy_path, regions), self.l_copy, put, self.copy_limit,
+                               stores=2),
+            "fetch_region": self._link("fetch", s, self._rate(self.region_path, regions), self.l_region, get,
+                                       self.region_get_limit),
         }
 
     # ---------------------------------------------------------------- modes
@@ -285,18 +343,21 @@ class Model:
         tree = t.full_via == "tree"
         parts, raw, regions = self.size.full_parts, self.size.raw, t.regions
         part = raw / parts
-        up = self._link("upload", part, self.sc.links.uplink.bytes_per_s, self.l_up)
+        up = self._link("upload", part, self.sc.links.uplink.bytes_per_s, self.l_up, limit=self.put_limit)
         up_done = pipeline(parts, [up])
         segs = [Segment("publisher", "upload", 0.0, up_done)]
         start = up_done
         if tree:
-            cp = self._link("copy", part, self._rate(self.copy_path, regions), self.l_copy, stores=2)
+            cp = self._link("copy", part, self._rate(self.copy_path, regions), self.l_copy, limit=self.copy_limit,
+                            stores=2)
             copy_done = start + pipeline(parts, [cp])
             segs.append(Segment("mirror", "copy", start, copy_done))
             start = copy_done
-            dn = self._link("download", part, self._rate(self.region_path, regions), self.l_region)
+            dn = self._link("download", part, self._rate(self.region_path, regions), self.l_region,
+                            limit=self.region_get_limit)
         else:
-            dn = self._link("download", part, self._rate(self.direct_path, regions), self.l_direct)
+            dn = self._link("download", part, self._rate(self.direct_path, regions), self.l_direct,
+                            limit=self.origin_get_limit)
         total = start + pipeline(parts, [dn])
         segs.append(Segment("receiver", "download", start, total))
         return Timeline("full", False, total, segs, self._bytes(raw, tree), {"upload": up.per_item, "download": dn.per_item})

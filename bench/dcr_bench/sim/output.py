@@ -57,7 +57,8 @@ def table(sc: Scenario, timelines: list[Timeline]) -> str:
     m = Model(sc).size
     head = (f"{sc.name}: {fmt_count(sc.model.parameters)} params x {sc.model.bytes_per_param} B = {fmt_bytes(m.raw)}, "
             f"{100 * sc.model.change_rate:g}% changed x {sc.model.bytes_per_change:g} B = delta {fmt_bytes(m.delta)} "
-            f"in {m.objects:.0f} objects; {plural(sc.topology.regions, 'region')} x "
+            f"in {m.objects:.0f} chunks of {plural(sc.model.tensors, 'tensor')}, {sc.model.layout} layout: "
+            f"{m.puts:.0f} PUTs, {m.gets:.0f} GETs per receive; {plural(sc.topology.regions, 'region')} x "
             f"{plural(sc.topology.receivers_per_region, 'receiver')}")
     lines = [head, f"  {'mode':<8} {'streaming':<10} {'total':>10} {'seconds':>10} {'ratio to full':>14} {'x faster':>9}"]
     for r in rows(timelines):
@@ -72,7 +73,8 @@ def document(sc: Scenario, source: str, timelines: list[Timeline]) -> dict:
     m = Model(sc).size
     return {"scenario": sc.name, "file": source, "description": sc.description, "inputs": to_dict(sc),
             "derived": {"raw_bytes": m.raw, "delta_bytes": m.delta, "delta_objects": m.objects,
-                        "object_bytes": m.object_bytes, "full_parts": m.full_parts},
+                        "object_bytes": m.object_bytes, "full_parts": m.full_parts,
+                        "changed_tensors": m.changed_tensors, "packs": m.packs, "puts": m.puts, "gets": m.gets},
             "summary": rows(timelines), "timelines": [t.to_dict() for t in timelines]}
 
 

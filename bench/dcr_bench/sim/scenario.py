@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 MODES = ("full", "direct", "tree")
 COSTS = ("encode_gb_per_s", "decode_apply_gb_per_s", "digest_gb_per_s", "copy_gb_per_s")
+TENSOR_COSTS = ("publish_s_per_tensor", "receive_s_per_tensor")
 DTYPE_OF_WIDTH = {1: "float8", 2: "bfloat16", 4: "float32", 8: "float64"}
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scenarios",
                                    "calibration.json")
@@ -35,10 +36,17 @@ class ModelSpec(_Strict):
     change_rate: float = Field(gt=0, le=1, description="fraction of elements whose stored bits change in a step")
     bytes_per_change: float = Field(gt=0, le=64, description="encoded delta bytes per changed element")
     chunk_bytes: int = Field(4 << 20, ge=1024, le=1 << 30, description="raw bytes per chunk (DCR's default 4 MiB)")
-    tensors: int = Field(1, ge=1, description="tensors: each adds one small metadata object to a publish")
+    tensors: int = Field(1, ge=1, description="named tensors, taken as equal in size: chunks do not cross tensors, "
+                         "and each costs CPU per tensor and, in the per-object layout, an array document")
     full_part_bytes: int = Field(64 << 20, ge=1 << 20, description="object (or multipart part) size of the full checkpoint")
-
-
+    layout: Literal["per-object", "packed"] = Field(
+        "per-object", description="how a step stores its chunks: one object per chunk plus one array document per "
+        "changed tensor (manifest schema 1-2), or concatenated into packs (schema 3)")
+    pack_bytes: int = Field(8 << 20, ge=1024, le=1 << 34, description="packed: stored bytes at which a pack is sealed "
+                            "(PublishOptions.pack_bytes)")
+    fixed_objects: int = Field(0, ge=0, le=1_000_000, description="objects of every step that do not scale with it, "
+                               "beyond the round trips in [overhead] (source.json, stream indexes, a group document): "
+                               "written, copied and read once each; 0 where a measured fixed overhead holds them")
 class LinkSpec(_Strict):
     mb_per_s: float = Field(gt=0, description="bandwidth, MB/s (10^6 B/s); inf for no limit")
     latency_ms: float = Field(0.0, ge=0, description="per-request time not spent moving bytes (round trip, server)")
@@ -70,7 +78,8 @@ class Topology(_Strict):
 
 
 class CpuSpec(_Strict):
-    """Per-byte CPU costs, as throughputs per thread in GB/s of raw model bytes; or ``from_calibration``."""
+    """Per-byte CPU costs, as throughputs per thread in GB/s of raw model bytes, and per-tensor CPU
+    seconds; or ``from_calibration``."""
 
     from_calibration: str | None = Field(None, description="a calibration JSON, relative to the scenario file")
     codec: str = Field("dcr-sparse", description="which codec's costs to take from the calibration")
@@ -81,6 +90,15 @@ class CpuSpec(_Strict):
                                         "(publisher: snapshot of the new policy; receiver: installing the result)")
     publisher_threads: float = Field(1.0, gt=0, description="parallel CPU of the publisher (all its ranks)")
     receiver_threads: float = Field(1.0, gt=0, description="parallel CPU of one receiver")
+    publish_s_per_tensor: float | None = Field(
+        None, ge=0, description="publisher CPU seconds per changed tensor beyond its bytes (the calibration's "
+        "per_tensor; 0 without one)")
+    receive_s_per_tensor: float | None = Field(
+        None, ge=0, description="receiver CPU seconds per changed tensor beyond its bytes (as above)")
+    publisher_processes: int = Field(
+        1, ge=1, le=1_000_000, description="processes a publish's tensors are split among: per-tensor work is "
+        "Python under one interpreter lock per process, so threads do not divide it")
+    receiver_processes: int = Field(1, ge=1, le=1_000_000, description="processes of one receiver (as above)")
 
     @model_validator(mode="after")
     def _complete(self) -> CpuSpec:
@@ -105,6 +123,18 @@ class IoSpec(_Strict):
         description="every actor and the store run on one machine with this many cores (a local measurement): "
         "work that streaming overlaps cannot take less than its CPU time over these cores; unset: each actor "
         "has cores of its own")
+
+
+class RequestSpec(_Strict):
+    """What a store charges per request, apart from the bytes: its own time, and its rate limits."""
+
+    store_ms: float = Field(0.0, ge=0, description="a store's own time per request, added to each request's latency")
+    put_per_s: float = Field(float("inf"), gt=0, description="PUTs per second a store accepts per prefix, from all "
+                             "its writers (S3: 3,500); inf for no limit")
+    get_per_s: float = Field(float("inf"), gt=0, description="GETs per second a store serves per prefix, to all its "
+                             "readers (S3: 5,500); inf for no limit")
+    prefixes: int = Field(1, ge=1, le=1_000_000, description="prefixes a step's objects spread over (1: every object "
+                          "of a step is under its attempt's prefix)")
 
 
 class Overhead(_Strict):
@@ -134,6 +164,7 @@ class Scenario(_Strict):
     links: Links
     cpu: CpuSpec
     io: IoSpec = Field(default_factory=IoSpec)
+    requests: RequestSpec = Field(default_factory=RequestSpec)
     overhead: Overhead = Field(default_factory=Overhead)
     run: RunSpec = Field(default_factory=RunSpec)
 
@@ -188,9 +219,13 @@ def _with_calibration(sc: Scenario, source: str, base_dir: str) -> Scenario:
     if entry is None:
         have = {c: sorted(d) for c, d in cal.get("costs", {}).items()}
         raise ScenarioError(f"{source}: cpu.from_calibration: {path} has no {sc.cpu.codec}/{dtype} costs (has {have})")
-    fill = {k: getattr(sc.cpu, k) if getattr(sc.cpu, k) is not None else entry[k]
-            for k in COSTS}
-    cpu = sc.cpu.model_copy(update={**fill, "from_calibration": None})
+    per_tensor = cal.get("per_tensor", {})
+    fill = {k: getattr(sc.cpu, k) if getattr(sc.cpu, k) is not None else entry[k] for k in COSTS}
+    fill |= {k: getattr(sc.cpu, k) if getattr(sc.cpu, k) is not None else per_tensor.get(k) for k in TENSOR_COSTS}
+    try:
+        cpu = CpuSpec.model_validate({**sc.cpu.model_dump(), **fill, "from_calibration": None})
+    except ValidationError as e:
+        raise _one_line(f"{source}: cpu.from_calibration: {path}", e) from None
     return sc.model_copy(update={"cpu": cpu})
 
 
