@@ -1,5 +1,6 @@
-"""The dcr-zarr-codec package alone: a virtualenv with only it (and the numpy, numcodecs and zarr it
-pulls) reads DCR's sparse delta arrays with stock zarr, and nothing of DCR, torch or Prefect is there."""
+"""The dcr-zarr-codec package alone: a virtualenv with only it (and the numpy, numcodecs, zarr and
+fsspec it pulls) reads DCR's sparse delta arrays with stock zarr, and any tensor of a step, packed or
+not, with its one call; nothing of DCR, torch or Prefect is there."""
 
 from __future__ import annotations
 
@@ -18,25 +19,30 @@ from flows.options import PublishOptions
 from storage import layout
 from tests.support.cli import REPO
 from tests.support.helpers import nasty_tensor
+from tests.support.packed import repack
 
 pytestmark = pytest.mark.slow
 
 READ = r"""
 import hashlib, json, sys
 import zarr
+import dcr_zarr_codec
+args = json.loads(sys.argv[1])
 out = {}
-for store, arrays in json.loads(sys.argv[1]).items():
+for store, arrays in args["stores"].items():
     group = zarr.open_group(store, mode="r")
     for name in arrays:
         a = group[name]
         out[store + "/" + name] = [a.metadata.codecs[-1].to_dict()["name"], hashlib.sha256(a[...].tobytes()).hexdigest()]
+tensors = {f"{step}/{name}": hashlib.sha256(dcr_zarr_codec.open_tensor(args["root"], step, name)[...].tobytes()).hexdigest()
+           for step in (1, 2) for name in args["tensors"]}
 missing = []
 for mod in ("torch", "prefect", "dcr_core", "storage", "flows", "s3fs"):
     try:
         __import__(mod)
     except ImportError:
         missing.append(mod)
-print(json.dumps({"arrays": out, "missing": missing}))
+print(json.dumps({"arrays": out, "tensors": tensors, "missing": missing}))
 """
 
 
@@ -54,7 +60,15 @@ def test_stock_zarr_reads_delta_arrays_with_only_the_codec_package(tmp_path):
     manifest = json.loads(next((tmp_path / "bucket" / layout.attempts_dir(1)).rglob("manifest.json")).read_text())
     assert manifest["codec"]["name"] == "dcr-sparse"
     store = str(next((tmp_path / "bucket" / layout.attempts_dir(1)).glob("*/data.zarr")))
-    expected = {}
+    newer = {n: t.clone() for n, t in new.items()}
+    newer["w"].view(-1).view(torch.int16)[::5] ^= 0x0001
+    run_publish(root, newer, 2, options=PublishOptions(chunk_bytes=4096))
+    repack(root, 2)  # the packed layout: no zarr.json, chunks inside pack objects
+    expected, tensors = {}, {}
+    for name in ("w", "e", "s"):
+        for step, (x, y) in ((1, (old, new)), (2, (new, newer))):
+            xor = x[name].reshape(-1).view(torch.uint8).numpy() ^ y[name].reshape(-1).view(torch.uint8).numpy()
+            tensors[f"{step}/{name}"] = hashlib.sha256(xor.tobytes()).hexdigest()
     for name in ("w", "e"):
         a = zarr.open_group(store, mode="r")[manifest["tensors"][name]["array"]]
         xor = (old[name].view(-1).view(torch.uint8).numpy() ^ new[name].view(-1).view(torch.uint8).numpy())
@@ -69,9 +83,11 @@ def test_stock_zarr_reads_delta_arrays_with_only_the_codec_package(tmp_path):
                              capture_output=True, text=True, timeout=600)
     assert install.returncode == 0, install.stderr[-3000:]
     arrays = {store: [manifest["tensors"][n]["array"] for n in ("w", "e")]}
-    out = subprocess.run([py, "-c", READ, json.dumps(arrays)], env=clean, capture_output=True, text=True,
+    args = {"stores": arrays, "root": root, "tensors": ["w", "e", "s"]}
+    out = subprocess.run([py, "-c", READ, json.dumps(args)], env=clean, capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout)
     assert got["arrays"] == expected
+    assert got["tensors"] == tensors
     assert set(got["missing"]) == {"torch", "prefect", "dcr_core", "storage", "flows", "s3fs"}
