@@ -93,6 +93,11 @@ class ChunkTable:
     def packed(self) -> bool:
         return bool(self.packs)
 
+    def content(self) -> tuple[tuple[int, ...], tuple[str, ...], tuple[int, ...]]:
+        """What is stored, wherever it lies: chunk indices, digests and sizes (which pack holds a
+        chunk, and where, depends on which upload finished first)."""
+        return self.indices, self.digests, self.nbytes
+
     def to_dict(self, pack_numbers: dict[str, int] | None = None) -> dict:
         d = {"indices": list(self.indices), "digests": list(self.digests), "nbytes": list(self.nbytes)}
         if self.packs:
