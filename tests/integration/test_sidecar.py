@@ -135,13 +135,14 @@ def test_flat_and_block_manifests_mix_in_one_chain(tmp_path):
     two schemes is exact, and the sidecar is used only where both sides have block digests."""
     root = str(tmp_path / "root")
     steps = _steps(6, 5)
-    _publish(root, steps[:3], block=None)
+    _publish(root, steps[:3], block=None, pack_bytes=0)  # as written before block digests (and packs)
     _publish(root, steps, first=3)
     r = open_root(root)
-    for s, version in [(0, 1), (2, 1), (3, 2), (5, 2)]:
+    for s, version in [(0, 1), (2, 1), (3, 3), (5, 3)]:
         m = _manifest(root, s)
         raw = r.read(layout.manifest_key(s, m.attempt))
-        assert Manifest.from_json(raw, "m").schema_version == version == (2 if b'"digest_scheme"' in raw else 1)
+        assert Manifest.from_json(raw, "m").schema_version == version
+        assert m.digest_scheme.blocked == (b'"digest_scheme"' in raw) == (version > 1)
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     run_receive(root, "rx", str(a), 0, options=IN_PLACE)
     trusted = []

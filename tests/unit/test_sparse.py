@@ -103,7 +103,9 @@ def test_stock_zarr_reads_sparse_delta_arrays_through_the_installed_entry_point(
     old = {"w": torch.randn(300, 70, generator=g).bfloat16()}
     new = {"w": old["w"].clone()}
     new["w"].view(-1).view(torch.int16)[::37] ^= 3
-    opts = PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path / "c"))
+    # one object per chunk and a zarr.json per array: what zarr opens by path (a packed step opens
+    # through dcr_zarr_codec.open_tensor, tests/integration/test_open_step.py)
+    opts = PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path / "c"), pack_bytes=0)
     run_publish(root, old, 0, options=opts)
     run_publish(root, new, 1, options=opts)
     m = Catalog(Root(root)).manifest(1)
