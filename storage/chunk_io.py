@@ -266,6 +266,8 @@ def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, che
     data = PREFETCHED.take(root.url, layout.range_ident(key, offset),
                            verified_as(manifest.codec, entry.dtype, grid, index, digest, nbytes))
     prefetched = data is not None  # then verified against this very digest, size, dtype, range and codec when it landed
+    if prefetched and fetched is not None:
+        fetched.drop()
     if not prefetched:
         try:
             if fetched is not None:
@@ -347,12 +349,16 @@ class _RangeRead:
 
     def take(self, offset: int, nbytes: int) -> bytes:
         data = self._future.result()
+        self.drop()
+        lo = offset - self.start
+        return data[lo:lo + nbytes] if len(data) >= lo + nbytes else data[lo:]
+
+    def drop(self) -> None:
+        """One of its chunks is done without it (a streaming prefetcher held that one meanwhile)."""
         with self._lock:
             self.users -= 1
             if self.users == 0:
                 self._future = None  # its bytes go with the last chunk taken from them
-        lo = offset - self.start
-        return data[lo:lo + nbytes] if len(data) >= lo + nbytes else data[lo:]
 
 
 def _plan_ranges(root: Root, jobs: list[ChunkJob]) -> list[_RangeRead | None]:
