@@ -513,7 +513,17 @@ class Manifest:
         } | ({"snapshot": {n: self.snapshot[n].to_dict(numbers) for n in sorted(self.snapshot)}} if self.snapshot else {})
 
     def to_json(self) -> bytes:
-        return json.dumps(self.to_dict(), indent=1, sort_keys=False).encode() + b"\n"
+        """The manifest as people read it: its fields indented, then one line per tensor (a step of
+        70,000 tensors renders in a fraction of a second: ``json``'s indenting encoder is pure Python)."""
+        d = self.to_dict()
+        tables = {k: d.pop(k) for k in ("tensors", "snapshot") if k in d}
+        head = json.dumps(d, indent=1)
+        rendered = [
+            f' {json.dumps(k)}: {{\n' + ",\n".join(f"  {json.dumps(n)}: {json.dumps(e, separators=(', ', ': '))}"
+                                                for n, e in table.items()) + "\n }"
+            for k, table in tables.items()
+        ]
+        return (head[:-2] + ",\n" + ",\n".join(rendered) + "\n}\n").encode()
 
     @classmethod
     def from_json(cls, data: bytes, where: str) -> Manifest:
