@@ -5,8 +5,9 @@ in a few pack objects and writes no ``zarr.json``. The manifest says everything 
 (dtype, shape, chunk shape, codec, and where every stored chunk lies), so this module turns it
 into references (kerchunk's format, version 1) held in memory: ``<array>/zarr.json`` is the array
 document DCR would write (``dcr_zarr_codec.metadata``), ``<array>/c/i/j`` points at the chunk's
-object, or at its byte range inside a pack. fsspec's ``ReferenceFileSystem`` serves them to stock
-zarr. Steps written before packs (one object per chunk) read the same way.
+object, or at its byte range inside a pack (``data.zarr/%packs/<name>``). fsspec's
+``ReferenceFileSystem`` serves them to stock zarr. Steps written before packs (one object per chunk)
+read the same way.
 
 Chunks the manifest does not list have no reference and read as the fill value, zeros (for a
 delta: "no change"); a listed chunk whose object is missing is an error, never zeros. Nothing here
@@ -35,7 +36,7 @@ MAX_STEP = 10**STEP_WIDTH - 1
 COMMIT = "commit.json"
 MANIFEST = "manifest.json"
 STORE = "data.zarr"
-PACKS = "packs"
+PACKS = "%packs"  # the packs' folder in the store: no array's name starts with '%p'
 MAX_COMMIT_BYTES = 1 << 20
 MAX_MANIFEST_BYTES = 512 << 20
 MAX_NDIM = 16
@@ -43,6 +44,7 @@ MAX_CHUNK_BYTES = 1 << 30  # a chunk decompressed (zarr allocates it whole): DCR
 SCHEMA_VERSIONS = (1, 2, 3)
 _ATTEMPT = re.compile(r"^[0-9a-f]{16,64}$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9_.%-]{1,255}$")
+_PACK = re.compile(r"^[0-9a-f]{8}\.[0-9]{6}$")  # <writer tag>.<k>
 
 
 class StepNotCommittedError(FileNotFoundError):
@@ -114,7 +116,7 @@ class _StepDocs:
     manifest_url: str
     codec: dict
     group_attributes: dict
-    packs: list[tuple[str, int]]
+    packs: list[tuple[str, int]]  # (URL, size in bytes) of each pack, in the manifest's order
     tensors: dict  # tensor name -> its manifest entry (unchecked)
     snapshot: dict  # the same, of a restart point's full copy
 
@@ -155,7 +157,7 @@ class _StepDocs:
             if not isinstance(tensors, dict) or not isinstance(snapshot, dict):
                 raise StepDocumentError("tensors and snapshot must be objects")
             attrs = {"dcr": {"step": step, "kind": m.get("kind"), "base_step": m.get("base_step")}}
-            packs = _packs(m.get("packs", []), fs, attempt_dir)
+            packs = _packs(m.get("packs", []), (tensors, snapshot), fs, f"{attempt_dir}/{STORE}")
         return cls(fs, options, step, attempt_dir, manifest_url, codec, attrs, packs, tensors, snapshot)
 
     def entries(self, name: str | None) -> list[_Entry]:
@@ -241,15 +243,29 @@ def _ints(v, what: str, n: int | None = None) -> list:
     return v
 
 
-def _packs(v, fs, attempt_dir: str) -> list[tuple[str, int]]:
-    """``(url, bytes)`` of every pack object the manifest lists (schema 3)."""
-    out = []
-    for i, p in enumerate(_ints(v, "packs")):
-        if not isinstance(p, dict):
-            raise StepDocumentError(f"packs[{i}] must be an object")
-        name = _segment(p.get("name"), "pack name")
-        out.append((fs.unstrip_protocol(f"{attempt_dir}/{PACKS}/{name}"), _int(p.get("bytes"), f"pack {name} bytes")))
-    return out
+def _packs(v, tables: tuple[dict, dict], fs, store_dir: str) -> list[tuple[str, int]]:
+    """``(url, bytes)`` of every pack object the manifest lists (schema 3: a list of names). A pack's
+    size is the sum of its chunks' sizes (its chunks tile it; the manifest records no other), so
+    every tensor's pack column is summed here, whichever tensor is opened."""
+    names = _ints(v, "packs")
+    for name in names:
+        if not isinstance(name, str) or not _PACK.match(name):
+            raise StepDocumentError(f"pack name {name!r} is not <8 hex digits>.<6 digits>")
+    if len(set(names)) != len(names):
+        raise StepDocumentError("a pack is listed twice")
+    sizes = [0] * len(names)
+    for label, table in zip(("tensor", "snapshot tensor"), tables):
+        for tensor, d in table.items():
+            chunks = d.get("chunks") if isinstance(d, dict) else None
+            if not isinstance(chunks, dict) or chunks.get("pack") is None:
+                continue  # not packed (or malformed: refused when the tensor is opened)
+            what = f"{label} {tensor!r} chunks"
+            if not names:
+                raise StepDocumentError(f"{what} name packs, but the manifest lists none")
+            pack = _ints(chunks["pack"], f"{what} pack")
+            for p, n in zip(pack, _ints(chunks.get("nbytes"), f"{what} nbytes", len(pack))):
+                sizes[_int(p, f"{what} pack", 0, len(names) - 1)] += _int(n, f"{what} nbytes")
+    return [(fs.unstrip_protocol(f"{store_dir}/{PACKS}/{name}"), size) for name, size in zip(names, sizes)]
 
 
 def _grid_index(flat: int, grid_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -261,15 +277,16 @@ def _grid_index(flat: int, grid_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _chunk_refs(d, what: str, n_chunks: int, grid_shape, slots: int | None, store_url: str,
-                packs: list[tuple[str, int]]) -> list:
+                packs: list[tuple[str, int]] | None) -> list:
     """``(grid index, reference)`` of the stored chunks a chunk (or parts) table lists: a byte range
-    of a pack where it names one, the chunk's own object otherwise."""
+    of a pack where it names one, the chunk's own object otherwise. ``packs`` None: a parts table,
+    whose parts are always their own objects."""
     if not isinstance(d, dict):
         raise StepDocumentError(f"{what}: must be an object")
     indices = _ints(d.get("indices"), f"{what} indices")
     nbytes = _ints(d.get("nbytes"), f"{what} nbytes", len(indices))
     slot = None if slots is None else _ints(d.get("slot"), f"{what} slot", len(indices))
-    pack, offset = d.get("pack"), d.get("offset")
+    pack, offset = (None, None) if packs is None else (d.get("pack"), d.get("offset"))
     if (pack is None) != (offset is None):
         raise StepDocumentError(f"{what}: pack and offset go together")
     if pack is not None:
@@ -329,7 +346,7 @@ def _entries(name: str, d, docs: _StepDocs, snapshot: bool) -> list[_Entry]:
         parts = _segment(p.get("array"), f"{what} parts array")
         slots = _int(p.get("slots"), f"{what} parts slots", 1, 1 << 16)
         refs = _chunk_refs(p, f"{what} parts", n_chunks, grid_shape, slots,
-                           docs.fs.unstrip_protocol(f"{store_dir}/{parts}"), docs.packs)
+                           docs.fs.unstrip_protocol(f"{store_dir}/{parts}"), None)
         pattrs = {"dcr": {**attrs, "parts_of": array, "combine": "XOR over axis 0, then XOR with the main array"}}
         out.append(_Entry(name, parts, (slots, *shape), (1, *chunk_shape), bits, pattrs, tuple(refs), False))
     return out

@@ -4,7 +4,6 @@ per chunk (every bucket written before packs) and packed steps (manifest schema 
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 
@@ -16,18 +15,28 @@ from fsspec.implementations.reference import ReferenceNotReachable
 
 from dcr_core.dtypes import DTYPES
 from storage import layout
-from tests.support.auditor import check_step_reads, publish_two
+from tests.support.auditor import PACK_BYTES, check_step_reads, publish_two
 from tests.support.helpers import raw_bits
-from tests.support.packed import repack
 
 
 def manifest_of(root: str, step: int) -> dict:
     marker = json.loads(open(os.path.join(root, layout.commit_key(step))).read())
     return json.loads(open(os.path.join(root, layout.manifest_key(step, marker["attempt"]))).read())
 
+
+def pack_sizes(m: dict) -> list[int]:
+    """Each pack's size: the sum of its chunks' (they tile it)."""
+    sizes = [0] * len(m["packs"])
+    for table in (m["tensors"], m.get("snapshot", {})):
+        for e in table.values():
+            for p, n in zip(e["chunks"].get("pack", []), e["chunks"]["nbytes"]):
+                sizes[p] += n
+    return sizes
+
+
 def test_open_tensor_reads_every_tensor_of_steps_with_one_object_per_chunk(tmp_path):
     root = str(tmp_path / "bucket")
-    a, b = publish_two(root, tmp_path)
+    a, b = publish_two(root, tmp_path, pack_bytes=(0, 0))
     m = manifest_of(root, 1)
     assert m["snapshot"] and m["codec"]["name"] == "dcr-sparse" and "packs" not in m
     group = check_step_reads(root, a, b)
@@ -42,16 +51,19 @@ def test_open_tensor_reads_every_tensor_of_steps_with_one_object_per_chunk(tmp_p
 def test_open_tensor_reads_a_packed_step(tmp_path):
     root = str(tmp_path / "bucket")
     a, b = publish_two(root, tmp_path)
-    packed = [repack(root, step) for step in (0, 1)]
+    packed = [manifest_of(root, step) for step in (0, 1)]
     for step, m in enumerate(packed):  # what a packed step is: packs, no chunk objects, no zarr.json
-        assert len(m["packs"]) > 1
-        assert not glob.glob(os.path.join(root, layout.step_dir(step), "attempts", "*", layout.STORE))
+        assert m["schema_version"] == 3 and len(m["packs"]) > 1
+        store = os.path.join(root, layout.store_dir(step, m["attempt"]))
+        assert os.listdir(store) == [layout.PACKS]
+        assert sorted(os.listdir(os.path.join(store, layout.PACKS))) == m["packs"]
+        assert [os.path.getsize(os.path.join(store, layout.pack_key(p))) for p in m["packs"]] == pack_sizes(m)
     tensors = packed[1]["tensors"]
     assert any(e["shape"] == [] and e["chunks"]["indices"] for e in packed[0]["tensors"].values())  # a 0-d tensor
     unstored = [n for n, e in tensors.items() if e["chunks"]["indices"] and len(e["chunks"]["indices"])
                 < np.prod([-(-s // c) for s, c in zip(e["shape"], e["chunk_shape"])])]
     assert unstored  # chunks not stored read as zeros: "no change"
-    assert any(o > 0 for e in tensors.values() for o in e["chunks"]["offset"])
+    assert any(o > 0 for e in tensors.values() for o in e["chunks"].get("offset", []))
     check_step_reads(root, a, b)
     group = open_step(root, 1)
     for name, e in packed[1]["snapshot"].items():
@@ -69,8 +81,7 @@ def test_the_codec_package_knows_every_dtype_dcr_stores():
 @pytest.fixture
 def packed_root(tmp_path):
     root = str(tmp_path / "bucket")
-    publish_two(root, tmp_path)
-    repack(root, 1)
+    publish_two(root, tmp_path, pack_bytes=(0, PACK_BYTES))  # step 0 one object per chunk, step 1 packed
     return root
 
 
@@ -106,16 +117,16 @@ def test_a_step_not_committed_is_named(packed_root):
 @pytest.mark.parametrize("packed", [False, True], ids=["chunk-object", "pack"])
 def test_a_listed_chunk_that_is_missing_is_an_error_not_zeros(tmp_path, packed):
     root = str(tmp_path / "bucket")
-    publish_two(root, tmp_path)
-    m = repack(root, 0) if packed else manifest_of(root, 0)
+    publish_two(root, tmp_path, pack_bytes=(PACK_BYTES if packed else 0, 0))
+    m = manifest_of(root, 0)
     name, e = stored_tensor(m)
-    attempt_dir = os.path.join(root, layout.attempt_dir(0, m["attempt"]))
+    store = os.path.join(root, layout.store_dir(0, m["attempt"]))
     if packed:
-        gone = os.path.join(attempt_dir, "packs", m["packs"][e["chunks"]["pack"][0]]["name"])
+        gone = os.path.join(store, layout.pack_key(m["packs"][e["chunks"]["pack"][0]]))
     else:
         grid = [-(-s // c) for s, c in zip(e["shape"], e["chunk_shape"])]
         index = np.unravel_index(e["chunks"]["indices"][0], grid) if grid else ()
-        gone = os.path.join(attempt_dir, layout.STORE, e["array"], "c", *map(str, index))
+        gone = os.path.join(store, e["array"], "c", *map(str, index))
     os.remove(gone)
     with pytest.raises(ReferenceNotReachable) as err:
         open_tensor(root, 0, name)[...]
@@ -137,9 +148,9 @@ def test_names_that_would_leave_the_attempt_are_refused(packed_root, field):
         if field == "array":
             stored_tensor(m)[1]["array"] = "../../../000000000000/x"
         else:
-            m["packs"][0]["name"] = ".."
+            m["packs"][0] = "../../../000000000000/attempts/x"
 
-    _hostile(packed_root, change, "not a safe path segment")
+    _hostile(packed_root, change, {"array": "not a safe path segment", "pack": "is not <8 hex digits>.<6 digits>"}[field])
 
 
 @pytest.mark.faults(component="security", outcome="a commit marker naming an attempt outside its step is refused, naming the marker")
@@ -154,14 +165,16 @@ def test_a_marker_naming_an_attempt_outside_its_step_is_refused(packed_root):
 
 
 @pytest.mark.faults(component="bad input or damaged bucket", outcome="a chunk range outside its pack, or a pack not listed, is refused naming the manifest")
-@pytest.mark.parametrize("damage", ["offset", "pack", "index", "json", "codec", "chunk"])
+@pytest.mark.parametrize("damage", ["offset", "pack", "packs", "index", "json", "codec", "chunk"])
 def test_damaged_packed_manifests_are_refused(packed_root, damage):
     def change(m):
         e = stored_tensor(m)[1]["chunks"]
-        if damage == "offset":
-            e["offset"][0] = m["packs"][e["pack"][0]]["bytes"]
+        if damage == "offset":  # the chunk starts where its pack ends
+            e["offset"][0] = pack_sizes(m)[e["pack"][0]]
         elif damage == "pack":
             e["pack"][0] = len(m["packs"])
+        elif damage == "packs":  # packs as objects, not names
+            m["packs"] = [{"name": p, "bytes": n} for p, n in zip(m["packs"], pack_sizes(m))]
         elif damage == "index":
             e["indices"][0] = 10**9
         elif damage == "codec":
@@ -171,5 +184,6 @@ def test_damaged_packed_manifests_are_refused(packed_root, damage):
         else:
             m["tensors"] = "x"
 
-    _hostile(packed_root, change, {"offset": "pack", "pack": "pack", "index": "index", "json": "tensors",
+    _hostile(packed_root, change, {"offset": "ends at byte", "pack": "chunks pack: expected an integer",
+                                   "packs": "pack name", "index": "index", "json": "tensors",
                                    "codec": "lz4-of-the-future", "chunk": "exceeds"}[damage])

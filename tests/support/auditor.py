@@ -11,16 +11,18 @@ from flows.options import PublishOptions
 from tests.support.helpers import nasty_checkpoint, next_step, raw_bits
 
 CHUNK_BYTES = 64
+PACK_BYTES = 256  # several packs per step, most holding chunks of several tensors
 
 
-def publish_two(root: str, tmp_path) -> tuple[dict, dict]:
-    """A keyframe (step 0) and a delta that is also a restart point (step 1: XOR masks and a snapshot)."""
+def publish_two(root: str, tmp_path, pack_bytes: tuple[int, int] = (PACK_BYTES, PACK_BYTES)) -> tuple[dict, dict]:
+    """A keyframe (step 0) and a delta that is also a restart point (step 1: XOR masks and a
+    snapshot), each packed at its ``pack_bytes`` (0: one object per chunk, the layout before packs)."""
     a = nasty_checkpoint(seed=5, dtypes=["BF16", "F32", "F8_E4M3", "I64", "BOOL"])
     b = next_step(a, 6)
-    opts = PublishOptions(chunk_bytes=CHUNK_BYTES, cache_dir=str(tmp_path / "cache"),
-                          keyframe_policy=KeyframePolicy(every=1))
-    run_publish(root, a, 0, options=opts)
-    run_publish(root, b, 1, options=opts)
+    for step, (ckpt, pb) in enumerate(zip((a, b), pack_bytes)):
+        opts = PublishOptions(chunk_bytes=CHUNK_BYTES, pack_bytes=pb, cache_dir=str(tmp_path / "cache"),
+                              keyframe_policy=KeyframePolicy(every=1))
+        run_publish(root, ckpt, step, options=opts)
     return a, b
 
 
