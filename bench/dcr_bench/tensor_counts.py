@@ -36,7 +36,7 @@ from storage import stats
 from storage.layout import step_dir
 from storage.root import check_root_url, open_root
 
-DEFAULT_COUNTS = (8, 1000, 10000)
+DEFAULT_COUNTS = (8, 1000)
 QUICK_COUNTS = (8, 200)
 DEFAULT_BYTES, QUICK_BYTES = 75_000_000, 10_000_000
 BOUND_BASE, BOUND_BYTES = 16, 8 << 20  # the goal: 16 requests plus one per 8 MiB moved
