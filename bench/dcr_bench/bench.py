@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dcr_bench import commands, scaling, tp_pulls
+from dcr_bench import commands, scaling, tensor_counts, tp_pulls
 from dcr_bench import data as bench_data
 from dcr_bench.condbound import conditional_stats
 from dcr_bench.e2e import S3Service, e2e_local, e2e_s3, e2e_summary, startup_s
@@ -76,13 +76,13 @@ def say(msg: str) -> None:
 # ---------------------------------------------------------------- arguments
 
 
-def parse_size(text: str) -> int:
-    """``2M``, ``1.5B``, ``200k`` or a plain number of parameters."""
+def parse_size(text: str, unit: str = "parameters") -> int:
+    """``2M``, ``1.5B``, ``200k`` or a plain number of parameters (or of ``unit``)."""
     t = text.strip().lower()
     scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9}.get(t[-1:], 1)
     value = float(t[:-1] if scale != 1 else t) * scale
     if not math.isfinite(value) or value < 1024:
-        raise argparse.ArgumentTypeError(f"size {text!r} is not a number of parameters of at least 1024")
+        raise argparse.ArgumentTypeError(f"size {text!r} is not a number of {unit} of at least 1024")
     return int(value)
 
 
@@ -107,6 +107,13 @@ def _rate(text: str) -> float:
     return r
 
 
+def _tensor_counts(text: str) -> list[int]:
+    """Tensor counts of at least 1, or ``0`` alone (skip the section)."""
+    if text.strip() == "0":
+        return [0]
+    return _list(text, Number(int, 1))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="dcr bench",
@@ -129,12 +136,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--scaling-sizes", type=lambda s: _list(s, lambda x: 0 if x.strip() == "0" else parse_size(x)),
                    help="checkpoint bytes of the cost-against-size section (default 200M,700M,1.35G,2.7G; --quick "
                    "10M,40M; 0 skips it)")
+    p.add_argument("--tensor-counts", type=_tensor_counts,
+                   help="tensor counts of the cost-against-tensor-count section, the same bytes in each (default "
+                   f"{_counts(tensor_counts.DEFAULT_COUNTS)}; --quick {_counts(tensor_counts.QUICK_COUNTS)}; 0 skips it)")
+    p.add_argument("--tensor-count-bytes", type=lambda s: parse_size(s, "bytes"),
+                   help=f"checkpoint bytes of that section (default {tensor_counts.DEFAULT_BYTES / 1e6:g}M; --quick "
+                   f"{tensor_counts.QUICK_BYTES / 1e6:g}M)")
     p.add_argument("--seed", type=Number(int, 0, 2**32 - 1), default=0, help="seed of the synthetic updates (default 0)")
     return p
 
 
+def _counts(counts) -> str:
+    return ",".join(str(n) for n in counts)
+
+
 def resolve(a: argparse.Namespace) -> argparse.Namespace:
     """Fill the defaults that depend on --quick and on the other options."""
+    a.tensor_counts = a.tensor_counts or list(tensor_counts.QUICK_COUNTS if a.quick else tensor_counts.DEFAULT_COUNTS)
+    a.tensor_count_bytes = a.tensor_count_bytes or (tensor_counts.QUICK_BYTES if a.quick else tensor_counts.DEFAULT_BYTES)
     a.sizes = a.sizes or _list(QUICK_SIZES if a.quick else DEFAULT_SIZES, parse_size)
     a.rates = a.rates or _list(QUICK_RATES if a.quick else DEFAULT_RATES, _rate)
     a.backends = a.backends or (["local"] if a.quick else list(BACKENDS))
@@ -506,6 +525,8 @@ def markdown(results: dict) -> str:
         lines += commands.markdown(results["commands"])
     if results.get("scaling"):
         lines += scaling.markdown(results["scaling"])
+    if results.get("tensor_counts"):
+        lines += tensor_counts.markdown(results["tensor_counts"])
     for s in results["skipped"]:
         lines.append(f"\nSkipped: {s}")
     if results.get("plots_skipped"):
@@ -710,6 +731,8 @@ def plot(results: dict, out: str) -> list[str]:
         written.append(path)
     if results.get("scaling"):
         written.append(scaling.plot(results["scaling"], out, plt))
+    if results.get("tensor_counts"):
+        written.append(tensor_counts.plot(results["tensor_counts"], out, plt))
     return written
 
 
@@ -736,7 +759,8 @@ def run(a: argparse.Namespace, command: list[str]) -> dict:
     results = {"command": command, "machine": machine_info(), "started_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
                "config": {"sizes": a.sizes, "rates": a.rates, "sources": a.sources, "backends": a.backends,
                           "bandwidth": a.bandwidth, "e2e_size": a.e2e_size, "e2e_rates": a.e2e_rates,
-                          "seed": a.seed, "quick": a.quick, "chunk_bytes": opts.chunk_bytes,
+                          "seed": a.seed, "quick": a.quick, "tensor_counts": a.tensor_counts,
+                          "tensor_count_bytes": a.tensor_count_bytes, "chunk_bytes": opts.chunk_bytes,
                           "delta_codec": opts.delta_codec.to_dict(), "standard_codec": standard_codec().to_dict()},
                "scenarios": [], "end_to_end": [], "skipped": []}
     t_start = time.perf_counter()
@@ -773,6 +797,12 @@ def run(a: argparse.Namespace, command: list[str]) -> dict:
             say("cost against size: " + "; ".join(
                 f"{r['pattern']} {r['bytes'] / 1e9:.2f} GB publish {r['publish_delta_s']:.2f}s in-place "
                 f"{r['receive_in_place_s']:.2f}s" for r in results["scaling"]["rows"]) + f" ({time.perf_counter() - t0:.1f}s)")
+        if a.tensor_counts != [0]:
+            t0 = time.perf_counter()
+            say(f"cost against tensor count: {_counts(a.tensor_counts)} tensors of {a.tensor_count_bytes / 1e6:g} MB")
+            results["tensor_counts"] = tensor_counts.measure(tmp, a.tensor_counts, a.backends, s3, a.tensor_count_bytes,
+                                                             seed=a.seed, log=say)
+            say(f"cost against tensor count done ({time.perf_counter() - t0:.1f}s)")
     results["wall_s"] = time.perf_counter() - t_start
     return results
 
@@ -882,6 +912,7 @@ def main(argv: list[str] | None = None) -> int:
     inexact += [e for e in results["end_to_end"] if not (e["dcr"]["exact"] and e["cli"]["exact"])]
     inexact += [r for r in results.get("tp_pulls", {}).get("rows", []) if not r["exact"]]
     inexact += [r for r in results.get("scaling", {}).get("rows", []) if not r["exact"]]
+    inexact += [r for r in results.get("tensor_counts", {}).get("rows", []) if not r["exact"]]
     if inexact:
         print("dcr bench: some refits were not bit-exact (see results.json)", file=sys.stderr)
         return 1

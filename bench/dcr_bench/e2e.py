@@ -165,6 +165,7 @@ class S3Service:
 
     def __init__(self, bandwidth: float):
         self.bandwidth = bandwidth
+        self.bucket = BUCKET
         self.full_cache: dict[tuple[float, int], dict] = {}
 
     def __enter__(self) -> S3Service:

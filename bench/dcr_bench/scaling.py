@@ -148,12 +148,12 @@ def _one(work: str, size: float, changes: int, seed: int, env: dict, dcr: list[s
     if zstd:
         out = os.path.join(d, "new.zst")
         row["zstd_1_T1_s"], _ = _run([zstd, "-q", "-1", "-T1", "-f", new, "-o", out], e)
-    row["exact"] = all(_same_tensors(s, new) for s in states.values())  # both receivers hold the new bits
+    row["exact"] = all(same_tensors(s, new) for s in states.values())  # both receivers hold the new bits
     shutil.rmtree(d, ignore_errors=True)
     return row
 
 
-def _same_tensors(a: str, b: str) -> bool:
+def same_tensors(a: str, b: str) -> bool:
     """Both files hold the same tensors (names, dtypes, shapes, bits), whatever their metadata."""
     with SafetensorsCheckpoint(a) as x, SafetensorsCheckpoint(b) as y:
         return x.infos == y.infos and all(np.array_equal(x.bits(n), y.bits(n)) for n in x.infos)

@@ -54,7 +54,7 @@ def test_end_to_end_line_prints_what_was_measured():
 @pytest.mark.slow  # about 70 s (every section, the scaling commands each a process): with make test-slow
 def test_quick_bench_writes_results(tmp_path):
     rc = main(["--quick", "--out", str(tmp_path), "--sizes", "200000", "--rates", "0.01,0.05",
-               "--sources", "synthetic", "--backends", "local"])
+               "--sources", "synthetic", "--backends", "local", "--tensor-counts", "8,200", "--tensor-count-bytes", "1M"])
     assert rc == 0
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["machine"]["cores"] >= 1 and results["command"][:2] == ["dcr", "bench"]
@@ -83,11 +83,14 @@ def test_quick_bench_writes_results(tmp_path):
     assert sc[2]["changed"] == sc[3]["changed"] < sc[1]["changed"] and sc[0]["bytes"] < sc[1]["bytes"]
     assert sc[6]["changed"] == sc[7]["changed"] == sc[2]["changed"]
     assert all(r["receive_in_place_writeback_s"] >= 0 and r["publish_delta_writeback_s"] >= 0 for r in sc)
+    tc = results["tensor_counts"]["rows"]
+    assert [(r["tensors"], r["backend"]) for r in tc] == [(8, "local"), (200, "local")] and all(r["exact"] for r in tc)
     md = (tmp_path / "results.md").read_text()
-    assert "Bytes per changed element" in md and "End to end" in md
+    assert "Bytes per changed element" in md and "End to end" in md and "Cost against tensor count" in md
     assert "Per-rank pulls" in md and "zstd -q -1 -T1" in md and "Cost against model size" in md
     if importlib.util.find_spec("matplotlib") is not None:
         assert (tmp_path / "bytes_per_change.png").stat().st_size > 0
+        assert (tmp_path / "tensor_counts.png").stat().st_size > 0
     else:
         assert results["plots_skipped"]
 
@@ -98,7 +101,8 @@ def test_bench_end_to_end_through_s3_at_two_link_caps(tmp_path):
         if importlib.util.find_spec(mod) is None:
             pytest.skip(f"{mod} is not installed")
     rc = main(["--out", str(tmp_path), "--sizes", "200000", "--rates", "0.05", "--sources", "synthetic",
-               "--backends", "s3", "--bandwidth", "50e6,20e6", "--scaling-sizes", "0"])  # no GB checkpoints here
+               "--backends", "s3", "--bandwidth", "50e6,20e6", "--scaling-sizes", "0",
+               "--tensor-counts", "0"])  # no GB checkpoints here; the tensor counts on S3: test_bench_tensor_counts
     assert rc == 0
     results = json.loads((tmp_path / "results.json").read_text())
     e2e = results["end_to_end"]

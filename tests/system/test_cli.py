@@ -378,7 +378,7 @@ def _outside(n: Number) -> list[str]:
 # numeric options read by a type of their own (sizes, lists of numbers): none of these is one either
 OTHER_NUMERIC = {("cache", "--max-bytes"), ("bench", "--sizes"), ("bench", "--rates"), ("bench", "--bandwidth"),
                  ("bench", "--e2e-size"), ("bench", "--e2e-rates"), ("bench", "--scaling-sizes"),
-                 ("simulate", "--bandwidth")}
+                 ("bench", "--tensor-counts"), ("bench", "--tensor-count-bytes"), ("simulate", "--bandwidth")}
 
 
 def _numeric_cases() -> list[tuple[str, str, str]]:
