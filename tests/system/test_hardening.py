@@ -228,6 +228,19 @@ def test_a_3_gb_pack_costs_a_receiver_only_the_ranges_it_reads(bucket, tmp_path,
     assert peak < 300 * MiB, peak
 
 
+@pytest.mark.faults(component="mirror", outcome="exit 5 naming the object, having read at most the size the manifest gives; nothing of the step committed downstream; peak RSS under 300 MiB")
+def test_a_mirror_refuses_a_3_gb_object_where_a_chunk_belongs_without_reading_it(chunk_bucket, tmp_path):
+    """The object holding a chunk of step 3 (its pack, or its own) grown to 3 GB, its chunks intact:
+    a mirror copies whole objects, so it reads each no further than the size the manifest gives."""
+    root, _, target = chunk_bucket
+    os.truncate(target, 3 << 30)  # sparse: costs no disk
+    region = tmp_path / "region"
+    code, err, peak = dcr_peak_rss("mirror", root, region, timeout=60)
+    assert code == 5 and "3221225472 bytes, more than" in err and str(target.relative_to(root)) in err, err
+    assert len(err.strip().splitlines()) == 1 and not (region / layout.commit_key(3)).exists(), err
+    assert peak < 300 * MiB, peak
+
+
 # -- 3. signing keys --------------------------------------------------------------------------------
 
 
