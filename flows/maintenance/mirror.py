@@ -12,9 +12,10 @@ yet downstream, ascending; or ``--step N``):
    is copied, byte for byte, unless downstream already holds it with the same size: only the
    attempt the marker names, never a losing or uncommitted one; ``io_workers`` objects at a time
    (an inter-region link is latency-bound one request at a time). Each object the manifest binds
-   is checked as it is read (size and payload digest; the manifest by the marker's digest), before
-   it is written downstream: a step that does not verify upstream fails naming the object, and its
-   marker is never copied (``expected_objects``);
+   is read no further than the size the manifest gives it, and checked as it is read (size and
+   payload digest; the manifest by the marker's digest), before it is written downstream: a step
+   that does not verify upstream fails naming the object (a 3 GB object where a chunk or pack
+   belongs, having read at most its size), and its marker is never copied (``expected_objects``);
 4. the marker is written last: the bytes checked in 1, never a second read (upstream may have
    been edited since; what was copied is what those bytes bind), so its signature is the origin's.
    It is created only if absent; a downstream marker that verifies but names another attempt is
@@ -58,7 +59,7 @@ from flows.workers import portable_root
 from storage import heartbeat, layout, leases, source_layout
 from storage.catalog import Catalog, manifest_digest, not_committed
 from storage.chunk_io import BoundedPool, UncheckedChunk, chunk_where
-from storage.manifest import Manifest, TensorEntry
+from storage.manifest import MAX_MANIFEST_BYTES, Manifest, TensorEntry
 from storage.marker import CommitMarker
 from storage.root import Root, RootRef, open_root
 from storage.stream import MAX_INDEX_BYTES, index_at
@@ -188,22 +189,32 @@ def close_step(src: Root, job: MirrorJob, as_id: str | None = None) -> None:
         leases.release(src, as_id, [job.step])
 
 
-def expected_objects(src: Root, job: MirrorJob) -> dict[str, Callable[[bytes], None]]:
+@dataclass(frozen=True)
+class Expected:
+    """An object the manifest binds: read at most ``limit`` bytes of it (a larger object is refused
+    unread: the size the manifest gives, or a document's cap), and ``check`` its bytes."""
+
+    limit: int
+    check: Callable[[bytes], None]
+
+
+def expected_objects(src: Root, job: MirrorJob) -> dict[str, Expected]:
     """For each object of the job's attempt that its manifest binds (the manifest itself, by the
     digest of the marker the job verified, never one read again; every chunk, snapshot and part, by
-    its size and payload digest), a check of its bytes that raises ``IntegrityError`` naming the
-    object. A mirror runs it on every object it reads, and writes downstream the very bytes it
-    checked: a damaged object upstream is never copied onward.
+    its size and payload digest; a pack as its chunks), the most bytes to read of it and a check of
+    its bytes that raises ``IntegrityError`` naming the object. A mirror runs it on every object it
+    reads, and writes downstream the very bytes it checked: a damaged object upstream is never
+    copied onward, and one larger than the manifest says is refused having read at most its size.
     (The Zarr metadata documents of the store are not bound by a digest: receivers never read them.)"""
     m = Catalog(src).manifest_at(job.step, job.attempt, job.manifest_digest)
     manifest_key = layout.manifest_key(job.step, job.attempt)
-    checks: dict[str, Callable[[bytes], None]] = {}
+    checks: dict[str, Expected] = {}
 
     def manifest_check(data: bytes) -> None:
         if manifest_digest(data) != job.manifest_digest:
             raise IntegrityError(f"{src.url}/{manifest_key}: manifest digest does not match its commit marker")
 
-    checks[manifest_key] = manifest_check
+    checks[manifest_key] = Expected(MAX_MANIFEST_BYTES, manifest_check)
     if m.source is not None:  # the published file's headers (storage.source_layout), bound by digest too
         source_key = layout.source_key(m.step, m.attempt)
 
@@ -211,7 +222,7 @@ def expected_objects(src: Root, job: MirrorJob) -> dict[str, Callable[[bytes], N
             if len(data) != m.source.nbytes or source_layout.digest(data) != m.source.digest:
                 raise IntegrityError(f"{src.url}/{source_key}: source layout does not match the digest its manifest gives")
 
-        checks[source_key] = source_check
+        checks[source_key] = Expected(m.source.nbytes, source_check)
     packs: dict[str, list[tuple[int, TensorEntry, int]]] = {}  # key -> (offset, entry, position)
     for entries in (m.tensors, m.snapshot or {}):
         for e in entries.values():
@@ -228,15 +239,17 @@ def expected_objects(src: Root, job: MirrorJob) -> dict[str, Callable[[bytes], N
                         raise IntegrityError(f"{src.url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
                     UncheckedChunk(src.url, key, data, m.codec, e.dtype, e.grid, index, digest).checked()
 
-                checks[key] = chunk_check
+                checks[key] = Expected(nbytes, chunk_check)
     for key, held in packs.items():
-        checks[key] = functools.partial(_check_pack, src.url, key, m, sorted(held, key=lambda h: h[0]))
+        held.sort(key=lambda h: h[0])
+        size = sum(e.stored_nbytes[pos] for _, e, pos in held)
+        checks[key] = Expected(size, functools.partial(_check_pack, src.url, key, m, held, size))
     return checks
 
 
-def _check_pack(url: str, key: str, m: Manifest, held: list[tuple[int, TensorEntry, int]], data: bytes) -> None:
+def _check_pack(url: str, key: str, m: Manifest, held: list[tuple[int, TensorEntry, int]], size: int,
+                data: bytes) -> None:
     """A pack's bytes are exactly its chunks (the manifest's offsets tile it), each decoding to its digest."""
-    size = sum(e.stored_nbytes[pos] for _, e, pos in held)
     if len(data) != size:
         raise IntegrityError(f"{url}/{key}: pack is {len(data)} bytes, the manifest says {size}")
     for offset, e, pos in held:
@@ -260,7 +273,7 @@ def unvouched_copies(src: Root, dst: Root, job: MirrorJob, keys: list[str]) -> l
         if key not in checks or key in vouched:
             continue
         try:
-            checks[key](dst.read(key))
+            checks[key].check(dst.read(key, limit=checks[key].limit))
         except (IntegrityError, FileNotFoundError):
             again.append(key)
     return again
@@ -316,15 +329,16 @@ def chunk_digests(m: Manifest) -> dict[str, str]:
 
 
 def copy_objects(src: Root, dst: Root, keys: list[str], io_workers: int = 8,
-                 checks: dict[str, Callable[[bytes], None]] | None = None) -> tuple[int, int]:
+                 checks: dict[str, Expected] | None = None) -> tuple[int, int]:
     """Copy ``keys`` byte for byte, ``io_workers`` at a time: (objects, bytes) copied. ``checks``
-    (``expected_objects``): each object is checked as read, before it is written downstream."""
+    (``expected_objects``): each object is read no further than its limit and checked as read,
+    before it is written downstream."""
 
     def copy(key: str) -> int:
-        data = src.read(key)
-        check = (checks or {}).get(key)
-        if check is not None:
-            check(data)
+        expected = (checks or {}).get(key)
+        data = src.read(key, limit=None if expected is None else expected.limit)
+        if expected is not None:
+            expected.check(data)
         dst.write(key, data)
         events.reached("mirror.object-copied", key=key, nbytes=len(data))
         return len(data)

@@ -292,6 +292,9 @@ def _apply_chunk(held_bits: np.ndarray, start: int, stop: int, payload: Unchecke
             got = sparse.xor_changes(held_chunk, mask, chunk, positions, old, new, base=start)
         except sparse.TooManyChanges:
             return positions.size + 1, 0, []
+        except sparse.SparseFrameError:  # its header passed, its sections do not decode
+            payload.checked()  # names the object (it is not a frame: its digest cannot match)
+            raise IntegrityError(f"{payload.url}/{payload.key}: not a sparse frame") from None  # pragma: no cover
         inside, spanning = _blocks_with_changes(positions[:got], start, stop, held_bits, block)
         _hash_inside(leaves, chunk, start, block, inside)
         return got, len(inside), spanning

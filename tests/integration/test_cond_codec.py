@@ -31,7 +31,16 @@ from storage.catalog import Catalog
 from storage.held_chunks import PREFETCHED
 from storage.root import Root, RootRef
 from tests.support.cli import dcr
-from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes, write_safetensors
+from tests.support.helpers import (
+    assert_bits_equal,
+    chain_of_steps,
+    chunk_at,
+    chunk_named,
+    damage_chunk,
+    file_bytes,
+    stored_chunks,
+    write_safetensors,
+)
 
 COND = DELTA_CODECS["cond"]
 
@@ -49,12 +58,6 @@ def published(tmp_path):
     return root, cks
 
 
-def _chunk_files(root: str, step: int) -> list[str]:
-    m = Catalog(Root(root)).manifest(step)
-    store = os.path.join(root, layout.store_key(step, m.attempt, ""))
-    return sorted(f for f in glob.glob(os.path.join(store, "**", "c", "**"), recursive=True) if os.path.isfile(f))
-
-
 def test_the_manifest_names_the_codec_and_digests_the_stored_bytes(published):
     root, _ = published
     m = Catalog(Root(root)).manifest(2)
@@ -69,12 +72,10 @@ def test_a_damaged_chunk_is_named_by_verify_and_refused_by_receivers(published, 
     state = tmp_path / "rx.safetensors"
     run_receive(root, "rx", str(state), 1)
     before = file_bytes(state)
-    victim = max(_chunk_files(root, 2), key=os.path.getsize)
-    data = bytearray(open(victim, "rb").read())
-    data[len(data) // 2] ^= 0x10  # inside the Golomb-Rice gaps or the steps: still decodable
-    open(victim, "wb").write(bytes(data))
+    largest = max(stored_chunks(root, 2), key=lambda c: chunk_at(root, 2, *c)[2])
+    damage_chunk(root, 2, *largest)  # a bit in its middle: inside the Golomb-Rice gaps or the steps, still decodable
     report = audit.verify(Root(root), step=2)
-    assert any(os.path.basename(victim) in e for e in report.errors), report.errors
+    assert any(chunk_named(root, 2, *largest) in e for e in report.errors), report.errors
     with pytest.raises(IntegrityError, match="digest"):
         run_receive(root, "rx", str(state), 2)
     assert file_bytes(state) == before

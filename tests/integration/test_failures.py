@@ -36,10 +36,13 @@ from storage.root import Root, open_root
 from tests.support.helpers import (
     assert_bits_equal,
     chain_of_steps,
+    chunk_at,
+    chunk_named,
     file_bytes,
     nasty_checkpoint,
     next_step,
     raw_bits,
+    stored_chunks,
     tree_snapshot,
 )
 from tests.support.steps import patch_step
@@ -381,17 +384,25 @@ def test_a_missing_chunk_object_fails_the_refit_naming_it(published):
 
 def test_a_chunk_swapped_for_another_valid_chunk_is_caught_by_its_digest(published):
     p = published
-    files = store_files(p, 0)
+    def stored(chunk):  # its bytes, where it lies (a pack's range, or its own object)
+        path, offset, nbytes = chunk_at(p.root, 0, *chunk)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            return f.read(nbytes)
+
     sizes = {}
-    for f in files:
-        sizes.setdefault(os.path.getsize(f), []).append(f)
-    pair = next(v for v in sizes.values() if len(v) >= 2 and open(v[0], "rb").read() != open(v[1], "rb").read())
-    a, b = pair[:2]
+    for c in stored_chunks(p.root, 0):
+        sizes.setdefault(chunk_at(p.root, 0, *c)[2], []).append(c)
+    a, b = next(v[:2] for v in sizes.values() if len(v) >= 2 and stored(v[0]) != stored(v[1]))
     # Same stored size and a valid frame, but other bits: only the digest can tell.
-    open(a, "wb").write(open(b, "rb").read())
+    path, offset, _ = chunk_at(p.root, 0, *a)
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        f.write(stored(b))
     with pytest.raises(IntegrityError) as ei:
         run_materialize(p.root, 0, str(p.tmp / "m.safetensors"))
     one_line(ei.value)
+    assert chunk_named(p.root, 0, *a) in str(ei.value) and "digest" in str(ei.value)
     assert not (p.tmp / "m.safetensors").exists()
 
 

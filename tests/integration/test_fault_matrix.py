@@ -38,12 +38,16 @@ class Killed(BaseException):
     """The process died here."""
 
 
-def opts(tmp_path) -> PublishOptions:
-    return PublishOptions(chunk_bytes=CHUNK_BYTES, cache_dir=str(tmp_path / "cache"))
+def opts(tmp_path, **kw) -> PublishOptions:
+    return PublishOptions(chunk_bytes=CHUNK_BYTES, cache_dir=str(tmp_path / "cache"), **kw)
 
 
 def _is_chunk(key: str) -> bool:
     return "/data.zarr/" in key and "/c/" in key
+
+
+def _is_pack(key: str) -> bool:
+    return f"/data.zarr/{layout.PACKS}/" in key
 
 
 class Hook:
@@ -69,11 +73,22 @@ def _served(root: str, tmp_path) -> dict:
 
 # -- publisher ---------------------------------------------------------------------------------------
 
+# Packed steps (the default) write a pack once it holds PACK_BYTES (here: a few chunks each, so a
+# step has several packs); --pack-bytes 0 writes one object per chunk. The publisher is killed at
+# the n-th such write: before it, half-way through it (half the object written), or after it.
+PACK_BYTES = 1024
+UPLOADS = {  # fault -> (pack_bytes, the writes counted, n, when)
+    "killed before the first pack upload": (PACK_BYTES, _is_pack, 1, "before"),
+    "killed while uploading a pack (half the object written)": (PACK_BYTES, _is_pack, 1, "half"),
+    "killed after the first pack upload": (PACK_BYTES, _is_pack, 1, "after"),
+    "killed after the 5th pack upload": (PACK_BYTES, _is_pack, 5, "after"),
+    "killed before the first chunk upload (one object per chunk)": (0, _is_chunk, 1, "before"),
+    "killed while uploading a chunk (one object per chunk, half the object written)": (0, _is_chunk, 2, "half"),
+    "killed after the first chunk upload (one object per chunk)": (0, _is_chunk, 1, "after"),
+    "killed after the 5th chunk upload (one object per chunk)": (0, _is_chunk, 5, "after"),
+}
 PUBLISHER = [
-    FaultCase("publisher", "killed before the first chunk upload", "nothing visible; a retry commits the step bit-exact"),
-    FaultCase("publisher", "killed while uploading a chunk (half the object written)", "nothing visible; a retry commits the step bit-exact"),
-    FaultCase("publisher", "killed after the first chunk upload", "nothing visible; a retry commits the step bit-exact"),
-    FaultCase("publisher", "killed after the 5th chunk upload", "nothing visible; a retry commits the step bit-exact"),
+    *(FaultCase("publisher", fault, "nothing visible; a retry commits the step bit-exact") for fault in UPLOADS),
     FaultCase("publisher", "killed after every chunk, before the manifest", "nothing visible; a retry commits the step bit-exact"),
     FaultCase("publisher", "killed after the manifest, before the commit marker", "nothing visible; a retry commits the step bit-exact"),
     FaultCase("publisher", "killed right after the commit marker was created (reply lost)", "the step is committed and exact; a rerun reports it already committed"),
@@ -86,8 +101,10 @@ PUBLISHER = [
 def test_publisher_fault_points(case, tmp_path, monkeypatch):
     root = str(tmp_path / "root")
     cks = chain_of_steps(4, seed=21)
+    upload = UPLOADS.get(case.fault)
+    options = opts(tmp_path) if upload is None else opts(tmp_path, pack_bytes=upload[0])
     for s in (0, 1):
-        run_publish(root, cks[s], s, options=opts(tmp_path))
+        run_publish(root, cks[s], s, options=options)
     observed = []
 
     def die():
@@ -95,15 +112,16 @@ def test_publisher_fault_points(case, tmp_path, monkeypatch):
         raise Killed(case.fault)
 
     real_write, real_create = Root.write, Root.create_if_absent
-    which = PUBLISHER.index(case)
-    if which <= 3:
-        hook = Hook({0: 1, 1: 2, 2: 1, 3: 5}[which], die)
+    which = PUBLISHER.index(case) - len(UPLOADS) + 4  # the cases after the uploads: 4 to 8 (the uploads below 4)
+    if upload is not None:
+        _, counted, n, when = upload
+        hook = Hook(n, die)
 
         def write(self, key, data):
-            if _is_chunk(key) and hook.hit():
-                if which == 0:
+            if counted(key) and hook.hit():
+                if when == "before":
                     die()
-                if which == 1:
+                if when == "half":
                     real_write(self, key, data[: len(data) // 2])
                     die()
                 real_write(self, key, data)
@@ -147,7 +165,7 @@ def test_publisher_fault_points(case, tmp_path, monkeypatch):
         monkeypatch.setattr(StreamingSafetensorsWriter, "write", cache_write)
 
     with pytest.raises(Killed):
-        run_publish(root, cks[2], 2, keyframe=which == 8, options=opts(tmp_path))
+        run_publish(root, cks[2], 2, keyframe=which == 8, options=options)
     monkeypatch.undo()
     for seen in observed:
         assert_bits_equal(seen, cks[1])  # never a mix of steps 1 and 2
@@ -157,14 +175,14 @@ def test_publisher_fault_points(case, tmp_path, monkeypatch):
     if which <= 5:
         assert committed == [0, 1]
         assert_bits_equal(load_file(state), cks[1])
-        run_publish(root, cks[2], 2, options=opts(tmp_path))  # the restart
+        run_publish(root, cks[2], 2, options=options)  # the restart
     else:
         assert committed == [0, 1, 2]
         with pytest.raises(StepConflictError):
-            run_publish(root, cks[2], 2, options=opts(tmp_path))
+            run_publish(root, cks[2], 2, options=options)
     run_receive(root, "r", str(state))
     assert_bits_equal(load_file(state), cks[2])
-    run_publish(root, cks[3], 3, options=opts(tmp_path))  # the next delta (baseline cache rebuilt if lost)
+    run_publish(root, cks[3], 3, options=options)  # the next delta (baseline cache rebuilt if lost)
     run_receive(root, "r", str(state))
     assert_bits_equal(load_file(state), cks[3])
     assert Catalog(Root(root)).manifest(3).base_step == 2

@@ -12,6 +12,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import struct
 
 import numpy as np
 import pytest
@@ -24,16 +25,24 @@ from dcr_core.errors import IntegrityError, StateMismatchError
 from flows import run_publish, run_receive
 from flows.options import DELTA_CODECS, PublishOptions, ReceiveOptions
 from flows.receive import in_place, patch_changes, state_file
-from storage import layout, reader
+from storage import reader
 from storage.catalog import Catalog
-from storage.layout import store_dir
 from storage.local import journal as state_journal
 from storage.local import sidecar
 from storage.local.safetensors import Header, SafetensorsCheckpoint
 from storage.local.state import consistent_state
 from storage.local.state import peek_step as peek_state_step
 from storage.root import open_root
-from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes, next_step
+from tests.support.helpers import (
+    assert_bits_equal,
+    chain_of_steps,
+    chunk_at,
+    chunk_named,
+    damage_chunk,
+    file_bytes,
+    next_step,
+    stored_chunks,
+)
 from tests.support.kill import sweep
 
 IN_PLACE = ReceiveOptions(in_place=True, io_workers=2)
@@ -474,23 +483,19 @@ def test_in_place_refits_with_chunks_applied_in_parallel_equal_the_rewrite(publi
     assert len(set(applied_in_parallel)) > 3, "the parallel path ran for the changed tensors"
 
 
-def _chunk_objects(root, step):
-    m = Catalog(open_root(root)).manifest(step)
-    base = os.path.join(root, store_dir(step, m.attempt))
-    return sorted(os.path.join(d, f) for d, _, fs in os.walk(base) for f in fs if f != "zarr.json")
-
-
 def _reencoded_one_change_off(root, step) -> str:
     """Rewrite one stored XOR chunk of ``step`` as a valid sparse frame of the same size whose mask
-    differs in one bit of one change (the object's size and format pass; its bits do not)."""
+    differs in one bit of one change (the chunk's size and format pass; its bits do not), in its
+    pack or its own object. How errors name it."""
     m = Catalog(open_root(root)).manifest(step)
     for e in sorted(m.tensors.values(), key=lambda e: -e.nbytes):
         if not e.n_stored or e.encoding_at(0).value != "xor":
             continue
-        rel, _, _, nbytes = e.stored_at(0)
-        path = os.path.join(root, layout.store_key(step, m.attempt, rel))
+        path, offset, nbytes = chunk_at(root, step, e.name, 0)
         storage = np.dtype(DTYPES[e.dtype].storage)
-        mask = sparse.decode_sparse(open(path, "rb").read(), storage, e.grid.chunk_numel)
+        with open(path, "rb") as f:
+            f.seek(offset)
+            mask = sparse.decode_sparse(f.read(nbytes), storage, e.grid.chunk_numel)
         for i in np.flatnonzero(mask)[:64]:
             for bit in range(8 * storage.itemsize):
                 other = mask.copy()
@@ -499,14 +504,33 @@ def _reencoded_one_change_off(root, step) -> str:
                     continue
                 frame = sparse.encode_sparse(other, m.codec.clevel)
                 if len(frame) == nbytes:
-                    open(path, "wb").write(frame)
-                    return path
+                    with open(path, "r+b") as f:
+                        f.seek(offset)
+                        f.write(frame)
+                    return chunk_named(root, step, e.name, 0)
     raise AssertionError("no XOR chunk could be re-encoded to its own size")  # pragma: no cover
+
+
+def _section_cut(root, step) -> str:
+    """Make the first section of one stored sparse XOR frame of ``step`` claim more bytes than the
+    frame holds: its header still passes (``frame_changes``), its body does not. How errors name it."""
+    m = Catalog(open_root(root)).manifest(step)
+    for e in sorted(m.tensors.values(), key=lambda e: -e.nbytes):
+        for pos in range(e.n_stored):
+            path, offset, nbytes = chunk_at(root, step, e.name, pos)
+            with open(path, "r+b") as f:
+                f.seek(offset)
+                head = f.read(sparse._HEAD.size)
+                if e.encoding_at(pos).value != "xor" or head[5] != sparse.SPARSE:
+                    continue
+                f.write(struct.pack("<Q", 1 << 40))
+            return chunk_named(root, step, e.name, pos)
+    raise AssertionError("no sparse XOR frame at this step")  # pragma: no cover
 
 
 @pytest.mark.faults(component="receiver", outcome="a chunk of an in-place refit damaged in ROOT (its frame applied before its digest is checked): refused naming the object; the state byte-identical, no journal")
 @pytest.mark.parametrize("trusted", [True, False], ids=["block-digests-kept", "no-block-digests"])
-@pytest.mark.parametrize("damage", ["flipped", "one-change-off"])
+@pytest.mark.parametrize("damage", ["flipped", "one-change-off", "section-cut"])
 def test_a_damaged_chunk_of_an_in_place_refit_is_named_and_nothing_changes(published, tmp_path, monkeypatch,
                                                                            trusted, damage):
     src, _ = published
@@ -518,19 +542,19 @@ def test_a_damaged_chunk_of_an_in_place_refit_is_named_and_nothing_changes(publi
     _receive(root, state, 1)  # from here on, the state's block digests are kept beside it
     if not trusted:
         sidecar.remove(str(state))
-    files = _chunk_objects(root, 2)
     if damage == "flipped":
-        victim = files[len(files) // 2]
-        data = bytearray(open(victim, "rb").read())
-        data[len(data) // 2] ^= 0x5A
-        open(victim, "wb").write(bytes(data))
-    else:  # a valid frame of this chunk, of the same size, one change off: only a digest can tell
+        chunks = stored_chunks(root, 2)
+        victim = chunk_named(root, 2, *chunks[len(chunks) // 2])
+        damage_chunk(root, 2, *chunks[len(chunks) // 2])
+    elif damage == "one-change-off":  # a valid frame of this chunk, of the same size: only a digest can tell
         victim = _reencoded_one_change_off(root, 2)
+    else:  # a frame whose header passes and whose body is cut short
+        victim = _section_cut(root, 2)
     before = file_bytes(state)
     with pytest.raises(IntegrityError) as ei:
         _receive(root, state, 2)
     assert "\n" not in str(ei.value)
-    assert os.path.relpath(victim, root).replace(os.sep, "/") in str(ei.value)
+    assert victim in str(ei.value)
     assert file_bytes(state) == before
     assert not os.path.exists(state_journal.journal_path(str(state)))
     assert peek_state_step(str(state)) == 1

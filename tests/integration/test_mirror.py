@@ -19,7 +19,17 @@ from flows.maintenance.mirror import run_mirror
 from flows.options import PublishOptions
 from storage import layout
 from tests.support.cli import dcr
-from tests.support.helpers import assert_bits_equal, file_bytes, nasty_checkpoint, next_step, tree_snapshot
+from tests.support.helpers import (
+    assert_bits_equal,
+    chunk_at,
+    chunk_named,
+    damage_chunk,
+    file_bytes,
+    nasty_checkpoint,
+    next_step,
+    stored_chunks,
+    tree_snapshot,
+)
 from tests.support.kill import kill_at, sweep
 
 
@@ -218,9 +228,7 @@ def test_a_receiver_falls_back_upstream_when_its_mirror_lags_or_misses_an_object
     run_mirror(root, a, step=2)  # caught up (until then it could not vouch for the state's step 2 either)
     r = receive_nearest([a, root], "r", state, step=1, warn=warned.append)  # the mirror has it: served there
     assert r.step == 1 and Catalog(open_root(a)).position("r")["step"] == 1 and warned == []
-    marker = json.load(open(os.path.join(a, layout.commit_key(2))))
-    chunks = sorted(k for k in tree_snapshot(os.path.join(a, layout.attempt_dir(2, marker["attempt"]))) if "/c/" in k)
-    os.unlink(os.path.join(a, layout.attempt_dir(2, marker["attempt"]), chunks[0]))  # the mirror lost an object
+    os.unlink(chunk_at(a, 2, *stored_chunks(a, 2)[0])[0])  # the mirror lost an object (a pack, or a chunk's own)
     r = receive_nearest([a, root], "r", state, warn=warned.append)
     assert r.step == 2 and len(warned) == 1 and a in warned[0] and "trying the next ROOT" in warned[0]
     assert_bits_equal(load_file(state), cks[2])
@@ -270,28 +278,38 @@ def test_a_mirror_registered_upstream_keeps_what_it_needs_from_upstream_gc(origi
 
 
 @pytest.mark.faults("mirror", component="mirror", outcome="refused naming the object; nothing of the step committed downstream")
-@pytest.mark.parametrize("damage", ["chunk", "manifest"])
+@pytest.mark.parametrize("damage", ["chunk", "chunk-object", "manifest"])
 def test_a_mirror_refuses_to_copy_a_damaged_step_onward(origin, tmp_path, damage):
-    """A chunk (or the manifest) of step 2 damaged upstream after its commit: ``dcr mirror`` exits
-    5 naming that object, commits steps 0 and 1 downstream and nothing of step 2; the copy
-    verifies. Repaired upstream, a rerun mirrors step 2 exactly."""
+    """A chunk (in its pack, or its own object: ``--pack-bytes 0``) or the manifest of step 2
+    damaged upstream after its commit: ``dcr mirror`` exits 5 naming that object (a packed chunk by
+    its pack and range), commits steps 0 and 1 downstream and nothing of step 2; the copy verifies.
+    Repaired upstream, a rerun mirrors step 2 exactly."""
     root, cks = origin
-    files = _attempt_files(root, 2)
-    if damage == "chunk":
-        key = max((k for k in files if "/c/" in k), key=lambda k: len(files[k]))
+    if damage == "chunk-object":
+        root = str(tmp_path / "unpacked")
+        for s, ck in enumerate(cks):
+            run_publish(root, ck, s, options=PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path / "pub0"), pack_bytes=0))
+    if damage == "manifest":
+        files = _attempt_files(root, 2)
+        marker = json.load(open(os.path.join(root, layout.commit_key(2))))
+        path = os.path.join(root, layout.attempt_dir(2, marker["attempt"]), next(k for k in files if k.endswith("manifest.json")))
+        named = os.path.relpath(path, root)
     else:
-        key = next(k for k in files if k.endswith("manifest.json"))
-    marker = json.load(open(os.path.join(root, layout.commit_key(2))))
-    path = os.path.join(root, layout.attempt_dir(2, marker["attempt"]), key)
+        largest = max(stored_chunks(root, 2), key=lambda c: chunk_at(root, 2, *c)[2])
+        path, named = chunk_at(root, 2, *largest)[0], chunk_named(root, 2, *largest)
+        assert (f"/{layout.PACKS}/" in named) == (damage == "chunk")
     good = file_bytes(path)
-    bad = bytearray(good)
-    bad[len(bad) // 2] ^= 0x01
-    with open(path, "wb") as f:
-        f.write(bytes(bad))
+    if damage == "manifest":
+        bad = bytearray(good)
+        bad[len(bad) // 2] ^= 0x01
+        with open(path, "wb") as f:
+            f.write(bytes(bad))
+    else:
+        damage_chunk(root, 2, *largest)
     region = str(tmp_path / "region")
     out = dcr("mirror", root, region)
     assert out.returncode == 5 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert os.path.relpath(path, root) in out.stderr, (key, out.stderr)
+    assert named in out.stderr, (named, out.stderr)
     from storage.catalog import Catalog
     from storage.root import Root
 

@@ -374,3 +374,21 @@ def damage_chunk(root: str | os.PathLike, step: int, tensor: str, pos: int = 0, 
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([b[0] ^ 0x10]))
     return path
+
+
+def stored_chunks(root: str | os.PathLike, step: int, snapshot: bool = False) -> list[tuple[str, int]]:
+    """Every stored chunk of committed ``step`` as ``(tensor, pos)`` (for ``chunk_at``), in manifest order."""
+    from storage.manifest import Manifest
+
+    marker = json.loads(open(os.path.join(root, layout.commit_key(step))).read())
+    key = layout.manifest_key(step, marker["attempt"])
+    m = Manifest.from_json(open(os.path.join(root, key), "rb").read(), key)
+    return [(name, pos) for name, e in (m.snapshot if snapshot else m.tensors).items() for pos in range(e.n_stored)]
+
+
+def chunk_named(root: str | os.PathLike, step: int, tensor: str, pos: int = 0, snapshot: bool = False) -> str:
+    """How errors name that chunk (``storage.chunk_io.chunk_where``), relative to ROOT: its object, and
+    for a packed chunk its bytes in the pack."""
+    path, offset, nbytes = chunk_at(root, step, tensor, pos, snapshot)
+    key = os.path.relpath(path, root).replace(os.sep, "/")
+    return f"{key} bytes {offset}..{offset + nbytes}" if f"/{layout.PACKS}/" in key else key

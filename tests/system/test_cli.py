@@ -19,7 +19,15 @@ from storage.catalog import Catalog
 from storage.local import journal as state_journal
 from storage.root import Root
 from tests.support.cli import REPO, copy_tree, dcr, evolve, one_line_error, publish_chain, small_checkpoint
-from tests.support.helpers import assert_bits_equal, tree_snapshot, write_safetensors
+from tests.support.helpers import (
+    assert_bits_equal,
+    chunk_at,
+    chunk_named,
+    damage_chunk,
+    stored_chunks,
+    tree_snapshot,
+    write_safetensors,
+)
 from tests.support.kill import kill_at, signal_at, sweep
 
 
@@ -81,13 +89,11 @@ def test_errors_are_one_line_with_distinct_exit_codes(published, tmp_path):
 
 def test_a_verify_of_a_corrupted_chunk_names_the_object_and_fails(published):
     root, _ = published
-    chunk = next(p for p in (root / "steps").rglob("c/*/*") if "000000000002" in str(p))
-    data = bytearray(chunk.read_bytes())
-    data[-1] ^= 0xFF
-    chunk.write_bytes(bytes(data))
+    chunk = stored_chunks(root, 2)[0]
+    damage_chunk(root, 2, *chunk, at=chunk_at(root, 2, *chunk)[2] - 1)  # its last byte, in its pack
     out = dcr("verify", root)
     assert out.returncode == 5  # integrity, as every other command reports it
-    assert str(chunk.relative_to(root)) in out.stderr
+    assert chunk_named(root, 2, *chunk) in out.stderr, out.stderr
 
 
 # kill -9 of real processes, at points they report reaching (tests/support/kill.py) -----------------

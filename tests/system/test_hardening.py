@@ -27,7 +27,7 @@ from storage import layout
 from storage.marker import CommitMarker
 from storage.signing import HMAC_SHA256, Key
 from tests.support.cli import copy_tree, dcr, dcr_peak_rss, publish_chain
-from tests.support.helpers import assert_bits_equal, tree_snapshot, write_safetensors
+from tests.support.helpers import assert_bits_equal, chunk_at, stored_chunks, tree_snapshot, write_safetensors
 
 pytestmark = pytest.mark.faults(component="bad input or damaged bucket",
                                 outcome="refused with one line naming the object, right exit code; nothing outside ROOT touched")
@@ -46,6 +46,28 @@ def _made(tmp_path_factory):
 def bucket(_made, tmp_path):
     made, cks = _made
     return copy_tree(made, tmp_path) / "bucket", cks
+
+
+@pytest.fixture(scope="module")
+def _made_unpacked(_made, tmp_path_factory):
+    """The same steps published one object per chunk (``--pack-bytes 0``), as steps were before packs."""
+    made, cks = _made
+    d = tmp_path_factory.mktemp("unpacked")
+    for s in range(len(cks)):
+        dcr("publish", d / "bucket", made / f"c{s}.safetensors", "--step", s, "--chunk-bytes", 4096,
+            "--pack-bytes", 0, check=0, env={"DCR_CACHE_DIR": str(d / "cache")})
+    return d, cks
+
+
+@pytest.fixture(params=["pack", "chunk-object"])
+def chunk_bucket(request, tmp_path):
+    """A bucket, and the object holding a stored chunk of step 3: a pack, or (``--pack-bytes 0``)
+    the chunk's own object."""
+    made, cks = request.getfixturevalue("_made" if request.param == "pack" else "_made_unpacked")
+    root = copy_tree(made, tmp_path) / "bucket"
+    target = Path(chunk_at(root, 3, *stored_chunks(root, 3)[0])[0])
+    assert (f"/{layout.PACKS}/" in str(target)) == (request.param == "pack")
+    return root, cks, target
 
 
 def _attempt_dir(root: Path, step: int) -> Path:
@@ -151,13 +173,13 @@ def test_a_fifo_in_place_of_a_commit_marker_fails_fast_and_gc_leaves_it(bucket, 
 
 
 @pytest.mark.faults(component="security", outcome="exit 5 at once, peak RSS under 300 MiB")
-def test_a_chunk_linked_to_dev_zero_is_refused_in_bounded_memory(bucket, tmp_path):
-    root, _ = bucket
-    chunk = next(p for p in _attempt_dir(root, 3).rglob("*") if p.is_file() and "/c/" in str(p))
-    chunk.unlink()
-    os.symlink("/dev/zero", chunk)
+def test_a_chunk_linked_to_dev_zero_is_refused_in_bounded_memory(chunk_bucket, tmp_path):
+    """The object holding a chunk (its pack, or its own) replaced by a link to ``/dev/zero``."""
+    root, _, target = chunk_bucket
+    target.unlink()
+    os.symlink("/dev/zero", target)
     code, err, peak = dcr_peak_rss("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", timeout=60)
-    assert code == 5 and "symbolic link" in err, err
+    assert code == 5 and "symbolic link" in err and str(target.relative_to(root)) in err, err
     assert peak < 300 * MiB, peak
 
 
@@ -166,19 +188,57 @@ def test_a_chunk_linked_to_dev_zero_is_refused_in_bounded_memory(bucket, tmp_pat
 
 @pytest.mark.faults(component="bad input or damaged bucket", outcome="exit 5 having read at most the limit; peak RSS under 300 MiB")
 @pytest.mark.parametrize("what", ["marker", "chunk"])
-def test_a_3_gb_object_is_refused_without_reading_it(bucket, tmp_path, what):
-    root, _ = bucket
+def test_a_3_gb_object_is_refused_without_reading_it(_made, _made_unpacked, tmp_path, what):
+    """A marker, or a chunk's own object (``--pack-bytes 0``), of 3 GB: refused from its size."""
+    made, _ = _made if what == "marker" else _made_unpacked
+    root = copy_tree(made, tmp_path) / "bucket"
     if what == "marker":
         target = root / layout.commit_key(3)
     else:
-        target = next(p for p in _attempt_dir(root, 3).rglob("*") if p.is_file() and "/c/" in str(p))
+        target = Path(chunk_at(root, 3, *stored_chunks(root, 3)[0])[0])
     os.truncate(target, 3 << 30)  # sparse: costs no disk
     code, err, peak = dcr_peak_rss("receive", root, "--receiver", "r", "--state", tmp_path / "s.safetensors", timeout=60)
-    assert code == 5 and "3221225472 bytes, more than" in err, err
+    assert code == 5 and "3221225472 bytes, more than" in err and str(target.relative_to(root)) in err, err
     assert peak < 300 * MiB, peak
     if what == "marker":
         code, err, peak = dcr_peak_rss("ls", root, timeout=60)
         assert code == 5 and peak < 300 * MiB, (err, peak)
+
+
+@pytest.mark.faults(component="bad input or damaged bucket", outcome="receivers read only their chunks' ranges: exit 5 naming the pack's range (its bytes replaced) or exact (only grown); peak RSS under 300 MiB")
+@pytest.mark.parametrize("how", ["replaced", "grown"])
+def test_a_3_gb_pack_costs_a_receiver_only_the_ranges_it_reads(bucket, tmp_path, how):
+    """A pack of 3 GB: its chunks' ranges replaced by zeros (the pack truncated, then grown), or only
+    grown past its chunks. A receiver reads its chunks' ranges and nothing else: the first is
+    refused naming the pack and the chunk's range; the second is exact, its chunks being intact."""
+    root, cks = bucket
+    chunk = stored_chunks(root, 3)[0]
+    target = Path(chunk_at(root, 3, *chunk)[0])
+    if how == "replaced":
+        os.truncate(target, 0)
+    os.truncate(target, 3 << 30)  # sparse: costs no disk
+    state = tmp_path / "s.safetensors"
+    code, err, peak = dcr_peak_rss("receive", root, "--receiver", "r", "--state", state, timeout=60)
+    if how == "replaced":
+        assert code == 5 and not state.exists(), err
+        assert str(target.relative_to(root)) in err and " bytes " in err and len(err.strip().splitlines()) == 1, err
+    else:
+        assert code == 0, err
+        assert_bits_equal(load_file(state), cks[3])
+    assert peak < 300 * MiB, peak
+
+
+@pytest.mark.faults(component="mirror", outcome="exit 5 naming the object, having read at most the size the manifest gives; nothing of the step committed downstream; peak RSS under 300 MiB")
+def test_a_mirror_refuses_a_3_gb_object_where_a_chunk_belongs_without_reading_it(chunk_bucket, tmp_path):
+    """The object holding a chunk of step 3 (its pack, or its own) grown to 3 GB, its chunks intact:
+    a mirror copies whole objects, so it reads each no further than the size the manifest gives."""
+    root, _, target = chunk_bucket
+    os.truncate(target, 3 << 30)  # sparse: costs no disk
+    region = tmp_path / "region"
+    code, err, peak = dcr_peak_rss("mirror", root, region, timeout=60)
+    assert code == 5 and "3221225472 bytes, more than" in err and str(target.relative_to(root)) in err, err
+    assert len(err.strip().splitlines()) == 1 and not (region / layout.commit_key(3)).exists(), err
+    assert peak < 300 * MiB, peak
 
 
 # -- 3. signing keys --------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from flows import run_publish
 from flows.results import PublishResult
 from storage import layout
 from tests.support.cli import copy_tree, dcr, one_line_error, publish_chain
-from tests.support.helpers import write_safetensors
+from tests.support.helpers import chunk_at, chunk_named, damage_chunk, stored_chunks, write_safetensors
 
 
 @pytest.fixture(scope="module")
@@ -103,10 +103,10 @@ def test_verify_deep_says_what_it_replayed_and_integrity_errors_exit_5(made):
     plain = dcr("verify", root, check=0).stdout
     deep = dcr("verify", root, "--deep", check=0).stdout
     assert "replayed" not in plain and "2 deltas replayed from their restart points" in deep, (plain, deep)
-    chunk = next(p for p in (root / layout.step_dir(1)).rglob("c/*/*") if p.is_file())
-    chunk.write_bytes(chunk.read_bytes()[:-1] + bytes([chunk.read_bytes()[-1] ^ 1]))
+    chunk = stored_chunks(root, 1)[0]
+    damage_chunk(root, 1, *chunk, at=chunk_at(root, 1, *chunk)[2] - 1)  # its last byte, in its pack
     out = dcr("verify", root)
-    assert out.returncode == 5 and str(chunk.relative_to(root)) in out.stderr
+    assert out.returncode == 5 and chunk_named(root, 1, *chunk) in out.stderr, out.stderr
 
 
 def test_gc_dry_run_needs_no_keep_last_and_a_real_gc_does(made):

@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -12,6 +10,7 @@ from dcr_core.text import plural
 from flows import run_publish
 from flows.receive.pipeline import run_receive
 from tests.support.cli import dcr
+from tests.support.helpers import chunk_at, chunk_named, stored_chunks
 
 
 def test_plural_takes_the_form_the_count_asks_for():
@@ -43,10 +42,14 @@ def test_what_the_commands_print_about_one_step_reads_in_the_singular(one_step, 
 
 @pytest.mark.faults(component="bad input or damaged bucket", outcome="dcr verify names the damaged chunk; its summary counts 1 error")
 def test_one_error_is_counted_in_the_singular(one_step):
-    chunks = [os.path.join(d, n) for d, _, names in os.walk(os.path.join(one_step, "steps")) for n in names
-              if os.path.basename(d) == "c" or "/c/" in d]
+    chunks = stored_chunks(one_step, 0)
     assert len(chunks) == 1, chunks
-    with open(chunks[0], "r+b") as f:
-        f.write(bytes(b ^ 0xFF for b in f.read(4)))
+    path, offset, _ = chunk_at(one_step, 0, *chunks[0])
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        head = f.read(4)
+        f.seek(offset)
+        f.write(bytes(b ^ 0xFF for b in head))
     out = dcr("verify", one_step)
+    assert chunk_named(one_step, 0, *chunks[0]) in out.stdout + out.stderr, out
     assert out.stdout.startswith("verify FAILED: 1 step, 0 chunks, ") and out.stdout.rstrip().endswith(", 1 error"), out
