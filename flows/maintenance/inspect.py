@@ -50,6 +50,8 @@ class StepView:
     snapshot_bytes: int | None = None
     receivers: list[str] = field(default_factory=list)
     retracted: dict | None = None  # {"retracted_at", "reason"} of a step taken back (dcr retract)
+    schema_version: int = 0  # of its manifest (3: packed)
+    packs: dict[str, int] = field(default_factory=dict)  # pack objects and their bytes (packed steps)
 
 
 def show_step(root: Root, step: int) -> StepView:
@@ -65,7 +67,8 @@ def show_step(root: Root, step: int) -> StepView:
     retraction = cat.retraction(step)
     return StepView(step, m.kind, m.base_step, marker.attempt, m.policy_digest, marker.committed_at, m.codec.to_dict(),
                     dict(marker.summary), rows, snapshot, cat.receivers(step),
-                    None if retraction is None else {"retracted_at": retraction.retracted_at, "reason": retraction.reason})
+                    None if retraction is None else {"retracted_at": retraction.retracted_at, "reason": retraction.reason},
+                    m.schema_version, m.packs())
 
 
 def format_step(v: StepView, digests: bool = False) -> str:
@@ -74,6 +77,9 @@ def format_step(v: StepView, digests: bool = False) -> str:
     lines = [
         f"step {v.step}: {v.kind}{base}, committed {printable(v.committed_at)}, attempt {v.attempt}",
         f"policy digest {v.policy_digest}; codec {v.codec}",
+        f"manifest schema {v.schema_version}; " + (
+            f"chunks in {len(v.packs)} pack{'s' if len(v.packs) != 1 else ''} of {human_bytes(sum(v.packs.values()))}"
+            if v.packs else "each stored chunk its own object"),
         f"{s.get('tensors_changed')}/{s.get('tensors')} tensors changed, {s.get('elements_changed', '-')} of "
         f"{s.get('elements', '-')} elements; stored {human_bytes(s.get('bytes_stored'))} of "
         f"{human_bytes(s.get('bytes_full'))}"
