@@ -328,10 +328,11 @@ ChunkJob = tuple[Manifest, TensorEntry, int]  # a manifest, one of its entries, 
 # Coalesced reads of packed chunks: the chunks a refit wants from one pack are read with one ranged
 # GET per run of them, a run spanning at most MAX_RANGE_BYTES and skipping at most MAX_GAP_BYTES of
 # chunks nobody here wants (a tensor-parallel rank's neighbours' slices), and holding chunks applied
-# within RANGE_SPREAD jobs of each other (so what is held waiting for its turn stays bounded).
+# within RANGE_SPREAD_BYTES of stored chunks of each other (a range is held until its last chunk is
+# applied: this bounds what waits for its turn when a pack's order is not the order of the apply).
 MAX_RANGE_BYTES = 64 << 20
 MAX_GAP_BYTES = 256 << 10
-RANGE_SPREAD = 4096
+RANGE_SPREAD_BYTES = 256 << 20
 
 
 class _RangeRead:
@@ -365,7 +366,9 @@ def _plan_ranges(root: Root, jobs: list[ChunkJob]) -> list[_RangeRead | None]:
     """For each job, the coalesced range read that fetches its chunk (None: a chunk that is its own
     object, or one a streaming prefetcher already holds)."""
     wanted: dict[str, list[tuple[int, int, int]]] = {}  # pack key -> (offset, nbytes, job)
+    applied = [0]  # stored bytes of the jobs before each job, in the order they are applied
     for i, (m, e, pos) in enumerate(jobs):
+        applied.append(applied[-1] + e.stored_nbytes[pos])
         offset = e.offset_at(pos)
         if offset is None:
             continue
@@ -379,7 +382,8 @@ def _plan_ranges(root: Root, jobs: list[ChunkJob]) -> list[_RangeRead | None]:
         runs, run = [], [chunks[0]]
         for c in chunks[1:]:
             start, end, first = run[0][0], run[-1][0] + run[-1][1], run[0][2]
-            if c[0] - end > MAX_GAP_BYTES or c[0] + c[1] - start > MAX_RANGE_BYTES or abs(c[2] - first) > RANGE_SPREAD:
+            if (c[0] - end > MAX_GAP_BYTES or c[0] + c[1] - start > MAX_RANGE_BYTES
+                    or abs(applied[c[2]] - applied[first]) > RANGE_SPREAD_BYTES):
                 runs.append(run)
                 run = []
             run.append(c)

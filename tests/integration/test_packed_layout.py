@@ -194,6 +194,15 @@ def test_coalesced_reads_take_one_get_per_run_of_wanted_chunks_in_a_pack():
     reads = chunk_io._plan_ranges(R(), [(M, e, p) for p in range(4)])
     assert reads[0] is reads[1] is reads[2] and reads[3] is not reads[2]
     assert (reads[0].start, reads[0].end, reads[3].start, reads[3].end) == (0, 400 + gap, 400 + 3 * gap, 500 + 3 * gap)
+    # 70,000 tiny chunks back to back in one pack (a MoE delta): one GET, however many jobs
+    n = 70_000
+    tiny = E([100 * i for i in range(n)], [100] * n)
+    assert len({id(r) for r in chunk_io._plan_ranges(R(), [(M, tiny, p) for p in range(n)])}) == 1
+    # chunks applied far apart (more than RANGE_SPREAD_BYTES of other chunks between): two reads
+    far = E([0, 100], [100, 100])
+    big = E([None], [chunk_io.RANGE_SPREAD_BYTES + 1])
+    reads = chunk_io._plan_ranges(R(), [(M, far, 0), (M, big, 0), (M, far, 1)])
+    assert reads[1] is None and reads[0] is not reads[2]
 
 
 @pytest.mark.faults(component="publisher killed while writing packs", outcome="nothing committed; rerun exact")
