@@ -424,6 +424,29 @@ def test_prefetched_chunks_are_used_only_as_verified_and_within_budget():
     assert store.drop("u") == 0 and store.bytes_held == 0
 
 
+@pytest.mark.parametrize("pack", ["", "0123abcd.000000"], ids=["per-object", "packed"])
+def test_a_prefetch_stopped_while_waiting_for_its_budget_leaves_no_bytes_reserved(tmp_path, pack):
+    """A follower holds at most its budget: a prefetcher waits for room, and gives up once stopped
+    (a newer attempt announced, the refit done). What it had reserved for chunks it was about to
+    fetch (packed: a run of back-to-back chunks, fetched by one GET once the run ends) is released
+    when it is closed, else the process's budget would shrink for good."""
+    from dcr_core.chunking import ChunkGrid
+    from flows.options import KEYFRAMES
+    from storage.chunk_io import BoundedPool
+    from storage.prefetch import Prefetcher
+
+    grid = ChunkGrid((64,), (16,))
+    chunks = tuple(stream.StreamedChunk("t", "U8", grid, f"t/c/{i}", i, "0" * 64, 10, pack, 10 * i) for i in range(4))
+    idx = stream.StreamIndex(1, "a" * 32, 0, KEYFRAMES, chunks, True)
+    store = Prefetched(budget=25)  # two chunks fit, the third waits
+    p = Prefetcher(Root(str(tmp_path)), 1, "a" * 32, store=store, trusted={"t": ("U8", grid)})
+    p.stopped.set()
+    with BoundedPool(2) as pool:
+        assert not p.take(idx, pool)
+    p.close()
+    assert store.bytes_held == 0
+
+
 def test_verified_as_names_everything_a_check_depends_on():
     from dcr_core.chunking import ChunkGrid
     from flows.options import SPARSE_DELTAS
