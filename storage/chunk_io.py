@@ -154,9 +154,18 @@ class StepWriter:
         return self
 
     def __exit__(self, *exc) -> None:
-        self._pool.close(cancel=exc[0] is not None)
-        if exc[0] is None and self._packer is not None:
-            self._packer.flush()  # the last pack: every chunk is in one before the manifest is written
+        if exc[0] is None:
+            self.finish()
+        else:
+            self._pool.close(cancel=True)
+
+    def finish(self) -> None:
+        """Wait for every upload and write the last pack: every chunk is then stored (and announced,
+        so a publish that streams calls this before its last stream index) before the manifest is
+        written. Nothing is written after it."""
+        self._pool.close()
+        if self._packer is not None:
+            self._packer.flush()
 
     def _key(self, key_in_store: str) -> str:
         return layout.store_key(self.step, self.attempt, key_in_store)

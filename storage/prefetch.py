@@ -155,6 +155,8 @@ class Prefetcher:
                 events.reached("stream.chunk-skipped", tensor=c.tensor)
                 continue
             if not self.store.reserve(c.nbytes, self.stopped):
+                if run:  # reserved already: held as entries (failing: stopped), so that close() releases them
+                    self._fetch_run(idx, run, pool)
                 return False
             if c.pack:
                 if run and (run[-1].pack != c.pack or run[-1].offset + run[-1].nbytes != c.offset

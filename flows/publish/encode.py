@@ -343,6 +343,7 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
             array_fut.result()
             meta["digest"] = meta["digest"]()  # once its hash lanes are done; may raise BaselineMismatchError
             entries[meta["name"]] = TensorEntry(chunks=table, scheme=plan.scheme, **meta)
+        w.finish()  # the last pack is written and its chunks announced before the last index
         if announcer is not None:
             announcer.finish()  # the last index, before the manifest: followers know they have it all
         if patch is not None:

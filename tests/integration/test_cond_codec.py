@@ -109,8 +109,15 @@ def test_a_mirror_serves_cond_steps_bit_exact(published, tmp_path):
         assert_bits_equal(load_file(state), cks[step])
 
 
+# Stored objects spread over time, so a follower fetches before the commit: one object per chunk,
+# or packed steps in small packs (with 8 MiB packs a test step is one pack, announced last).
+SLOW_LAYOUTS = {"per-object": (0, "chunk.stored@*=sleep(0.02)"), "packed": (1024, "pack.stored@*=sleep(0.05)")}
+
+
+@pytest.mark.parametrize("packing", SLOW_LAYOUTS)
 @pytest.mark.parametrize("blocks", [1, 4], ids=["runs", "column-blocks"])
-def test_a_streaming_follower_prefetches_cond_chunks_and_decodes_them_after_the_commit(tmp_path, blocks):
+def test_a_streaming_follower_prefetches_cond_chunks_and_decodes_them_after_the_commit(tmp_path, blocks, packing):
+    pack_bytes, slow = SLOW_LAYOUTS[packing]
     root = str(tmp_path / "root")
     cks = chain_of_steps(3, seed=44, ulps=0.6, wide=blocks > 1)
     run_publish(root, cks[0], 0, options=_opts(tmp_path, chunk_bytes=256, column_blocks=blocks))
@@ -134,13 +141,15 @@ def test_a_streaming_follower_prefetches_cond_chunks_and_decodes_them_after_the_
     t = threading.Thread(target=run, daemon=True)
     t.start()
     assert polling.wait(60), "the follower never polled"
-    with events.failpoints("chunk.stored@*=sleep(0.02)"):
-        run_publish(root, cks[1], 1, options=_opts(tmp_path, chunk_bytes=256, column_blocks=blocks))
-        run_publish(root, cks[2], 2, options=_opts(tmp_path, chunk_bytes=256, column_blocks=blocks))
+    with events.failpoints(slow):
+        for step in (1, 2):
+            run_publish(root, cks[step], step, options=_opts(tmp_path, chunk_bytes=256, column_blocks=blocks,
+                                                             pack_bytes=pack_bytes))
     t.join(120)
     assert not t.is_alive() and not errors, errors
     assert_bits_equal(load_file(state), cks[2])
     assert PREFETCHED.hits > hits  # chunks fetched before the commit were taken by the refit
+    assert (len(Catalog(Root(root)).manifest(2).packs()) > 1) == bool(pack_bytes)  # packs landing one after another
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["rewrite", "in-place"])

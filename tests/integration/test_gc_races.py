@@ -186,15 +186,21 @@ def test_a_step_deleted_between_plan_and_lease_is_planned_again(chain, monkeypat
     assert_bits_equal(read_state(anon), cks[4])
 
 
-def test_a_step_deleted_mid_fetch_under_a_receiver_without_a_lease_is_planned_again(tmp_path, caplog):
+@pytest.mark.parametrize("pack_bytes", [0, 256], ids=["per-object", "packed"])
+def test_a_step_deleted_mid_fetch_under_a_receiver_without_a_lease_is_planned_again(tmp_path, caplog, pack_bytes):
     """A read-only receiver (no record, so no lease) at step 1 is fetching the deltas 2, 3, 4 when gc
     deletes steps 0-2: the missing chunk makes it plan again, from the restart point (step 3's full
-    snapshot), and it lands bit-exact at the latest step with nothing half-applied."""
+    snapshot), and it lands bit-exact at the latest step with nothing half-applied. "Mid-fetch" is
+    between two GETs of step 2: one object per chunk, or packs small enough that step 2 is several
+    (a step in one pack is read by one ranged GET, whole, before the first chunk of it is applied)."""
     cks = chain_of_steps(5, seed=4, dtypes=["BF16", "F16", "U8"])
     root = str(tmp_path / "bucket")
-    opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"), keyframe_policy=KeyframePolicy(every=3))
+    opts = PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache"), keyframe_policy=KeyframePolicy(every=3),
+                          pack_bytes=pack_bytes)
     for s, ck in enumerate(cks):
         run_publish(root, ck, s, options=opts)
+    # more packs than the receiver reads ahead of the chunk it holds (one read worker, a window of two)
+    assert pack_bytes == 0 or len(Catalog(Root(root)).manifest(2).packs()) > 3
     state = str(tmp_path / "s.safetensors")
     run_receive(root, None, state, 1, record=False)
     rx_gate = Gate(None, "chunk.fetched", key=lambda k: k.startswith(layout.step_dir(2) + "/"))

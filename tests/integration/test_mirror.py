@@ -323,35 +323,61 @@ def test_a_mirror_refuses_to_copy_a_damaged_step_onward(origin, tmp_path, damage
     assert_bits_equal(load_file(state), cks[-1])
 
 
+LAYOUTS = {"per-object": 0, "packed": 8 << 20}  # publish --pack-bytes: one object per chunk, or packs
+
+
+def _origin_in(tmp_path, pack_bytes: int) -> tuple[str, list[dict]]:
+    """The ``origin`` fixture's chain, laid out as ``pack_bytes`` says."""
+    root = str(tmp_path / "origin")
+    cks = _chain(3)
+    for s, ck in enumerate(cks):
+        run_publish(root, ck, s, options=PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path / "pub"),
+                                                        pack_bytes=pack_bytes))
+    return root, cks
+
+
 @pytest.mark.faults("mirror", component="mirror", outcome="copied again from upstream, checked; the step downstream "
                     "is the origin's, byte for byte")
+@pytest.mark.parametrize("packing", LAYOUTS)
 @pytest.mark.parametrize("vouched", ["no-index", "forged-index"])
-def test_a_chunk_already_downstream_that_the_manifest_does_not_vouch_for_is_copied_again(origin, tmp_path, vouched):
-    """Before the commit, a chunk of step 2 lies downstream at its key and size but with other bytes
-    (a streaming mirror forwarded what a forged stream index described, or a copy was cut off and
-    damaged). The mirror reads it back, finds it does not match the manifest, copies it again from
-    upstream, and commits: the attempt downstream equals the origin's, and a receiver is exact."""
+def test_a_chunk_already_downstream_that_the_manifest_does_not_vouch_for_is_copied_again(tmp_path, vouched, packing):
+    """Before the commit, a chunk of step 2 (a packed step: a pack) lies downstream at its key and
+    size but with other bytes (a streaming mirror forwarded what a forged stream index described, or
+    a copy was cut off and damaged). The mirror reads it back, finds it does not match the manifest,
+    copies it again from upstream, and commits: the attempt downstream equals the origin's, and a
+    receiver is exact. A forged index vouches for nothing: not a chunk under a digest the manifest
+    does not give, nor a pack under its chunks' very digests (no index vouches for a whole pack)."""
+    from dcr_core.chunking import ChunkGrid
+    from flows.options import KEYFRAMES
+    from storage.catalog import Catalog
+    from storage.root import Root
     from storage.stream import StreamedChunk, StreamIndex
 
-    root, cks = origin
+    root, cks = _origin_in(tmp_path, LAYOUTS[packing])
     region = str(tmp_path / "region")
     files = _attempt_files(root, 2)
-    key = max((k for k in files if "/c/" in k), key=lambda k: len(files[k]))
+    stored = [k for k in files if f"/{layout.PACKS}/" in k] if LAYOUTS[packing] else [k for k in files if "/c/" in k]
+    key = max(stored, key=lambda k: len(files[k]))
     marker = json.load(open(os.path.join(root, layout.commit_key(2))))
     attempt = marker["attempt"]
     down = os.path.join(region, layout.attempt_dir(2, attempt), key)
     os.makedirs(os.path.dirname(down), exist_ok=True)
     with open(down, "wb") as f:
         f.write(bytes(len(files[key])))
-    if vouched == "forged-index":  # an index downstream naming that key with a digest the manifest does not give
-        from dcr_core.chunking import ChunkGrid
-        from flows.options import KEYFRAMES
-        from storage.root import Root
-
-        in_store = os.path.relpath(os.path.join(region, layout.attempt_dir(2, attempt), key),
-                                   os.path.join(region, layout.store_dir(2, attempt)))
-        chunk = StreamedChunk("x", "F32", ChunkGrid((4,), (4,)), in_store, 0, "0" * 64, len(files[key]))
-        Root(region).write(layout.stream_key(2, attempt, 0), StreamIndex(2, attempt, 0, KEYFRAMES, (chunk,), True).to_json())
+    if vouched == "forged-index":  # an index downstream naming that object
+        if not LAYOUTS[packing]:  # with a digest the manifest does not give
+            in_store = os.path.relpath(os.path.join(region, layout.attempt_dir(2, attempt), key),
+                                       os.path.join(region, layout.store_dir(2, attempt)))
+            codec, chunks = KEYFRAMES, (StreamedChunk("x", "F32", ChunkGrid((4,), (4,)), in_store, 0, "0" * 64,
+                                                      len(files[key])),)
+        else:  # every chunk of the pack, as the publisher's own index names it (digest, size, place)
+            pack, m = key.rsplit("/", 1)[1], Catalog(Root(root)).manifest(2)
+            codec, chunks = m.codec, tuple(
+                StreamedChunk(e.name, e.dtype, e.grid, layout.chunk_key(e.array, e.grid.grid_index(c.indices[p])),
+                              c.indices[p], c.digests[p], c.nbytes[p], pack, c.offsets[p])
+                for e in m.tensors.values() for c in [e.chunks] for p in range(len(c)) if c.packs[p] == pack)
+            assert chunks
+        Root(region).write(layout.stream_key(2, attempt, 0), StreamIndex(2, attempt, 0, codec, chunks, True).to_json())
     run_mirror(root, region)
     assert _attempt_files(region, 2)[key] == files[key]
     state = tmp_path / "s.safetensors"
@@ -544,10 +570,12 @@ def test_a_heartbeat_edited_upstream_while_it_is_copied_reaches_downstream_as_ve
 
 @pytest.mark.faults(component="mirror", outcome="forged stream indexes downstream are read up to a bound set by the "
                     "manifest (one warning), then ignored; the step is committed exactly")
-def test_forged_stream_indexes_downstream_cost_at_most_the_index_budget(origin, tmp_path, monkeypatch, caplog):
+@pytest.mark.parametrize("packing", LAYOUTS)
+def test_forged_stream_indexes_downstream_cost_at_most_the_index_budget(tmp_path, monkeypatch, caplog, packing):
     """Four stream indexes of about 1 MiB each, forged downstream for step 2's attempt (a streaming
     mirror's followers would read them): the mirror reads at most ``index_budget`` bytes of them,
-    says so in one warning, reads back and checks the chunks instead, and commits the step exactly."""
+    says so in one warning, reads back and checks the chunks instead, and commits the step exactly.
+    A packed step's objects downstream are packs, which no index vouches for: it reads no index."""
     from dcr_core.chunking import ChunkGrid
     from flows.maintenance.mirror import index_budget
     from flows.options import KEYFRAMES
@@ -555,7 +583,7 @@ def test_forged_stream_indexes_downstream_cost_at_most_the_index_budget(origin, 
     from storage.root import Root, open_root
     from storage.stream import StreamedChunk, StreamIndex
 
-    root, cks = origin
+    root, cks = _origin_in(tmp_path, LAYOUTS[packing])
     region = str(tmp_path / "region")
     for step in (0, 1):
         run_mirror(root, region, step=step)
@@ -573,13 +601,15 @@ def test_forged_stream_indexes_downstream_cost_at_most_the_index_budget(origin, 
         data = StreamIndex(2, attempt, seq, KEYFRAMES, chunks, seq == 3).to_json()
         assert len(data) > 1 << 20
         Root(region).write(layout.stream_key(2, attempt, seq), data)
-    read_bytes = []
+    read_bytes, read_downstream = [], []
     real = Root.read
 
     def counting(self, key, limit=None):
         data = real(self, key, limit)
         if "/stream/" in key:
             read_bytes.append(len(data))
+            if self.url == Root(region).url:
+                read_downstream.append(key)
         return data
 
     monkeypatch.setattr(Root, "read", counting)
@@ -588,7 +618,10 @@ def test_forged_stream_indexes_downstream_cost_at_most_the_index_budget(origin, 
         r = run_mirror(root, region)
     assert r.copied_steps == [2] and sum(read_bytes) <= budget + 1 < 1 << 20
     warned = [rec.getMessage() for rec in caplog.records if rec.name == "dcr.mirror"]
-    assert len(warned) == 1 and layout.stream_key(2, attempt, 0) in warned[0] and "\n" not in warned[0]
+    if LAYOUTS[packing]:  # upstream's own index is copied; none downstream is read
+        assert not read_downstream and not warned
+    else:
+        assert len(warned) == 1 and layout.stream_key(2, attempt, 0) in warned[0] and "\n" not in warned[0]
     state = tmp_path / "s.safetensors"
     run_receive(region, "r", str(state))
     assert_bits_equal(load_file(state), cks[2])

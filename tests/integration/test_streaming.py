@@ -2,9 +2,12 @@
 them only after the commit, and end exactly where a dense refit ends, whatever fails on the way.
 
 The follower runs in a thread of the test (``flows.receive.follow`` with ``Streaming``) or as a
-``dcr receive --follow --stream`` process; publishers are slowed per stored chunk (a ``sleep``
-failpoint) so that the follower really fetches before the commit, and every test asserts that it
-did (chunks prefetched, taken by the refit).
+``dcr receive --follow --stream`` process; publishers are slowed per stored object (a ``sleep``
+failpoint: per chunk, or per pack of a packed step cut into small packs) so that the follower
+really fetches before the commit, and every test asserts that it did (chunks prefetched, taken by
+the refit). A packed step's chunks are announced when their pack lands: with the default 8 MiB
+packs a test step is one pack, written last, so tests that need chunks landing over time use
+small packs (``PACKED``).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import subprocess
 import sys
 import threading
 import uuid
+from dataclasses import dataclass
 
 import pytest
 from safetensors.torch import load_file
@@ -40,8 +44,27 @@ CHUNK_BYTES = 256
 SLOW = "chunk.stored@*=sleep(0.02)"  # a publisher slow enough that a follower fetches before its commit
 
 
-def opts(tmp_path, **kw) -> PublishOptions:
-    return PublishOptions(**{"chunk_bytes": CHUNK_BYTES, "cache_dir": str(tmp_path / "cache"), **kw})
+@dataclass(frozen=True)
+class Layout:
+    """How a test publishes its steps: ``pack_bytes`` (0: one object per chunk), and the failpoint
+    that spreads their stored objects over time so a follower fetches before the commit."""
+
+    name: str
+    pack_bytes: int
+    slow: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+PER_OBJECT = Layout("per-object", 0, SLOW)
+PACKED = Layout("packed", 4 * CHUNK_BYTES, "pack.stored@*=sleep(0.05)")  # a test step: about 7 packs
+LAYOUTS = [PER_OBJECT, PACKED]
+
+
+def opts(tmp_path, packing: Layout | None = None, **kw) -> PublishOptions:
+    packs = {} if packing is None else {"pack_bytes": packing.pack_bytes}
+    return PublishOptions(**{"chunk_bytes": CHUNK_BYTES, "cache_dir": str(tmp_path / "cache"), **packs, **kw})
 
 
 class Points:
@@ -119,10 +142,11 @@ class Follower(threading.Thread):
 
 
 @contextlib.contextmanager
-def publishing_slowly(root: str, ck: dict, step: int, tmp_path, pause: float = 0.03):
-    """Publish ``ck`` as ``step`` in a thread, each stored chunk delayed by ``pause`` s, and held after
-    its manifest, before its commit, until the block ends; yields an event set once the publish
-    returned (a kill test asserts it was still running), releases and joins it on exit.
+def publishing_slowly(root: str, ck: dict, step: int, tmp_path, packing: Layout):
+    """Publish ``ck`` as ``step`` in a thread, laid out as ``packing`` (its stored objects spread
+    over time), and held after its manifest, before its commit, until the block ends; yields an
+    event set once the publish returned (a kill test asserts it was still running), releases and
+    joins it on exit.
 
     The hold is what makes a kill "mid-stream" on any machine: a follower or mirror process started
     in the block needs seconds to import under load, and without it the publish could commit before
@@ -134,8 +158,8 @@ def publishing_slowly(root: str, ck: dict, step: int, tmp_path, pause: float = 0
             release.wait(300)
 
     def publish():
-        with events.listening(hold), events.failpoints(f"chunk.stored@*=sleep({pause})"):
-            run_publish(root, ck, step, options=opts(tmp_path, io_workers=2))
+        with events.listening(hold), events.failpoints(packing.slow):
+            run_publish(root, ck, step, options=opts(tmp_path, packing, io_workers=2))
         done.set()
 
     t = threading.Thread(target=publish)
@@ -170,16 +194,32 @@ def _dense(root: str, step: int, tmp_path) -> dict:
     return load_file(out)
 
 
-def test_a_streamed_refit_fetches_before_the_commit_and_ends_bit_exact(tmp_path):
+def _prefetch_gets(monkeypatch) -> list[str]:
+    """The keys of the ranged GETs the prefetchers' pools make from now on (packed chunks)."""
+    gets: list[str] = []
+    real = Root.read_range
+
+    def counting(self, key, start, length):
+        if threading.current_thread().name.startswith("dcr-prefetch"):
+            gets.append(key)
+        return real(self, key, start, length)
+
+    monkeypatch.setattr(Root, "read_range", counting)
+    return gets
+
+
+@pytest.mark.parametrize("packing", LAYOUTS, ids=str)
+def test_a_streamed_refit_fetches_before_the_commit_and_ends_bit_exact(tmp_path, monkeypatch, packing):
     root, cks, state = _setup(tmp_path, seed=41)
     points = Points()
     hits = PREFETCHED.hits
+    gets = _prefetch_gets(monkeypatch)
     with events.listening(points):
         f = Follower(root, state, until=2)
         f.start()
-        with events.failpoints(SLOW):
-            run_publish(root, cks[1], 1, options=opts(tmp_path))
-            run_publish(root, cks[2], 2, options=opts(tmp_path))
+        with events.failpoints(packing.slow):
+            run_publish(root, cks[1], 1, options=opts(tmp_path, packing))
+            run_publish(root, cks[2], 2, options=opts(tmp_path, packing))
         results = f.finish()
     assert [r["step"] for r in results][-1] == 2
     got = load_file(state)
@@ -191,11 +231,20 @@ def test_a_streamed_refit_fetches_before_the_commit_and_ends_bit_exact(tmp_path)
     assert PREFETCHED.hits > hits
     assert [s for s, _ in f.streaming.started] == [1, 2]
     assert PREFETCHED.bytes_held == 0  # nothing left behind
+    prefetched = [fields["key"] for p, fields in points.seen if p == "stream.chunk-prefetched"]
+    if packing.pack_bytes:  # each chunk a range of a pack, fetched with its neighbours: a GET per run, not per chunk
+        assert all(f"/{layout.PACKS}/" in k for k in prefetched)
+        assert 0 < len(gets) < len(prefetched) / 2, (len(gets), len(prefetched))
+    else:
+        assert not gets and not any(f"/{layout.PACKS}/" in k for k in prefetched)
 
 
-def test_the_publisher_exposes_its_attempt_and_every_stored_chunk(tmp_path):
+@pytest.mark.parametrize("pack_bytes", [0, PACKED.pack_bytes, 8 << 20], ids=["per-object", "packed", "one-pack"])
+def test_the_publisher_exposes_its_attempt_and_every_stored_chunk(tmp_path, pack_bytes):
+    """Every stored chunk is in a stream index, where it is stored: also those of the last pack,
+    written once every chunk is encoded (with 8 MiB packs, the whole step)."""
     root, cks, _ = _setup(tmp_path, seed=42)
-    res = run_publish(root, cks[1], 1, options=opts(tmp_path))
+    res = run_publish(root, cks[1], 1, options=opts(tmp_path, pack_bytes=pack_bytes))
     r = Root(root)
     b = stream.read_building(r)
     assert (b.step, b.attempt) == (1, res.attempt)
@@ -203,16 +252,18 @@ def test_the_publisher_exposes_its_attempt_and_every_stored_chunk(tmp_path):
     while not last:
         idx = stream.read_index(r, 1, res.attempt, seq)
         assert idx is not None, f"stream index {seq} missing before the last"
-        listed.update({c.key_in_store: (c.index, c.digest, c.nbytes) for c in idx.chunks})
+        listed.update({(c.tensor, c.index): (c.digest, c.nbytes, c.location(1, res.attempt)) for c in idx.chunks})
         seq, last = seq + 1, idx.last
     assert stream.read_index(r, 1, res.attempt, seq) is None
     m = Catalog(r).manifest(1)
     stored = {}
-    for e in m.tensors.values():
+    for name, e in m.tensors.items():
         for pos in range(e.n_stored):
             key, index, digest, nbytes = e.stored_at(pos)
-            stored[key] = (index, digest, nbytes)
-    assert listed == stored  # every chunk the manifest names, with the same digest and size; nothing else
+            stored[name, index] = (digest, nbytes, (layout.store_key(1, res.attempt, key), e.offset_at(pos)))
+    packs = len(m.packs())
+    assert {0: packs == 0, PACKED.pack_bytes: packs > 1, 8 << 20: packs == 1}[pack_bytes], packs
+    assert listed == stored  # every chunk the manifest names, with the same digest, size and place; nothing else
     # Turned off, nothing is exposed.
     run_publish(root, cks[2], 2, options=opts(tmp_path, stream=False))
     assert stream.read_building(r).step == 1
@@ -233,7 +284,8 @@ STREAM_FAULTS = [
 @pytest.mark.parametrize("case", STREAM_FAULTS, ids=str)
 def test_a_publisher_dying_mid_stream_leaves_followers_untouched(case, tmp_path):
     """The dead attempt published other bits than the retry: a follower that applied anything of it
-    could not end at the retry's bits."""
+    could not end at the retry's bits. (Packed steps, the default layout, in small packs so that the
+    first index comes before the last pack.)"""
     root, cks, state = _setup(tmp_path, seed=43)
     before = file_bytes(state)
     other = chain_of_steps(2, seed=99)[1]  # the dead attempt's bits (same names, dtypes and shapes)
@@ -243,15 +295,15 @@ def test_a_publisher_dying_mid_stream_leaves_followers_untouched(case, tmp_path)
     with events.listening(points):
         f = Follower(root, state, until=1)
         f.start()
-        with events.failpoints(f"{SLOW},{point}=raise"), pytest.raises(events.FailpointError):
-            run_publish(root, other, 1, options=opts(tmp_path))
+        with events.failpoints(f"{PACKED.slow},{point}=raise"), pytest.raises(events.FailpointError):
+            run_publish(root, other, 1, options=opts(tmp_path, PACKED))
         points.wait_for("stream.chunk-prefetched")
         points.wait_for_next("follow.waiting")  # it looked for a commit again, and found none
         assert f.is_alive() and file_bytes(state) == before  # nothing applied: no commit
         assert Catalog(Root(root)).committed_steps() == [0]
         dead = f.streaming.started[-1][1]
-        with events.failpoints(SLOW):
-            res = run_publish(root, cks[1], 1, options=opts(tmp_path))  # the retry: a new attempt
+        with events.failpoints(PACKED.slow):
+            res = run_publish(root, cks[1], 1, options=opts(tmp_path, PACKED))  # the retry: a new attempt
         f.finish()
     assert res.attempt != dead
     assert_bits_equal(load_file(state), cks[1])
@@ -273,7 +325,7 @@ def test_a_follower_streaming_the_losing_attempt_applies_the_winner(tmp_path):
 
     def slow_loser():  # announces and streams, then waits at its manifest until the winner committed
         try:
-            run_publish(root, loser, 1, options=opts(tmp_path, io_workers=2))
+            run_publish(root, loser, 1, options=opts(tmp_path, PACKED, io_workers=2))
         except StepConflictError as e:
             conflicts.append(e)
 
@@ -291,11 +343,11 @@ def test_a_follower_streaming_the_losing_attempt_applies_the_winner(tmp_path):
 
         events.reached = hold
         try:
-            slow = events.failpoints(SLOW)
+            slow = events.failpoints(PACKED.slow)
             slow.__enter__()
             t.start()
             points.wait_for("stream.chunk-prefetched")
-            winner = run_publish(root, cks[1], 1, options=opts(tmp_path, stream=False))
+            winner = run_publish(root, cks[1], 1, options=opts(tmp_path, PACKED, stream=False))
             go.set()
             t.join(60)
             slow.__exit__(None, None, None)
@@ -319,8 +371,8 @@ def test_a_forged_announcement_or_index_changes_nothing(tmp_path):
     res = run_publish(root, cks[1], 1, options=opts(tmp_path))
     seq = 0  # every index of the committed attempt rewritten with another digest per chunk
     while (idx := stream.read_index(r, 1, res.attempt, seq)) is not None:
-        bad = [stream.StreamedChunk(c.tensor, c.dtype, c.grid, c.key_in_store, c.index, "0" * 64, c.nbytes)
-               for c in idx.chunks]
+        bad = [stream.StreamedChunk(c.tensor, c.dtype, c.grid, c.key_in_store, c.index, "0" * 64, c.nbytes, c.pack,
+                                    c.offset) for c in idx.chunks]
         r.write(layout.stream_key(1, res.attempt, seq),
                 stream.StreamIndex(1, res.attempt, seq, idx.codec, tuple(bad), idx.last).to_json())
         seq += 1
@@ -372,6 +424,29 @@ def test_prefetched_chunks_are_used_only_as_verified_and_within_budget():
     assert store.drop("u") == 0 and store.bytes_held == 0
 
 
+@pytest.mark.parametrize("pack", ["", "0123abcd.000000"], ids=["per-object", "packed"])
+def test_a_prefetch_stopped_while_waiting_for_its_budget_leaves_no_bytes_reserved(tmp_path, pack):
+    """A follower holds at most its budget: a prefetcher waits for room, and gives up once stopped
+    (a newer attempt announced, the refit done). What it had reserved for chunks it was about to
+    fetch (packed: a run of back-to-back chunks, fetched by one GET once the run ends) is released
+    when it is closed, else the process's budget would shrink for good."""
+    from dcr_core.chunking import ChunkGrid
+    from flows.options import KEYFRAMES
+    from storage.chunk_io import BoundedPool
+    from storage.prefetch import Prefetcher
+
+    grid = ChunkGrid((64,), (16,))
+    chunks = tuple(stream.StreamedChunk("t", "U8", grid, f"t/c/{i}", i, "0" * 64, 10, pack, 10 * i) for i in range(4))
+    idx = stream.StreamIndex(1, "a" * 32, 0, KEYFRAMES, chunks, True)
+    store = Prefetched(budget=25)  # two chunks fit, the third waits
+    p = Prefetcher(Root(str(tmp_path)), 1, "a" * 32, store=store, trusted={"t": ("U8", grid)})
+    p.stopped.set()
+    with BoundedPool(2) as pool:
+        assert not p.take(idx, pool)
+    p.close()
+    assert store.bytes_held == 0
+
+
 def test_verified_as_names_everything_a_check_depends_on():
     from dcr_core.chunking import ChunkGrid
     from flows.options import SPARSE_DELTAS
@@ -403,8 +478,8 @@ def test_a_streaming_follower_process_on_s3(s3_server, tmp_path):
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     err = Lines(proc.stderr)
     err.wait_for(reported("follow.waiting"))  # it has looked once, found nothing new, and polls
-    with events.failpoints("chunk.stored@*=sleep(0.05)"):
-        run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
+    with events.failpoints(PACKED.slow):  # packs landing over time, fetched by ranged GETs
+        run_publish(root, cks[1], 1, options=opts(tmp_path, PACKED, io_workers=2))
     out = proc.stdout.read()
     assert proc.wait(timeout=120) == 0, err.text()
     res = json.loads(out)
@@ -417,7 +492,7 @@ def test_a_streaming_follower_process_on_s3(s3_server, tmp_path):
 def test_kill_9_of_a_streaming_follower_mid_prefetch(tmp_path):
     root, cks, state = _setup(tmp_path, seed=47, n=2)
     before = file_bytes(state)
-    with publishing_slowly(root, cks[1], 1, tmp_path) as done:
+    with publishing_slowly(root, cks[1], 1, tmp_path, PACKED) as done:
         kill_at("stream.chunk-prefetched@3", *_follower_cmd(root, state))
         assert not done.is_set(), "the publish ended before the follower was killed: not mid-stream"
         assert file_bytes(state) == before
@@ -427,32 +502,41 @@ def test_kill_9_of_a_streaming_follower_mid_prefetch(tmp_path):
     assert_bits_equal(load_file(state), cks[1])
 
 
-def test_a_streaming_mirror_forwards_while_upstream_publishes(tmp_path):
+@pytest.mark.parametrize("packing", LAYOUTS, ids=str)
+def test_a_streaming_mirror_forwards_while_upstream_publishes(tmp_path, packing):
     """origin -> (dcr mirror --follow --stream) -> region; a follower of the region streams from it:
     it fetches chunks before the origin's commit, so the mirror forwarded them (and their indexes)
-    before the commit, and the region commits only after the origin did."""
+    before the commit, and the region commits only after the origin did. A packed step's chunks are
+    not forwarded early (a pack is copied whole, and checked whole against the manifest, after the
+    commit: no index can vouch for all of its bytes), only its indexes, naming none of them: the
+    region's follower streams the attempt, reads the packs after the commit, and ends exact."""
     root, cks, _ = _setup(tmp_path, seed=48)
     region = str(tmp_path / "region")
-    env = {**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_FAILPOINTS": "follow.waiting=report"}
+    seen = "follow.waiting=report,stream.chunk-skipped=report,stream.chunk-prefetched=report"
+    env = {**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_FAILPOINTS": seen}
     dcr("mirror", root, region)
     state = tmp_path / "region-follower.safetensors"
     run_receive(region, "follower", str(state), step=0)
     mirror = subprocess.Popen([sys.executable, "-m", "flows.cli", "mirror", root, region, "--follow", "--stream",
                                "--interval", "0.1", "-q"], cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
+    err = Lines(mirror.stderr)
     try:
-        Lines(mirror.stderr).wait_for(reported("follow.waiting"))  # it has looked upstream once and polls
+        err.wait_for(reported("follow.waiting"))  # it has looked upstream once and polls
         points = Points()
         with events.listening(points):
             f = Follower(region, state, until=1)
             f.start()
-            with events.failpoints("chunk.stored@*=sleep(0.03)"):
-                res = run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
+            with events.failpoints(packing.slow):
+                res = run_publish(root, cks[1], 1, options=opts(tmp_path, packing, io_workers=2))
             f.finish()
     finally:
         mirror.kill()
         mirror.wait()
-    assert points.count("stream.chunk-prefetched") > 5
-    assert points.first("stream.chunk-prefetched") < points.first("publish.committed")
+    if packing.pack_bytes:  # the mirror passed over every packed chunk it was told of, fetching none
+        assert reported("stream.chunk-skipped") in err.text() and "stream.chunk-prefetched" not in err.text()
+    else:
+        assert points.count("stream.chunk-prefetched") > 5
+        assert points.first("stream.chunk-prefetched") < points.first("publish.committed")
     assert f.streaming.started == [(1, res.attempt)]
     assert Catalog(Root(region)).marker(1).attempt == res.attempt
     assert_bits_equal(load_file(state), cks[1])
@@ -465,7 +549,8 @@ def test_kill_9_of_a_streaming_mirror_mid_forward(tmp_path):
     root, cks, _ = _setup(tmp_path, seed=49, n=2)
     region = str(tmp_path / "region")
     dcr("mirror", root, region)
-    with publishing_slowly(root, cks[1], 1, tmp_path) as done:
+    # One object per chunk: a packed step's chunks are not forwarded before the commit (only indexes)
+    with publishing_slowly(root, cks[1], 1, tmp_path, PER_OBJECT) as done:
         kill_at("mirror.index-forwarded@1", "mirror", root, region, "--follow", "--stream", "--interval", "0.05")
         assert not done.is_set(), "the publish ended before the mirror was killed: not mid-stream"
     r = Root(region)
@@ -524,7 +609,8 @@ def test_kill_9_of_a_publisher_process_while_a_follower_streams(tmp_path):
 def test_a_streaming_relay_between_two_s3_servers(s3_server, tmp_path):
     """origin (the session's S3 server) -> dcr mirror --follow --stream -> region (a second server with
     its own endpoint and credentials) -> a streaming follower of the region: the follower fetches
-    before the origin's commit, and ends bit-exact."""
+    before the origin's commit, and ends bit-exact. One object per chunk: only such chunks are
+    forwarded before the commit (``test_a_streaming_mirror_forwards_while_upstream_publishes``)."""
     import boto3
     from moto.server import ThreadedMotoServer
 
@@ -554,7 +640,7 @@ def test_a_streaming_relay_between_two_s3_servers(s3_server, tmp_path):
             f = Follower(region, state, until=1, options=region_opts)
             f.start()
             with events.failpoints("chunk.stored@*=sleep(0.05)"):
-                res = run_publish(root, cks[1], 1, options=opts(tmp_path, io_workers=2))
+                res = run_publish(root, cks[1], 1, options=opts(tmp_path, PER_OBJECT, io_workers=2))
             f.finish()
         assert points.count("stream.chunk-prefetched") > 5
         assert points.first("stream.chunk-prefetched") < points.first("publish.committed")
