@@ -9,13 +9,15 @@ import json
 import math
 import os
 import re
+import tomllib
 
 import pytest
 
 from dcr_bench import simulate as cli
-from dcr_bench.sim import calibrate, validate
+from dcr_bench.sim import calibrate, measure, validate
 from dcr_bench.sim.model import Model, Stage, pipeline, simulate
 from dcr_bench.sim.scenario import ScenarioError, load, parse
+from flows import PublishOptions
 
 SCENARIOS = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "scenarios")
 
@@ -86,7 +88,7 @@ def test_layout_and_request_fields_parse():
     assert (sc.model.layout, sc.model.pack_bytes, sc.cpu.publisher_processes) == ("packed", 16 << 20, 4)
     assert (sc.requests.put_per_s, sc.requests.get_per_s, sc.requests.prefixes) == (3500, 5500, 1)
     today = parse(base())
-    assert today.model.layout == "per-object" and math.isinf(today.requests.get_per_s)
+    assert today.model.layout == "packed" and math.isinf(today.requests.get_per_s)  # dcr publish's default
     assert today.cpu.publish_s_per_tensor is None  # literal costs without a calibration: no per-tensor cost
 
 
@@ -116,7 +118,8 @@ def test_not_toml(tmp_path):
 
 def test_request_counts_follow_the_layout():
     # 100 tensors of 20 MB, 8 MiB chunks: 3 chunks each, and at 3% every chunk and tensor changes
-    d = base(**{"model__tensors": 100, "model__chunk_bytes": 8 << 20, "model__fixed_objects": 3})
+    d = base(**{"model__tensors": 100, "model__chunk_bytes": 8 << 20, "model__fixed_objects": 3,
+                "model__layout": "per-object"})
     per_object = Model(parse(d)).size
     assert (per_object.objects, per_object.changed_tensors) == (300, 100)
     assert per_object.puts == 3 + 100 + 300  # an array document per changed tensor, an object per chunk
@@ -268,8 +271,11 @@ def test_kimi_scenario_counts_the_tensors_its_comments_add_up():
     assert (sc.model.parameters, sc.model.change_rate, sc.model.bytes_per_change) == \
         (paper.model.parameters, paper.model.change_rate, paper.model.bytes_per_change)
     assert sc.topology == paper.topology and sc.links == paper.links and sc.requests == paper.requests
-    # today's measured per-tensor costs come from the calibration
-    assert sc.cpu.publish_s_per_tensor > 0 and sc.cpu.receive_s_per_tensor > 0
+    # dcr publish's default layout, with its measured per-tensor costs from the calibration
+    assert sc.model.layout == paper.model.layout == "packed"
+    packed = json.load(open(os.path.join(SCENARIOS, "calibration.json")))["per_tensor"]
+    assert (sc.cpu.publish_s_per_tensor, sc.cpu.receive_s_per_tensor) == \
+        (packed["publish_s_per_tensor"], packed["receive_s_per_tensor"]) == (0.00087, 0.00048)
     t = totals(sc)
     assert t[("tree", True)].total_s > totals(paper)[("tree", True)].total_s
 
@@ -318,16 +324,90 @@ def test_calibration_on_tiny_sizes(tmp_path):
 
 def test_calibration_keeps_the_per_tensor_costs_it_does_not_measure(tmp_path):
     path = tmp_path / "cal.json"
-    path.write_text(json.dumps({"costs": {}, "per_tensor": {"publish_s_per_tensor": 2e-3, "receive_s_per_tensor": 5e-4}}))
+    path.write_text(json.dumps({"costs": {}, "per_tensor": {"publish_s_per_tensor": 2e-3, "receive_s_per_tensor": 5e-4},
+                                "per_tensor_per_object": {"publish_s_per_tensor": 3e-3}}))
     fresh = {"costs": {"dcr-sparse": {"bfloat16": {k: 1.0 for k in ("encode_gb_per_s", "decode_apply_gb_per_s",
                                                                     "digest_gb_per_s", "copy_gb_per_s")}}}}
     calibrate.write(fresh, str(path))
     doc = json.loads(path.read_text())
     assert doc["costs"] == fresh["costs"] and doc["per_tensor"]["publish_s_per_tensor"] == 2e-3
+    assert doc["per_tensor_per_object"] == {"publish_s_per_tensor": 3e-3}  # every layout's costs are kept
     d = base()
     d["cpu"] = {"from_calibration": str(path), "receive_s_per_tensor": 1e-4}  # a literal value wins
     sc = parse(d, "x.toml")
     assert (sc.cpu.publish_s_per_tensor, sc.cpu.receive_s_per_tensor) == (2e-3, 1e-4)
+
+
+_PER_BYTE = {"dcr-sparse": {"bfloat16": {k: 1.0 for k in ("encode_gb_per_s", "decode_apply_gb_per_s",
+                                                         "digest_gb_per_s", "copy_gb_per_s")}}}
+
+
+@pytest.mark.parametrize("layout,costs", [("packed", (8.7e-4, 4.8e-4)), ("per-object", (1.87e-3, 4.9e-4))])
+def test_a_scenario_takes_the_per_tensor_costs_of_its_layout(tmp_path, layout, costs):
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"costs": _PER_BYTE,
+                                "per_tensor": {"publish_s_per_tensor": 8.7e-4, "receive_s_per_tensor": 4.8e-4},
+                                "per_tensor_per_object": {"publish_s_per_tensor": 1.87e-3,
+                                                          "receive_s_per_tensor": 4.9e-4}}))
+    d = base(**{"model__layout": layout})
+    d["cpu"] = {"from_calibration": str(path)}
+    sc = parse(d, "x.toml")
+    assert (sc.cpu.publish_s_per_tensor, sc.cpu.receive_s_per_tensor) == costs
+
+
+def test_a_layout_the_calibration_has_no_costs_for_gets_none(tmp_path):
+    # a calibration measured only in the packed layout prices per-object tensors at 0, not at packed costs
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"costs": _PER_BYTE, "per_tensor": {"publish_s_per_tensor": 8.7e-4}}))
+    d = base(**{"model__layout": "per-object"})
+    d["cpu"] = {"from_calibration": str(path)}
+    sc = parse(d, "x.toml")
+    assert sc.cpu.publish_s_per_tensor is None and sc.cpu.receive_s_per_tensor is None
+
+
+def test_shipped_calibration_holds_both_layouts_measurements():
+    cal = json.load(open(os.path.join(SCENARIOS, "calibration.json")))
+    packed, per_object = cal["per_tensor"], cal["per_tensor_per_object"]
+    assert (packed["publish_s_per_tensor"], packed["receive_s_per_tensor"]) == (0.00087, 0.00048)
+    assert (per_object["publish_s_per_tensor"], per_object["receive_s_per_tensor"]) == (0.00187, 0.00049)
+    # each figure is what its runs give: (time with many tensors - time with 8) / (many - 8)
+    runs = packed["runs_s"]
+    for phase, key in (("publish", "publish_s_per_tensor"), ("receive", "receive_s_per_tensor")):
+        slope = (runs["tensors_70000"][phase][0] - max(runs["tensors_8"][phase])) / (70_000 - 8)
+        assert round(slope, 5) == packed[key]
+
+
+def test_per_object_variant_of_a_shipped_scenario_is_priced_with_per_object_costs():
+    with open(os.path.join(SCENARIOS, "kimi-k2-1t-3pct.toml"), "rb") as f:
+        d = tomllib.load(f)
+    d["model"]["layout"] = "per-object"
+    per_object = parse(d, "kimi", SCENARIOS)
+    packed = load(os.path.join(SCENARIOS, "kimi-k2-1t-3pct.toml"))
+    assert (per_object.cpu.publish_s_per_tensor, per_object.cpu.receive_s_per_tensor) == (0.00187, 0.00049)
+    assert Model(per_object).size.puts == 2 * 69_975 and Model(packed).size.puts == 7153
+    # streaming through the relay tree, packed: within 25% of the paper's 2,000 tensors; per-object: slower
+    paper = totals(load(os.path.join(SCENARIOS, "paper-1t-3pct.toml")))[("tree", True)].total_s
+    assert totals(packed)[("tree", True)].total_s <= 1.25 * paper
+    assert totals(per_object)[("tree", True)].total_s > totals(packed)[("tree", True)].total_s
+
+
+def test_records_measured_before_packs_name_their_layout():
+    # the default layout is packed now: a record measured on the per-object layout must say so, or its
+    # prediction would silently change
+    root = os.path.join(SCENARIOS, "..", "..")
+    for path in ("docs/simulate/measured/records.json", "docs/bench-stream/fp32/validation-records.json"):
+        for r in json.load(open(os.path.join(root, path))):
+            assert r["scenario"]["model"]["layout"] == "per-object", (path, r["name"])
+
+
+def test_measured_scenario_names_the_layout_its_publish_used():
+    sc = measure.scenario_dict(params=1000, changed=30, stored=60, tensors=2, file_bytes=2000, bandwidth=None,
+                               latency_s=0.001, workers=1, store_mb_per_s=100.0,
+                               costs={k: 1.0 for k in ("encode_gb_per_s", "decode_apply_gb_per_s",
+                                                       "digest_gb_per_s", "copy_gb_per_s")},
+                               overhead={"publish_s": 0.1, "receive_s": 0.1})
+    assert (sc["model"]["layout"], sc["model"]["pack_bytes"]) == ("packed", PublishOptions().pack_bytes)
+    assert parse(sc).model.layout == "packed"
 
 
 def test_bad_per_tensor_calibration_is_a_one_line_error(tmp_path):

@@ -21,6 +21,7 @@ import torch
 
 from dcr_bench import data as bench_data
 from dcr_bench.bench import as_pairs, measure_codec, standard_codec
+from dcr_bench.sim.scenario import PER_TENSOR_SECTION
 from dcr_core.digest import tensor_digest
 from flows import PublishOptions
 
@@ -131,15 +132,16 @@ def _cpu_model() -> str:
 
 
 def write(doc: dict, path: str) -> None:
-    """Write ``doc`` to ``path``, keeping the file's ``per_tensor`` costs: they are measured apart (whole
-    publishes and receives of one checkpoint in few and in many tensors, see docs/simulate.md), not here."""
+    """Write ``doc`` to ``path``, keeping the file's per-tensor costs of each layout (``per_tensor``,
+    ``per_tensor_per_object``): they are measured apart (publishes and receives of one checkpoint in few
+    and in many tensors, see docs/simulate.md), not here."""
     try:
         with open(path) as f:
-            kept = json.load(f).get("per_tensor")
-    except (OSError, ValueError, AttributeError):
-        kept = None
-    if kept is not None and "per_tensor" not in doc:
-        doc = {**doc, "per_tensor": kept}
+            old = json.load(f)
+        kept = {k: old[k] for k in PER_TENSOR_SECTION.values() if k in old}
+    except (OSError, ValueError, TypeError):
+        kept = {}
+    doc = {**doc, **{k: v for k, v in kept.items() if k not in doc}}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(doc, f, indent=2)

@@ -117,12 +117,14 @@ def scenario_dict(*, params: int, changed: int, stored: int, tensors: int, file_
                   latency_s: float, workers: int, store_mb_per_s: float, costs: dict, overhead: dict) -> dict:
     mbps = math.inf if bandwidth is None else bandwidth / 1e6
     link = {"mb_per_s": mbps, "latency_ms": 1e3 * latency_s, "scope": "global"}
+    opts = PublishOptions()  # what the measured publish stored: its chunks and their layout
+    layout = {"layout": "packed", "pack_bytes": opts.pack_bytes} if opts.pack_bytes else {"layout": "per-object"}
     return {
         "name": f"measured-direct-{'uncapped' if bandwidth is None else f'{mbps:g}MBps'}",
         "description": "one proxy in front of the S3 test server: uplink = its upload cap, receiver = its download cap",
         "model": {"parameters": params, "bytes_per_param": 4, "change_rate": changed / params,
-                  "bytes_per_change": stored / changed, "chunk_bytes": PublishOptions().chunk_bytes,
-                  "tensors": tensors, "full_part_bytes": max(50 << 20, file_bytes)},
+                  "bytes_per_change": stored / changed, "chunk_bytes": opts.chunk_bytes,
+                  "tensors": tensors, "full_part_bytes": max(50 << 20, file_bytes), **layout},
         "topology": {"regions": 1, "receivers_per_region": 1},
         "links": {"uplink": link, "inter_region": {"mb_per_s": math.inf, "latency_ms": 0.0}, "receiver": link},
         "cpu": {k: costs[k] for k in COSTS},

@@ -17,6 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 MODES = ("full", "direct", "tree")
 COSTS = ("encode_gb_per_s", "decode_apply_gb_per_s", "digest_gb_per_s", "copy_gb_per_s")
 TENSOR_COSTS = ("publish_s_per_tensor", "receive_s_per_tensor")
+# A calibration's per-tensor costs, measured apart for each step layout: the section a scenario takes.
+PER_TENSOR_SECTION = {"packed": "per_tensor", "per-object": "per_tensor_per_object"}
 DTYPE_OF_WIDTH = {1: "float8", 2: "bfloat16", 4: "float32", 8: "float64"}
 DEFAULT_CALIBRATION = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "scenarios",
                                    "calibration.json")
@@ -40,8 +42,9 @@ class ModelSpec(_Strict):
                          "and each costs CPU per tensor and, in the per-object layout, an array document")
     full_part_bytes: int = Field(64 << 20, ge=1 << 20, description="object (or multipart part) size of the full checkpoint")
     layout: Literal["per-object", "packed"] = Field(
-        "per-object", description="how a step stores its chunks: one object per chunk plus one array document per "
-        "changed tensor (manifest schema 1-2), or concatenated into packs (schema 3)")
+        "packed", description="how a step stores its chunks: concatenated into packs (manifest schema 3, dcr "
+        "publish's default), or one object per chunk plus one array document per changed tensor (schema 1-2, "
+        "dcr publish --pack-bytes 0); it also picks the calibration's per-tensor costs")
     pack_bytes: int = Field(8 << 20, ge=1024, le=1 << 34, description="packed: stored bytes at which a pack is sealed "
                             "(PublishOptions.pack_bytes)")
     fixed_objects: int = Field(0, ge=0, le=1_000_000, description="objects of every step that do not scale with it, "
@@ -92,7 +95,7 @@ class CpuSpec(_Strict):
     receiver_threads: float = Field(1.0, gt=0, description="parallel CPU of one receiver")
     publish_s_per_tensor: float | None = Field(
         None, ge=0, description="publisher CPU seconds per changed tensor beyond its bytes (the calibration's "
-        "per_tensor; 0 without one)")
+        "costs of the scenario's layout: per_tensor for packed, per_tensor_per_object for per-object; 0 without them)")
     receive_s_per_tensor: float | None = Field(
         None, ge=0, description="receiver CPU seconds per changed tensor beyond its bytes (as above)")
     publisher_processes: int = Field(
@@ -219,7 +222,7 @@ def _with_calibration(sc: Scenario, source: str, base_dir: str) -> Scenario:
     if entry is None:
         have = {c: sorted(d) for c, d in cal.get("costs", {}).items()}
         raise ScenarioError(f"{source}: cpu.from_calibration: {path} has no {sc.cpu.codec}/{dtype} costs (has {have})")
-    per_tensor = cal.get("per_tensor", {})
+    per_tensor = cal.get(PER_TENSOR_SECTION[sc.model.layout], {})
     fill = {k: getattr(sc.cpu, k) if getattr(sc.cpu, k) is not None else entry[k] for k in COSTS}
     fill |= {k: getattr(sc.cpu, k) if getattr(sc.cpu, k) is not None else per_tensor.get(k) for k in TENSOR_COSTS}
     try:
