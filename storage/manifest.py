@@ -99,11 +99,8 @@ class ChunkTable:
         return self.indices, self.digests, self.nbytes
 
     def to_dict(self, pack_numbers: dict[str, int] | None = None) -> dict:
-        d = {"indices": list(self.indices), "digests": list(self.digests), "nbytes": list(self.nbytes)}
-        if self.packs:
-            d["pack"] = [pack_numbers[p] for p in self.packs]
-            d["offset"] = list(self.offsets)
-        return d
+        return {"indices": list(self.indices), "digests": list(self.digests), "nbytes": list(self.nbytes),
+                **_pack_columns(self.packs, self.offsets, pack_numbers)}
 
     @classmethod
     def from_dict(cls, d: Any, what: str, n_chunks: int, packs: tuple[str, ...] = ()) -> ChunkTable:
@@ -117,17 +114,28 @@ class ChunkTable:
         indices = tuple(parse_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
         if any(a >= b for a, b in zip(indices, indices[1:])):
             raise fail(what, "chunk indices must be strictly increasing")
-        in_packs, offsets = (), ()
-        pk, off = d.get("pack"), d.get("offset")
-        if pk is not None or off is not None:
-            if not packs:
-                raise fail(what, "chunks name packs, but the manifest lists none")
-            if not isinstance(pk, list) or not isinstance(off, list) or not len(pk) == len(off) == len(idx):
-                raise fail(what, "chunks.pack/offset must be lists as long as chunks.indices")
-            in_packs = tuple(packs[parse_int(p, f"{what} chunks.pack", 0, len(packs) - 1)] for p in pk)
-            offsets = tuple(parse_int(o, f"{what} chunks.offset", 0, MAX_PACK_BYTES) for o in off)
+        in_packs, offsets = _parse_pack_columns(d, what, "chunks", len(idx), packs)
         return cls(indices, tuple(parse_digest(x, what) for x in dig), tuple(parse_int(x, what) for x in nb),
                    in_packs, offsets)
+
+
+def _pack_columns(packs: tuple[str, ...], offsets: tuple[int, ...], pack_numbers: dict[str, int] | None) -> dict:
+    """A table's ``pack``/``offset`` columns (none: its chunks are their own objects)."""
+    return {"pack": [pack_numbers[p] for p in packs], "offset": list(offsets)} if packs else {}
+
+
+def _parse_pack_columns(d: dict, what: str, table: str, n: int,
+                        packs: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The pack holding each of a table's ``n`` rows and its offset there; () () when it names none."""
+    pk, off = d.get("pack"), d.get("offset")
+    if pk is None and off is None:
+        return (), ()
+    if not packs:
+        raise fail(what, f"{table} name packs, but the manifest lists none")
+    if not isinstance(pk, list) or not isinstance(off, list) or not len(pk) == len(off) == n:
+        raise fail(what, f"{table}.pack/offset must be lists as long as {table}.indices")
+    return (tuple(packs[parse_int(p, f"{what} {table}.pack", 0, len(packs) - 1)] for p in pk),
+            tuple(parse_int(o, f"{what} {table}.offset", 0, MAX_PACK_BYTES) for o in off))
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +208,9 @@ class PieceTable:
 class PartTable:
     """Chunks shared by several ranks: each contributor's zero-padded XOR part, stored in the sibling
     array ``array`` of shape ``(slots, *shape)`` at ``[slot, chunk]``. A chunk's value is the XOR of
-    the main array's chunk (absent: zeros) and all its parts; stock zarr reads the parts array."""
+    the main array's chunk (absent: zeros) and all its parts; stock zarr reads the parts array of
+    an unpacked step. ``packs``/``offsets``: where each part lies in a packed step, as in
+    ``ChunkTable`` (each rank packs its own parts); empty: each part is its own object."""
 
     array: str
     slots: int
@@ -208,18 +218,21 @@ class PartTable:
     indices: tuple[int, ...] = ()
     digests: tuple[str, ...] = ()
     nbytes: tuple[int, ...] = ()
+    packs: tuple[str, ...] = ()
+    offsets: tuple[int, ...] = ()
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def to_dict(self) -> dict:
+    def to_dict(self, pack_numbers: dict[str, int] | None = None) -> dict:
         return {
             "array": self.array, "slots": self.slots, "slot": list(self.slot), "indices": list(self.indices),
             "digests": list(self.digests), "nbytes": list(self.nbytes),
+            **_pack_columns(self.packs, self.offsets, pack_numbers),
         }
 
     @classmethod
-    def from_dict(cls, d: Any, what: str, n_chunks: int) -> PartTable:
+    def from_dict(cls, d: Any, what: str, n_chunks: int, packs: tuple[str, ...] = ()) -> PartTable:
         if not isinstance(d, dict):
             raise fail(what, "parts must be an object")
         sl, idx, dig, nb = d.get("slot"), d.get("indices"), d.get("digests"), d.get("nbytes")
@@ -236,6 +249,7 @@ class PartTable:
         return cls(
             layout.check_segment(d.get("array"), f"{what} parts array"), slots, slot, indices,
             tuple(parse_digest(x, what) for x in dig), tuple(parse_int(x, what) for x in nb),
+            *_parse_pack_columns(d, what, "parts", len(idx), packs),
         )
 
 
@@ -327,12 +341,22 @@ class TensorEntry:
             return key, index, c.digests[pos], c.nbytes[pos]
         p, q = self.parts, pos - n
         index = p.indices[q]
-        return layout.part_key(p.array, p.slot[q], self.grid.grid_index(index)), index, p.digests[q], p.nbytes[q]
+        key = layout.pack_key(p.packs[q]) if p.packs else layout.part_key(p.array, p.slot[q], self.grid.grid_index(index))
+        return key, index, p.digests[q], p.nbytes[q]
 
     def offset_at(self, pos: int) -> int | None:
         """Where position ``pos``'s bytes start in the object ``stored_at`` names: an offset into a
-        pack, or None (the chunk is the whole object)."""
-        return self.chunks.offsets[pos] if pos < len(self.chunks) and self.chunks.packs else None
+        pack, or None (the chunk or part is the whole object)."""
+        n = len(self.chunks)
+        table, q = (self.chunks, pos) if pos < n else (self.parts, pos - n)
+        return table.offsets[q] if table.packs else None
+
+    def packed_spans(self) -> list[tuple[str, int, int]]:
+        """``(pack, offset, stored bytes)`` of every packed position, main chunks then parts."""
+        out = list(zip(self.chunks.packs, self.chunks.offsets, self.chunks.nbytes))
+        if self.parts is not None:
+            out += zip(self.parts.packs, self.parts.offsets, self.parts.nbytes)
+        return out
 
     def encoding_at(self, pos: int) -> Encoding:
         """How position ``pos`` applies: the entry's encoding for main chunks, XOR for parts
@@ -363,7 +387,7 @@ class TensorEntry:
         if self.pieces is not None:
             d["pieces"] = self.pieces.to_dict()
         if self.parts is not None:
-            d["parts"] = self.parts.to_dict()
+            d["parts"] = self.parts.to_dict(pack_numbers)
         return d
 
     @classmethod
@@ -395,7 +419,7 @@ class TensorEntry:
         chunks = ChunkTable.from_dict(d.get("chunks"), what, grid.n_chunks, packs)
         digest = parse_digest(d.get("digest"), what)
         pieces = None if d.get("pieces") is None else PieceTable.from_dict(d["pieces"], what, shape, digest)
-        parts = None if d.get("parts") is None else PartTable.from_dict(d["parts"], what, grid.n_chunks)
+        parts = None if d.get("parts") is None else PartTable.from_dict(d["parts"], what, grid.n_chunks, packs)
         if encoding is Encoding.UNCHANGED and (len(chunks) or (parts and len(parts))):
             raise fail(what, "an unchanged tensor lists stored chunks")
         if parts is not None:
@@ -480,7 +504,7 @@ class Manifest:
         sizes: dict[str, int] = {}
         for entries in (self.tensors, self.snapshot):
             for e in entries.values():
-                for p, n in zip(e.chunks.packs, e.chunks.nbytes):
+                for p, _, n in e.packed_spans():
                     sizes[p] = sizes.get(p, 0) + n
         return dict(sorted(sizes.items()))
 
@@ -633,7 +657,7 @@ def _check_packs_tiled(m: Manifest, packs: tuple[str, ...], where: str) -> None:
     spans: dict[str, list[tuple[int, int]]] = {p: [] for p in packs}
     for entries in (m.tensors, m.snapshot):
         for e in entries.values():
-            for p, off, n in zip(e.chunks.packs, e.chunks.offsets, e.chunks.nbytes):
+            for p, off, n in e.packed_spans():
                 spans[p].append((off, n))
     for p, s in spans.items():
         if not s:

@@ -55,11 +55,12 @@ def projection_throughput(rows: int = 8192, cols: int = 4096, world: int = 4, ch
     return out
 
 
-def encode_memory(rows: int = 4096, cols: int = 2048, world: int = 4, chunk_bytes: int = 256 << 10, io_workers: int = 2) -> dict:
+def encode_memory(rows: int = 4096, cols: int = 2048, world: int = 4, chunk_bytes: int = 256 << 10, io_workers: int = 2,
+                  pack_bytes: int = PublishOptions.model_fields["pack_bytes"].default) -> dict:
     """Peak extra (tracemalloc) memory of one rank's encode of a delta, every chunk shared."""
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory() as d:
-        opts = PublishOptions(chunk_bytes=chunk_bytes, cache_dir=f"{d}/cache", io_workers=io_workers)
+        opts = PublishOptions(chunk_bytes=chunk_bytes, cache_dir=f"{d}/cache", io_workers=io_workers, pack_bytes=pack_bytes)
         full0 = torch.from_numpy(rng.integers(0, 1 << 16, size=(rows, cols), dtype=np.uint16).view(np.int16)).view(torch.bfloat16)
         full1 = full0.clone()
         flat = full1.view(torch.int16).reshape(-1)
@@ -89,6 +90,7 @@ def encode_memory(rows: int = 4096, cols: int = 2048, world: int = 4, chunk_byte
         local_refs.release(snap)
         local_refs.release(baseline)
     return {"tensor_bytes": rows * cols * 2, "shard_bytes": shard, "chunk_bytes": chunk_bytes, "io_workers": io_workers,
+            "pack_bytes": pack_bytes,
             "encode_peak_extra_bytes": peak, "encode_seconds": secs,
             "rank_peak_bytes_estimate": 2 * shard + peak}
 

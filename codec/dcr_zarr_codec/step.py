@@ -246,7 +246,7 @@ def _ints(v, what: str, n: int | None = None) -> list:
 def _packs(v, tables: tuple[dict, dict], fs, store_dir: str) -> list[tuple[str, int]]:
     """``(url, bytes)`` of every pack object the manifest lists (schema 3: a list of names). A pack's
     size is the sum of its chunks' sizes (its chunks tile it; the manifest records no other), so
-    every tensor's pack column is summed here, whichever tensor is opened."""
+    every tensor's pack columns (chunks and parts) are summed here, whichever tensor is opened."""
     names = _ints(v, "packs")
     for name in names:
         if not isinstance(name, str) or not _PACK.match(name):
@@ -256,15 +256,16 @@ def _packs(v, tables: tuple[dict, dict], fs, store_dir: str) -> list[tuple[str, 
     sizes = [0] * len(names)
     for label, table in zip(("tensor", "snapshot tensor"), tables):
         for tensor, d in table.items():
-            chunks = d.get("chunks") if isinstance(d, dict) else None
-            if not isinstance(chunks, dict) or chunks.get("pack") is None:
-                continue  # not packed (or malformed: refused when the tensor is opened)
-            what = f"{label} {tensor!r} chunks"
-            if not names:
-                raise StepDocumentError(f"{what} name packs, but the manifest lists none")
-            pack = _ints(chunks["pack"], f"{what} pack")
-            for p, n in zip(pack, _ints(chunks.get("nbytes"), f"{what} nbytes", len(pack))):
-                sizes[_int(p, f"{what} pack", 0, len(names) - 1)] += _int(n, f"{what} nbytes")
+            for column in ("chunks", "parts"):
+                chunks = d.get(column) if isinstance(d, dict) else None
+                if not isinstance(chunks, dict) or chunks.get("pack") is None:
+                    continue  # not packed (or malformed: refused when the tensor is opened)
+                what = f"{label} {tensor!r} {column}"
+                if not names:
+                    raise StepDocumentError(f"{what} name packs, but the manifest lists none")
+                pack = _ints(chunks["pack"], f"{what} pack")
+                for p, n in zip(pack, _ints(chunks.get("nbytes"), f"{what} nbytes", len(pack))):
+                    sizes[_int(p, f"{what} pack", 0, len(names) - 1)] += _int(n, f"{what} nbytes")
     return [(fs.unstrip_protocol(f"{store_dir}/{PACKS}/{name}"), size) for name, size in zip(names, sizes)]
 
 
@@ -277,16 +278,15 @@ def _grid_index(flat: int, grid_shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _chunk_refs(d, what: str, n_chunks: int, grid_shape, slots: int | None, store_url: str,
-                packs: list[tuple[str, int]] | None) -> list:
+                packs: list[tuple[str, int]]) -> list:
     """``(grid index, reference)`` of the stored chunks a chunk (or parts) table lists: a byte range
-    of a pack where it names one, the chunk's own object otherwise. ``packs`` None: a parts table,
-    whose parts are always their own objects."""
+    of a pack where it names one, the chunk's own object otherwise."""
     if not isinstance(d, dict):
         raise StepDocumentError(f"{what}: must be an object")
     indices = _ints(d.get("indices"), f"{what} indices")
     nbytes = _ints(d.get("nbytes"), f"{what} nbytes", len(indices))
     slot = None if slots is None else _ints(d.get("slot"), f"{what} slot", len(indices))
-    pack, offset = (None, None) if packs is None else (d.get("pack"), d.get("offset"))
+    pack, offset = d.get("pack"), d.get("offset")
     if (pack is None) != (offset is None):
         raise StepDocumentError(f"{what}: pack and offset go together")
     if pack is not None:
@@ -346,7 +346,7 @@ def _entries(name: str, d, docs: _StepDocs, snapshot: bool) -> list[_Entry]:
         parts = _segment(p.get("array"), f"{what} parts array")
         slots = _int(p.get("slots"), f"{what} parts slots", 1, 1 << 16)
         refs = _chunk_refs(p, f"{what} parts", n_chunks, grid_shape, slots,
-                           docs.fs.unstrip_protocol(f"{store_dir}/{parts}"), None)
+                           docs.fs.unstrip_protocol(f"{store_dir}/{parts}"), docs.packs)
         pattrs = {"dcr": {**attrs, "parts_of": array, "combine": "XOR over axis 0, then XOR with the main array"}}
         out.append(_Entry(name, parts, (slots, *shape), (1, *chunk_shape), bits, pattrs, tuple(refs), False))
     return out

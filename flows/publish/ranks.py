@@ -4,12 +4,14 @@ Per rank (no data collective, no tensor assembled): plan as any publish does, fo
 tensors the rank touches; load its baseline (``flows.publish.shard_baseline``); project its changes
 into canonical chunks (``dcr_core.projection.project``, one chunk buffer at a time): a chunk the
 rank covers entirely goes to the tensor's array, a chunk it shares to slot ``rank`` of the sibling
-parts array (``<array>%parts``); each piece's digest comes from the local bits; then its partial
-manifest, ``attempts/A/ranks/<rank>.json``.
+parts array (``<array>%parts``); each piece's digest comes from the local bits; chunks and parts
+go into the rank's own packs (``PublishOptions.pack_bytes``; 0: one object each); then its partial
+manifest, ``attempts/A/ranks/<rank>.json``, saying where each lies.
 
 Rank 0 waits for every partial manifest (metadata through storage), merges them into one manifest
-(the pieces partition every tensor; its digest is the piecewise digest), writes the Zarr metadata,
-the manifest and the commit marker exactly as an unsharded publish does. The other ranks wait for
+(the pieces partition every tensor; its digest is the piecewise digest; every rank packed, or none
+did), writes the Zarr metadata of an unpacked step, the manifest and the commit marker exactly as an
+unsharded publish does. The other ranks wait for
 the marker naming their attempt. A rank that fails writes ``attempts/A/failed.json``: nothing is
 committed, and the attempt stays unreferenced like any crashed attempt.
 
@@ -33,7 +35,7 @@ from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.delta import Encoding
 from dcr_core.digest import pieces_digest
 from dcr_core.dtypes import DTYPES
-from dcr_core.errors import DCRError, IntegrityError, SchemaMismatchError, StepConflictError, UsageError
+from dcr_core.errors import DCRError, IntegrityError, SchemaMismatchError, StepConflictError, UnsafeKeyError, UsageError
 from dcr_core.projection import ShardBits, project
 from dcr_core.text import plural
 from flows import local_refs
@@ -46,9 +48,9 @@ from flows.publish.shards import ShardSnapshot
 from flows.streaming import poll
 from storage import layout
 from storage.catalog import Catalog
-from storage.chunk_io import StepWriter
+from storage.chunk_io import StepWriter, StoredChunk
 from storage.document_fields import fail, parse_digest, parse_int, parse_shape
-from storage.manifest import ChunkTable, PartTable, PieceTable, TensorEntry
+from storage.manifest import MAX_PACK_BYTES, ChunkTable, PartTable, PieceTable, TensorEntry
 from storage.marker import CommitMarker
 from storage.root import Root, RootRef, open_root
 
@@ -76,7 +78,13 @@ def agree_on_attempt(attempt: str | None, world: int) -> str:
 # ---- a rank's partial manifest ------------------------------------------------------------------
 
 
-Stored = tuple[int, str, int]  # chunk index, payload digest, stored bytes
+# Chunk index, payload digest, stored bytes; in a packed step also the pack holding it and its
+# offset there (each rank packs what it stores: its writer's own tag names its packs).
+Stored = tuple[int, str, int] | tuple[int, str, int, str, int]
+
+
+def _stored(s: StoredChunk) -> Stored:
+    return (s.index, s.digest, s.nbytes, s.pack, s.offset) if s.pack else (s.index, s.digest, s.nbytes)
 
 
 @dataclass
@@ -109,10 +117,18 @@ class PartialEntry:
         grid = ChunkGrid(shape, chunk_shape)
         last = max(0, grid.n_chunks - 1)
 
+        def pack(name: object) -> str:
+            try:
+                return layout.check_pack(name)
+            except UnsafeKeyError as e:
+                raise fail(what, str(e)) from None
+
         def stored(rows: object) -> list[Stored]:
-            if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) == 3 for r in rows):
+            if not isinstance(rows, list) or not all(isinstance(r, list) and len(r) in (3, 5) for r in rows):
                 raise fail(what, "malformed chunk list")
-            return [(parse_int(i, what, 0, last), parse_digest(dg, what), parse_int(n, what)) for i, dg, n in rows]
+            return [(parse_int(r[0], what, 0, last), parse_digest(r[1], what), parse_int(r[2], what))
+                    + (() if len(r) == 3 else (pack(r[3]), parse_int(r[4], what, 0, MAX_PACK_BYTES)))
+                    for r in rows]
 
         pieces = d.get("pieces")
         if not isinstance(pieces, list) or not all(isinstance(p, list) and len(p) == 3 for p in pieces):
@@ -135,11 +151,12 @@ class RankPartial:
     base_step: int | None
     base_policy_digest: str | None
     tensors: dict[str, PartialEntry]
+    packed: bool = False  # its chunks and parts lie in packs (absent from partials written before packs)
 
     def to_json(self) -> bytes:
         return json.dumps({
             "format": PARTIAL_FORMAT, "rank": self.rank, "world": self.world, "step": self.step, "kind": self.kind,
-            "base_step": self.base_step, "base_policy_digest": self.base_policy_digest,
+            "base_step": self.base_step, "base_policy_digest": self.base_policy_digest, "packed": self.packed,
             "tensors": {n: e.to_dict() for n, e in self.tensors.items()},
         }).encode()
 
@@ -153,8 +170,13 @@ class RankPartial:
             raise IntegrityError(f"{where}: not valid JSON") from None
         if not isinstance(d, dict) or d.get("format") != PARTIAL_FORMAT or d.get("rank") != rank or not isinstance(d.get("tensors"), dict):
             raise IntegrityError(f"{where}: not the partial manifest of rank {rank}")
+        packed = d.get("packed", False)
         tensors = {str(n): PartialEntry.from_dict(t, f"rank {rank} tensor {n!r}") for n, t in d["tensors"].items()}
-        return cls(rank, d.get("world"), d.get("step"), d.get("kind"), d.get("base_step"), d.get("base_policy_digest"), tensors)
+        rows = [r for t in tensors.values() for r in t.chunks + t.parts]
+        if not isinstance(packed, bool) or any((len(r) == 5) != packed for r in rows):
+            raise IntegrityError(f"{where}: packed is {packed!r}, but its chunks say otherwise")
+        return cls(rank, d.get("world"), d.get("step"), d.get("kind"), d.get("base_step"), d.get("base_policy_digest"),
+                   tensors, packed)
 
 
 # ---- the rank's encode ------------------------------------------------------------------------------
@@ -183,7 +205,7 @@ def encode_rank(plan: PublishPlan, snapshot: LocalRef, baseline: LocalRef | None
         tensors[name].pieces = [(tuple(a), tuple(e), d) for a, e, d in recs]
     root = open_root(plan.root)
     futures = []
-    with StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers) as w:
+    with StepWriter(root, plan.step, plan.attempt, plan.codec, workers=opts.io_workers, pack_bytes=opts.pack_bytes) as w:
         for c in project(shards, grids, dtypes):
             t = tensors[c.name]
             t.changed += c.changed
@@ -192,9 +214,9 @@ def encode_rank(plan: PublishPlan, snapshot: LocalRef, baseline: LocalRef | None
             else:
                 futures.append((t.parts, w.write_part(layout.parts_array(t.array), grids[c.name], plan.rank, c.index, c.payload)))
         for out, f in futures:
-            s = f.result()
-            out.append((s.index, s.digest, s.nbytes))
-    partial = RankPartial(plan.rank, plan.world, plan.step, plan.kind, plan.base_step, plan.base_policy_digest, tensors)
+            out.append(_stored(f.result()))
+    partial = RankPartial(plan.rank, plan.world, plan.step, plan.kind, plan.base_step, plan.base_policy_digest, tensors,
+                          opts.pack_bytes > 0)
     key = layout.rank_partial_key(plan.step, plan.attempt, plan.rank)
     root.write(key, partial.to_json())
     events.reached("publish.rank-partial-written", step=plan.step, rank=plan.rank)
@@ -258,7 +280,7 @@ def read_partials(root: Root, plan: PublishPlan, timeout: float) -> list[RankPar
         where = f"{root.url}/{key}"
         p = RankPartial.from_json(root.read(key, limit=MAX_PARTIAL_BYTES), where, r)
         for k, v in (("world", plan.world), ("step", plan.step), ("kind", plan.kind), ("base_step", plan.base_step),
-                     ("base_policy_digest", plan.base_policy_digest)):
+                     ("base_policy_digest", plan.base_policy_digest), ("packed", plan.options.pack_bytes > 0)):
             if getattr(p, k) != v:
                 raise StepConflictError(f"{where}: rank {r} planned {k}={getattr(p, k)!r}, rank 0 planned {v!r}; nothing committed")
         out.append(p)
@@ -278,7 +300,7 @@ def merge_partials(plan: PublishPlan, partials: list[RankPartial]) -> dict[str, 
                     raise IntegrityError(f"{what}: {k} {getattr(t, k)!r} differs from another rank's {getattr(first, k)!r}")
             changed[name] = changed.get(name, 0) + t.changed
             chunks += t.chunks
-            parts += [(i, p.rank, dg, nb) for i, dg, nb in t.parts]
+            parts += [(r[0], p.rank, *r[1:]) for r in t.parts]
             pieces += t.pieces
     base = plan.base_entries()
     if plan.kind == DELTA:
@@ -304,21 +326,30 @@ def merge_partials(plan: PublishPlan, partials: list[RankPartial]) -> dict[str, 
         entry = TensorEntry(
             name=name, dtype=first.dtype, shape=first.shape, digest=pieces_digest(table.records()),
             encoding=encoding, array=first.array, chunk_shape=first.chunk_shape,
-            chunks=ChunkTable(tuple(c[0] for c in chunks), tuple(c[1] for c in chunks), tuple(c[2] for c in chunks)),
+            chunks=ChunkTable(*_columns(chunks, 0, 1, 2, 3, 4)),
             base_digest=base[name].digest if plan.kind == DELTA else None, changed=changed[name], pieces=table, scheme=plan.scheme,
-            parts=None if not parts else PartTable(
-                layout.parts_array(first.array), plan.world, tuple(p[1] for p in parts), tuple(p[0] for p in parts),
-                tuple(p[2] for p in parts), tuple(p[3] for p in parts),
-            ),
+            parts=None if not parts else PartTable(layout.parts_array(first.array), plan.world, *_columns(parts, 1, 0, 2, 3, 4, 5)),
         )
         # Other ranks' data: the checks every reader of the manifest makes (pieces partition the
-        # tensor, no chunk both whole and in parts, limits), made here before anything is written.
-        entries[name] = TensorEntry.from_dict(name, entry.to_dict(), where)
+        # tensor, no chunk both whole and in parts, limits), made here before anything is written;
+        # that the packs' chunks tile them is checked on the whole manifest (``write_manifest``).
+        packs = sorted({p for p, _, _ in entry.packed_spans()})
+        entries[name] = TensorEntry.from_dict(name, entry.to_dict({p: i for i, p in enumerate(packs)}), where,
+                                              packs=tuple(packs))
     return entries
 
 
+def _columns(rows: list[tuple], *fields: int) -> list[tuple]:
+    """Columns ``fields`` of the rows, in that order; rows without the last two of a packed step
+    (the pack, the offset) give them empty."""
+    return [tuple(r[f] for r in rows) if all(len(r) > f for r in rows) else () for f in fields]
+
+
 def write_store_metadata(plan: PublishPlan, entries: dict[str, TensorEntry]) -> None:
-    """The Zarr group and array documents (so stock zarr reads the step, parts included)."""
+    """The Zarr group and array documents (so stock zarr reads the step, parts included), for an
+    unpacked step: a packed one has none, as an unsharded one (``StepWriter``)."""
+    if plan.options.pack_bytes > 0:
+        return
     with StepWriter(open_root(plan.root), plan.step, plan.attempt, plan.codec, workers=plan.options.io_workers) as w:
         w.write_group({"dcr": {"step": plan.step, "kind": plan.kind, "base_step": plan.base_step, "ranks": plan.world}})
         futs = []

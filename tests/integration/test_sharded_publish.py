@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import glob
 import json
+import os
 import threading
 
 import numpy as np
@@ -23,14 +24,16 @@ from dcr_core.errors import DCRError, IntegrityError, StateMismatchError
 from dcr_core.shard_spec import BufferParam, flat_buffer, flat_buffer_size, fused_qkv, gated_fc1, replicate, split
 from flows import local_refs, receive_into_module, run_materialize, run_publish, run_receive
 from flows.maintenance import audit
+from flows.maintenance.mirror import run_mirror
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish import ranks
 from flows.publish.shard_baseline import load_shard_baseline
 from flows.publish.shards import Shard, ShardedSource
+from storage import layout
 from storage.catalog import Catalog
 from storage.root import Root, RootRef
 from tests.support.fused_module import TinyFused
-from tests.support.helpers import assert_bits_equal, from_bits, nasty_tensor, next_step, read_state
+from tests.support.helpers import assert_bits_equal, damage_chunk, from_bits, nasty_tensor, next_step, read_state
 from tests.support.shard_helpers import cut
 
 TP, DP = 2, 2
@@ -129,16 +132,22 @@ def test_sharded_steps_reach_receivers_bit_exact(tmp_path, opts):
     assert not report.errors, report.errors
 
 
-def test_stock_zarr_reads_main_and_parts(tmp_path, opts):
+@pytest.mark.parametrize("packed", [False, True], ids=["per-object", "packed"])
+def test_stock_zarr_reads_main_and_parts(tmp_path, opts, packed):
+    """An unpacked step is a Zarr store stock zarr opens; a packed one has no ``zarr.json`` and is
+    read through the auditor's ``open_step``, its parts from the ranks' packs too."""
     root = str(tmp_path / "bucket")
     a = canonical(2)
     b = next_step(a, 7, fraction=0.5, unchanged=0.0)
+    opts = opts.model_copy(update={"pack_bytes": 256 if packed else 0})
     run_publish(root, sources(a), 0, options=opts)
     run_publish(root, sources(b), 1, options=opts)
     m = Catalog(Root(root)).manifest(1)
     store = glob.glob(f"{root}/steps/000000000001/attempts/{m.attempt}/data.zarr")[0]
+    assert bool(m.packs()) == packed and any(e.parts is not None and e.parts.packs for e in m.tensors.values()) == packed
+    assert bool(glob.glob(f"{store}/**/zarr.json", recursive=True)) != packed
     checked = 0
-    for g in (zarr.open_group(store, mode="r"), open_step(root, 1)):  # the store, and the auditor's one call
+    for g in [open_step(root, 1)] + ([] if packed else [zarr.open_group(store, mode="r")]):
         for name, e in m.tensors.items():
             if e.parts is None:
                 continue
@@ -300,7 +309,7 @@ def test_snapshot_is_a_bit_copy(tmp_path):
 
 
 def test_manifest_parts_and_pieces_are_validated(tmp_path, opts):
-    from storage.manifest import TensorEntry
+    from storage.manifest import Manifest, TensorEntry
 
     root = str(tmp_path / "bucket")
     a = canonical(8)
@@ -308,14 +317,16 @@ def test_manifest_parts_and_pieces_are_validated(tmp_path, opts):
     run_publish(root, sources(next_step(a, 3, fraction=0.5, unchanged=0.0)), 1, options=opts)
     m = Catalog(Root(root)).manifest(1)
     name, e = next((n, e) for n, e in m.tensors.items() if e.parts is not None and e.pieces is not None)
-    good = e.to_dict()
-    TensorEntry.from_dict(name, good, "m")  # round trip
+    packs = tuple(m.packs())
+    assert e.parts.packs  # the ranks packed their parts (the default)
+    good = e.to_dict({p: i for i, p in enumerate(packs)})
+    assert TensorEntry.from_dict(name, good, "m", e.scheme, packs) == e  # round trip
 
     def bad(mutate, match):
         d = json.loads(json.dumps(good))
         mutate(d)
         with pytest.raises(IntegrityError, match=match):
-            TensorEntry.from_dict(name, d, "m")
+            TensorEntry.from_dict(name, d, "m", packs=packs)
 
     bad(lambda d: d["pieces"]["starts"].pop() and d["pieces"]["extents"].pop() and d["pieces"]["digests"].pop(),
         "do not partition")
@@ -327,6 +338,15 @@ def test_manifest_parts_and_pieces_are_validated(tmp_path, opts):
         bad(lambda d: (d["parts"]["indices"].reverse(), d["parts"]["slot"].reverse()), "strictly increasing")
     if len(e.chunks):
         bad(lambda d: d["parts"]["indices"].__setitem__(0, d["chunks"]["indices"][0]), "both whole and in parts|increasing")
+    bad(lambda d: d["parts"]["pack"].__setitem__(0, len(packs)), "parts.pack")
+    bad(lambda d: d["parts"]["offset"].pop(), "parts.pack/offset must be lists")
+    with pytest.raises(IntegrityError, match="name packs, but the manifest lists none"):
+        TensorEntry.from_dict(name, good, "m")
+    # a part moved onto another stored chunk's bytes: the pack's chunks no longer tile it
+    doc = json.loads(m.to_json())
+    doc["tensors"][name]["parts"]["offset"][0] += 1
+    with pytest.raises(IntegrityError, match="do not tile"):
+        Manifest.from_dict(doc, "m")
 
 
 def test_a_corrupt_part_fails_the_refit_and_leaves_the_state(tmp_path, opts):
@@ -337,12 +357,8 @@ def test_a_corrupt_part_fails_the_refit_and_leaves_the_state(tmp_path, opts):
     before = open(state, "rb").read()
     run_publish(root, sources(next_step(a, 4, fraction=0.5, unchanged=0.0)), 1, options=opts)
     m = Catalog(Root(root)).manifest(1)
-    e = next(e for e in m.tensors.values() if e.parts is not None)
-    rel = e.stored_at(len(e.chunks))[0]
-    path = f"{root}/steps/000000000001/attempts/{m.attempt}/data.zarr/{rel}"
-    data = bytearray(open(path, "rb").read())
-    data[-1] ^= 0xFF
-    open(path, "wb").write(bytes(data))
+    name, e = next((n, e) for n, e in m.tensors.items() if e.parts is not None)
+    damage_chunk(root, 1, name, len(e.chunks))  # its first part (in a rank's pack: the default)
     with pytest.raises(DCRError):
         run_receive(root, "r", state)
     assert open(state, "rb").read() == before
@@ -387,3 +403,134 @@ def test_training_ranks_refuse_column_blocks_with_one_line_and_commit_nothing(tm
                     options=blocks)
     assert "\n" not in str(err.value)
     assert Catalog(Root(root)).marker(0 if keyframe else 1) is None
+
+
+def _experts(seed: int, n: int) -> dict[str, torch.Tensor]:
+    """``n`` small BF16 expert matrices: a mixture-of-experts checkpoint in miniature."""
+    g = torch.Generator().manual_seed(seed)
+    return {f"layers.{i // 32}.experts.{i % 32}.w": torch.randint(-32768, 32767, (4, 16), generator=g,
+                                                                 dtype=torch.int16).view(torch.bfloat16)
+            for i in range(n)}
+
+
+def _expert_sources(ck: dict[str, torch.Tensor], world: int) -> list[ShardedSource]:
+    """Even experts split by rows (each rank stores whole chunks), odd ones by columns (every
+    chunk shared by every rank: each stores its parts)."""
+    out = []
+    for r in range(world):
+        shards = []
+        for i, (name, t) in enumerate(ck.items()):
+            dim = i % 2
+            p = split(name, tuple(t.shape), {dim: (r, world)})
+            a, e = p[0].start[dim], p[0].extent[dim]
+            shards.append(Shard(name, (t[a:a + e] if dim == 0 else t[:, a:a + e]).contiguous(), p))
+        out.append(ShardedSource(shards, rank=r, world=world))
+    return out
+
+
+def _step_objects(root: str, step: int) -> list[str]:
+    d = f"{root}/steps/{step:012d}"
+    return sorted(os.path.relpath(os.path.join(p, f), d) for p, _, fs in os.walk(d) for f in fs)
+
+
+def test_a_sharded_delta_of_many_small_tensors_writes_objects_by_its_bytes(tmp_path):
+    """Each rank packs its chunks and parts: a delta of 600 experts over 4 ranks writes at most
+    16 + stored bytes / 8 MiB objects, plus one partial manifest per rank (counted apart), where one
+    object per chunk and part wrote thousands; receivers, a mirror and its receivers hold exactly
+    the dense checkpoint."""
+    root, state, world = str(tmp_path / "bucket"), str(tmp_path / "s.safetensors"), 4
+    ck0 = _experts(0, 600)
+    ck1 = next_step(ck0, 1, fraction=0.03, unchanged=0.0)
+    opts = PublishOptions(chunk_bytes=64, cache_dir=str(tmp_path / "cache"))
+    run_publish(root, _expert_sources(ck0, world), 0, options=opts)
+    run_receive(root, "r", state)
+    run_publish(root, _expert_sources(ck1, world), 1, options=opts)
+    m = Catalog(Root(root)).manifest(1)
+    stored = m.summary()["bytes_stored"]
+    assert sum(e.n_stored for e in m.tensors.values()) > 1000  # chunks and parts: one object each, unpacked
+    assert all(e.parts is not None and e.parts.packs for e in list(m.tensors.values())[1::2])
+    objects = _step_objects(root, 1)
+    partials = [o for o in objects if f"/{m.attempt}/ranks/" in o]
+    assert len(partials) == world
+    assert len(objects) - len(partials) <= 16 + stored / (8 << 20), objects
+    assert not any(o.endswith("zarr.json") for o in objects)
+    run_receive(root, "r", state)
+    assert_bits_equal(held(state), ck1)
+    fresh = str(tmp_path / "fresh.safetensors")
+    run_receive(root, "f", fresh, step=1)
+    assert_bits_equal(held(fresh), ck1)
+    assert not audit.verify(Root(root), deep=True).errors
+    mirror = str(tmp_path / "mirror")
+    run_mirror(root, mirror)  # each pack checked whole against the chunks and parts it holds
+    far = str(tmp_path / "far.safetensors")
+    run_receive(mirror, "far", far)
+    assert_bits_equal(held(far), ck1)
+
+
+def test_a_sharded_delta_with_pack_bytes_0_stores_one_object_per_chunk_and_part(tmp_path):
+    root, state = str(tmp_path / "bucket"), str(tmp_path / "s.safetensors")
+    ck0 = _experts(2, 40)
+    ck1 = next_step(ck0, 3, fraction=0.1, unchanged=0.0)
+    opts = PublishOptions(chunk_bytes=64, cache_dir=str(tmp_path / "cache"), pack_bytes=0)
+    run_publish(root, _expert_sources(ck0, 4), 0, options=opts)
+    run_receive(root, "r", state)
+    run_publish(root, _expert_sources(ck1, 4), 1, options=opts)
+    m = Catalog(Root(root)).manifest(1)
+    assert m.schema_version < 3 and not m.packs()
+    objects = _step_objects(root, 1)
+    stored = [o for o in objects if "/c/" in o]
+    assert len(stored) == sum(e.n_stored for e in m.tensors.values()) > 0
+    assert any("%parts/c/" in o for o in stored) and any(o.endswith("zarr.json") for o in objects)
+    run_receive(root, "r", state)
+    assert_bits_equal(held(state), ck1)
+
+
+@pytest.mark.faults(component="rank partial manifest", outcome="an old (unpacked) one still reads; one whose "
+                    "rows contradict its packed flag, or names a bad pack, is refused naming the rank")
+def test_partial_manifests_with_and_without_pack_columns(tmp_path):
+    ck = _experts(4, 8)
+    root = str(tmp_path / "bucket")
+    opts = PublishOptions(chunk_bytes=64, cache_dir=str(tmp_path / "cache"))
+    run_publish(root, _expert_sources(ck, 2), 0, options=opts)
+    m = Catalog(Root(root)).manifest(0)
+    data = open(f"{root}/{layout.rank_partial_key(0, m.attempt, 1)}", "rb").read()
+    partial = ranks.RankPartial.from_json(data, "p", 1)
+    assert partial.packed and all(len(r) == 5 for t in partial.tensors.values() for r in t.chunks + t.parts)
+    old = json.loads(data)  # as written before packs: no flag, three columns per row
+    del old["packed"]
+    for t in old["tensors"].values():
+        t["chunks"], t["parts"] = [r[:3] for r in t["chunks"]], [r[:3] for r in t["parts"]]
+    before = ranks.RankPartial.from_json(json.dumps(old).encode(), "p", 1)
+    assert not before.packed
+    assert {n: (t.chunks, t.parts) for n, t in before.tensors.items()} == {
+        n: ([r[:3] for r in t.chunks], [r[:3] for r in t.parts]) for n, t in partial.tensors.items()}
+    old["packed"] = True
+    with pytest.raises(IntegrityError, match="p: packed is True, but its chunks say otherwise"):
+        ranks.RankPartial.from_json(json.dumps(old).encode(), "p", 1)
+    bad = json.loads(data)
+    name, t = next((n, t) for n, t in bad["tensors"].items() if t["chunks"])
+    t["chunks"][0][3] = "../../x"
+    with pytest.raises(IntegrityError, match=f"rank 1 tensor {name!r}.*pack name"):
+        ranks.RankPartial.from_json(json.dumps(bad).encode(), "p", 1)
+
+
+@pytest.mark.faults(component="rank partial manifest", outcome="ranks disagreeing on --pack-bytes 0: nothing committed")
+def test_ranks_that_disagree_on_packing_commit_nothing(tmp_path):
+    root = str(tmp_path / "bucket")
+    opts = PublishOptions(chunk_bytes=64, cache_dir=str(tmp_path / "cache"))
+    errors = {}
+
+    def run(src):
+        try:
+            run_publish(root, src, 0, options=opts.model_copy(update={"pack_bytes": 0}) if src.rank == 1 else opts,
+                        attempt="ce" * 16)
+        except DCRError as e:
+            errors[src.rank] = e
+
+    threads = [threading.Thread(target=run, args=(s,)) for s in _expert_sources(_experts(5, 8), 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert "planned packed=False, rank 0 planned True" in str(errors[0]) and "\n" not in str(errors[0])
+    assert 1 in errors and Catalog(Root(root)).latest_committed() is None
