@@ -69,8 +69,9 @@ POINTS = frozenset({
     "fleet.member-update",
     # a mirror: each object copied downstream, a step's payload complete, its marker copied
     "mirror.object-copied", "mirror.payload-copied", "mirror.committed",
-    # a streaming mirror: an upstream stream index forwarded downstream (its chunks first)
-    "mirror.index-forwarded",
+    # a streaming mirror: a pack forwarded whole (its announced chunks tile it, each checked); an
+    # upstream stream index forwarded downstream (its chunks and packs first)
+    "mirror.pack-forwarded", "mirror.index-forwarded",
     # a follower (receive --follow, mirror --follow) looked upstream, found nothing new, and waits
     "follow.waiting",
     # maintenance

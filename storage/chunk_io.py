@@ -70,6 +70,7 @@ class StoredChunk:
     nbytes: int
     pack: str = ""  # the pack holding it (packed steps), at ``offset``; "": its own object
     offset: int = 0
+    pack_bytes: int = 0  # the size of that pack, once it is written (announced chunks); 0: not known
 
 
 class _Packer:
@@ -89,10 +90,11 @@ class _Packer:
     def _name(self) -> str:
         return f"{self.tag}.{self._seq:06d}"
 
-    def add(self, data: bytes, stored: Callable[[str, int], None] | None = None) -> tuple[str, int]:
+    def add(self, data: bytes, stored: Callable[[str, int, int], None] | None = None) -> tuple[str, int]:
         """Append ``data`` to the open pack: (its pack, its offset there). Writes the pack if this
-        sealed it (an error then fails this chunk, hence the publish). ``stored(pack, offset)`` is
-        called once the pack is written (streaming announces the chunk then)."""
+        sealed it (an error then fails this chunk, hence the publish). ``stored(pack, offset, pack
+        size)`` is called once the pack is written (streaming announces the chunk then, with the
+        size a mirror needs to forward the pack whole)."""
         with self._lock:
             name, offset = self._name(), self._size
             self._parts.append(data)
@@ -104,14 +106,14 @@ class _Packer:
             self._write(*sealed)
         return name, offset
 
-    def _seal(self) -> tuple[str, list[bytes], list[Callable[[], None]]] | None:
+    def _seal(self) -> tuple[str, list[bytes], list[Callable[[int], None]]] | None:
         if not self._parts:
             return None
         sealed = (self._name(), self._parts, self._calls)
         self._seq, self._parts, self._size, self._calls = self._seq + 1, [], 0, []
         return sealed
 
-    def _write(self, name: str, parts: list[bytes], calls: list[Callable[[], None]]) -> None:
+    def _write(self, name: str, parts: list[bytes], calls: list[Callable[[int], None]]) -> None:
         data = b"".join(parts)
         key = layout.store_key(self.step, self.attempt, layout.pack_key(name))
         self.root.write(key, data)
@@ -119,7 +121,7 @@ class _Packer:
             self.written += len(data)
         events.reached("pack.stored", key=key, nbytes=len(data), chunks=len(parts))
         for call in calls:
-            call()
+            call(len(data))
 
     def flush(self) -> None:
         """Write the open pack, if it holds anything (every chunk was added)."""
@@ -208,8 +210,8 @@ class StepWriter:
             data = self.codec.encode(pad(payload, n), None if base is None else pad(base, n), dtype, changes)
             digest = stored_digest(data) if self.codec.conditional else chunk_digest(payload)
             if self._packer is not None:
-                def stored(pack: str, offset: int) -> None:
-                    announce(key_in_store, StoredChunk(index, digest, len(data), pack, offset))
+                def stored(pack: str, offset: int, pack_bytes: int) -> None:
+                    announce(key_in_store, StoredChunk(index, digest, len(data), pack, offset, pack_bytes))
 
                 pack, offset = self._packer.add(data, None if announce is None else stored)
                 events.reached("chunk.stored", key=key, nbytes=len(data), pack=pack)

@@ -22,6 +22,7 @@ from concurrent.futures import Future
 
 from dcr_core import events
 from dcr_core.chunking import ChunkGrid
+from dcr_core.codec import CodecSpec
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
@@ -183,7 +184,7 @@ class Prefetcher:
             def done(f: Future, c: StreamedChunk = c, fut: Future = fut) -> None:
                 try:
                     data = f.result()[c.offset - start:c.offset - start + c.nbytes]
-                    fut.set_result(self.check(layout.range_ident(key, c.offset), idx, c, data))
+                    fut.set_result(self.check(layout.range_ident(key, c.offset), idx.codec, c, data))
                 except BaseException as e:  # noqa: BLE001 - the chunk's future carries it to whoever takes it
                     fut.set_exception(e)
 
@@ -206,11 +207,11 @@ class Prefetcher:
         """Read one chunk and check it as the index describes it (runs on the pool)."""
         if self.stopped.is_set():
             raise IntegrityError(f"{self.root.url}/{key}: prefetch stopped")
-        return self.check(key, idx, c, self.root.read(key, limit=c.nbytes))
+        return self.check(key, idx.codec, c, self.root.read(key, limit=c.nbytes))
 
-    def check(self, key: str, idx: StreamIndex, c: StreamedChunk, data: bytes) -> bytes:
-        """``data``, once it decodes to a payload with the digest the index gives ``c``."""
-        payload = decode_chunk(self.root.url, key, data, idx.codec, c.dtype, c.grid, c.index, c.nbytes)
+    def check(self, key: str, codec: CodecSpec, c: StreamedChunk, data: bytes) -> bytes:
+        """``data``, once it decodes under ``codec`` (its index's) to a payload with the digest the index gives ``c``."""
+        payload = decode_chunk(self.root.url, key, data, codec, c.dtype, c.grid, c.index, c.nbytes)
         if payload_digest(payload) != c.digest:
             raise IntegrityError(f"{self.root.url}/{key}: chunk digest does not match its stream index")
         with self._count:

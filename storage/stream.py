@@ -37,6 +37,7 @@ from storage import layout
 from storage.catalog import utc_now
 from storage.chunk_io import StoredChunk
 from storage.document_fields import document, fail, parse_attempt, parse_digest, parse_int, parse_shape
+from storage.manifest import MAX_PACK_BYTES
 from storage.root import Root
 
 log = logging.getLogger("dcr.stream")
@@ -81,6 +82,7 @@ class StreamedChunk:
     nbytes: int
     pack: str = ""  # packed steps: the pack holding it, at ``offset``
     offset: int = 0
+    pack_bytes: int = 0  # packed steps: the size of that pack (0: not announced; it is then not forwarded early)
 
     def location(self, step: int, attempt: str) -> tuple[str, int | None]:
         """The object holding the chunk, and its offset there (None: the whole object)."""
@@ -111,6 +113,7 @@ class StreamIndex:
             if c.pack:
                 a.setdefault("pack", []).append(c.pack)
                 a.setdefault("offset", []).append(c.offset)
+                a.setdefault("pack_bytes", []).append(c.pack_bytes)
         return json.dumps({"format": INDEX_FORMAT, "step": self.step, "attempt": self.attempt, "seq": self.seq,
                            "codec": self.codec.to_dict(), "last": self.last, "arrays": arrays}).encode()
 
@@ -143,19 +146,26 @@ def _array_chunks(array: str, a: Any, what: str) -> list[StreamedChunk]:
     indices, digests, nbytes = a.get("indices"), a.get("digests"), a.get("nbytes")
     if not all(isinstance(x, list) for x in (indices, digests, nbytes)) or not len(indices) == len(digests) == len(nbytes):
         raise fail(what, "indices, digests and nbytes must be lists of one length")
-    packs, offsets = a.get("pack"), a.get("offset")
-    if packs is None and offsets is None:
-        packs, offsets = [""] * len(indices), [0] * len(indices)
+    packs, offsets, sizes = a.get("pack"), a.get("offset"), a.get("pack_bytes")
+    if packs is None and offsets is None and sizes is None:
+        packs, offsets, sizes = [""] * len(indices), [0] * len(indices), [0] * len(indices)
     elif not isinstance(packs, list) or not isinstance(offsets, list) or not len(packs) == len(offsets) == len(indices):
         raise fail(what, "pack and offset must be lists as long as indices")
+    elif sizes is not None and (not isinstance(sizes, list) or len(sizes) != len(indices)):
+        raise fail(what, "pack_bytes must be a list as long as indices")
     else:
         packs = [layout.check_pack(p) for p in packs]
+        sizes = [0] * len(indices) if sizes is None else sizes  # an index from before pack sizes were announced
     out = []
-    for i, dg, nb, pk, off in zip(indices, digests, nbytes, packs, offsets):
+    for i, dg, nb, pk, off, size in zip(indices, digests, nbytes, packs, offsets, sizes):
         index = parse_int(i, what, 0, grid.n_chunks - 1)
+        nb, off = parse_int(nb, what, 1, 1 << 34), parse_int(off, what, 0, 1 << 40)
+        # a chunk lies inside its pack, whose size is at most what a manifest allows (0: not announced)
+        size = parse_int(size, what, 0, MAX_PACK_BYTES)
+        if size and off + nb > size:
+            raise fail(what, f"chunk {index} ends at byte {off + nb} of a {size}-byte pack")
         out.append(StreamedChunk(a["tensor"], a["dtype"], grid, layout.chunk_key(array, grid.grid_index(index)),
-                                 index, parse_digest(dg, what), parse_int(nb, what, 1, 1 << 34), pk,
-                                 parse_int(off, what, 0, 1 << 40)))
+                                 index, parse_digest(dg, what), nb, pk, off, size))
     return out
 
 
@@ -222,7 +232,7 @@ class StreamAnnouncer:
         """A chunk's upload finished (called from the upload threads)."""
         with self._lock:
             self._ready.append(StreamedChunk(tensor, dtype, grid, key_in_store, chunk.index, chunk.digest,
-                                             chunk.nbytes, chunk.pack, chunk.offset))
+                                             chunk.nbytes, chunk.pack, chunk.offset, chunk.pack_bytes))
 
     def finish(self) -> None:
         """Every chunk is stored: write what is left as the last index."""

@@ -111,7 +111,7 @@ def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: st
     """Copy committed step ``step`` of ``src`` to ``dst`` (see the module docstring); a step already
     committed downstream is only checked (same attempt). ``as_id``: the mirror is also a receiver
     of ``src`` by that id and leases the step while copying it."""
-    job = open_step(src, dst, step, result, as_id)
+    job = open_step(src, dst, step, result, as_id, io_workers)
     if job is None:
         return
     try:
@@ -123,9 +123,11 @@ def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: st
         close_step(src, job, as_id)
 
 
-def open_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None) -> MirrorJob | None:
+def open_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None,
+              io_workers: int = 8) -> MirrorJob | None:
     """Check upstream's marker, lease the step for ``as_id``, check the manifest, copy ``run.json``
-    if needed and list what to copy; None (and the step noted present) when DST already committed
+    if needed and list what to copy (objects already downstream read back ``io_workers`` at a
+    time: ``unvouched_copies``); None (and the step noted present) when DST already committed
     the same attempt. A marker DST holds that does not verify is no commit: the step is copied
     again and its marker replaced (``commit_step``). Whoever gets a job releases it (``close_step``)."""
     scat = Catalog(src)
@@ -150,7 +152,7 @@ def open_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str 
         have = {o.key: o.size for o in dst.objects(prefix)}
         upstream = src.objects(prefix)
         present = [o.key for o in upstream if have.get(o.key) == o.size]
-        again = set(unvouched_copies(src, dst, job, present))
+        again = set(unvouched_copies(src, dst, job, present, io_workers))
         todo = tuple((o.key, o.size) for o in upstream if have.get(o.key) != o.size or o.key in again)
     except BaseException:
         if as_id is not None:
@@ -258,25 +260,30 @@ def _check_pack(url: str, key: str, m: Manifest, held: list[tuple[int, TensorEnt
         UncheckedChunk(url, where, data[offset:offset + nbytes], m.codec, e.dtype, e.grid, index, digest).checked()
 
 
-def unvouched_copies(src: Root, dst: Root, job: MirrorJob, keys: list[str]) -> list[str]:
-    """Of the objects already downstream (``keys``: a copy cut off earlier, or chunks a streaming
-    mirror forwarded before the commit), those to copy again: each that the manifest binds is read
-    back and checked, unless a downstream stream index lists it with the digest the manifest gives
-    (the ``Forwarder`` checked its bytes against that digest before writing them). So a chunk that
-    matched only a forged stream index is replaced, never committed onward."""
+def unvouched_copies(src: Root, dst: Root, job: MirrorJob, keys: list[str], io_workers: int = 8) -> list[str]:
+    """Of the objects already downstream (``keys``: a copy cut off earlier, or chunks and packs a
+    streaming mirror forwarded before the commit), those to copy again: each that the manifest
+    binds is read back and checked (``io_workers`` at a time: a forwarded step's packs are all
+    downstream), unless it is a chunk object a downstream stream index lists with the digest the
+    manifest gives (the ``Forwarder`` checked its bytes against that digest before writing them).
+    So a chunk that matched only a forged stream index is replaced, never committed onward, and a
+    pack is always read back: the digests an index would name are public in the manifest."""
     checks = expected_objects(src, job)
     m = Catalog(src).manifest_at(job.step, job.attempt, job.manifest_digest)
     bound = chunk_digests(m)
     vouched = vouched_chunks(dst, job, {k: bound[k] for k in keys if k in bound}, index_budget(m))
-    again = []
-    for key in keys:
-        if key not in checks or key in vouched:
-            continue
+
+    def bad(key: str) -> bool:
         try:
             checks[key].check(dst.read(key, limit=checks[key].limit))
         except (IntegrityError, FileNotFoundError):
-            again.append(key)
-    return again
+            return True
+        return False
+
+    unvouched = [k for k in keys if k in checks and k not in vouched]
+    with BoundedPool(io_workers, name="dcr-mirror-check") as pool:
+        futures = [pool.submit(bad, key) for key in unvouched]
+        return [key for key, f in zip(unvouched, futures) if f.result()]
 
 
 def vouched_chunks(dst: Root, job: MirrorJob, wanted: dict[str, str], budget: int) -> set[str]:

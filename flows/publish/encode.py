@@ -252,12 +252,17 @@ def announcing(plan: PublishPlan) -> Iterator[Callable[[dict[str, TensorEntry]],
     with StreamAnnouncer(open_root(plan.root), plan.step, plan.attempt, plan.codec) as announcer:
 
         def announce(entries: dict[str, TensorEntry]) -> None:
+            sizes: dict[str, int] = {}  # a group's packs hold its chunks alone (its writer's tag): their sizes
+            for e in entries.values():
+                for p, n in zip(e.chunks.packs, e.chunks.nbytes):
+                    sizes[p] = sizes.get(p, 0) + n
             for name, e in entries.items():
                 grid = ChunkGrid(plan.infos[name].shape, e.chunk_shape)
                 c = e.chunks
                 for pos, (index, digest, nbytes) in enumerate(zip(c.indices, c.digests, c.nbytes)):
+                    where = (c.packs[pos], c.offsets[pos], sizes[c.packs[pos]]) if c.packs else ()
                     announcer.stored(name, e.dtype, grid, layout.chunk_key(e.array, grid.grid_index(index)),
-                                     StoredChunk(index, digest, nbytes, *((c.packs[pos], c.offsets[pos]) if c.packs else ())))
+                                     StoredChunk(index, digest, nbytes, *where))
 
         yield announce
         announcer.finish()  # the last index, before the manifest: followers know they have it all

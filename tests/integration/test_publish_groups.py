@@ -14,6 +14,9 @@ from dcr_core import events
 from flows.options import PublishOptions
 from flows.publish.pipeline import run_publish
 from flows.receive.pipeline import run_receive
+from storage import stream
+from storage.catalog import Catalog
+from storage.root import Root
 from tests.support.helpers import assert_bits_equal, attempt_objects, chain_of_steps, read_state, write_safetensors
 
 
@@ -86,6 +89,12 @@ def test_groups_store_what_one_process_stores_and_keep_the_cache(tmp_path, monke
         assert {r["step"] for r in rebuilt} == {1, 2, 3} and len(rebuilt) > 6  # every group of each delta
     for step in range(4):
         assert attempt_objects(grouped, step) == attempt_objects(here, step)
+        m = Catalog(Root(grouped)).manifest(step)  # each group's chunks announced with their packs' sizes
+        announced, seq = {}, 0
+        while (idx := stream.read_index(Root(grouped), step, m.attempt, seq)) is not None:
+            announced.update({c.pack: c.pack_bytes for c in idx.chunks})
+            seq += 1
+        assert announced == m.packs() != {}
     state = str(tmp_path / "state.safetensors")
     run_receive(grouped, "r", state)
     assert_bits_equal(read_state(state), read_state(paths[-1]))

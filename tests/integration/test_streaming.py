@@ -13,6 +13,7 @@ small packs (``PACKED``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -25,7 +26,7 @@ import pytest
 from safetensors.torch import load_file
 
 from dcr_core import events
-from dcr_core.errors import StepConflictError
+from dcr_core.errors import IntegrityError, StepConflictError
 from flows import PublishOptions, run_materialize, run_publish, run_receive
 from flows.receive.follow import follow
 from flows.streaming import Streaming
@@ -241,8 +242,9 @@ def test_a_streamed_refit_fetches_before_the_commit_and_ends_bit_exact(tmp_path,
 
 @pytest.mark.parametrize("pack_bytes", [0, PACKED.pack_bytes, 8 << 20], ids=["per-object", "packed", "one-pack"])
 def test_the_publisher_exposes_its_attempt_and_every_stored_chunk(tmp_path, pack_bytes):
-    """Every stored chunk is in a stream index, where it is stored: also those of the last pack,
-    written once every chunk is encoded (with 8 MiB packs, the whole step)."""
+    """Every stored chunk is in a stream index, where it is stored (a packed chunk: with its pack's
+    size): also those of the last pack, written once every chunk is encoded (with 8 MiB packs, the
+    whole step)."""
     root, cks, _ = _setup(tmp_path, seed=42)
     res = run_publish(root, cks[1], 1, options=opts(tmp_path, pack_bytes=pack_bytes))
     r = Root(root)
@@ -252,15 +254,17 @@ def test_the_publisher_exposes_its_attempt_and_every_stored_chunk(tmp_path, pack
     while not last:
         idx = stream.read_index(r, 1, res.attempt, seq)
         assert idx is not None, f"stream index {seq} missing before the last"
-        listed.update({(c.tensor, c.index): (c.digest, c.nbytes, c.location(1, res.attempt)) for c in idx.chunks})
+        listed.update({(c.tensor, c.index): (c.digest, c.nbytes, c.location(1, res.attempt), c.pack_bytes)
+                       for c in idx.chunks})
         seq, last = seq + 1, idx.last
     assert stream.read_index(r, 1, res.attempt, seq) is None
     m = Catalog(r).manifest(1)
-    stored = {}
+    stored, sizes = {}, m.packs()
     for name, e in m.tensors.items():
         for pos in range(e.n_stored):
             key, index, digest, nbytes = e.stored_at(pos)
-            stored[name, index] = (digest, nbytes, (layout.store_key(1, res.attempt, key), e.offset_at(pos)))
+            size = sizes[e.chunks.packs[pos]] if e.chunks.packs else 0  # announced with it: a mirror forwards it whole
+            stored[name, index] = (digest, nbytes, (layout.store_key(1, res.attempt, key), e.offset_at(pos)), size)
     packs = len(m.packs())
     assert {0: packs == 0, PACKED.pack_bytes: packs > 1, 8 << 20: packs == 1}[pack_bytes], packs
     assert listed == stored  # every chunk the manifest names, with the same digest, size and place; nothing else
@@ -504,15 +508,14 @@ def test_kill_9_of_a_streaming_follower_mid_prefetch(tmp_path):
 
 @pytest.mark.parametrize("packing", LAYOUTS, ids=str)
 def test_a_streaming_mirror_forwards_while_upstream_publishes(tmp_path, packing):
-    """origin -> (dcr mirror --follow --stream) -> region; a follower of the region streams from it:
-    it fetches chunks before the origin's commit, so the mirror forwarded them (and their indexes)
-    before the commit, and the region commits only after the origin did. A packed step's chunks are
-    not forwarded early (a pack is copied whole, and checked whole against the manifest, after the
-    commit: no index can vouch for all of its bytes), only its indexes, naming none of them: the
-    region's follower streams the attempt, reads the packs after the commit, and ends exact."""
+    """origin -> (dcr mirror --follow --stream) -> region; a follower of the region streams from it.
+    The origin's publish is held before its commit until the region's follower has fetched chunks
+    from the region: the mirror forwarded them (and their indexes) before the commit (a packed
+    step: each pack whole, once its announced chunks tile it), and the region commits only after
+    the origin did; the region's follower ends exact."""
     root, cks, _ = _setup(tmp_path, seed=48)
     region = str(tmp_path / "region")
-    seen = "follow.waiting=report,stream.chunk-skipped=report,stream.chunk-prefetched=report"
+    seen = "follow.waiting=report,mirror.pack-forwarded=report,stream.chunk-prefetched=report"
     env = {**os.environ, "DCR_ORCHESTRATOR": "none", "DCR_FAILPOINTS": seen}
     dcr("mirror", root, region)
     state = tmp_path / "region-follower.safetensors"
@@ -526,21 +529,109 @@ def test_a_streaming_mirror_forwards_while_upstream_publishes(tmp_path, packing)
         with events.listening(points):
             f = Follower(region, state, until=1)
             f.start()
-            with events.failpoints(packing.slow):
-                res = run_publish(root, cks[1], 1, options=opts(tmp_path, packing, io_workers=2))
+            with publishing_slowly(root, cks[1], 1, tmp_path, packing) as done:
+                points.wait_for("stream.chunk-prefetched", 6)  # from the region, forwarded there before the commit
+                assert not done.is_set()
             f.finish()
     finally:
         mirror.kill()
         mirror.wait()
-    if packing.pack_bytes:  # the mirror passed over every packed chunk it was told of, fetching none
-        assert reported("stream.chunk-skipped") in err.text() and "stream.chunk-prefetched" not in err.text()
-    else:
-        assert points.count("stream.chunk-prefetched") > 5
-        assert points.first("stream.chunk-prefetched") < points.first("publish.committed")
-    assert f.streaming.started == [(1, res.attempt)]
-    assert Catalog(Root(region)).marker(1).attempt == res.attempt
+    assert points.first("stream.chunk-prefetched") < points.first("publish.committed")
+    if packing.pack_bytes:
+        assert reported("mirror.pack-forwarded") in err.text()
+    attempt = Catalog(Root(root)).marker(1).attempt
+    assert f.streaming.started == [(1, attempt)]
+    assert Catalog(Root(region)).marker(1).attempt == attempt
     assert_bits_equal(load_file(state), cks[1])
     assert_bits_equal(load_file(state), _dense(root, 1, tmp_path))
+
+
+def _forged_pack(forgery: str, chunks: list[stream.StreamedChunk], size: int) -> list[stream.StreamedChunk]:
+    """The announcements of one pack's chunks (``chunks``, in pack order; ``size`` bytes), forged."""
+    if forgery == "gap":  # announced one byte larger: its last byte covered by no chunk
+        return [dataclasses.replace(c, pack_bytes=size + 1) for c in chunks]
+    if forgery == "overlap":  # the last chunk moved one byte back, over its neighbour: no byte past it
+        return chunks[:-1] + [dataclasses.replace(chunks[-1], offset=chunks[-1].offset - 1)]
+    if forgery == "short":  # its last chunk left out, the pack announced as the chunks before it
+        return [dataclasses.replace(c, pack_bytes=chunks[-1].offset) for c in chunks[:-1]]
+    assert forgery == "digest"
+    return [dataclasses.replace(chunks[0], digest="0" * 64)] + chunks[1:]
+
+
+@pytest.mark.faults("streaming", component="security",
+                    outcome="a pack its announced chunks do not tile, or with a chunk off its digest, is not forwarded; "
+                    "the mirror then copies the origin's bytes, checked")
+@pytest.mark.parametrize("forgery", ["gap", "overlap", "short", "digest"])
+def test_a_forged_pack_announcement_forwards_nothing_wrong(tmp_path, forgery):
+    """A streaming mirror is told of a pack by announcements forged or left partial: its chunks do
+    not tile it (a byte covered by none, two overlapping), the pack is larger than announced, or a
+    chunk's digest is not its bytes'. That pack is never written downstream nor listed in a
+    downstream index (a gap or an overlap: the other packs still are; a pack that fails its read or
+    check ends the forwarding, as a chunk does), whatever is downstream is the origin's bytes, and
+    the mirror then commits the step exactly."""
+    from flows.maintenance.mirror import run_mirror
+    from flows.maintenance.mirror_stream import Forwarder
+    from storage.chunk_io import BoundedPool
+
+    root, cks, state = _setup(tmp_path, seed=54, n=2)
+    region = str(tmp_path / "region")
+    run_mirror(root, region)
+    src, dst = Root(root), Root(region)
+    attempt = run_publish(root, cks[1], 1, options=opts(tmp_path, PACKED)).attempt
+    sizes = Catalog(src).manifest(1).packs()
+    victim = max(sizes, key=sizes.get)
+    indexes = []
+    while (idx := stream.read_index(src, 1, attempt, len(indexes))) is not None:
+        indexes.append(idx)
+    announced = sorted((c for idx in indexes for c in idx.chunks if c.pack == victim), key=lambda c: c.offset)
+    assert len(announced) > 1 and all(c.pack_bytes == sizes[victim] for c in announced)
+    forged = {c.key_in_store: c for c in _forged_pack(forgery, announced, sizes[victim])}
+    trusted = {n: (e.dtype, e.grid) for n, e in Catalog(src).manifest(0).tensors.items()}
+    forwarder = Forwarder(src, dst, 1, attempt, workers=2, trusted=trusted)
+    forwarder.begin()
+    with BoundedPool(2) as pool:
+        for idx in indexes:
+            chunks = tuple(forged[c.key_in_store] if c.pack == victim else c for c in idx.chunks
+                           if c.pack != victim or c.key_in_store in forged)
+            try:
+                forwarder.take(dataclasses.replace(idx, chunks=chunks), pool)
+            except IntegrityError as e:  # the pack that is not as announced: the forwarding ends there
+                assert forgery in ("short", "digest") and victim in str(e), e
+                break
+        else:
+            assert forgery in ("gap", "overlap")
+    down = {o.key for o in dst.objects(layout.attempt_dir(1, attempt)) if "/stream/" not in o.key}
+    forwarded = {k.rsplit("/", 1)[1] for k in down if f"/{layout.PACKS}/" in k}
+    assert victim not in forwarded and (forgery in ("short", "digest") or forwarded == set(sizes) - {victim})
+    assert all(dst.read(key) == src.read(key) for key in down)  # the origin's bytes, checked
+    for seq in range(len(indexes)):  # downstream indexes list only what was forwarded
+        listed = stream.read_index(dst, 1, attempt, seq)
+        assert listed is None or {c.pack for c in listed.chunks} <= forwarded
+    run_mirror(root, region)
+    run_receive(region, "follower", str(state))
+    assert_bits_equal(load_file(state), cks[1])
+
+
+def test_a_stream_index_bounds_each_packed_chunk_by_its_pack_size():
+    """The pack size announced with a packed chunk is optional (indexes written before it parse,
+    the size unknown: 0) and, when given, holds the chunk: one ending past it is refused."""
+    from dcr_core.chunking import ChunkGrid
+    from dcr_core.errors import DCRError
+    from flows.options import KEYFRAMES
+
+    grid = ChunkGrid((8,), (4,))
+    chunks = tuple(stream.StreamedChunk("t", "U8", grid, f"t/c/{i}", i, "0" * 64, 10, "0123abcd.000000", 10 * i, 20)
+                   for i in range(2))
+    idx = stream.StreamIndex(1, "a" * 32, 0, KEYFRAMES, chunks, True)
+    assert stream.index_at(idx.to_json(), "i", 1, "a" * 32, 0) == idx
+    older = json.loads(idx.to_json())
+    del older["arrays"]["t"]["pack_bytes"]
+    assert [c.pack_bytes for c in stream.StreamIndex.from_json(json.dumps(older).encode(), "i").chunks] == [0, 0]
+    for bad in ([20, 19], [20], [20, "20"], [20, 1 << 41]):
+        forged = json.loads(idx.to_json())
+        forged["arrays"]["t"]["pack_bytes"] = bad
+        with pytest.raises(DCRError, match="i array 't'"):
+            stream.StreamIndex.from_json(json.dumps(forged).encode(), "i")
 
 
 @pytest.mark.faults("streaming", component="process",
@@ -549,7 +640,7 @@ def test_kill_9_of_a_streaming_mirror_mid_forward(tmp_path):
     root, cks, _ = _setup(tmp_path, seed=49, n=2)
     region = str(tmp_path / "region")
     dcr("mirror", root, region)
-    # One object per chunk: a packed step's chunks are not forwarded before the commit (only indexes)
+    # One object per chunk: forwarded chunk by chunk, so the kill lands between forwarded objects
     with publishing_slowly(root, cks[1], 1, tmp_path, PER_OBJECT) as done:
         kill_at("mirror.index-forwarded@1", "mirror", root, region, "--follow", "--stream", "--interval", "0.05")
         assert not done.is_set(), "the publish ended before the mirror was killed: not mid-stream"
@@ -609,8 +700,8 @@ def test_kill_9_of_a_publisher_process_while_a_follower_streams(tmp_path):
 def test_a_streaming_relay_between_two_s3_servers(s3_server, tmp_path):
     """origin (the session's S3 server) -> dcr mirror --follow --stream -> region (a second server with
     its own endpoint and credentials) -> a streaming follower of the region: the follower fetches
-    before the origin's commit, and ends bit-exact. One object per chunk: only such chunks are
-    forwarded before the commit (``test_a_streaming_mirror_forwards_while_upstream_publishes``)."""
+    before the origin's commit, and ends bit-exact (one object per chunk; packs are forwarded as
+    ``test_a_streaming_mirror_forwards_while_upstream_publishes`` shows)."""
     import boto3
     from moto.server import ThreadedMotoServer
 
