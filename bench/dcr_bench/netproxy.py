@@ -47,7 +47,9 @@ def request_kind(method: str, path: str) -> str:
         return f"{method} list"
     parts = p.path.split("/")
     last = parts[-1]
-    if "c" in parts and "data.zarr" in parts:
+    if "%25packs" in parts or "%packs" in parts:
+        kind = "pack"
+    elif "c" in parts and "data.zarr" in parts:
         kind = "chunk"
     elif last == "zarr.json":
         kind = "zarr.json"

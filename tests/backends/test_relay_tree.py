@@ -227,7 +227,8 @@ def test_a_mirror_that_alters_drops_or_replays_is_refused_by_its_receivers(world
     b = w.opts("b")
     mirror = Root(w.mirror["b"], b)
     last = STEPS - 1
-    chunk = sorted(k for k in relayed["stored"][last]["objects"] if "layers." in k and "/c/" in k)[0]
+    chunk = sorted(k for k in relayed["stored"][last]["objects"]  # a pack (or a chunk object of a layer)
+                   if f"/{layout.PACKS}/" in k or ("layers." in k and "/c/" in k))[0]
     state = tmp_path / "s.safetensors"
     dcr("receive", w.mirror["b"], "--receiver", "check", "--state", state, "--step", last - 1, *flags(b), env=w.env, check=0)
     held = state.read_bytes()

@@ -30,12 +30,17 @@ def relay_chain(n: int, seed: int = 7, fraction: float = 0.03) -> list[dict[str,
 
 def step_bytes(root: Root, step: int) -> dict:
     """What committed step ``step`` holds in ``root``, in bytes: its marker, its manifest, its chunks
-    and its whole attempt (with the Zarr metadata); ``objects``: key -> size."""
+    (packs, or chunk objects) and its whole attempt; ``objects``: key -> size."""
     marker = Catalog(root).require_marker(step)
     objs = {o.key: o.size for o in root.objects(layout.attempt_dir(step, marker.attempt))}
     return {"marker": len(root.read(layout.commit_key(step))), "manifest": objs.get(layout.manifest_key(step, marker.attempt), 0),
-            "chunks": sum(v for k, v in objs.items() if "/c/" in k), "attempt": sum(objs.values()), "objects": objs,
+            "chunks": sum(v for k, v in objs.items() if _stored(k)), "attempt": sum(objs.values()), "objects": objs,
             "attempt_id": marker.attempt}
+
+
+def _stored(key: str) -> bool:
+    """Whether ``key`` holds stored chunks: a pack (packed steps) or a chunk object of its own."""
+    return f"/{layout.PACKS}/" in key or "/c/" in key
 
 
 def flags(options: dict, flag: str = "--storage-option") -> list[str]:

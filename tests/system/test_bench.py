@@ -114,7 +114,8 @@ def test_bench_end_to_end_through_s3_at_two_link_caps(tmp_path):
         assert e["full"]["wire_bytes"] >= 2 * e["full"]["bytes"]
         assert e["dcr"]["link_s"] > 0 and e["dcr"]["server_cpu_s"] >= 0 and e["byte_ratio"] > 1
         kinds = e["dcr"]["request_kinds"]  # every request counted once, by what it touched
-        assert sum(kinds.values()) == e["dcr"]["requests"] and kinds["PUT chunk"] == kinds["GET chunk"] > 0
+        assert sum(kinds.values()) == e["dcr"]["requests"] and kinds["PUT pack"] == kinds["GET pack"] > 0
+        assert not any(k.endswith(" chunk") for k in kinds)  # packed steps: no object per chunk
         assert kinds["PUT manifest.json"] == kinds["PUT commit.json"] == 1
     md = (tmp_path / "results.md").read_text()
     assert "server CPU s" in md and "Requests of the in-process refit, by what they touch" in md

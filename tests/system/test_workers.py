@@ -234,12 +234,13 @@ def test_a_failed_publish_run_again_encodes_only_the_groups_that_had_not_finishe
         if point != "publish.group-returned":
             return
         returned.append(fields)
-        if lost and len(returned) == 4:  # the rerun's first result (group 0, kept): take an object of it away
+        if lost and len(returned) == 4:  # the rerun's first result (group 0, kept): take an object away
             attempts = os.path.join(root, "steps", f"{1:012d}", "attempts")
             (attempt,) = os.listdir(attempts)
-            meta = os.path.join(root, layout.store_key(1, attempt, layout.array_meta_key(fields["arrays"][0])))
-            os.unlink(meta)
-            gone.append(meta)
+            packs = os.path.join(root, layout.store_key(1, attempt, layout.PACKS))
+            victim = os.path.join(packs, sorted(os.listdir(packs))[0])  # a pack a group's result names
+            os.unlink(victim)
+            gone.append(victim)
 
     events.set_failpoints("publish.group-returned@3=fail")  # this process: the flow fails at the third result
     try:
