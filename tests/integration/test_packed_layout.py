@@ -121,7 +121,7 @@ def test_objects_per_delta_and_gets_per_receive_follow_the_bytes(tmp_path, n):
     assert used.gets <= 16 + used.bytes_read / (8 * MIB), used
 
 
-@pytest.mark.faults(component="pack object", outcome="refused, state unchanged")
+@pytest.mark.faults(component="bad input or damaged bucket", outcome="a one-line error naming the pack and the chunk's bytes in it; the state file unchanged")
 def test_a_damaged_or_truncated_pack_is_refused_naming_it_and_the_state_is_unchanged(tmp_path):
     root = tmp_path / "bucket"
     ck0 = nasty_checkpoint(seed=7)
@@ -148,7 +148,7 @@ def test_a_damaged_or_truncated_pack_is_refused_naming_it_and_the_state_is_uncha
     assert_bits_equal(read_state(state), ck1)
 
 
-@pytest.mark.faults(component="manifest packs", outcome="refused")
+@pytest.mark.faults(component="bad input or damaged bucket", outcome="the manifest is refused naming the field")
 @pytest.mark.parametrize("edit, says", [
     (lambda d, t: d["packs"].append("zzzz"), "pack name"),
     (lambda d, t: t["chunks"]["offset"].__setitem__(0, t["chunks"]["offset"][0] + 1), "do not tile"),
@@ -205,7 +205,7 @@ def test_coalesced_reads_take_one_get_per_run_of_wanted_chunks_in_a_pack():
     assert reads[1] is None and reads[0] is not reads[2]
 
 
-@pytest.mark.faults(component="publisher killed while writing packs", outcome="nothing committed; rerun exact")
+@pytest.mark.faults(component="publisher", outcome="nothing committed, receivers stay on the last step; a rerun commits the step bit-exact")
 @pytest.mark.parametrize("point", ["pack.stored@1", "pack.stored@3"])
 def test_kill_9_while_packs_are_written_commits_nothing_and_a_rerun_is_exact(tmp_path, point):
     root = tmp_path / "bucket"
