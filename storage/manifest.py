@@ -351,6 +351,11 @@ class TensorEntry:
         table, q = (self.chunks, pos) if pos < n else (self.parts, pos - n)
         return table.offsets[q] if table.packs else None
 
+    @property
+    def packed(self) -> bool:
+        """Whether any of its chunks or parts lies in a pack."""
+        return bool(self.chunks.packs or (self.parts is not None and self.parts.packs))
+
     def packed_spans(self) -> list[tuple[str, int, int]]:
         """``(pack, offset, stored bytes)`` of every packed position, main chunks then parts."""
         out = list(zip(self.chunks.packs, self.chunks.offsets, self.chunks.nbytes))
@@ -495,7 +500,7 @@ class Manifest:
 
     @property
     def schema_version(self) -> int:
-        if self.packs():
+        if any(e.packed for entries in (self.tensors, self.snapshot) for e in entries.values()):
             return PACKED_SCHEMA_VERSION
         return SCHEMA_VERSION if self.digest_scheme.blocked else FLAT_SCHEMA_VERSION
 

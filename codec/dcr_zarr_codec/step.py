@@ -128,17 +128,13 @@ class _StepDocs:
         fs, root = fsspec.core.url_to_fs(root_url, **options)
         step_dir = f"{root.rstrip('/')}/steps/{step:0{STEP_WIDTH}d}"
         commit_url = fs.unstrip_protocol(f"{step_dir}/{COMMIT}")
-        try:
-            commit = _read_json(fs, f"{step_dir}/{COMMIT}", MAX_COMMIT_BYTES, commit_url)
-        except FileNotFoundError:
-            raise StepNotCommittedError(f"{commit_url}: no commit marker: step {step} is not committed") from None
+        commit = _document(fs, f"{step_dir}/{COMMIT}", MAX_COMMIT_BYTES, StepNotCommittedError(
+            f"{commit_url}: no commit marker: step {step} is not committed"))
         attempt = _commit_attempt(commit, step, commit_url)
         attempt_dir = f"{step_dir}/attempts/{attempt}"
         manifest_url = fs.unstrip_protocol(f"{attempt_dir}/{MANIFEST}")
-        try:
-            m = _read_json(fs, f"{attempt_dir}/{MANIFEST}", MAX_MANIFEST_BYTES, manifest_url)
-        except FileNotFoundError:
-            raise StepDocumentError(f"{manifest_url}: missing, but {commit_url} names it") from None
+        m = _document(fs, f"{attempt_dir}/{MANIFEST}", MAX_MANIFEST_BYTES,
+                      StepDocumentError(f"{manifest_url}: missing, but {commit_url} names it"))
         with _named(manifest_url):
             if not isinstance(m, dict) or m.get("format") != "dcr-manifest":
                 raise StepDocumentError("not a DCR manifest")
@@ -241,6 +237,14 @@ def _ints(v, what: str, n: int | None = None) -> list:
     if not isinstance(v, list) or (n is not None and len(v) != n):
         raise StepDocumentError(f"{what}: expected a list{'' if n is None else f' of {n}'}")
     return v
+
+
+def _document(fs, path: str, limit: int, missing: Exception):
+    """The JSON document at ``path`` (at most ``limit`` bytes); ``missing`` is raised if it is absent."""
+    try:
+        return _read_json(fs, path, limit, fs.unstrip_protocol(path))
+    except FileNotFoundError:
+        raise missing from None
 
 
 def _packs(v, tables: tuple[dict, dict], fs, store_dir: str) -> list[tuple[str, int]]:
