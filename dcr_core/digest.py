@@ -141,10 +141,9 @@ def chunk_digest(payload: np.ndarray) -> str:
 
 def policy_digest(entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:
     """One digest over (name, dtype, shape, tensor digest) of every tensor, in name order."""
-    h = blake3.blake3()
-    for name, dtype, shape, digest in sorted(entries):
-        h.update(f"{name}\0{dtype}\0{','.join(map(str, shape))}\0{digest}\n".encode())
-    return h.hexdigest()
+    text = "".join(f"{name}\0{dtype}\0{','.join(map(str, shape))}\0{digest}\n"
+                   for name, dtype, shape, digest in sorted(entries))
+    return blake3.blake3(text.encode()).hexdigest()
 
 
 # ---- piecewise digests (tensors published from shards) ------------------------------------------

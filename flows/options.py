@@ -13,6 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from dcr_core import bundles
 from dcr_core.codec import CodecSpec
 from dcr_core.digest import DEFAULT_BLOCK_BYTES
 from dcr_core.errors import UsageError
@@ -91,6 +92,16 @@ class PublishOptions(_Options):
         8 << 20, ge=0, le=1 << 30, description="stored chunks go into shared pack objects of at least this many "
         "bytes (manifest schema 3: objects and requests per step follow its bytes, not its tensors); 0: one "
         "object per chunk and a zarr.json per array, the layout before packs",
+    )
+    bundle_below: int = Field(
+        bundles.DEFAULT_BELOW_BYTES, ge=0, le=1 << 30, description="tensors smaller than this many bytes are stored "
+        "in bundles, one flat tensor per dtype (manifest schema 4: the cost of a step follows its bytes, not its "
+        "tensor count), when a dtype holds at least bundle_min_tensors of them; decided by each keyframe, kept "
+        "by its deltas; 0: never",
+    )
+    bundle_min_tensors: int = Field(
+        bundles.DEFAULT_MIN_TENSORS, ge=2, le=1 << 30, description="bundle a dtype's small tensors only when it "
+        "holds at least this many (fewer stay one manifest entry each, easier to read)",
     )
     group_bytes: int | None = Field(
         None, ge=1, description="on workers (flows.workers): raw bytes of tensors per mapped encoding task; None: "

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from dcr_core import events
+from dcr_core.bundles import policy_infos
 from dcr_core.chain import Direction, Move, plan_direct, plan_path
 from dcr_core.delta import apply_chunk
 from dcr_core.dtypes import DTYPES
@@ -184,6 +185,22 @@ def check_moves(plan: RefitPlan, ms: dict[int, Manifest]) -> None:
             raise StateMismatchError(f"step {move.step} cannot be undone (it holds overwrites)")
 
 
+def refuse_bundles(plan: RefitPlan, ms: dict[int, Manifest], who: str) -> None:
+    """Receivers that apply chunks to tensors they hold one by one (live modules, vLLM engines) do not
+    apply bundles yet: a plan that reads one is refused before anything is fetched or touched."""
+    for s in sorted(ms):
+        if ms[s].bundles():
+            raise UsageError(f"step {s} of {plan.root.url} stores small tensors in bundles (manifest schema 4), which "
+                             f"{who} does not apply yet; publish its lineage with --bundle-below 0 (a new keyframe), "
+                             "or receive into a state file")
+
+
+def state_infos(m: Manifest) -> dict:
+    """The tensors a receiver holds at step ``m`` (bundles' members by name), in the order its state
+    file lays them out: stored-name order, each bundle's members back to back in bundle order."""
+    return policy_infos({n: e.info for n, e in m.tensors.items()}, m.bundles())
+
+
 def check_schema(manifest: Manifest, infos: dict, where: str) -> None:
     """The held tensors (``infos``: name -> TensorInfo) have the step's names, dtypes and shapes."""
     if set(infos) != set(manifest.tensors):
@@ -225,7 +242,7 @@ def refit_tensors(
             e_target = target.tensors[name]
             if held_m is not None:
                 bits = held(name)
-                if not held_m.tensors[name].matches(bits):
+                if not held_m.tensors[name].matches(bits, members=False):
                     raise held_mismatch(where, name, held_m.step)
             else:
                 bits = np.zeros(math.prod(e_target.shape), dtype=DTYPES[e_target.dtype].storage)

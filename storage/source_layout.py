@@ -17,6 +17,7 @@ DCR's own format, as steps published from tensors or shards do).
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -30,7 +31,7 @@ from dcr_core.errors import IntegrityError
 from storage import layout
 from storage.document_fields import MAX_DIM, MAX_NDIM, document, fail, parse_int
 from storage.local.safetensors import INDEX_NAME, MAX_HEADER_BYTES, SafetensorsCheckpoint
-from storage.manifest import MAX_SOURCE_BYTES, Manifest, SourceRecord, TensorEntry
+from storage.manifest import MAX_SOURCE_BYTES, Manifest, SourceRecord
 from storage.root import Root
 
 FORMAT = "dcr-source-layout"
@@ -85,14 +86,16 @@ class SourceLayout:
         """The file that holds each tensor."""
         return {n: f for f in self.files for n in f.placed}
 
-    def check(self, tensors: dict[str, TensorEntry], where: str) -> None:
-        """The files hold exactly these tensors, with their dtypes and shapes."""
+    def check(self, tensors, where: str) -> None:
+        """The files hold exactly these tensors (``(name, dtype, shape, ...)`` records: a manifest's
+        ``policy_entries``), with their dtypes and shapes."""
         infos = {n: i for f in self.files for n, i in f.infos.items()}
+        tensors = {t[0]: (t[1], tuple(t[2])) for t in tensors}
         if set(infos) != set(tensors):
             odd = sorted(set(infos) ^ set(tensors))[0]
             raise IntegrityError(f"{where}: tensor {odd!r} is not in both the step's manifest and its source files")
         for name, e in tensors.items():
-            if (infos[name].dtype, infos[name].shape) != (e.dtype, e.shape):
+            if (infos[name].dtype, infos[name].shape) != e:
                 raise IntegrityError(f"{where}: tensor {name!r} has another dtype or shape than in the step's manifest")
 
     @classmethod
@@ -168,6 +171,7 @@ def _parse_file(d, where: str) -> SourceFile:
     return SourceFile(name, struct.pack("<Q", n) + text, size, infos, placed)
 
 
+@functools.lru_cache(maxsize=4)
 def placement(text: bytes, size: int, what: str) -> tuple[dict[str, TensorInfo], dict[str, tuple[int, int]]]:
     """The tensors a safetensors header (its JSON bytes) describes and where each lies in a file of
     ``size`` bytes, in file order; ``Unkept`` unless the tensors fill the file after the header
@@ -190,7 +194,7 @@ def placement(text: bytes, size: int, what: str) -> tuple[dict[str, TensorInfo],
             a, b = e["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise Unkept(f"tensor {name!r} has a malformed header entry") from None
-        if len(shape) > MAX_NDIM or not all(type(x) is int and 0 <= x <= MAX_DIM for x in shape) \
+        if len(shape) > MAX_NDIM or not all(type(x) is int for x in shape) or any(x < 0 or x > MAX_DIM for x in shape) \
                 or not all(type(x) is int for x in (a, b)) or not 0 <= a <= b \
                 or b - a != math.prod(shape) * dt.itemsize:
             raise Unkept(f"tensor {name!r} has inconsistent shape/offsets")
@@ -267,5 +271,5 @@ def read(root: Root, m: Manifest) -> SourceLayout | None:
     lay = SourceLayout.from_json(data, where)
     if lay.kind != m.source.kind:
         raise IntegrityError(f"{where}: a {lay.kind}, the manifest says a {m.source.kind}")
-    lay.check(m.tensors, where)
+    lay.check(m.policy_entries(), where)
     return lay

@@ -41,7 +41,7 @@ MAX_COMMIT_BYTES = 1 << 20
 MAX_MANIFEST_BYTES = 512 << 20
 MAX_NDIM = 16
 MAX_CHUNK_BYTES = 1 << 30  # a chunk decompressed (zarr allocates it whole): DCR's own limit
-SCHEMA_VERSIONS = (1, 2, 3)
+SCHEMA_VERSIONS = (1, 2, 3, 4)
 _ATTEMPT = re.compile(r"^[0-9a-f]{16,64}$")
 _SEGMENT = re.compile(r"^[A-Za-z0-9_.%-]{1,255}$")
 _PACK = re.compile(r"^[0-9a-f]{8}\.[0-9]{6}$")  # <writer tag>.<k>
@@ -81,12 +81,18 @@ def open_step(root_url: str, step: int, storage_options: dict | None = None) -> 
     return docs.group(entries)
 
 
-def open_tensor(root_url: str, step: int, name: str, storage_options: dict | None = None) -> zarr.Array:
+def open_tensor(root_url: str, step: int, name: str, storage_options: dict | None = None):
     """The array of tensor ``name`` at the committed ``step``: a keyframe's holds the values' bits,
-    a delta's the XOR mask (or the new values of an ``overwrite`` tensor)."""
+    a delta's the XOR mask (or the new values of an ``overwrite`` tensor). A zarr array; a tensor
+    stored in a bundle (manifest schema 4: small tensors of a dtype as one flat array) comes back as
+    a numpy array of the same bits, read from its bundle's array and shaped as the tensor."""
     docs = _StepDocs.read(root_url, step, storage_options)
-    if name not in docs.tensors:
-        raise KeyError(f"{docs.manifest_url}: step {step} has no tensor {name!r}")
+    if name not in docs.tensors or name in docs.bundles:
+        where = docs.member(name)
+        if where is None:
+            raise KeyError(f"{docs.manifest_url}: step {step} has no tensor {name!r}")
+        bundle, start, stop, shape = where
+        return docs.group(docs.entries(bundle))[bundle][start:stop].reshape(shape)
     return docs.group(docs.entries(name))[name]
 
 
@@ -119,6 +125,7 @@ class _StepDocs:
     packs: list[tuple[str, int]]  # (URL, size in bytes) of each pack, in the manifest's order
     tensors: dict  # tensor name -> its manifest entry (unchecked)
     snapshot: dict  # the same, of a restart point's full copy
+    bundles: dict = field(default_factory=dict)  # bundle name -> its members' columns (schema 4)
 
     @classmethod
     def read(cls, root_url: str, step: int, storage_options: dict | None) -> _StepDocs:
@@ -154,7 +161,23 @@ class _StepDocs:
                 raise StepDocumentError("tensors and snapshot must be objects")
             attrs = {"dcr": {"step": step, "kind": m.get("kind"), "base_step": m.get("base_step")}}
             packs = _packs(m.get("packs", []), (tensors, snapshot), fs, f"{attempt_dir}/{STORE}")
-        return cls(fs, options, step, attempt_dir, manifest_url, codec, attrs, packs, tensors, snapshot)
+            bundles = m.get("bundles") or {}
+            if not isinstance(bundles, dict):
+                raise StepDocumentError("bundles must be an object")
+        return cls(fs, options, step, attempt_dir, manifest_url, codec, attrs, packs, tensors, snapshot, bundles)
+
+    def member(self, name: str) -> tuple[str, int, int, tuple[int, ...]] | None:
+        """Where a bundled tensor lies (manifest schema 4): its bundle, its elements there, its shape."""
+        for bundle, cols in self.bundles.items():
+            names = cols.get("names") if isinstance(cols, dict) else None
+            if isinstance(names, list) and name in names:
+                shapes = cols.get("shapes")
+                if not isinstance(shapes, list) or len(shapes) != len(names):
+                    raise StepDocumentError(f"bundle {bundle!r}: shapes must be as many as names")
+                i = names.index(name)
+                start = sum(math.prod(s) for s in shapes[:i])
+                return bundle, start, start + math.prod(shapes[i]), tuple(shapes[i])
+        return None
 
     def entries(self, name: str | None) -> list[_Entry]:
         """The arrays of tensor ``name`` (None: of every tensor and snapshot tensor), checked."""

@@ -33,6 +33,12 @@ def add_arguments(name: str, p) -> None:
                    help="stored chunks go into shared pack objects of at least B bytes, so a step costs about one "
                    "object per B stored however many tensors it holds (default 8 MiB); 0: one object per chunk "
                    "and a zarr.json per array (the layout before packs, which any zarr opens without dcr-zarr-codec)")
+    p.add_argument("--bundle-below", type=Number(int, 0, 1 << 30), default=None, metavar="B",
+                   help="a keyframe stores tensors smaller than B bytes in bundles (one flat tensor per dtype, its "
+                   "members named in the manifest), so a step of tens of thousands of small tensors costs about "
+                   "what its bytes in a few tensors cost; its deltas keep its bundles (default 1 MiB; 0: never)")
+    p.add_argument("--bundle-min-tensors", type=Number(int, 2, 1 << 30), default=None, metavar="N",
+                   help="bundle a dtype's small tensors only when it holds at least N of them (default 256)")
     p.add_argument("--column-blocks", type=Number(int, 1, 1024), default=1, metavar="N",
                    help="tile tensors larger than a chunk into N column blocks of their last dim (where N divides "
                    "it) and at least N row blocks, so tensor-parallel receiver ranks (TP dividing N) pull only their "
@@ -77,6 +83,10 @@ def run(name: str, args) -> int:
         kw["chunk_bytes"] = args.chunk_bytes
     if args.pack_bytes is not None:
         kw["pack_bytes"] = args.pack_bytes
+    if args.bundle_below is not None:
+        kw["bundle_below"] = args.bundle_below
+    if args.bundle_min_tensors is not None:
+        kw["bundle_min_tensors"] = args.bundle_min_tensors
     kw["column_blocks"] = args.column_blocks
     options = PublishOptions(**kw)
     source = _source(args)

@@ -79,7 +79,9 @@ def format_step(v: StepView, digests: bool = False) -> str:
         f"policy digest {v.policy_digest}; codec {v.codec}",
         f"manifest schema {v.schema_version}; " + (
             f"chunks in {len(v.packs)} pack{'s' if len(v.packs) != 1 else ''} of {human_bytes(sum(v.packs.values()))}"
-            if v.packs else "each stored chunk its own object"),
+            if v.packs else "each stored chunk its own object")
+        + (f"; {s.get('tensors') - (len(v.tensors) - s['bundles'])} small tensors in {s['bundles']} "
+           f"bundle{'s' if s['bundles'] != 1 else ''} (rows %bundle.*)" if s.get("bundles") else ""),
         f"{s.get('tensors_changed')}/{s.get('tensors')} tensors changed, {s.get('elements_changed', '-')} of "
         f"{s.get('elements', '-')} elements; stored {human_bytes(s.get('bytes_stored'))} of "
         f"{human_bytes(s.get('bytes_full'))}"

@@ -56,7 +56,7 @@ from flows.local_refs import LocalRef
 from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, open_source, opened
 from storage import reader
-from storage.local import cache, patch_log, safetensors, state
+from storage.local import bundled, cache, patch_log, safetensors, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter
 from storage.marker import CommitMarker
 from storage.root import open_root
@@ -346,10 +346,11 @@ def remember_baseline(
         log.warning("cannot write the baseline cache (%s); the next delta rebuilds its baseline from ROOT", e)
         return None
     try:
-        with opened(source) as src:
+        with opened(source) as raw:  # the cache holds what the step stores: a bundle as one tensor
+            src = bundled.view(raw, plan.bundles)
             for n in names:  # one tensor at a time
-                if isinstance(src, safetensors.SafetensorsCheckpoint):  # copied file to file by the kernel
-                    writer.copy_from(n, *src.file_of(n))
+                if isinstance(raw, safetensors.SafetensorsCheckpoint) and n in raw.infos:  # copied by the kernel
+                    writer.copy_from(n, *raw.file_of(n))
                 else:
                     writer.write(n, src.bits(n))
         writer.commit()

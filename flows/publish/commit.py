@@ -20,7 +20,7 @@ from storage import layout, source_layout
 from storage.catalog import Catalog, manifest_digest, utc_now
 from storage.commit import commit_marker
 from storage.local.safetensors import SafetensorsCheckpoint
-from storage.manifest import Manifest, SourceRecord, TensorEntry
+from storage.manifest import Manifest, SourceRecord, TensorEntry, policy_entries
 from storage.marker import CommitMarker
 from storage.root import open_root
 
@@ -48,7 +48,7 @@ def write_manifest(
         kind=plan.kind,
         base_step=plan.base_step,
         base_policy_digest=plan.base_policy_digest,
-        policy_digest=policy_digest((e.name, e.dtype, e.shape, e.digest) for e in entries.values()),
+        policy_digest=policy_digest(policy_entries(entries)),
         attempt=plan.attempt,
         codec=plan.codec,
         chunk_bytes=plan.options.chunk_bytes,
@@ -83,7 +83,7 @@ def keep_source(plan: PublishPlan, entries: dict[str, TensorEntry]) -> tuple[Sou
             kept = source_layout.capture(ck)
         if kept.digest() != plan.source_layout:
             raise source_layout.Unkept(f"{plan.source_file}: its headers changed while it was published")
-        kept.check(entries, plan.source_file)
+        kept.check(policy_entries(entries), plan.source_file)
     except (source_layout.Unkept, InvalidCheckpointError, IntegrityError, OSError) as e:
         log.warning("%s; step %d is committed without its files' own bytes: it materializes with DCR's header",
                     e, plan.step)

@@ -49,6 +49,7 @@ from concurrent.futures import Future, wait
 import numpy as np
 
 from dcr_core import events
+from dcr_core.bundles import MembersHasher
 from dcr_core.chain import KEYFRAME
 from dcr_core.chunking import ChunkGrid, choose_chunk_shape
 from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chunks
@@ -62,6 +63,7 @@ from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, opened
 from storage import layout
 from storage.chunk_io import StepWriter, StoredChunk
+from storage.local import bundled
 from storage.local.patch_log import PatchLogWriter
 from storage.local.safetensors import SafetensorsCheckpoint
 from storage.manifest import ChunkTable, TensorEntry
@@ -151,7 +153,7 @@ class _Reader:
 
     def __init__(self, src: Source, name: str, buffers: _Buffers):
         self.name, self.buffers = name, buffers
-        self.file = src if isinstance(src, SafetensorsCheckpoint) else None
+        self.file = src if isinstance(src, SafetensorsCheckpoint) or getattr(src, "file", False) else None
         self.storage = np.dtype(DTYPES[src.infos[name].dtype].storage)
         self.bits = None if self.file is not None else src.bits(name)
 
@@ -280,13 +282,13 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     whole = group is None
     arrays = array_names(plan.infos) if whole else dict(zip(group.names, group.arrays))
     stack = contextlib.ExitStack()
-    src = stack.enter_context(opened(source))
+    src = bundled.view(stack.enter_context(opened(source)), plan.bundles)
     if src.infos != plan.infos:
         stack.close()
         raise SchemaMismatchError(f"{src.path}: its tensors changed after the publish was planned; publish again")
     base_entries = plan.base_entries()
     from_file = isinstance(baseline, str)
-    base_src = None if baseline is None else stack.enter_context(opened(baseline))
+    base_src = None if baseline is None else bundled.view(stack.enter_context(opened(baseline)), plan.bundles)
     pending: list[tuple[dict, Future, list[Future]]] = []
     root = open_root(plan.root)
     stream = opts.stream and whole
@@ -297,7 +299,7 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
     patch = None
     cached = from_file and opts.use_cache and baseline == baseline_cache.cache_path(plan)
     if cached:
-        baseline_cache.share_cache(base_src)
+        baseline_cache.share_cache(getattr(base_src, "inner", base_src))
     if cached:  # the cache is patched with this log (a group's: with every group's) after the commit
         index, count = (None, None) if whole else (group.index, group.count)
         patch = PatchLogWriter(baseline_cache.patch_log_path(plan, index), baseline_cache.patch_log_head(plan, index, count),
@@ -321,16 +323,18 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
             else:
                 encoding = None  # chosen from a count of the changes: the whole tensor first
             base_entry = base_entries.get(name)
+            bundle = plan.bundles.get(name)
+            members = None if bundle is None else MembersHasher(bundle, plan.scheme)
             if encoding is None or grid.is_blocked:  # blocks are not flat ranges: the whole tensor at once
                 encoding, whole_digest, changed, chunk_futs = _encode_whole(
                     plan, uploads, src, base_src, baseline if from_file else None, base_entry, name, grid, array,
-                    announce, encoding, patch)
+                    announce, encoding, patch, members)
                 digest = functools.partial(str, whole_digest)
             else:
                 check = baseline if from_file and encoding is Encoding.XOR else None
                 digest, changed, chunk_futs = _encode_streamed(
                     plan, uploads, src, base_src, check, base_entry, name, grid, array, announce, encoding, patch,
-                    lanes)
+                    lanes, members)
                 unchecked.append(digest)
             if encoding is Encoding.XOR and not changed:
                 encoding = Encoding.UNCHANGED
@@ -339,6 +343,7 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
                 "name": name, "dtype": info.dtype, "shape": info.shape, "digest": digest,
                 "encoding": encoding, "array": array, "chunk_shape": grid.chunk_shape,
                 "base_digest": None if plan.kind == KEYFRAME else base_entry.digest, "changed": changed,
+                "members": None if members is None else members.finish(plan.kind != KEYFRAME),
             }
             pending.append((meta, w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs), chunk_futs))
             events.reached("tensor.done", name=name, nbytes=info.nbytes)
@@ -365,7 +370,7 @@ def _mismatch(baseline: str, name: str, plan: PublishPlan) -> BaselineMismatchEr
 def _encode_streamed(
     plan: PublishPlan, uploads: _Uploads, src: Source, base_src: Source | None, check: str | None,
     base_entry: TensorEntry | None, name: str, grid: ChunkGrid, array: str, announce, encoding: Encoding,
-    patch: PatchLogWriter | None = None, lanes: _Lanes | None = None,
+    patch: PatchLogWriter | None = None, lanes: _Lanes | None = None, members: MembersHasher | None = None,
 ) -> tuple[_Digest, int, list[Future]]:
     """One tensor, chunk by chunk (``full`` or ``xor``): its digest (a call that waits for the hash
     lanes), changed elements and uploads. ``check``: the baseline file, whose bits are hashed as
@@ -373,7 +378,8 @@ def _encode_streamed(
     check). ``patch``: where the changed elements' positions and new values go (``xor`` only).
     ``lanes``: hash there, beside the encoding, when chunks are large enough (else inline, and a
     wrong base raises here, before the next tensor). A chunk's buffers are given back once
-    nothing uses them: its hash, its upload (which may carry the old bits), the XOR."""
+    nothing uses them: its hash, its upload (which may carry the old bits), the XOR. ``members``: a
+    bundle's members, hashed from the same private copy as the bundle (inline)."""
     dtype = plan.infos[name].dtype
     buffers = uploads.buffers
     conditional = encoding is Encoding.XOR and plan.codec.conditional
@@ -403,6 +409,8 @@ def _encode_streamed(
         start, stop = grid.chunk_range(i)
         n, n_raw = new_r.read(start, stop)
         n_hashed = hashed(new_lane, new_hash, n)
+        if members is not None:
+            members.update(n)
         if base_r is None:  # full values (a keyframe): all-zero chunks are not stored
             nz = int(np.count_nonzero(n))
             if nz:
@@ -419,6 +427,8 @@ def _encode_streamed(
         mask = m_raw[: n.nbytes].view(n.dtype)
         pos, values, news = _diff(n, b, mask)  # the codec takes the changes too: the mask is scanned once
         c = int(pos.size)
+        if members is not None:
+            members.count(pos + start)
         if patch is not None:  # the changed elements' positions in the tensor and their new bits
             patch.add(name, grid.numel, pos.astype(np.int64) + start, news)
         buffers.give_after([n_hashed], n_raw)
@@ -488,7 +498,7 @@ class _Digest:
 def _encode_whole(
     plan: PublishPlan, uploads: _Uploads, src: Source, base_src: Source, check: str | None,
     base_entry: TensorEntry, name: str, grid: ChunkGrid, array: str, announce, encoding: Encoding | None = None,
-    patch: PatchLogWriter | None = None,
+    patch: PatchLogWriter | None = None, members: MembersHasher | None = None,
 ) -> tuple[Encoding, str, int, list[Future]]:
     """One tensor read whole, then encoded (the form without reused buffers): for an encoding that
     depends on how much of it changed (``encoding`` None: ``overwrite_above`` below 1) and for
@@ -497,6 +507,10 @@ def _encode_whole(
     base = None if encoding is Encoding.FULL else base_src.bits(name)
     if check is not None and base is not None and not base_entry.matches(base):
         raise _mismatch(check, name, plan)
+    if members is not None:
+        members.update(new)
+        if base is not None:
+            members.count(np.flatnonzero(np.ascontiguousarray(new).reshape(-1) != np.ascontiguousarray(base).reshape(-1)))
     if encoding is None:
         encoding = choose_encoding(count_changed(new, base), new.size, plan.options.overwrite_above)
     if patch is not None and base is not None:  # flat runs of a chunk's size: bounded temporaries
@@ -532,8 +546,9 @@ def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, Tens
     grids = _grids(plan)
     root = open_root(plan.root)
     buffers = _Buffers(_buffer_bytes(plan, grids))
-    with opened(source) as src, StepWriter(root, plan.step, plan.attempt, opts.delta_codec,
-                                           workers=opts.io_workers, pack_bytes=opts.pack_bytes) as w:
+    with opened(source) as opened_src, StepWriter(root, plan.step, plan.attempt, opts.delta_codec,
+                                                  workers=opts.io_workers, pack_bytes=opts.pack_bytes) as w:
+        src = bundled.view(opened_src, plan.bundles)
         uploads = _Uploads(w, buffers, _window(plan, root))
         pending = []
         for name in sorted(plan.infos):
@@ -552,6 +567,7 @@ def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, Tens
             table = _chunk_table(futs)
             array_fut.result()
             out[e.name] = dataclasses.replace(
-                e, encoding=Encoding.FULL, array=array, chunks=table, base_digest=None, changed=0, parts=None
+                e, encoding=Encoding.FULL, array=array, chunks=table, base_digest=None, changed=0, parts=None,
+                members=None if e.members is None else e.members.with_digests(e.members.digests),
             )
     return out

@@ -12,7 +12,8 @@ import logging
 import uuid
 from dataclasses import dataclass
 
-from dcr_core import events
+from dcr_core import bundles, events
+from dcr_core.bundles import Members
 from dcr_core.chain import DELTA, KEYFRAME
 from dcr_core.chunking import choose_chunk_shape
 from dcr_core.digest import DigestScheme
@@ -22,7 +23,7 @@ from flows.options import PublishOptions
 from flows.publish.sources import SourceRef, opened
 from storage import backends, layout, source_layout
 from storage.catalog import Catalog
-from storage.document_fields import MAX_NDIM
+from storage.document_fields import MAX_DIM, MAX_NDIM
 from storage.local.safetensors import SafetensorsCheckpoint
 from storage.manifest import MAX_TENSORS, Manifest, TensorEntry, refusal
 from storage.reader import StepRef
@@ -52,6 +53,9 @@ class PublishPlan:
     # (``storage.source_layout``) as planned; the manifest keeps the layout if it is still the same.
     source_file: str | None = None
     source_layout: str = ""  # the layout's digest, or why the files cannot be rebuilt byte for byte
+    # Small tensors stored as bundles (``dcr_core.bundles``; ``infos`` then names the bundles, not
+    # their members): chosen by a keyframe, kept from the base by a delta.
+    bundles: dict[str, Members] = dataclasses.field(default_factory=dict)
 
     @property
     def base_step(self) -> int | None:
@@ -78,17 +82,18 @@ def base_manifest(plan: PublishPlan) -> Manifest:
 
 def _schema_diff(base: Manifest, infos: dict[str, TensorInfo], whole: bool) -> str | None:
     """What differs between the tensors published and the base step's (``whole``: the same set)."""
-    missing = sorted(set(base.tensors) - set(infos)) if whole else []
-    extra = sorted(set(infos) - set(base.tensors))
+    held = {n: (dtype, tuple(shape)) for n, dtype, shape, _ in base.policy_entries()}
+    missing = sorted(set(held) - set(infos)) if whole else []
+    extra = sorted(set(infos) - set(held))
     more = lambda xs: f" (and {len(xs) - 1} more)" if len(xs) > 1 else ""
     if missing:
         return f"tensor {missing[0]!r} of step {base.step} is missing{more(missing)}"
     if extra:
         return f"tensor {extra[0]!r} is not in step {base.step}{more(extra)}"
     for name in sorted(infos):
-        e, i = base.tensors[name], infos[name]
-        if (e.dtype, e.shape) != (i.dtype, i.shape):
-            return f"tensor {name!r} is {i.dtype}{list(i.shape)}, step {base.step} has {e.dtype}{list(e.shape)}"
+        e, i = held[name], infos[name]
+        if e != (i.dtype, i.shape):
+            return f"tensor {name!r} is {i.dtype}{list(i.shape)}, step {base.step} has {e[0]}{list(e[1])}"
     return None
 
 
@@ -96,8 +101,11 @@ def check_receivable(infos: dict[str, TensorInfo], options: PublishOptions, sour
     """Every tensor is one receivers can read (their manifest limits): refused before any write."""
     if len(infos) > MAX_TENSORS:
         raise InvalidCheckpointError(f"{source_name or 'checkpoint'}: {len(infos)} tensors, more than the {MAX_TENSORS} a step may hold")
+    small = options.chunk_bytes
     for name in sorted(infos):
         i = infos[name]
+        if len(i.shape) <= MAX_NDIM and 0 < i.nbytes <= small and all(d <= MAX_DIM for d in i.shape):
+            continue  # one chunk at most, within every limit: nothing to refuse
         chunk = choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, options.chunk_bytes,
                                    options.column_blocks) if len(i.shape) <= MAX_NDIM else ()
         why = refusal(i.shape, i.dtype, chunk)
@@ -162,18 +170,25 @@ def plan_publish(
     if not sharded:  # ranks report no tensor.done (their shards are not canonical tensors): no total either
         events.reached("work.planned", what="publish", nbytes=sum(i.nbytes for i in infos.values()))
     if reason:
-        return PublishPlan(root, step, KEYFRAME, None, None, attempt, dict(infos), options, source_name,
-                           reason, rank=rank, world=world)
+        packed = {} if sharded else bundles.plan(infos, options.bundle_below, options.bundle_min_tensors)
+        return PublishPlan(root, step, KEYFRAME, None, None, attempt, bundles.stored_infos(infos, packed), options,
+                           source_name, reason, rank=rank, world=world, bundles=packed)
     base = cat.manifest(latest)
     diff = _schema_diff(base, infos, whole=not sharded)
     if diff:
         who = f"rank {rank}" if sharded else (source_name or "checkpoint")
         raise SchemaMismatchError(f"{who}: {diff}; publish with --keyframe to start a new lineage")
+    packed = base.bundles()  # a lineage keeps its keyframe's bundles: every move of a refit shares them
+    if packed and sharded:
+        raise SchemaMismatchError(
+            f"rank {rank}: step {base.step} stores small tensors in bundles, which sharded publishes do not "
+            "write yet; publish a keyframe from the ranks (keyframe=True) to start a lineage without bundles")
     marker = cat.require_marker(latest)
     policy_reason = "" if sharded else _policy_reason(cat, latest, step, options)
     return PublishPlan(
         root, step, DELTA, StepRef(latest, marker.attempt, marker.manifest_digest), base.policy_digest, attempt,
-        dict(infos), options, source_name, policy_reason, snapshot=bool(policy_reason), rank=rank, world=world,
+        bundles.stored_infos(infos, packed), options, source_name, policy_reason, snapshot=bool(policy_reason),
+        rank=rank, world=world, bundles=packed,
     )
 
 

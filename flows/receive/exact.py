@@ -24,7 +24,7 @@ from dcr_core import events
 from dcr_core.errors import UsageError
 from flows.options import ReceiveOptions
 from storage import reader, source_layout
-from storage.local import dir_swap, materialized, state
+from storage.local import bundled, dir_swap, materialized, state
 from storage.local.safetensors import INDEX_NAME, PlacedWriter
 from storage.reader import RefitPlan
 from storage.root import open_root
@@ -123,8 +123,10 @@ def stage(plan: RefitPlan, out: str, options: ReceiveOptions, kind: str) -> tupl
     pulled = 0
     with _staging(out, lay, kind) as (writers, moves):
         by_name = {n: w for w, f in zip(writers, lay.files) for n in f.placed}
+        target = ms[plan.target_step]
         for name, bits, n in reader.refit_tensors(root, plan, ms, None, options.io_workers, out):
-            by_name[name].write(name, bits)
+            for held, held_bits in bundled.expand(target.tensors[name], bits):  # a bundle: each member in place
+                by_name[held].write(held, held_bits)
             pulled += n
             events.reached("receive.tensor-staged", name=name)
         _finish(out, lay, kind, writers, moves)

@@ -92,8 +92,8 @@ def blocked(*manifests) -> int | None:
     schemes = {m.digest_scheme for m in manifests}
     if len(schemes) != 1 or not (scheme := schemes.pop()).blocked:
         return None
-    if any(e.pieces is not None for m in manifests for e in m.tensors.values()):
-        return None
+    if any(e.pieces is not None or e.members is not None for m in manifests for e in m.tensors.values()):
+        return None  # piecewise digests, bundles: hashed whole (block digests are kept per tensor held)
     return scheme.block_bytes
 
 
@@ -127,6 +127,8 @@ def eligible(plan: RefitPlan, state_path: str) -> bool:
     if not os.path.isfile(state_path):
         return False
     ms = reader.manifests(plan)
+    if any(m.bundles() for m in ms.values()):
+        return False  # a bundle's chunks span many held tensors: rewritten (partial: no journal for bundles yet)
     target = ms[plan.target_step]
     state_bytes = sum(e.nbytes for e in target.tensors.values())
     size = 0

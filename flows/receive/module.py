@@ -87,6 +87,7 @@ def plan_module_refit(root: RootRef, module: LocalRef, step: int | None) -> Refi
         reader.manifests(plan, r)[current].policy_digest != held.get("policy_digest")
     ):  # ROOT's step `current` is not the policy this module holds (a reused prefix, say)
         plan = reader.plan_refit(r, None, step, where=type(target).__name__)
+    reader.refuse_bundles(plan, reader.manifests(plan, r), "a live-module receiver")
     return plan
 
 

@@ -32,7 +32,7 @@ from flows.receive import exact as exact_files
 from flows.receive.state_file import Staged
 from flows.steps import Bound
 from storage import reader
-from storage.local import dir_swap, state
+from storage.local import bundled, dir_swap, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, write_placed
 from storage.reader import RefitPlan
 from storage.root import open_root
@@ -83,9 +83,9 @@ def reserve_file(plan: RefitPlan, state_path: str, root_url: str | None = None, 
     if plan.current_step is not None and not plan.from_keyframe:
         held = state_path
         with SafetensorsCheckpoint(state_path) as ck:
-            reader.check_schema(ms[plan.current_step], ck.infos, state_path)
-    names = sorted(target.tensors)
-    writer = StreamingSafetensorsWriter(state_path, [target.tensors[n].info for n in names],
+            reader.check_schema(ms[plan.current_step], bundled.view(ck, ms[plan.current_step].bundles()).infos,
+                                state_path)
+    writer = StreamingSafetensorsWriter(state_path, list(reader.state_infos(target).values()),
                                         state.metadata(plan.target_step, target.policy_digest,
                                                        root_url or plan.root.url),
                                         header_room=state.HEADER_ROOM)
@@ -107,16 +107,21 @@ def rewrite_group(plan: RefitPlan, reserved: Reserved, group: Group, io_workers:
     root = open_root(plan.root)
     ms = reader.manifests(plan, root)
     pulled = [0]
+    target = ms[plan.target_step]
     with contextlib.ExitStack() as stack:
-        held = None if reserved.held is None else stack.enter_context(SafetensorsCheckpoint(reserved.held)).bits
+        held = None
+        if reserved.held is not None:
+            ck = stack.enter_context(SafetensorsCheckpoint(reserved.held))
+            held = bundled.view(ck, ms[plan.current_step].bundles()).bits
 
         def tensors():
             for name, bits, n in reader.refit_tensors(root, plan, ms, held, io_workers, reserved.state_path,
                                                       names=group.names):
                 pulled[0] += n
-                yield name, bits
+                yield from bundled.expand(target.tensors[name], bits)  # a bundle: each member at its place
 
-        placed = {n: (reserved.where.get(n, reserved.tmp), reserved.offsets[n]) for n in group.names}
+        placed = {n: (reserved.where.get(n, reserved.tmp), reserved.offsets[n])
+                  for n in bundled.member_names(target.tensors, group.names)}
         written = write_placed(placed, tensors())
     events.reached("receive.group-done", step=plan.target_step, group=group.index, groups=group.count)
     return {"tensors": len(group.names), "bytes_written": written, "bytes_pulled": pulled[0]}

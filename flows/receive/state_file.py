@@ -22,7 +22,7 @@ from flows.receive import exact as exact_files
 from flows.receive import in_place
 from storage import layout, leases, reader
 from storage.catalog import Catalog, unpublished, utc_now
-from storage.local import journal, materialized, sidecar, state
+from storage.local import bundled, journal, materialized, sidecar, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
 from storage.reader import RefitPlan
 from storage.root import RootRef, open_root, same_root
@@ -145,16 +145,16 @@ def stage_rewrite(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> 
     held = None
     if plan.current_step is not None and not plan.from_keyframe:
         held = SafetensorsCheckpoint(state_path)
-        try:
+        try:  # held by name; bundles read as the step stores them (one read each where laid out so)
+            held = bundled.view(held, ms[plan.current_step].bundles())
             reader.check_schema(ms[plan.current_step], held.infos, state_path)
         except BaseException:
             held.close()
             raise
-    names = sorted(target.tensors)
     meta = state.metadata(plan.target_step, target.policy_digest, plan.root.url)
     pulled = 0
     try:
-        writer = StreamingSafetensorsWriter(state_path, [target.tensors[n].info for n in names], meta,
+        writer = StreamingSafetensorsWriter(state_path, list(reader.state_infos(target).values()), meta,
                                             header_room=state.HEADER_ROOM)
     except BaseException:
         if held is not None:
@@ -163,7 +163,7 @@ def stage_rewrite(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> 
     try:
         for name, bits, n in reader.refit_tensors(root, plan, ms, None if held is None else held.bits,
                                                   options.io_workers, state_path):
-            writer.write(name, bits)
+            bundled.write_stored(writer, target.tensors[name], bits)
             pulled += n
             events.reached("receive.tensor-staged", name=name)
         tmp = writer.finish()
@@ -217,7 +217,7 @@ def verify_held_state(plan: RefitPlan, state_path: str) -> None:
     blocks), only those checks run: a receiver polling an idle ROOT does not re-hash its state.
     Otherwise every block is hashed, and the digests are kept for the next time."""
     held = reader.manifests(plan)[plan.current_step]
-    ck = SafetensorsCheckpoint(state_path)
+    ck = bundled.view(SafetensorsCheckpoint(state_path), held.bundles())
     try:
         reader.check_schema(held, ck.infos, state_path)
         block = in_place.blocked(held)

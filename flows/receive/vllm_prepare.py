@@ -113,6 +113,7 @@ def stage(worker, b: Begun, step: int | None, opts: ReceiveOptions) -> Prepared:
     t0 = time.perf_counter()
     try:
         def staged_for(p: RefitPlan):
+            reader.refuse_bundles(p, reader.manifests(p), "the vLLM receiver")
             if not p.moves:
                 return None
             leases.take(p)

@@ -69,10 +69,13 @@ def read_header(path: str, fd: int) -> Header:
     """Read one safetensors header (from the open file ``fd``) without loading any tensor."""
     try:
         size = os.fstat(fd).st_size
-        raw_len = os.pread(fd, 8, 0)
+        first = os.pread(fd, 9, 0)
+        raw_len = first[:8]
         if len(raw_len) < 8:
             raise InvalidCheckpointError(f"{path}: not a safetensors file (shorter than 8 bytes)")
-        kind = _other_format(raw_len)
+        # A header's JSON opens at byte 8; only a file without it is matched against other formats
+        # (a header of 640 bytes starts with the bytes a pickle starts with).
+        kind = None if first[8:] == b"{" else _other_format(raw_len)
         if kind:
             raise InvalidCheckpointError(f"{path}: not a safetensors file ({kind}); save it with safetensors "
                                          "(safetensors.torch.save_file) and publish that")
@@ -124,22 +127,34 @@ def _entries(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], dict[st
         raise InvalidCheckpointError("safetensors metadata is not an object")
     infos: dict[str, TensorInfo] = {}
     starts: dict[str, int] = {}
+    spans: list[tuple[int, int, str]] = []
     end_max = 0
+    prod = math.prod
     for name, d in header.items():
-        try:
-            dt = dtype_named(d["dtype"])
-            shape = tuple(int(x) for x in d["shape"])
-            start, end = (int(x) for x in d["data_offsets"])
-        except InvalidCheckpointError as e:
-            raise InvalidCheckpointError(f"tensor {name!r}: {e}") from None
+        try:  # the common case first (a plain entry of JSON integers), one dict lookup per field
+            dt = DTYPES[d["dtype"]]
+            shape, (start, end) = d["shape"], d["data_offsets"]
+            if type(shape) is not list or not all(type(x) is int for x in shape) or type(start) is not int \
+                    or type(end) is not int:
+                raise TypeError
+            shape = tuple(shape)
         except (KeyError, TypeError, ValueError):
-            raise InvalidCheckpointError(f"tensor {name!r} has a malformed header entry") from None
-        if any(x < 0 for x in shape) or end - start != math.prod(shape) * dt.itemsize or start < 0:
+            try:
+                dt = dtype_named(d["dtype"])
+                shape = tuple(int(x) for x in d["shape"])
+                start, end = (int(x) for x in d["data_offsets"])
+            except InvalidCheckpointError as e:
+                raise InvalidCheckpointError(f"tensor {name!r}: {e}") from None
+            except (KeyError, TypeError, ValueError):
+                raise InvalidCheckpointError(f"tensor {name!r} has a malformed header entry") from None
+        if start < 0 or end - start != prod(shape) * dt.itemsize or (shape and min(shape) < 0):
             raise InvalidCheckpointError(f"tensor {name!r} has inconsistent shape/offsets")
-        end_max = max(end_max, end)
+        if end > end_max:
+            end_max = end
         infos[name] = TensorInfo(name, dt.name, shape)
         starts[name] = start
-    spans = sorted((starts[k], starts[k] + infos[k].nbytes, k) for k in infos)
+        spans.append((start, end, name))
+    spans.sort()
     for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
         if start_b < end_a:
             raise InvalidCheckpointError(f"tensors {a!r} and {b!r} overlap (data_offsets)")
@@ -354,6 +369,19 @@ class StreamingSafetensorsWriter:
             self._f.write(view)
         self._next += 1
 
+    def write_run(self, names, data) -> None:
+        """Write the tensors ``names`` (next in order, back to back in the file) from one buffer."""
+        names = list(names)
+        if self._order[self._next:self._next + len(names)] != names:
+            raise ValueError(f"tensors {names[0]!r}.. written out of order")
+        view = memoryview(data).cast("B")
+        want = sum(self._sizes[n] for n in names)
+        if view.nbytes != want:
+            raise ValueError(f"tensors {names[0]!r}..: {view.nbytes} bytes, header says {want}")
+        with self._naming_the_file():
+            self._f.write(view)
+        self._next += len(names)
+
     def copy_from(self, name: str, fd: int, offset: int) -> None:
         """Append tensor ``name`` from ``fd`` (its bytes at ``offset``), copied by the kernel
         (``copy_file_range``; a bounded buffer where that is unavailable): no user memory holds it."""
@@ -497,11 +525,10 @@ def header_bytes(infos: list[TensorInfo], metadata: Mapping[str, str] | None = N
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset, rel = 0, {}
     for info in infos:
-        header[info.name] = {
-            "dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + info.nbytes],
-        }
+        nbytes = math.prod(info.shape) * DTYPES[info.dtype].itemsize
+        header[info.name] = {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + nbytes]}
         rel[info.name] = offset
-        offset += info.nbytes
+        offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * header_room  # spare room: the header can later be rewritten in place
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it

@@ -86,7 +86,7 @@ def test_manifests_name_their_scheme_and_old_ones_stay_readable():
                      ({"digest_scheme": {"name": "other", "block_bytes": 4096}}, "digest_scheme must be"),
                      ({"digest_scheme": {"name": "dcr-blocks-v1", "block_bytes": 4100}}, "multiple of 8"),
                      ({"digest_scheme": {"name": "dcr-blocks-v1", "block_bytes": 16}}, "block_bytes"),
-                     ({"schema_version": 4}, "schema_version 4 is not supported"),
+                     ({"schema_version": 5}, "schema_version 5 is not supported"),
                      ({"schema_version": True}, "not supported")]:
         with pytest.raises(IntegrityError, match=why):
             Manifest.from_dict(d | bad, "m")
