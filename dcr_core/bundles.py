@@ -2,7 +2,8 @@
 
 A checkpoint of tens of thousands of small tensors (the experts of a mixture-of-experts model)
 would cost per tensor everywhere: a manifest entry, a chunk grid, an encode call, a digest pass, an
-apply call. A bundle holds the small tensors of one dtype back to back, in name order, as one 1-D
+apply call. A bundle holds the small tensors of one dtype back to back (in the order the keyframe's checkpoint
+file holds them, else by name) as one 1-D
 tensor (``bundle_name``): it is chunked, encoded, packed, streamed, mirrored and applied exactly like
 any tensor, so the work per step follows the bytes, not the count. Its members stay first-class: each
 keeps its name, shape and digest (in the manifest's ``bundles`` table, ``storage.manifest``), the
@@ -87,10 +88,18 @@ class Members:
         return {"names": list(self.names), "shapes": [list(s) for s in self.shapes], "digests": list(self.digests),
                 **({"changed": list(self.changed)} if self.changed else {})}
 
-    def changed_per_member(self, positions: np.ndarray) -> np.ndarray:
-        """How many of ``positions`` (element positions in the bundle) fall in each member."""
-        at = np.searchsorted(self.starts, positions, side="right") - 1
-        return np.bincount(at, minlength=len(self.names))
+    def changed_per_member(self, positions: np.ndarray) -> tuple[int, np.ndarray]:
+        """How many of ``positions`` (ascending element positions in the bundle) fall in each member:
+        ``(first member, counts)`` for the members from the first to the last position's (the
+        members' starts looked up among the positions: one lookup per member spanned, not per
+        position)."""
+        if not positions.size:
+            return 0, np.zeros(0, np.int64)
+        lo = int(np.searchsorted(self.starts, positions[0], side="right")) - 1
+        hi = int(np.searchsorted(self.starts, positions[-1], side="right"))  # members lo..hi-1
+        edges = np.searchsorted(positions, self.starts[lo:hi + 1])
+        edges[-1] = positions.size
+        return lo, np.diff(edges)
 
     def infos(self) -> Iterable[TensorInfo]:
         return (TensorInfo(n, self.dtype, s) for n, s in zip(self.names, self.shapes))
@@ -137,14 +146,17 @@ def bundle_name(dtype: str, k: int) -> str:
     return f"{PREFIX}{dtype}.{k}"
 
 
-def plan(infos: Mapping[str, TensorInfo], below_bytes: int, min_tensors: int) -> dict[str, Members]:
-    """The bundles of a new lineage: per dtype, its tensors of fewer than ``below_bytes`` bytes in
-    name order, when there are at least ``min_tensors`` (and two) of them; none when ``below_bytes``
-    is 0. A bundle's name avoids every tensor name."""
+def plan(infos: Mapping[str, TensorInfo], below_bytes: int, min_tensors: int,
+         order: Mapping[str, tuple] | None = None) -> dict[str, Members]:
+    """The bundles of a new lineage: per dtype, its tensors of fewer than ``below_bytes`` bytes,
+    when there are at least ``min_tensors`` (and two) of them; none when ``below_bytes`` is 0. Members
+    go in ``order`` (a sort key per name: where a checkpoint file holds each tensor, so that reading
+    a bundle from that file, and from the next steps' files written alike, takes few reads), else in
+    name order. A bundle's name avoids every tensor name."""
     if below_bytes <= 0:
         return {}
     small: dict[str, list[TensorInfo]] = {}
-    for name in sorted(infos):
+    for name in sorted(infos, key=None if order is None else lambda n: (order[n], n)):
         i = infos[name]
         if i.nbytes < below_bytes:
             small.setdefault(i.dtype, []).append(i)
@@ -235,7 +247,8 @@ class MembersHasher:
     def count(self, positions: np.ndarray) -> None:
         """Add changed elements at ``positions`` (element positions in the bundle)."""
         if positions.size:
-            self.changed += self.members.changed_per_member(positions)
+            lo, counts = self.members.changed_per_member(positions)
+            self.changed[lo:lo + counts.size] += counts
 
     def finish(self, changes: bool) -> Members:
         """The members with their digests (and, for a delta, changed counts)."""

@@ -141,8 +141,16 @@ def chunk_digest(payload: np.ndarray) -> str:
 
 def policy_digest(entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:
     """One digest over (name, dtype, shape, tensor digest) of every tensor, in name order."""
-    text = "".join(f"{name}\0{dtype}\0{','.join(map(str, shape))}\0{digest}\n"
-                   for name, dtype, shape, digest in sorted(entries))
+    shapes: dict[tuple[int, ...], str] = {}  # few distinct shapes in a model: each written once
+
+    def shape_text(shape) -> str:
+        t = shapes.get(shape)
+        if t is None:
+            t = shapes[shape] = ",".join(map(str, shape))
+        return t
+
+    text = "".join([f"{name}\0{dtype}\0{shape_text(tuple(shape))}\0{digest}\n"
+                    for name, dtype, shape, digest in sorted(entries)])
     return blake3.blake3(text.encode()).hexdigest()
 
 

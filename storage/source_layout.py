@@ -30,7 +30,7 @@ from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import IntegrityError
 from storage import layout
 from storage.document_fields import MAX_DIM, MAX_NDIM, document, fail, parse_int
-from storage.local.safetensors import INDEX_NAME, MAX_HEADER_BYTES, SafetensorsCheckpoint
+from storage.local.safetensors import INDEX_NAME, MAX_HEADER_BYTES, SafetensorsCheckpoint, header_doc, header_entries
 from storage.manifest import MAX_SOURCE_BYTES, Manifest, SourceRecord
 from storage.root import Root
 
@@ -177,7 +177,7 @@ def placement(text: bytes, size: int, what: str) -> tuple[dict[str, TensorInfo],
     ``size`` bytes, in file order; ``Unkept`` unless the tensors fill the file after the header
     exactly."""
     try:
-        doc = json.loads(text)
+        doc = header_doc(text)
     except (ValueError, UnicodeDecodeError, RecursionError):
         raise Unkept("its header is not JSON") from None
     if not isinstance(doc, dict):
@@ -201,6 +201,12 @@ def placement(text: bytes, size: int, what: str) -> tuple[dict[str, TensorInfo],
         infos[name] = TensorInfo(name, dt.name, shape)
         spans.append((a, b, name))
     spans.sort()
+    return infos, _fill(spans, start, size)
+
+
+def _fill(spans: list[tuple[int, int, str]], start: int, size: int) -> dict[str, tuple[int, int]]:
+    """Where each tensor lies (file offset, bytes) given its data span, in file order; ``Unkept``
+    unless the spans fill the file after the header (``start`` bytes) exactly."""
     at = 0
     placed: dict[str, tuple[int, int]] = {}
     for a, b, name in spans:
@@ -216,7 +222,18 @@ def placement(text: bytes, size: int, what: str) -> tuple[dict[str, TensorInfo],
     if start + at != size:
         raise Unkept(f"its last {size - start - at} bytes belong to no tensor" if size > start + at
                      else f"it is {size} bytes, its header needs {start + at}")
-    return infos, placed
+    return placed
+
+
+@functools.lru_cache(maxsize=4)
+def _placed(raw: bytes, size: int) -> tuple[dict[str, TensorInfo], dict[str, tuple[int, int]]]:
+    """``placement`` of a file with header ``raw`` (length prefix included) and ``size`` bytes, from
+    what opening it checked already (``safetensors.header_entries``: each tensor's dtype, shape and
+    data offset): whether the tensors fill the file after its header exactly, in file order."""
+    infos, _, starts, _ = header_entries(raw)
+    sizes = {k: d.itemsize for k, d in DTYPES.items()}
+    spans = sorted((starts[n], starts[n] + math.prod(i.shape) * sizes[i.dtype], n) for n, i in infos.items())
+    return infos, _fill(spans, len(raw), size)
 
 
 def capture(ck: SafetensorsCheckpoint) -> SourceLayout:
@@ -231,7 +248,7 @@ def capture(ck: SafetensorsCheckpoint) -> SourceLayout:
                 _check_name(name, path)
             text = head.raw[8:]
             text.decode("utf-8")
-            infos, placed = placement(text, ck.sizes[path], path)
+            infos, placed = _placed(head.raw, ck.sizes[path])
         except UnicodeDecodeError:
             raise Unkept(f"{path}: its header is not UTF-8 text") from None
         except IntegrityError:

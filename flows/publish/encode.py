@@ -343,7 +343,7 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
                 "name": name, "dtype": info.dtype, "shape": info.shape, "digest": digest,
                 "encoding": encoding, "array": array, "chunk_shape": grid.chunk_shape,
                 "base_digest": None if plan.kind == KEYFRAME else base_entry.digest, "changed": changed,
-                "members": None if members is None else members.finish(plan.kind != KEYFRAME),
+                "members": members,  # finished once its lane is done (below)
             }
             pending.append((meta, w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs), chunk_futs))
             events.reached("tensor.done", name=name, nbytes=info.nbytes)
@@ -352,6 +352,8 @@ def encode_and_write(plan: PublishPlan, source: SourceRef, baseline: SourceRef |
             table = _chunk_table(chunk_futs)
             array_fut.result()
             meta["digest"] = meta["digest"]()  # once its hash lanes are done; may raise BaselineMismatchError
+            if meta["members"] is not None:  # its members were hashed on the lane before the digest
+                meta["members"] = meta["members"].finish(plan.kind != KEYFRAME)
             entries[meta["name"]] = TensorEntry(chunks=table, scheme=plan.scheme, **meta)
         w.finish()  # the last pack is written and its chunks announced before the last index
         if announcer is not None:
@@ -409,8 +411,8 @@ def _encode_streamed(
         start, stop = grid.chunk_range(i)
         n, n_raw = new_r.read(start, stop)
         n_hashed = hashed(new_lane, new_hash, n)
-        if members is not None:
-            members.update(n)
+        if members is not None:  # on the same lane, after the bundle's digest: its future covers both
+            n_hashed = hashed(new_lane, members, n) or n_hashed
         if base_r is None:  # full values (a keyframe): all-zero chunks are not stored
             nz = int(np.count_nonzero(n))
             if nz:
@@ -510,7 +512,7 @@ def _encode_whole(
     if members is not None:
         members.update(new)
         if base is not None:
-            members.count(np.flatnonzero(np.ascontiguousarray(new).reshape(-1) != np.ascontiguousarray(base).reshape(-1)))
+            members.count(np.flatnonzero(np.ascontiguousarray(new).reshape(-1) != np.ascontiguousarray(base).reshape(-1)))  # ascending
     if encoding is None:
         encoding = choose_encoding(count_changed(new, base), new.size, plan.options.overwrite_above)
     if patch is not None and base is not None:  # flat runs of a chunk's size: bounded temporaries

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import uuid
 from dataclasses import dataclass
 
@@ -102,9 +103,11 @@ def check_receivable(infos: dict[str, TensorInfo], options: PublishOptions, sour
     if len(infos) > MAX_TENSORS:
         raise InvalidCheckpointError(f"{source_name or 'checkpoint'}: {len(infos)} tensors, more than the {MAX_TENSORS} a step may hold")
     small = options.chunk_bytes
+    sizes = {k: d.itemsize for k, d in DTYPES.items()}
     for name in sorted(infos):
         i = infos[name]
-        if len(i.shape) <= MAX_NDIM and 0 < i.nbytes <= small and all(d <= MAX_DIM for d in i.shape):
+        if len(i.shape) <= MAX_NDIM and 0 < math.prod(i.shape) * sizes[i.dtype] <= small \
+                and (not i.shape or max(i.shape) <= MAX_DIM):
             continue  # one chunk at most, within every limit: nothing to refuse
         chunk = choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, options.chunk_bytes,
                                    options.column_blocks) if len(i.shape) <= MAX_NDIM else ()
@@ -147,6 +150,7 @@ def next_free(cat: Catalog, latest: int | None) -> int:
 def plan_publish(
     root: RootRef, infos: dict[str, TensorInfo], step: int, keyframe: bool, options: PublishOptions,
     source_name: str = "", shard: tuple[int, int] | None = None, attempt: str | None = None,
+    order: dict[str, tuple] | None = None,
 ) -> PublishPlan:
     """Validate the publish of ``step`` without writing anything. ``shard``: ``(rank, world)`` of a
     sharded publish (``infos``: the canonical tensors this rank touches), with the ``attempt`` id
@@ -170,7 +174,7 @@ def plan_publish(
     if not sharded:  # ranks report no tensor.done (their shards are not canonical tensors): no total either
         events.reached("work.planned", what="publish", nbytes=sum(i.nbytes for i in infos.values()))
     if reason:
-        packed = {} if sharded else bundles.plan(infos, options.bundle_below, options.bundle_min_tensors)
+        packed = {} if sharded else bundles.plan(infos, options.bundle_below, options.bundle_min_tensors, order)
         return PublishPlan(root, step, KEYFRAME, None, None, attempt, bundles.stored_infos(infos, packed), options,
                            source_name, reason, rank=rank, world=world, bundles=packed)
     base = cat.manifest(latest)
@@ -197,7 +201,10 @@ def plan_from_source(root: RootRef, source: SourceRef, step: int, keyframe: bool
     """The plan of publishing a canonical source (a checkpoint path or a snapshot held here), in
     ``attempt`` (default: a fresh one)."""
     with opened(source) as src:
-        plan = plan_publish(root, src.infos, step, keyframe, options, src.path, attempt=attempt)
+        order = None  # bundles in the file's order: a bundle is then one read of this file (and of the next ones)
+        if isinstance(src, SafetensorsCheckpoint):
+            order = src.file_order()
+        plan = plan_publish(root, src.infos, step, keyframe, options, src.path, attempt=attempt, order=order)
         if not isinstance(src, SafetensorsCheckpoint):
             return plan
         try:

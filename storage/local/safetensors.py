@@ -88,7 +88,7 @@ def read_header(path: str, fd: int) -> Header:
             if not more:
                 raise InvalidCheckpointError(f"{path}: truncated header")
             raw += more
-        doc = json.loads(raw)
+        doc = header_doc(raw)
     except InvalidCheckpointError:  # a ValueError too: said above, as it is
         raise
     except OSError as e:
@@ -106,7 +106,7 @@ def _parse_header(path: str, fd: int) -> tuple[Header, dict[str, TensorInfo], di
     size = os.fstat(fd).st_size
     n = head.data_start - 8
     try:
-        infos, metadata, starts, end_max = _entries(head.raw)
+        infos, metadata, starts, end_max = header_entries(head.raw)
     except InvalidCheckpointError as e:
         raise InvalidCheckpointError(f"{path}: {e}") from None
     if 8 + n + end_max > size:
@@ -117,11 +117,18 @@ def _parse_header(path: str, fd: int) -> tuple[Header, dict[str, TensorInfo], di
 
 
 @functools.lru_cache(maxsize=8)
-def _entries(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], dict[str, int], int]:
+def header_doc(text: bytes):
+    """A header's JSON text parsed, kept for the few headers in use (a publish opens its checkpoint
+    several times, and the header of 70,000 tensors is 6 MB of JSON): callers must not change it."""
+    return json.loads(text)
+
+
+@functools.lru_cache(maxsize=8)
+def header_entries(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], dict[str, int], int]:
     """The tensors, metadata, data starts and data end a header's bytes describe, checked (kept for
     the few headers in use: a publish opens its checkpoint several times, and a header of tens of
     thousands of tensors costs a second to check). Errors name no file: the caller adds it."""
-    header = dict(json.loads(raw[8:]))
+    header = dict(header_doc(raw[8:]))  # a copy: the parsed document is shared
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise InvalidCheckpointError("safetensors metadata is not an object")
@@ -268,6 +275,14 @@ class SafetensorsCheckpoint:
         """``(fd, byte offset)`` of one tensor's data in the open file that holds it (the file this
         reader validated, even if its path was replaced since): for copies made by the kernel."""
         return self._fh[self._where[name]].fileno(), self._offset[name]
+
+    def file_order(self) -> dict[str, int | tuple[int, int]]:
+        """A sort key per tensor: where its data lies (its byte offset; in a directory, the file's
+        index first). Callers must not change it."""
+        if len(self._files) == 1:
+            return self._offset
+        index = {f: i for i, f in enumerate(self._files)}
+        return {n: (index[self._where[n]], self._offset[n]) for n in self.infos}
 
     def file_named(self, name: str) -> str:
         """The path of the file that holds tensor ``name``."""
@@ -523,13 +538,19 @@ def header_bytes(infos: list[TensorInfo], metadata: Mapping[str, str] | None = N
     header: dict[str, object] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    offset, rel = 0, {}
-    for info in infos:
-        nbytes = math.prod(info.shape) * DTYPES[info.dtype].itemsize
-        header[info.name] = {"dtype": info.dtype, "shape": list(info.shape), "data_offsets": [offset, offset + nbytes]}
+    offset, rel, items = 0, {}, []
+    sizes = {k: d.itemsize for k, d in DTYPES.items()}
+    dumps = json.dumps
+    for info in infos:  # each entry's JSON written here: one string per tensor, no dict per tensor
+        nbytes = math.prod(info.shape) * sizes[info.dtype]
+        items.append(f'{dumps(info.name)}:{{"dtype":"{info.dtype}","shape":[{",".join(map(str, info.shape))}],'
+                     f'"data_offsets":[{offset},{offset + nbytes}]}}')
         rel[info.name] = offset
         offset += nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
+    if len(rel) != len(items):
+        raise ValueError("a tensor is named twice")
+    head = json.dumps(header, separators=(",", ":"))
+    raw = (head[:-1] + ("," if header and items else "") + ",".join(items) + "}").encode()
     raw += b" " * header_room  # spare room: the header can later be rewritten in place
     raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
     start = 8 + len(raw)
