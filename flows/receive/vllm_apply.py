@@ -27,7 +27,7 @@ import torch
 
 from dcr_core import events
 from dcr_core.bits import tensor_from_bits, torch_dtype
-from dcr_core.dtypes import DTYPES
+from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import DCRError, StateMismatchError
 from flows.receive import held_digests, state_file, vllm_fixups, vllm_patch
 from flows.receive.vllm_prepare import Prepared, model_of, summary
@@ -59,14 +59,15 @@ def apply(worker, p: Prepared) -> dict:
         raise StateMismatchError("the engine's weights changed since dcr_prepare (reloaded outside DCR?); "
                                  "nothing was applied: prepare again")
     check_s = time.perf_counter() - t_apply
-    names = sorted(target.tensors) if p.reload is None else p.reload
+    infos = reader.state_infos(target)  # bundles' members by name, as the mirror holds them
+    names = sorted(infos) if p.reload is None else p.reload
     source = p.staged.path if p.staged else p.mirror
     t0 = time.perf_counter()
     patched = 0
     try:
         patched = vllm_patch.apply(p.patches)
         if names or not p.patches:
-            reload(worker, source, target, names, p.layers)
+            reload(worker, source, infos, names, p.layers)
     except BaseException as e:
         vllm_patch.undo(p.patches)
         roll_back(worker, p, names, e)
@@ -91,19 +92,24 @@ def apply(worker, p: Prepared) -> dict:
     return {**out, **timing}
 
 
-def reload(worker, path: str | None, manifest, names: list[str], layers: set[str] | None) -> None:
+def reload(worker, path: str | None, infos: dict[str, TensorInfo] | None, names: list[str],
+           layers: set[str] | None) -> None:
     """vLLM's in-place reload of ``names`` read from the state file at ``path`` (None: every
-    weight from the engine's own model path), with the fixes of ``flows.receive.vllm_fixups``."""
+    weight from the engine's own model path), each viewed with its dtype and shape in ``infos``
+    (the step's tensors, bundles' members by name; None: the file's own header), with the fixes of
+    ``flows.receive.vllm_fixups``."""
     model = model_of(worker)
     vllm_fixups.before_reload(model, layers)
     if path is None:
         worker.reload_weights()  # vLLM reloads from model_config.model, where the engine was loaded from
     else:
         with SafetensorsCheckpoint(path) as ck:
+            held = ck.infos if infos is None else infos
+
             def weights() -> Iterator[tuple[str, torch.Tensor]]:
                 for n in names:
-                    e = manifest.tensors[n]
-                    t = _mapped(ck.mapped_bits(n), DTYPES[e.dtype], e.shape)
+                    i = held[n]
+                    t = _mapped(ck.mapped_bits(n), DTYPES[i.dtype], tuple(i.shape))
                     events.reached("receive.engine-tensor", name=n)
                     yield n, t
 
@@ -119,12 +125,10 @@ def roll_back(worker, p: Prepared, names: list[str], error: BaseException) -> No
     try:
         with set_vllm_config(worker):
             vllm_fixups.abandon_reload(model, worker.model_config)  # a cut-off reload leaves layers half loaded
-        if p.known:
-            old = reader.manifests(p.plan)[p.plan.current_step]
-            if names:
-                reload(worker, p.mirror, old, names, p.layers)
-        else:
+        if not p.known:
             reload(worker, None, None, [], None)
+        elif names:  # the mirror holds the old step as its header lays it out (a plan through a keyframe
+            reload(worker, p.mirror, None, names, p.layers)  # names no manifest of that step)
         restored = held_digests.unchanged(model, p.digests, p.touched)
     except BaseException as undo:  # noqa: BLE001 - reported with the original error
         worker._dcr_held = None

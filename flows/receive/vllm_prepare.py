@@ -11,6 +11,12 @@ mirror (only the changed chunks pulled, every tensor verified against the step's
 a known engine, split the changed tensors into those patched in place (``vllm_patch``: their
 changed elements found now) and the layers reloaded whole (``vllm_layers``), and name every module
 the apply may change (``Prepared.touched``: checked and hashed again in the pause).
+
+Bundled steps (manifest schema 4, ``dcr_core.bundles``): the mirror holds a bundle's members by
+name, as the engine's loader knows them, so everything after the staging works on members: the
+layer map and its schema are the policy's tensors (``reader.state_infos``), a changed bundle is the
+members whose digests changed (``changed_names``), and a member is patched in place or reloaded
+from the mirror like any tensor (both read the mirrors by name).
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 
 from dcr_core.bits import tensor_from_bits
+from dcr_core.chain import Direction
 from dcr_core.dtypes import DTYPES
 from flows.options import ReceiveOptions
 from flows.receive import held_digests, state_file, vllm_layers, vllm_patch
@@ -29,6 +36,7 @@ from flows.receive.pipeline import Leases
 from storage import reader
 from storage.local import journal, state
 from storage.local.safetensors import SafetensorsCheckpoint
+from storage.manifest import Manifest
 from storage.reader import RefitPlan
 from storage.root import RootRef
 
@@ -113,7 +121,6 @@ def stage(worker, b: Begun, step: int | None, opts: ReceiveOptions) -> Prepared:
     t0 = time.perf_counter()
     try:
         def staged_for(p: RefitPlan):
-            reader.refuse_bundles(p, reader.manifests(p), "the vLLM receiver")
             if not p.moves:
                 return None
             leases.take(p)
@@ -126,7 +133,7 @@ def stage(worker, b: Begun, step: int | None, opts: ReceiveOptions) -> Prepared:
         changed = changed_names(plan)
         reload = layers = touched = None
         patches: list[vllm_patch.Patch] = []
-        schema = tuple(sorted((n, e.dtype, e.shape) for n, e in target.tensors.items()))
+        schema = tuple(sorted((n, i.dtype, tuple(i.shape)) for n, i in reader.state_infos(target).items()))
         if b.known and b.layer_map is not None and b.layer_map.schema == schema:
             patch, reload = vllm_patch.split(changed, b.patchable, b.layer_map)
             if patch:
@@ -162,12 +169,40 @@ def summary(p: Prepared) -> dict:
 
 
 def changed_names(plan: RefitPlan) -> list[str]:
-    """Names any move of the plan stores chunks of (all names for a keyframe)."""
+    """The policy tensors (bundles' members by name, as the mirror and the engine hold them) whose
+    bits the refit may change. A plan through a keyframe rebuilds the mirror whole: every tensor (a
+    keyframe stores no chunk of an all-zero tensor, so its stored names are not enough). Otherwise
+    every tensor a move stores chunks of; of a bundle a move stores chunks of, the members whose
+    digests differ between the held and the target step (``changed_members``): a bundle holds many
+    small tensors, and reloading all of them for one changed member would cost the pause the layers
+    of every one."""
     ms = reader.manifests(plan)
+    target = ms[plan.target_step]
+    if any(m.direction is Direction.KEYFRAME for m in plan.moves):
+        return sorted(reader.state_infos(target))
     out: set[str] = set()
+    members: set[str] = set()
     for move in plan.moves:
-        out.update(n for n, e in ms[move.step].tensors.items() if e.n_stored)
+        for n, e in ms[move.step].tensors.items():
+            if e.n_stored and e.members is None:
+                out.add(n)
+            elif e.n_stored:
+                members.update(e.members.names)
+    if members:
+        out.update(changed_members(ms[plan.current_step], target, members))
     return sorted(out)
+
+
+def changed_members(held: Manifest, target: Manifest, names: set[str]) -> list[str]:
+    """Of bundles' members ``names``, those whose digest at ``target`` is not the one at ``held``
+    (all of them when the two steps digest in different schemes: their digests cannot be compared).
+    Exact: the staged mirror's members are checked against the target's digests, and a known
+    engine's mirror holds the held step."""
+    if held.digest_scheme != target.digest_scheme:
+        return sorted(names)
+    was = {n: d for n, _, _, d in held.policy_entries()}
+    now = {n: d for n, _, _, d in target.policy_entries()}
+    return sorted(n for n in names if was.get(n) is None or was[n] != now.get(n))
 
 
 def _layer_map(worker, schema: tuple) -> tuple[vllm_layers.LayerMap, dict[str, str]]:

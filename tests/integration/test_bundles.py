@@ -378,3 +378,111 @@ def test_kill_9_during_a_bundled_publish_commits_nothing_and_a_rerun_is_exact(tm
     assert _manifest(root, 1).bundles()
     dcr("receive", root, "--receiver", "r", "--state", state, check=0)
     assert_bits_equal(read_state(state), ck1)
+
+
+class _VllmStyleWorker:
+    """The vLLM worker extension bound to this repository's vLLM-style Llama (no vLLM): its
+    ``reload_weights`` loads the tensors given through the model's own ``load_weights``, as vLLM's
+    layerwise reload does for the whole layers the receiver passes."""
+
+    rank = 0
+    vllm_config = model_config = None
+
+    def __init__(self, model):
+        from types import SimpleNamespace
+
+        self.model_runner = SimpleNamespace(model=model)
+
+    def reload_weights(self, weights_iterator=None):
+        self.model_runner.model.load_weights(weights_iterator)
+
+
+def _vllm_worker(model):
+    from flows.receive.vllm_worker import DCRWorkerExtension
+
+    return type("Worker", (_VllmStyleWorker, DCRWorkerExtension), {})(model)
+
+
+def test_a_vllm_worker_refits_a_bundled_chain_exactly_patching_and_reloading_members(tmp_path, monkeypatch):
+    """The vLLM receiver (prepare, pause, rollback: ``flows.receive.vllm_worker``) on a vLLM-style
+    model whose small tensors are bundled: a changed bundle is the members whose digests changed; a
+    norm (a member) is patched in place, a member of a fused layer reloads that layer, the embedding
+    (stored alone) is reloaded; a reload that fails mid-way rolls back to the held step exactly; a
+    new unbundled lineage (a keyframe move) and the way back are exact; after every refit the model
+    equals a dense load of the step, bit for bit."""
+    from contextlib import nullcontext
+
+    import torch
+
+    from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint
+    from dcr_core import events
+    from flows import run_publish
+    from flows.options import PublishOptions
+    from flows.receive import vllm_apply, vllm_fixups
+
+    monkeypatch.setattr(vllm_apply, "set_vllm_config", lambda worker: nullcontext())  # vLLM's config: none here
+    monkeypatch.setattr(vllm_fixups, "abandon_reload", lambda model, config: None)  # vLLM's layerwise state: none
+    cfg = LlamaConfig()  # no inv_freq: a buffer feeds every layer, and a keyframe move would reload all
+    cks = [{n: t for n, t in canonical_checkpoint(cfg, seed=0).items() if not n.endswith("inv_freq")}]
+
+    def changed(ck, flips):
+        out = {n: t.clone() for n, t in ck.items()}
+        for n, at in flips:
+            out[n].view(-1).view(torch.int16)[at] ^= 1
+        return out
+
+    norm, q, emb, o = ("model.layers.1.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+                       "model.embed_tokens.weight", "model.layers.1.self_attn.o_proj.weight")
+    cks.append(changed(cks[0], [(norm, 3), (q, 7), (emb, 11)]))
+    cks.append(changed(cks[1], [(o, 5), (o, 900)]))
+    cks.append(changed(cks[2], [(q, 8)]))
+    cks[3]["lm_head.weight"] = torch.zeros_like(cks[3]["lm_head.weight"])  # a keyframe stores no chunk of it
+    root = str(tmp_path / "bucket")
+    opts = PublishOptions(chunk_bytes=1024, cache_dir=str(tmp_path / "cache"), bundle_min_tensors=2, bundle_below=16384)
+    for s, ck in enumerate(cks[:3]):
+        run_publish(root, ck, s, options=opts)
+    run_publish(root, cks[3], 3, keyframe=True, options=opts.model_copy(update={"bundle_below": 0}))
+    m = _manifest(root, 1)
+    assert m.bundles() and emb in m.tensors and q not in m.tensors and not _manifest(root, 3).bundles()
+
+    model = VllmLlama(cfg)
+    model.load_weights(list(cks[0].items()))
+    worker = _vllm_worker(model)
+    mirror = str(tmp_path / "mirror.safetensors")
+
+    def refit(step):
+        r = worker.dcr_receive(root, step, "v", state_path=mirror)
+        worker.dcr_wait()
+        dense = VllmLlama(cfg)
+        dense.load_weights(list(cks[step].items()))
+        assert_bits_equal(dict(model.state_dict()), dict(dense.state_dict()))
+        return r
+
+    def fails(step, held):  # the reload breaks after one tensor: the engine is back at ``held``, exactly
+        events.set_failpoints("receive.engine-tensor@2=fail")
+        try:
+            with pytest.raises(events.FailpointFault):
+                worker.dcr_receive(root, step, "v", state_path=mirror)
+        finally:
+            events.set_failpoints("")
+        dense = VllmLlama(cfg)
+        dense.load_weights(list(cks[held].items()))
+        assert_bits_equal(dict(model.state_dict()), dict(dense.state_dict()))
+        assert worker.dcr_status()["known"]
+
+    assert refit(0)["mode"] == "full"
+    fails(1, 0)  # the norm's patch undone, the layers reloaded from the mirror
+    r = refit(1)
+    assert (r["mode"], r["changed_tensors"], r["patched_tensors"], r["patched_elements"]) == ("delta", 3, 1, 1), r
+    assert r["reloaded_tensors"] == 4, r  # q, k, v (one fused layer) and the embedding
+    r = refit(2)
+    assert (r["mode"], r["changed_tensors"], r["patched_tensors"], r["patched_elements"], r["reloaded_tensors"]) == (
+        "delta", 1, 1, 2, 0), r  # o_proj keeps the checkpoint's layout: patched, nothing reloaded
+    r = refit(0)  # back through the inverse deltas
+    assert (r["mode"], r["changed_tensors"]) == ("delta", 4), r
+    fails(3, 0)  # a plan through a keyframe names no manifest of the held step: rolled back from the mirror
+    r = refit(3)  # a keyframe move into the unbundled lineage: every tensor may differ, stored or not
+    assert (r["mode"], r["changed_tensors"], r["moves"]) == ("delta", len(cks[3]), ["keyframe:3"]), r
+    r = refit(1)  # and back: the bundled lineage's keyframe, then its delta
+    assert (r["mode"], r["changed_tensors"]) == ("delta", len(cks[1])), r
+    assert worker.dcr_status()["known"]

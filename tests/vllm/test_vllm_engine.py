@@ -137,6 +137,56 @@ def test_a_refit_that_touches_some_layers_reloads_only_those_layers_and_whole(ll
         assert llm.collective_rpc("dcr_status")[0]["known"]  # the kept digests equal the whole engine's
 
 
+def _dense_reference(llama: Trained, ck: dict, d) -> tuple:
+    """(dump, tokens) of a fresh engine loaded from ``ck`` written as a plain checkpoint (no DCR)."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(os.path.join(llama.base, "config"), d)
+    save_file(ck, os.path.join(d, "model.safetensors"))
+    with vllm_engine.serving(str(d)) as llm:
+        return llm.collective_rpc("dcr_dump"), vllm_engine.generate(llm)
+
+
+def test_a_bundled_chain_refits_a_running_engine_exactly_forward_and_back(llama, tmp_path):
+    """The module's steps published again with their small tensors in bundles (manifest schema 4:
+    norms, k and v bundled; embeddings, q, o and the MLP stored alone), plus step 4 (one element of
+    a norm and one of layer 0's k changed): 0 -> 1 (full), 1 -> 3, 3 -> 4, 4 -> 1 (inverse deltas)
+    equal fresh engines on the dense checkpoints, bit for bit. In 3 -> 4 the changed bundle is only
+    its two changed members: the norm is patched in place, and k reloads its fused qkv_proj whole
+    (q stored alone, v a member)."""
+    root = str(tmp_path / "bundled")
+    opts = PublishOptions(chunk_bytes=16384, cache_dir=str(tmp_path / "pub-cache"), bundle_min_tensors=2,
+                          bundle_below=20000)
+    cks = list(llama.checkpoints)
+    ck = {n: t.clone() for n, t in cks[-1].items()}
+    ck["model.layers.1.input_layernorm.weight"].view(-1)[3] *= -1
+    ck["model.layers.0.self_attn.k_proj.weight"].view(-1)[5] += 1  # BF16: a different bit pattern
+    cks.append(ck)
+    for s, c in enumerate(cks):
+        run_publish(root, c, s, options=opts)
+    m = Catalog(open_root(root)).manifest(4)
+    assert m.schema_version == 4 and m.bundles()
+    assert "model.layers.0.self_attn.q_proj.weight" in m.tensors and "model.layers.0.self_attn.k_proj.weight" not in m.tensors
+    refs = {1: llama.reference(1), 3: llama.reference(3), 4: _dense_reference(llama, ck, tmp_path / "dense-4")}
+    with vllm_engine.serving(llama.model_dir(0)) as llm:
+        mirror = str(tmp_path / "mirror.safetensors")
+        r = refit_engine(llm, root, "bundled", step=1, state_path=mirror)
+        assert (r["mode"], r["step"]) == ("full", 1), r
+        _assert_same_engine(llm, refs[1])
+        r = refit_engine(llm, root, "bundled", step=3, state_path=mirror)
+        assert (r["mode"], r["from_step"], r["step"]) == ("delta", 1, 3), r
+        _assert_same_engine(llm, refs[3])
+        r = refit_engine(llm, root, "bundled", step=4, state_path=mirror)
+        worker = r["workers"][0]
+        assert (r["mode"], worker["changed_tensors"], r["reloaded_tensors"]) == ("delta", 2, 3), r  # q, k, v
+        assert (worker["patched_tensors"], worker["patched_elements"]) == (1, 1), worker  # the norm's element
+        _assert_same_engine(llm, refs[4])
+        r = refit_engine(llm, root, "bundled", step=1, state_path=mirror)
+        assert (r["mode"], r["from_step"], r["step"]) == ("delta", 4, 1), r
+        _assert_same_engine(llm, refs[1])
+        assert llm.collective_rpc("dcr_status")[0]["known"]
+
+
 def test_a_failed_reload_leaves_the_engine_serving_the_old_step_and_a_retry_succeeds(llama, tmp_path):
     ref1, ref2 = llama.reference(1), llama.reference(2)
     mirror = str(tmp_path / "mirror.safetensors")
