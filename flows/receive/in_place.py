@@ -41,6 +41,14 @@ steps. Readers outside DCR read inside
 built in memory before it is staged, 8 bytes per changed BF16 element (3.2 GB for an 8B-parameter
 model at 5% changed). Chosen only for a held single-file state, no restart from a keyframe, a
 header that fits and a journal under half the state file; otherwise the refit rewrites.
+
+Bundles (``dcr_core.bundles``): every state file DCR writes lays each bundle's members out back to
+back in bundle order (``reader.state_infos``), so a bundle is one byte range of it, and the patch
+treats it as one tensor at its first member's offset (``storage.local.bundled.BundledView``): its
+held bits mapped, its chunks applied, its changes journaled as positions in the bundle, its block
+digests kept under its name; its result is then checked member by member (``member_mismatch``). A
+file whose members lie otherwise (written by another tool), or a plan whose steps lay a bundle out
+differently, is rewritten (``eligible``).
 """
 
 from __future__ import annotations
@@ -54,9 +62,10 @@ import blake3
 import numpy as np
 
 from dcr_core import events
+from dcr_core.bundles import Members
 from dcr_core.digest import block_count, block_leaves, blocks_root
 from dcr_core.dtypes import DTYPES
-from dcr_core.errors import StateMismatchError
+from dcr_core.errors import InvalidCheckpointError, StateMismatchError
 from dcr_core.hash_lane import LANE_MIN_BYTES, HashLane
 from flows.options import ReceiveOptions
 from flows.receive.patch_changes import (
@@ -69,7 +78,8 @@ from flows.receive.patch_changes import (
 )
 from storage import reader
 from storage.chunk_io import stream_chunks
-from storage.local import journal, sidecar, state
+from storage.local import bundled, journal, sidecar, state
+from storage.local.bundled import BundledView
 from storage.local.safetensors import SafetensorsCheckpoint
 from storage.reader import RefitPlan
 from storage.root import open_root
@@ -88,16 +98,18 @@ class StagedPatch:
 
 
 def blocked(*manifests) -> int | None:
-    """The block size when every manifest has the same block digests and no piecewise tensor."""
+    """The block size when every manifest has the same block digests and no piecewise tensor. Block
+    digests are kept per stored tensor: a bundle's under its name, over its members' bits back to back
+    (one run of the state file; the held manifest and the target share a lineage's bundles)."""
     schemes = {m.digest_scheme for m in manifests}
     if len(schemes) != 1 or not (scheme := schemes.pop()).blocked:
         return None
-    if any(e.pieces is not None or e.members is not None for m in manifests for e in m.tensors.values()):
-        return None  # piecewise digests, bundles: hashed whole (block digests are kept per tensor held)
+    if any(e.pieces is not None for m in manifests for e in m.tensors.values()):
+        return None  # piecewise digests: hashed whole
     return scheme.block_bytes
 
 
-def trusted_sidecar(state_path: str, held, ck: SafetensorsCheckpoint, block: int) -> sidecar.Sidecar | None:
+def trusted_sidecar(state_path: str, held, ck: SafetensorsCheckpoint | BundledView, block: int) -> sidecar.Sidecar | None:
     """The held state's block digests if the trust policy allows them (``storage.local.sidecar``):
     whole, stamped with the file as it is, consistent with the held step's digests, and a random
     sample of blocks hashing to them. None otherwise: the refit then hashes every tensor."""
@@ -120,6 +132,42 @@ def trusted_sidecar(state_path: str, held, ck: SafetensorsCheckpoint, block: int
     return sc
 
 
+def one_layout(plan: RefitPlan, ms) -> dict[str, Members] | None:
+    """The bundles every step of the plan shares (the held step's), or None when a step lays them out
+    otherwise: a patch addresses a bundle as one tensor, so its members must be the same everywhere."""
+    bundles = ms[plan.current_step].bundles()
+    for m in ms.values():
+        theirs = m.bundles()
+        if theirs.keys() != bundles.keys() or not all(theirs[b].same_layout(bundles[b]) for b in bundles):
+            return None
+    return bundles
+
+
+def addressable(ck, bundles: dict[str, Members]) -> bool:
+    """Whether the held file (``ck``, seen through ``bundled.view``) lays out every bundle as one byte
+    range (its members back to back in bundle order, as every state file DCR writes): a patch then
+    addresses the bundle as one tensor at its first member's offset. A file written otherwise (by
+    hand, by another tool) is rewritten."""
+    if not bundles:
+        return True
+    return ck.bundles.keys() == bundles.keys() and all(ck.one_run(b) for b in bundles)
+
+
+def _bundles_addressable(plan: RefitPlan, ms, state_path: str) -> bool:
+    """``one_layout`` and ``addressable`` for the state file at ``state_path`` (its header read)."""
+    bundles = one_layout(plan, ms)
+    if not bundles:
+        return bundles is not None  # {}: no bundles
+    try:
+        ck = SafetensorsCheckpoint(state_path)
+    except InvalidCheckpointError:
+        return False  # the rewrite reports it
+    try:
+        return addressable(BundledView(ck, bundles), bundles)
+    finally:
+        ck.close()
+
+
 def eligible(plan: RefitPlan, state_path: str) -> bool:
     """Whether patching in place is possible and cheaper than rewriting (see the module doc)."""
     if plan.current_step is None or not plan.moves or plan.from_keyframe:
@@ -127,8 +175,8 @@ def eligible(plan: RefitPlan, state_path: str) -> bool:
     if not os.path.isfile(state_path):
         return False
     ms = reader.manifests(plan)
-    if any(m.bundles() for m in ms.values()):
-        return False  # a bundle's chunks span many held tensors: rewritten (partial: no journal for bundles yet)
+    if not _bundles_addressable(plan, ms, state_path):
+        return False
     target = ms[plan.target_step]
     state_bytes = sum(e.nbytes for e in target.tensors.values())
     size = 0
@@ -139,17 +187,47 @@ def eligible(plan: RefitPlan, state_path: str) -> bool:
     return size <= MAX_JOURNAL_FRACTION * max(state_bytes, 1)
 
 
+def members_hold(e, bits: np.ndarray) -> bool:
+    """Whether every member of bundle ``e`` is its digest in ``bits`` (the bundle's, already proved);
+    True for a plain tensor."""
+    return e.members is None or e.members.check(bits, e.scheme) is None
+
+
+def member_mismatch(e_target, e_held, held_bits: np.ndarray, changes, vouched: bool) -> str | None:
+    """The first member of bundle ``e_target`` whose bits after the patch (the held bits with
+    ``changes``) are not its digest at the target step; None when all are, or for a plain tensor.
+
+    The patch proved the bundle's own digest; its members' digests (what the policy digest covers)
+    are proved here, as every receiver proves them. A bundle that trusted block digests vouch for
+    unchanged is not hashed again when its member digests are the held step's: block digests are
+    kept only for a state whose members were proved (here, ``verify_held_state``, ``dcr verify-state``)."""
+    m = e_target.members
+    if m is None:
+        return None
+    if vouched and e_held.members is not None and m.digests == e_held.members.digests:
+        return None
+    bits = held_bits
+    if changes:  # a bundle is at most 16 MiB (``dcr_core.bundles``): its result is copied whole
+        bits = np.array(held_bits)
+        bits[changes[0]] = changes[2]
+    return m.check(bits, e_target.scheme)
+
+
 def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> StagedPatch | None:
     """Compute the in-place patch of ``state_path`` (step 1 above) without touching it, and stage
-    its journal; None when the header has no room for the new metadata (the caller rewrites)."""
+    its journal; None when the header has no room for the new metadata, or a bundle is not one range
+    of the file (the caller rewrites)."""
     root = open_root(plan.root)
     ms = reader.manifests(plan, root)
     target = ms[plan.target_step]
     held = ms[plan.current_step]
-    ck = SafetensorsCheckpoint(state_path)
+    bundles = held.bundles()
+    ck = bundled.view(SafetensorsCheckpoint(state_path), bundles)  # a bundle: one tensor at its first member
     try:
         reader.check_schema(held, ck.infos, state_path)
         reader.check_moves(plan, ms)
+        if one_layout(plan, ms) is None or not addressable(ck, bundles):
+            return None  # checked by ``eligible``; the file may have been replaced since
         (header,) = ck.headers.values()
         new_header = header.with_metadata(state.metadata(plan.target_step, target.policy_digest, plan.root.url))
         if new_header is None:
@@ -179,15 +257,17 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
                     held_bits = ck.mapped_bits(name)
                     entries = [t[name] for t in tables]
                     before = None if sc is None else sc.leaves[name]
+                    vouched = False  # unchanged, as the trusted block digests say
                     if not any(e.n_stored for e in entries):
                         if before is not None and blocks_root(block, before) == e_target.digest:
                             new_leaves[name] = before  # unchanged, and trusted (the sidecar's policy)
+                            vouched = True
                         elif block:
                             new_leaves[name] = block_leaves(held_bits, block)
                             hashed += new_leaves[name].shape[0]
                             if blocks_root(block, new_leaves[name]) != e_target.digest:
                                 raise reader.held_mismatch(state_path, name, held.step)
-                        elif not e_target.matches(held_bits):
+                        elif not e_target.matches(held_bits, members=False):  # members: below
                             raise reader.held_mismatch(state_path, name, held.step)
                         changes = None
                     elif (one := streamable(entries, e_target)) is not None:
@@ -211,9 +291,12 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
                     pulled += sum(e.stored_bytes for e in entries)
                     events.reached("tensor.done", name=name, nbytes=e_target.nbytes)
                     if changes is False:  # the result does not match step N's digest
-                        if not held.tensors[name].matches(held_bits):
+                        if not held.tensors[name].matches(held_bits, members=False):
                             raise reader.held_mismatch(state_path, name, held.step)
                         raise reader.result_mismatch(plan.target_step, name)
+                    bad = member_mismatch(e_target, held.tensors[name], held_bits, changes, vouched)
+                    if bad is not None:
+                        raise reader.result_mismatch(plan.target_step, bad)
                     if changes is not None and changes[0].size:
                         stager.add(journal.Record(
                             ck.data_offset(name), held_bits.dtype.itemsize,

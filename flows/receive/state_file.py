@@ -226,9 +226,10 @@ def verify_held_state(plan: RefitPlan, state_path: str) -> None:
             return
         leaves = {}
         for name, e in held.tensors.items():
-            if block:
-                leaves[name] = block_leaves(ck.mapped_bits(name), block)
-                ok = blocks_root(block, leaves[name]) == e.digest
+            if block:  # a bundle's members too: block digests are kept only for a state whose members were proved
+                bits = ck.mapped_bits(name)
+                leaves[name] = block_leaves(bits, block)
+                ok = blocks_root(block, leaves[name]) == e.digest and in_place.members_hold(e, bits)
             else:
                 ok = e.matches(ck.bits(name))
             if not ok:

@@ -4,9 +4,10 @@ A step stores a bundle as one flat tensor while whoever holds the policy (a chec
 published, a receiver's state file, a baseline held in memory) holds its members by name.
 ``BundledView`` shows such a holder as the step stores it: a bundle whose members it holds is a
 flat tensor of their bits back to back (read from a file in as few reads as the members' placement
-allows: one where they lie back to back in bundle order, as in every state file DCR writes), a
-tensor held as a bundle already (the publisher's baseline cache) is itself, other tensors are
-unchanged. ``write_stored`` writes a bundle's bits into a writer laid out by
+allows: one where they lie back to back in bundle order, as in every state file DCR writes; such
+a bundle also has a data offset and a memory map like a tensor's, which an in-place patch
+addresses), a tensor held as a bundle already (the publisher's baseline cache) is itself, other
+tensors are unchanged. ``write_stored`` writes a bundle's bits into a writer laid out by
 ``dcr_core.bundles.policy_infos`` (its members back to back) with one write.
 """
 
@@ -60,6 +61,34 @@ class BundledView:
                 end_fd, end_off = fd, off + (b - a)
             runs = self._runs[bundle] = (np.array(starts + [bs[-1]], np.int64), fds, offs)
         return runs
+
+    def one_run(self, bundle: str) -> bool:
+        """Whether a bundle's members lie back to back in bundle order in one file (as every state file
+        DCR writes lays them out): then the bundle is one byte range of it, with a data offset and a
+        memory map like a tensor's, which an in-place patch can address (``flows.receive.in_place``)."""
+        return self.file and len(self._file_runs(bundle)[1]) == 1
+
+    def data_offset(self, name: str) -> int:
+        """Byte offset of a tensor's data in its file; a bundle's is its first member's (one run only)."""
+        if name not in self.bundles:
+            return self.inner.data_offset(name)
+        if not self.one_run(name):
+            raise ValueError(f"bundle {name!r}: its members are not back to back in {self.path}")
+        return self._file_runs(name)[2][0]
+
+    def mapped_bits(self, name: str) -> np.ndarray:
+        """A tensor's raw bits as a read-only memory map (``SafetensorsCheckpoint.mapped_bits``); a
+        bundle's where it is one run of its file, else a copy of it read run by run."""
+        m = self.bundles.get(name)
+        if m is None:
+            return self.inner.mapped_bits(name)
+        if not self.one_run(name):
+            return self.bits(name)
+        storage = DTYPES[m.dtype].storage
+        if not m.numel:
+            return np.empty(0, storage)
+        path = self.inner.file_named(m.names[0])
+        return np.memmap(path, dtype=storage, mode="r", offset=self.data_offset(name), shape=(m.numel,))
 
     def bits(self, name: str) -> np.ndarray:
         m = self.bundles.get(name)

@@ -4,6 +4,9 @@ A manifest of schema 2 builds every tensor digest over block digests (``dcr_core
 in-place refit that knows the block digests of the state it holds re-hashes only the blocks the
 refit changes, and still proves every new tensor against the target step's digest: the unchanged
 blocks' digests come from here. So this file is trusted only as far as the policy below allows.
+Digests are kept per tensor the step stores: a bundle (``dcr_core.bundles``) under its own name,
+over its members' bits back to back (one run of the state file), and only once every member was
+checked against its own digest (so a refit that leaves a bundle unchanged need not hash it again).
 
 Trust policy (``load``): the sidecar is used for a refit only when
 - it is whole (a BLAKE3 trailer over the rest) and names the step, policy digest and block size of
