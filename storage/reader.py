@@ -186,7 +186,7 @@ def check_moves(plan: RefitPlan, ms: dict[int, Manifest]) -> None:
 
 
 def refuse_bundles(plan: RefitPlan, ms: dict[int, Manifest], who: str) -> None:
-    """Receivers that apply chunks to tensors they hold one by one (live modules, vLLM engines) do not
+    """Receivers that apply chunks to tensors they hold one by one (vLLM engines) do not
     apply bundles yet: a plan that reads one is refused before anything is fetched or touched."""
     for s in sorted(ms):
         if ms[s].bundles():
