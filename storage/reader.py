@@ -185,16 +185,6 @@ def check_moves(plan: RefitPlan, ms: dict[int, Manifest]) -> None:
             raise StateMismatchError(f"step {move.step} cannot be undone (it holds overwrites)")
 
 
-def refuse_bundles(plan: RefitPlan, ms: dict[int, Manifest], who: str) -> None:
-    """Receivers that apply chunks to tensors they hold one by one (live modules) do not apply
-    bundles yet: a plan that reads one is refused before anything is fetched or touched."""
-    for s in sorted(ms):
-        if ms[s].bundles():
-            raise UsageError(f"step {s} of {plan.root.url} stores small tensors in bundles (manifest schema 4), which "
-                             f"{who} does not apply yet; publish its lineage with --bundle-below 0 (a new keyframe), "
-                             "or receive into a state file")
-
-
 def state_infos(m: Manifest) -> dict:
     """The tensors a receiver holds at step ``m`` (bundles' members by name), in the order its state
     file lays them out: stored-name order, each bundle's members back to back in bundle order."""

@@ -18,6 +18,13 @@ State machine of one receiver (held on the module as ``_dcr_refit``):
   again and overwrite-path tensors already reloaded get their base values back, so the module
   returns to the exact bits of the step it held (checked by its digests) and stays known to be
   there; a retry then takes the delta path again.
+- *Bundles* (manifest schema 4: small tensors of a dtype stored as one flat tensor): the module
+  holds members by name, in its own layout, so a bundle is applied whole on the canonical bits the
+  partial mirror keeps of every bundle's members: the mirror's bundle with its masks XORed in must
+  reach the bundle's digest and every member's before anything changes; then each member a mask
+  changes is placed like any tensor of its path (its slice of the mask XORed in, or its new values
+  reloaded), so the loader only ever sees member names. Bundles are fetched whole (every chunk,
+  whatever a rank's demand), since the mirror keeps them whole.
 - What the module holds is checked as a vLLM engine's is (``flows.receive.held_digests``): every
   module's digest before each refit (a module changed behind DCR's back, by any path, is reloaded
   densely instead of patched), the modules a delta writes again right before it writes them, and
@@ -46,7 +53,7 @@ from flows.options import ReceiveOptions, default_cache_dir
 from flows.receive import held_digests, placement
 from flows.receive.state_file import stage_rewrite
 from storage import reader
-from storage.local import state
+from storage.local import bundled, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
 from storage.reader import RefitPlan
 from storage.root import RootRef, open_root
@@ -87,12 +94,13 @@ def plan_module_refit(root: RootRef, module: LocalRef, step: int | None) -> Refi
         reader.manifests(plan, r)[current].policy_digest != held.get("policy_digest")
     ):  # ROOT's step `current` is not the policy this module holds (a reused prefix, say)
         plan = reader.plan_refit(r, None, step, where=type(target).__name__)
-    reader.refuse_bundles(plan, reader.manifests(plan, r), "a live-module receiver")
     return plan
 
 
 def _probe_table(target, manifest) -> placement.ProbeTable:
-    schema = tuple(sorted((n, e.dtype, e.shape) for n, e in manifest.tensors.items()))
+    """The probes of the tensors the module holds: the policy's (a bundle's members by name, never
+    the bundle, which no loader knows)."""
+    schema = tuple(sorted((n, d, tuple(s)) for n, d, s, _ in manifest.policy_entries()))
     table = getattr(target, PROBE_ATTR, None)
     if table is None or table.schema != schema:
         table = placement.probe_module(target, schema)
@@ -100,13 +108,23 @@ def _probe_table(target, manifest) -> placement.ProbeTable:
     return table
 
 
+def _mirrored(table: placement.ProbeTable, manifest) -> list[str]:
+    """The stored tensors the partial mirror keeps whole: the overwrite-path tensors (their new
+    values are what the loader takes) and every bundle (applied and checked whole, on canonical
+    bits the module, holding its members in its own layout, cannot give back)."""
+    bundles = manifest.bundles()
+    inside = {n for m in bundles.values() for n in m.names}
+    return sorted(set(bundles) | {n for n in table.names(placement.OVERWRITE) if n not in inside})
+
+
 def _write_mirror(path: str, step: int, manifest, tensors: dict[str, np.ndarray]) -> None:
-    names = sorted(tensors)
-    w = StreamingSafetensorsWriter(path, [manifest.tensors[n].info for n in names],
-                                   state.metadata(step, manifest.policy_digest))
+    """Write the held tensors ``tensors`` (by name) in state-file order: a bundle's members back to
+    back, so the next apply reads each bundle in one read."""
+    infos = [i for n, i in reader.state_infos(manifest).items() if n in tensors]
+    w = StreamingSafetensorsWriter(path, infos, state.metadata(step, manifest.policy_digest))
     try:
-        for n in names:
-            w.write(n, tensors[n])
+        for i in infos:
+            w.write(i.name, tensors[i.name])
         w.commit()
     except BaseException:
         w.abort()
@@ -127,17 +145,18 @@ def load_dense(plan: RefitPlan, module: LocalRef, mirror: str, options: ReceiveO
     install(staged.path, tmp, durable=False)
     fetch_s = time.perf_counter() - t_fetch
     try:
-        with SafetensorsCheckpoint(tmp) as ck:
+        with SafetensorsCheckpoint(tmp) as ck:  # the held tensors by name (a bundle's members)
             t0 = time.perf_counter()
             for name in sorted(ck.infos):
-                target.load_weights([(name, _tensor(ck.bits(name), manifest.tensors[name]))])
+                target.load_weights([(name, _tensor(ck.bits(name), ck.infos[name]))])
             pause = time.perf_counter() - t0
-            keep = {n: ck.bits(n) for n in table.names(placement.OVERWRITE)}
+            keep = {n: ck.bits(n) for n in bundled.member_names(manifest.tensors, _mirrored(table, manifest))}
+            loaded = len(ck.infos)
         _write_mirror(mirror, plan.target_step, manifest, keep)
     finally:
         os.unlink(tmp)
     return {"mode": "dense", "bytes_pulled": staged.bytes_pulled, "fetch_seconds": fetch_s,
-            "pause_seconds": pause, "tensors_loaded": len(manifest.tensors)}
+            "pause_seconds": pause, "tensors_loaded": loaded}
 
 
 def fetch_module_payloads(plan: RefitPlan, module: LocalRef, options: ReceiveOptions) -> LocalRef:
@@ -148,6 +167,8 @@ def fetch_module_payloads(plan: RefitPlan, module: LocalRef, options: ReceiveOpt
     table = _probe_table(local_refs.get(module), ms[plan.target_step])
 
     def wanted(entry) -> frozenset[int] | None:
+        if entry.members is not None:
+            return None  # a bundle: every chunk (the mirror keeps it whole, see ``_mirrored``)
         probe = table.probes.get(entry.name)
         if probe is not None and probe.path == placement.IGNORED:
             return frozenset()  # the loader writes nothing for it (a tied head, say)
@@ -164,8 +185,46 @@ def apply_to_module(plan: RefitPlan, module: LocalRef, fetched: LocalRef, mirror
     payloads: reader.Fetched = local_refs.get(fetched)
     ms = reader.manifests(plan)
     manifest = ms[plan.target_step]
+    infos = reader.state_infos(manifest)
     table = _probe_table(target, manifest)
-    masks: dict[str, np.ndarray] = {}  # the masks of all moves per tensor (XOR masks compose)
+    stored_masks = _stored_masks(plan, ms, payloads)
+    kept = _mirrored(table, manifest)
+    # New values of what the partial mirror keeps, verified before any change.
+    mirror_bits = _mirror_after(mirror, plan, manifest, kept, stored_masks)
+    masks = _held_masks(manifest, stored_masks)
+    over = [n for n in sorted(masks) if table.probes[n].path == placement.OVERWRITE]
+    direct = [n for n in sorted(masks) if table.probes[n].path == placement.DIRECT]
+    slots = placement.slots_of(target)
+    touched = held_digests.holders(target, [slots[i].get() for n in direct + over for i in table.probes[n].slots])
+    t_check = time.perf_counter()
+    _take_held(target, plan, touched)
+    check_s = time.perf_counter() - t_check
+    t0 = time.perf_counter()
+    direct_masks = [(n, _tensor(masks[n], infos[n])) for n in direct]
+    pause = placement.xor_into_module(target, table, direct_masks)  # all or nothing
+    t1 = time.perf_counter()
+    loaded: list[str] = []
+    try:
+        for n in over:
+            target.load_weights([(n, _tensor(mirror_bits[n], infos[n]))])
+            loaded.append(n)
+    except BaseException:
+        _roll_back(target, table, direct_masks, loaded, masks, mirror_bits, infos)
+        raise
+    pause += time.perf_counter() - t1
+    modify_wall = time.perf_counter() - t0
+    if kept:
+        _write_mirror(mirror, plan.target_step, manifest, mirror_bits)
+    return {"mode": "delta", "bytes_pulled": payloads.bytes_pulled, "fetch_seconds": payloads.seconds,
+            "modules_written": sorted(touched), "check_seconds": check_s,
+            "pause_seconds": pause, "modify_wall_seconds": modify_wall,
+            "tensors_loaded": len(direct) + len(over), "direct": len(direct), "overwrite": len(over)}
+
+
+def _stored_masks(plan: RefitPlan, ms: dict, payloads: reader.Fetched) -> dict[str, np.ndarray]:
+    """The XOR mask of all moves per stored tensor (a bundle: one flat mask), the non-zero ones:
+    XOR masks compose, so several steps cost one pass over the module."""
+    masks: dict[str, np.ndarray] = {}
     for move in plan.moves:
         m = ms[move.step]
         for name, items in payloads.chunks[move.step].items():
@@ -175,46 +234,43 @@ def apply_to_module(plan: RefitPlan, module: LocalRef, fetched: LocalRef, mirror
             acc = masks.setdefault(name, np.zeros(math.prod(e.shape), dtype=DTYPES[e.dtype].storage))
             for index, payload in items:
                 apply_chunk(acc, e.grid, index, payload, Encoding.XOR)
-    masks = {n: b for n, b in masks.items() if np.count_nonzero(b)}
-    over = [n for n in sorted(masks) if table.probes[n].path == placement.OVERWRITE]
-    direct = [n for n in sorted(masks) if table.probes[n].path == placement.DIRECT]
-    # New values of overwrite-path tensors, from the partial mirror, verified before any change.
-    mirror_bits: dict[str, np.ndarray] = {}
-    if table.names(placement.OVERWRITE):
-        with SafetensorsCheckpoint(mirror) as ck:
-            if ck.metadata.get(state.STEP) != str(plan.current_step):
-                raise StateMismatchError(f"{mirror}: partial mirror is not at step {plan.current_step}")
-            mirror_bits = {n: ck.bits(n) for n in table.names(placement.OVERWRITE)}
-        for n in over:
-            np.bitwise_xor(mirror_bits[n], masks[n], out=mirror_bits[n])
-        for n, b in mirror_bits.items():
-            if not manifest.tensors[n].matches(b):
+    return {n: b for n, b in masks.items() if np.count_nonzero(b)}
+
+
+def _held_masks(manifest, stored_masks: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The masks by held name: a bundle's mask split into its members' (views), the members it
+    leaves unchanged dropped (the loader is never called for them)."""
+    out = {}
+    for name, flat in stored_masks.items():
+        for n, b in bundled.expand(manifest.tensors[name], flat):
+            if b is flat or np.count_nonzero(b):
+                out[n] = b
+    return out
+
+
+def _mirror_after(mirror: str, plan: RefitPlan, manifest, kept: list[str], masks: dict[str, np.ndarray]) -> dict:
+    """The new bits of the stored tensors ``kept``, by held name (a bundle's members: views of its
+    flat bits): the partial mirror's bits at the held step (a bundle gathered from its members) with
+    the masks XORed in, each checked against the target step's digest (a bundle: its own and every
+    member's) before the module changes."""
+    if not kept:
+        return {}
+    out: dict[str, np.ndarray] = {}
+    with SafetensorsCheckpoint(mirror) as ck:
+        if ck.metadata.get(state.STEP) != str(plan.current_step):
+            raise StateMismatchError(f"{mirror}: partial mirror is not at step {plan.current_step}")
+        held = bundled.view(ck, manifest.bundles())
+        for n in kept:
+            if n not in held.infos:
+                raise StateMismatchError(f"{mirror}: partial mirror lacks tensor {n!r} of step {plan.current_step}")
+            bits = held.bits(n)
+            if n in masks:
+                np.bitwise_xor(bits, masks[n], out=bits)
+            e = manifest.tensors[n]
+            if not e.matches(bits):
                 raise StateMismatchError(f"{mirror}: tensor {n!r} does not reach step {plan.target_step}'s digest")
-    slots = placement.slots_of(target)
-    touched = held_digests.holders(target, [slots[i].get() for n in direct + over for i in table.probes[n].slots])
-    t_check = time.perf_counter()
-    _take_held(target, plan, touched)
-    check_s = time.perf_counter() - t_check
-    t0 = time.perf_counter()
-    direct_masks = [(n, _tensor(masks[n], manifest.tensors[n])) for n in direct]
-    pause = placement.xor_into_module(target, table, direct_masks)  # all or nothing
-    t1 = time.perf_counter()
-    loaded: list[str] = []
-    try:
-        for n in over:
-            target.load_weights([(n, _tensor(mirror_bits[n], manifest.tensors[n]))])
-            loaded.append(n)
-    except BaseException:
-        _roll_back(target, table, direct_masks, loaded, masks, mirror_bits, manifest)
-        raise
-    pause += time.perf_counter() - t1
-    modify_wall = time.perf_counter() - t0
-    if table.names(placement.OVERWRITE):
-        _write_mirror(mirror, plan.target_step, manifest, mirror_bits)
-    return {"mode": "delta", "bytes_pulled": payloads.bytes_pulled, "fetch_seconds": payloads.seconds,
-            "modules_written": sorted(touched), "check_seconds": check_s,
-            "pause_seconds": pause, "modify_wall_seconds": modify_wall,
-            "tensors_loaded": len(direct) + len(over), "direct": len(direct), "overwrite": len(over)}
+            out.update(bundled.expand(e, bits))
+    return out
 
 
 def _take_held(target, plan: RefitPlan, touched: set[str]) -> None:
@@ -228,13 +284,13 @@ def _take_held(target, plan: RefitPlan, touched: set[str]) -> None:
                                  "applied: receive again (it loads the step densely)")
 
 
-def _roll_back(target, table, direct_masks, loaded, masks, mirror_bits, manifest) -> None:
+def _roll_back(target, table, direct_masks, loaded, masks, mirror_bits, infos) -> None:
     """Return the module to its base bits after a failed apply: XOR the direct-path masks again
     and reload the overwrite-path tensors already loaded with their base values (new XOR mask)."""
     placement.xor_into_module(target, table, direct_masks)
     for n in loaded:
         old = np.bitwise_xor(mirror_bits[n], masks[n])
-        target.load_weights([(n, _tensor(old, manifest.tensors[n]))])
+        target.load_weights([(n, _tensor(old, infos[n]))])
 
 
 def probe_counts(target) -> dict:

@@ -36,7 +36,7 @@ def receive_into_module(
 ) -> dict:
     """Bring the live ``target`` to ``step`` (default latest) and record the receiver's commit.
 
-    ``state_path``: where the partial mirror (overwrite-path tensors) is kept (default: under the
+    ``state_path``: where the partial mirror (overwrite-path tensors, bundles' members) is kept (default: under the
     DCR cache directory, keyed by ROOT and receiver). Returns the ``ReceiveResult`` as one flat dict:
     the common fields and how the refit went (``mode`` dense/delta/current, ``bytes_pulled``,
     ``fetch_seconds``, ``pause_seconds``: the time live storage was being modified,

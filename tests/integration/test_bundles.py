@@ -332,15 +332,15 @@ def test_the_auditor_opens_a_bundled_tensor_by_its_name(tmp_path):
         open_tensor(str(root), 0, "no such tensor")
 
 
-def test_a_live_module_receiver_refuses_a_bundled_step_in_one_line(tmp_path):
-    """Live modules apply chunks tensor by tensor: a bundled step is refused before anything is
-    fetched, naming the step and the way out; the module is untouched."""
+def test_a_live_module_receiver_refits_a_bundled_step_exactly(tmp_path):
+    """Live modules place a bundle's members by name through their loader (the loader never sees a
+    bundle): densely, then by delta, the module holds each step's bits (more in test_module_bundles)."""
     import torch
 
-    from dcr_core.errors import UsageError
     from flows import receive_into_module
 
-    root, cks = _chain(tmp_path, n=1, dtypes=["F32", "BF16"], odd_names=False)
+    root, cks = _chain(tmp_path, n=2, dtypes=["F32", "BF16"], odd_names=False)
+
     class Held(torch.nn.Module):
         def load_weights(self, weights):
             for n, t in weights:
@@ -349,11 +349,10 @@ def test_a_live_module_receiver_refuses_a_bundled_step_in_one_line(tmp_path):
     module = Held()
     for n, t in sorted(cks[0].items()):
         module.register_buffer(n.replace(".", "_"), torch.zeros_like(t))
-    before = {k: v.clone() for k, v in module.state_dict().items()}
-    with pytest.raises(UsageError) as e:
-        receive_into_module(str(root), "m", module)
-    assert "bundles" in str(e.value) and "--bundle-below 0" in str(e.value) and "\n" not in str(e.value)
-    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    mirror = str(tmp_path / "mirror.safetensors")
+    for step, mode in ((0, "dense"), (1, "delta"), (0, "delta")):
+        assert receive_into_module(str(root), "m", module, step, state_path=mirror)["mode"] == mode
+        assert_bits_equal({n.replace("_", "."): t for n, t in module.state_dict().items()}, cks[step])
 
 
 @pytest.mark.faults(component="publisher", outcome="nothing committed, receivers stay on the last step; a rerun commits the step bit-exact")
