@@ -32,8 +32,9 @@ from dcr_core.dtypes import DTYPES, TensorInfo
 PREFIX = "%bundle."  # a bundle's name: PREFIX + dtype + "." + k (k: the first free number)
 DEFAULT_BELOW_BYTES = 1 << 20  # tensors smaller than this may be bundled
 DEFAULT_MIN_TENSORS = 256  # ... when a dtype holds at least this many of them
-MAX_BUNDLE_BYTES = 16 << 20  # a bundle is read and applied whole, like a tensor: kept to a size the
-# allocator reuses (glibc maps anything over 32 MiB afresh, and fresh pages cost a fault each)
+MAX_BUNDLE_BYTES = 4 << 20  # a bundle is read and applied whole, like a tensor: kept to a chunk's size,
+# which the allocator serves from memory it reuses (the dcr command maps anything over 8 MiB afresh,
+# and fresh pages cost a fault each: flows.cli)
 
 
 @dataclass(frozen=True, eq=False)

@@ -207,7 +207,7 @@ def member_mismatch(e_target, e_held, held_bits: np.ndarray, changes, vouched: b
     if vouched and e_held.members is not None and m.digests == e_held.members.digests:
         return None
     bits = held_bits
-    if changes:  # a bundle is at most 16 MiB (``dcr_core.bundles``): its result is copied whole
+    if changes:  # a bundle is at most 4 MiB (``dcr_core.bundles``): its result is copied whole
         bits = np.array(held_bits)
         bits[changes[0]] = changes[2]
     return m.check(bits, e_target.scheme)
