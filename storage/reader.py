@@ -8,7 +8,11 @@ through and the digest of each manifest it needs (``StepRef``); ``manifests`` lo
 Order of a refit, tensor by tensor: held bits (verified against the held step's digest by the
 caller, or zeros from a keyframe), every move's chunks applied as they arrive (each chunk checked
 against its digest on arrival, fetched ahead with a bounded window), the result checked against
-the target step's digest. Nothing unverified leaves this module.
+the target step's digest. Nothing unverified leaves this module. One qualification, for bundles
+(``dcr_core.bundles``): a bundle is yielded once its own digest (and every chunk's) proves every
+byte; its members' digests are checked beside the next tensors and the generator raises before its
+loop ends if one is wrong (``MemberChecks``), so a caller that installs what it wrote only once its
+loop is over, as every caller here does, never installs a member whose digest is wrong.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections import deque
 from collections.abc import Callable, Container, Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -204,6 +210,46 @@ def held_mismatch(where: str, name: str, step: int) -> StateMismatchError:
     return StateMismatchError(f"{where}: tensor {name!r} is not the bits of step {step} (digest mismatch)")
 
 
+class MemberChecks:
+    """Bundles' member digests, checked on a thread beside the next tensors (``refit_tensors``).
+
+    A bundle's bits are proved by its chunks' digests and its own (every byte) before it is yielded;
+    its members' digests (what the policy digest covers) are hashed here meanwhile: one BLAKE3 call
+    per member, which overlaps the consumer writing the bundle and the reader reading the next one.
+    ``finish`` waits for them and raises ``StateMismatchError`` naming the first wrong member, before
+    the last yield returns to the consumer's loop: every consumer installs what it wrote only after
+    that loop ends, so nothing whose members are wrong is ever installed. At most two bundles wait
+    (their bits are held until checked: bounded memory)."""
+
+    DEPTH = 2
+
+    def __init__(self, step: int):
+        self.step = step
+        self._pool = None
+        self._pending: deque = deque()
+
+    def submit(self, entry: TensorEntry, bits: np.ndarray) -> None:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-members")
+        while len(self._pending) >= self.DEPTH:
+            self._wait(*self._pending.popleft())
+        self._pending.append((entry, self._pool.submit(entry.members.check, bits, entry.scheme)))
+
+    def _wait(self, entry: TensorEntry, future) -> None:
+        wrong = future.result()
+        if wrong is not None:
+            raise StateMismatchError(f"step {self.step}: tensor {wrong!r} (in {entry.name!r}) does not match its "
+                                     "digest after apply; nothing written")
+
+    def finish(self) -> None:
+        while self._pending:
+            self._wait(*self._pending.popleft())
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+
+
 def result_mismatch(step: int, name: str) -> StateMismatchError:
     return StateMismatchError(f"step {step}: tensor {name!r} does not match its digest after apply; nothing written")
 
@@ -227,6 +273,7 @@ def refit_tensors(
     if held_m is not None and held is None:
         raise UsageError("a refit from a held step needs the held bits")
     stream = stream_chunks(root, chunk_jobs(names, chosen, tables), workers=workers)
+    members = MemberChecks(plan.target_step)
     try:
         for name in names:
             e_target = target.tensors[name]
@@ -243,14 +290,18 @@ def refit_tensors(
                     _, _, index, payload = next(stream)
                     apply_chunk(bits, e.grid, index, payload, e.encoding_at(pos), forward)
                 pulled += e.stored_bytes
-            if not e_target.matches(bits):
+            if not e_target.matches(bits, members=False):
                 raise result_mismatch(plan.target_step, name)
+            if e_target.members is not None:
+                members.submit(e_target, bits)
             events.reached("tensor.done", name=name, nbytes=bits.nbytes)
             yield name, bits, pulled
         if next(stream, None) is not None:
             raise StateMismatchError("more chunks fetched than applied")  # pragma: no cover - invariant
+        members.finish()
     finally:
         stream.close()  # stops the read-ahead pool on any exit
+        members.close()
 
 
 @dataclass

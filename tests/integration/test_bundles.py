@@ -485,3 +485,33 @@ def test_a_vllm_worker_refits_a_bundled_chain_exactly_patching_and_reloading_mem
     r = refit(1)  # and back: the bundled lineage's keyframe, then its delta
     assert (r["mode"], r["changed_tensors"]) == ("delta", len(cks[1])), r
     assert worker.dcr_status()["known"]
+
+
+def test_a_member_digest_found_wrong_after_its_bundle_was_yielded_fails_the_refit_before_install(tmp_path, monkeypatch):
+    """Members are checked beside the next tensors: a wrong member digest (its bundle's own digest
+    right) still fails the receive before anything is installed; the state file is unchanged."""
+    from dcr_core import bundles as core_bundles
+
+    root = tmp_path / "bucket"
+    cks = [nasty_checkpoint(seed=31)]
+    cks.append(next_step(cks[0], seed=32, fraction=0.3))
+    for s, ck in enumerate(cks):
+        _publish(tmp_path, root, ck, s, *BUNDLE)
+    state = tmp_path / "s.safetensors"
+    dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, check=0)
+    before = file_bytes(state)
+    real = core_bundles.Members.check
+    calls = []
+
+    def wrong_once(self, flat, scheme):
+        calls.append(self.names[0])
+        return self.names[-1] if len(calls) == 2 else real(self, flat, scheme)
+
+    monkeypatch.setattr(core_bundles.Members, "check", wrong_once)
+    from dcr_core.errors import StateMismatchError
+    from flows import ReceiveOptions, run_receive
+
+    with pytest.raises(StateMismatchError, match="does not match its digest after apply"):
+        run_receive(str(root), "r", str(state), 1, None, ReceiveOptions())
+    assert len(calls) >= 2 and file_bytes(state) == before
+    assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]  # no temp file left
