@@ -83,7 +83,9 @@ def base_manifest(plan: PublishPlan) -> Manifest:
 
 def _schema_diff(base: Manifest, infos: dict[str, TensorInfo], whole: bool) -> str | None:
     """What differs between the tensors published and the base step's (``whole``: the same set)."""
-    held = {n: (dtype, tuple(shape)) for n, dtype, shape, _ in base.policy_entries()}
+    held = {n: (dtype, shape) for n, dtype, shape, _ in base.policy_entries()}  # shapes are tuples
+    if (not whole or len(held) == len(infos)) and all(held.get(n) == (i.dtype, i.shape) for n, i in infos.items()):
+        return None  # the common case, in one pass
     missing = sorted(set(held) - set(infos)) if whole else []
     extra = sorted(set(infos) - set(held))
     more = lambda xs: f" (and {len(xs) - 1} more)" if len(xs) > 1 else ""
