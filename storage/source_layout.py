@@ -71,6 +71,12 @@ class SourceLayout:
     index: bytes | None = None  # the directory's model.safetensors.index.json, exactly (None: it had none)
 
     def to_json(self) -> bytes:
+        return self._json
+
+    @functools.cached_property
+    def _json(self) -> bytes:
+        """The document, rendered once (a header of 70,000 tensors is megabytes of JSON text, and a
+        publish asks for its digest, its bytes and its record)."""
         doc = {"format": FORMAT, "version": VERSION, "kind": self.kind, "files": [f.to_dict() for f in self.files],
                "index": None if self.index is None else {"name": INDEX_NAME, "text": self.index.decode("utf-8")}}
         return json.dumps(doc, indent=1, ensure_ascii=False).encode("utf-8") + b"\n"
