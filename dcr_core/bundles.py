@@ -2,10 +2,10 @@
 
 A checkpoint of tens of thousands of small tensors (the experts of a mixture-of-experts model)
 would cost per tensor everywhere: a manifest entry, a chunk grid, an encode call, a digest pass, an
-apply call. A bundle holds the small tensors of one dtype back to back (in the order the keyframe's checkpoint
-file holds them, else by name) as one 1-D
-tensor (``bundle_name``): it is chunked, encoded, packed, streamed, mirrored and applied exactly like
-any tensor, so the work per step follows the bytes, not the count. Its members stay first-class: each
+apply call. A bundle holds small tensors of one dtype back to back (in the order the keyframe's
+checkpoint file holds them, else by name; at most ``MAX_BUNDLE_BYTES``) as one 1-D tensor
+(``bundle_name``): it is chunked, encoded, packed, streamed, mirrored and applied exactly like any
+tensor, so the work per step follows the bytes, not the count. Its members stay first-class: each
 keeps its name, shape and digest (in the manifest's ``bundles`` table, ``storage.manifest``), the
 policy digest covers members as if they were stored alone, and receivers hold members by name
 (``storage.local.bundled`` turns a held state's members into bundles and back).
