@@ -188,11 +188,6 @@ def stored_infos(infos: Mapping[str, TensorInfo], bundles: Mapping[str, Members]
     return out
 
 
-def member_of(bundles: Mapping[str, Members]) -> dict[str, str]:
-    """Every bundled tensor's bundle."""
-    return {n: b for b, m in bundles.items() for n in m.names}
-
-
 def policy_infos(stored: Mapping[str, TensorInfo], bundles: Mapping[str, Members]) -> dict[str, TensorInfo]:
     """The tensors behind stored ``stored`` (bundles replaced by their members), in stored-name order
     with each bundle's members in bundle order: the order a receiver's state file is laid out in, so

@@ -9,6 +9,7 @@ hostile or corrupted manifest fails with an error naming it instead of exhaustin
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
@@ -444,7 +445,10 @@ class TensorEntry:
             if set(parts.indices) & set(chunks.indices):
                 raise fail(what, "a chunk is stored both whole and in parts")
         if members is not None:
-            members = _parse_members(members, f"{where} bundle {name!r}", dtype)
+            if not isinstance(members, Members):  # a snapshot's entry takes the step's bundle as parsed
+                members = _parse_members(members, f"{where} bundle {name!r}", dtype)
+            elif members.dtype != dtype:
+                raise fail(what, f"a bundle of {members.dtype} stored as {dtype}")
             if shape != (members.numel,) or pieces is not None or parts is not None:
                 raise fail(what, f"a bundle is a flat tensor of its members' {members.numel} elements "
                                  "(no pieces, no parts)")
@@ -529,7 +533,12 @@ class Manifest:
         } | ({"bundles": len(self.bundles())} if self.bundles() else {}) | ({"snapshot_bytes": sum(t.stored_bytes for t in self.snapshot.values())} if self.snapshot else {})
 
     def bundles(self) -> dict[str, Members]:
-        """Every bundle of the step (``dcr_core.bundles``) and its members, in name order."""
+        """Every bundle of the step (``dcr_core.bundles``) and its members, in name order (found once:
+        callers must not change it)."""
+        return self._bundles
+
+    @functools.cached_property
+    def _bundles(self) -> dict[str, Members]:
         return {n: self.tensors[n].members for n in sorted(self.tensors) if self.tensors[n].members is not None}
 
     def policy_entries(self):
@@ -648,7 +657,7 @@ class Manifest:
             if kind != DELTA or not isinstance(snap_d, dict) or set(snap_d) != set(tensors):
                 raise fail(where, "a snapshot belongs to a delta and holds exactly its tensors")
             for name, td in snap_d.items():
-                entry = TensorEntry.from_dict(name, td, f"{where} snapshot", scheme, packs, bundles.get(name))
+                entry = TensorEntry.from_dict(name, td, f"{where} snapshot", scheme, packs, tensors[name].members)
                 t = tensors[name]
                 if entry.encoding is not Encoding.FULL or (entry.dtype, entry.shape, entry.digest) != (
                     t.dtype, t.shape, t.digest

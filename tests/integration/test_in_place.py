@@ -193,6 +193,21 @@ def _crash_child(root, state, step, point):
     os._exit(0)
 
 
+def _cut_off_rolls_back(root, state: str, point: str, held: int, target: int, before: bytes) -> None:
+    """After a receive cut off at ``point`` of its patch from ``held`` to ``target``: the journal says
+    so, the file reads as ``held``, whatever the patch wrote is there, and a roll back gives the
+    file's bytes ``before`` back."""
+    journal = state_journal.read(state)
+    assert journal is not None and (journal.from_step, journal.to_step) == (held, target)
+    assert peek_state_step(state) == held, "a cut-off patch reads as its old step"
+    if point in ("header written", "blocks written"):  # everything written, only the journal left
+        assert SafetensorsCheckpoint(state).metadata["dcr.step"] == str(target) and file_bytes(state) != before
+    if point == "blocks written":  # the new step's block digests, stamped with the patched file
+        assert sidecar.read(state).step == target
+    assert state_journal.roll_back(state) == held
+    assert file_bytes(state) == before, "rolled back byte for byte"
+
+
 @pytest.mark.faults(component="receiver", outcome="crash mid-patch: the next receive rolls back to the old step, then ends bit-exact")
 @pytest.mark.parametrize("point", ["journal written", "record 0", "record 3", "record -1", "header written",
                                    "blocks written"])
@@ -204,15 +219,7 @@ def test_a_patch_cut_off_anywhere_is_rolled_back_and_the_retry_is_exact(publishe
     _receive(root, state, held)
     before = file_bytes(state)
     _crash(root, state, target, point)
-    journal = state_journal.read(state)
-    assert journal is not None and (journal.from_step, journal.to_step) == (held, target)
-    assert peek_state_step(state) == held, "a cut-off patch reads as its old step"
-    if point in ("header written", "blocks written"):  # everything written, only the journal left
-        assert SafetensorsCheckpoint(state).metadata["dcr.step"] == str(target) and file_bytes(state) != before
-    if point == "blocks written":  # the new step's block digests, stamped with the patched file
-        assert sidecar.read(state).step == target
-    assert state_journal.roll_back(state) == held
-    assert file_bytes(state) == before, "rolled back byte for byte"
+    _cut_off_rolls_back(root, state, point, held, target, before)
     assert not _blocks_trusted(root, state, target), "the roll back wrote the file: its block digests no longer match"
     assert state_journal.roll_back(state) is None
     # The crash once more, then a plain retry: the receive rolls back first, then refits.

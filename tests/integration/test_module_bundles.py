@@ -20,6 +20,7 @@ from storage import reader
 from storage.root import open_root
 from tests.integration.test_module_refit import _bits, _dense, _evolve
 from tests.support.helpers import assert_bits_equal, nasty_checkpoint, next_step
+from tests.support.module_faults import fail_mid_apply
 from tests.support.receivers.quantized import OffsetNorm, is_norm
 
 DTYPES = ["BOOL", "U8", "I8", "F8_E4M3", "F8_E5M2", "I16", "U16", "F16", "BF16", "I32", "U32", "F32", "I64",
@@ -122,30 +123,7 @@ def test_a_failure_mid_apply_of_a_bundled_step_rolls_the_module_back(tmp_path, m
     mirror = str(tmp_path / "mirror.safetensors")
     receive_into_module(root, "r", mod, 0, state_path=mirror)
     base = _bits(mod)
-    calls = {"n": 0}
-    if kind == "direct":
-        real = placement._xor_slot
-
-        def flaky(slot, scratch):
-            calls["n"] += 1
-            if calls["n"] == fail_at:
-                raise RuntimeError("device error while writing a slot")
-            return real(slot, scratch)
-
-        monkeypatch.setattr(placement, "_xor_slot", flaky)
-        monkeypatch.setattr(placement.xor_into_module, "__defaults__", (1,))  # one tensor per bucket
-    else:
-        real_load = Nasty.load_weights
-
-        def flaky_load(self, weights):
-            weights = list(weights)
-            if any(n in inverted for n, _ in weights):
-                calls["n"] += 1
-                if calls["n"] == fail_at:
-                    raise RuntimeError("loader failed")
-            return real_load(self, weights)
-
-        monkeypatch.setattr(Nasty, "load_weights", flaky_load)
+    calls = fail_mid_apply(monkeypatch, kind, fail_at, Nasty, lambda n: n in inverted)
     with pytest.raises(RuntimeError):
         receive_into_module(root, "r", mod, 2, state_path=mirror)
     assert calls["n"] >= fail_at

@@ -14,6 +14,7 @@ from flows import receive_into_module, run_publish
 from flows.options import PublishOptions
 from flows.receive import placement
 from tests.support.helpers import assert_bits_equal
+from tests.support.module_faults import fail_mid_apply
 from tests.support.receivers.hf import HFReceiver, greedy_tokens
 from tests.support.receivers.hf import canonical_checkpoint as hf_checkpoint
 from tests.support.receivers.quantized import Fp8BlockQuantized, OffsetNorm, RechunkedExperts, is_norm
@@ -178,31 +179,8 @@ def test_a_failure_mid_apply_rolls_the_live_module_back_to_its_base_bits(tmp_pat
     mod = factory()
     receive_into_module(root, "r", mod, 0, state_path=str(tmp_path / "mirror.safetensors"))
     base = _bits(mod)
-    calls = {"n": 0}
-    if kind == "direct":
-        real = placement._xor_slot
-
-        def flaky(slot, scratch):
-            calls["n"] += 1
-            if calls["n"] == fail_at:
-                raise RuntimeError("device error while writing a slot")
-            return real(slot, scratch)
-
-        monkeypatch.setattr(placement, "_xor_slot", flaky)
-        real_budget = placement.xor_into_module.__defaults__
-        monkeypatch.setattr(placement.xor_into_module, "__defaults__", (1,))  # one tensor per bucket
-    else:
-        real_load = type(mod).load_weights
-
-        def flaky_load(self, weights):
-            weights = list(weights)
-            if any(is_norm(n) for n, _ in weights):  # the overwrite path: norm weights reloaded
-                calls["n"] += 1
-                if calls["n"] == fail_at:
-                    raise RuntimeError("loader failed")
-            return real_load(self, weights)
-
-        monkeypatch.setattr(type(mod), "load_weights", flaky_load)
+    real_budget = placement.xor_into_module.__defaults__
+    calls = fail_mid_apply(monkeypatch, kind, fail_at, type(mod), is_norm)  # overwrite path: norms reloaded
     with pytest.raises(RuntimeError):
         receive_into_module(root, "r", mod, 2, state_path=str(tmp_path / "mirror.safetensors"))
     assert calls["n"] >= fail_at
