@@ -49,7 +49,7 @@ class Members:
     starts: np.ndarray = field(init=False, repr=False)  # element offsets, n + 1 of them
 
     def __post_init__(self) -> None:
-        numels = np.fromiter((math.prod(s) for s in self.shapes), np.int64, len(self.shapes))
+        numels = np.fromiter(map(math.prod, self.shapes), np.int64, len(self.shapes))
         starts = np.zeros(len(self.shapes) + 1, np.int64)
         np.cumsum(numels, out=starts[1:])
         object.__setattr__(self, "starts", starts)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
@@ -201,3 +201,15 @@ class ChunkGrid:
         """Write ``values`` (payload order) into the chunk's elements of ``flat``."""
         v = self.view(flat, flat_chunk)
         v[...] = values.reshape(v.shape)
+
+
+@lru_cache(maxsize=4096)
+def _grid(shape: tuple[int, ...], chunk_shape: tuple[int, ...]) -> ChunkGrid:
+    return ChunkGrid(shape, chunk_shape)
+
+
+def grid_of(shape, chunk_shape) -> ChunkGrid:
+    """``ChunkGrid(shape, chunk_shape)``, one instance per distinct pair (grids are immutable): a
+    model of tens of thousands of tensors has a few dozen shapes, and every tensor's grid is asked
+    for several times per step (planning, encoding, manifest parsing)."""
+    return _grid(tuple(shape), tuple(chunk_shape))

@@ -15,6 +15,8 @@ BLAKE2b). Digests cover raw little-endian bits, so they are float-agnostic.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -134,6 +136,12 @@ FLAT = DigestScheme()
 BLOCKS = DigestScheme(DEFAULT_BLOCK_BYTES)
 
 
+@functools.lru_cache(maxsize=16)
+def scheme_of(block_bytes: int | None) -> DigestScheme:
+    """``DigestScheme(block_bytes)``, one instance per value (asked for once per tensor and chunk)."""
+    return DigestScheme(block_bytes)
+
+
 def chunk_digest(payload: np.ndarray) -> str:
     """Digest of one chunk payload's raw bits (unpadded)."""
     return tensor_digest(payload)
@@ -141,16 +149,11 @@ def chunk_digest(payload: np.ndarray) -> str:
 
 def policy_digest(entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:
     """One digest over (name, dtype, shape, tensor digest) of every tensor, in name order."""
-    shapes: dict[tuple[int, ...], str] = {}  # few distinct shapes in a model: each written once
-
-    def shape_text(shape) -> str:
-        t = shapes.get(shape)
-        if t is None:
-            t = shapes[shape] = ",".join(map(str, shape))
-        return t
-
-    text = "".join([f"{name}\0{dtype}\0{shape_text(tuple(shape))}\0{digest}\n"
-                    for name, dtype, shape, digest in sorted(entries)])
+    rows = sorted(entries)
+    shapes = list(map(tuple, map(operator.itemgetter(2), rows)))
+    text_of = {s: ",".join(map(str, s)) for s in set(shapes)}  # few distinct shapes in a model: each written once
+    text = "".join([f"{name}\0{dtype}\0{text_of[shape]}\0{digest}\n"
+                    for (name, dtype, _, digest), shape in zip(rows, shapes)])
     return blake3.blake3(text.encode()).hexdigest()
 
 

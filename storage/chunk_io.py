@@ -143,6 +143,7 @@ class StepWriter:
     def __init__(self, root: Root, step: int, attempt: str, codec: CodecSpec, workers: int = 8,
                  pack_bytes: int = 0):
         self.root, self.step, self.attempt, self.codec = root, step, attempt, codec
+        self._store_prefix = layout.store_key(step, attempt, "")
         self._pool = BoundedPool(workers, name="dcr-put")
         self._packer = _Packer(root, step, attempt, pack_bytes) if pack_bytes > 0 else None
         self._bytes = 0
@@ -170,7 +171,8 @@ class StepWriter:
             self._packer.flush()
 
     def _key(self, key_in_store: str) -> str:
-        return layout.store_key(self.step, self.attempt, key_in_store)
+        """``layout.store_key`` of this writer's step (its checked prefix made once, not per chunk)."""
+        return self._store_prefix + key_in_store
 
     def write_group(self, attributes: dict) -> None:
         if self._packer is None:

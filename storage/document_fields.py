@@ -17,6 +17,20 @@ MAX_NDIM = 16
 MAX_DIM = 1 << 48
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
+_HEX_DIGITS = "0123456789abcdef"  # a string of only these strips to nothing (one pass in C)
+_INTS = frozenset({int})
+
+
+def all_ints(v: list, lo: int = 0, hi: int = 1 << 62) -> bool:
+    """Whether every item of the list ``v`` is an integer (not a bool) in ``lo..hi``: the common case
+    of a column, checked in a few passes in C (a caller that gets False parses item by item, for the
+    error that names the bad one)."""
+    return not v or (_INTS.issuperset(map(type, v)) and lo <= min(v) and max(v) <= hi)
+
+
+def all_digests(v: list) -> bool:
+    """Whether every item of the list ``v`` is a digest (64 lowercase hex digits), in a few passes in C."""
+    return not v or (set(map(type, v)) == {str} and set(map(len, v)) == {64} and not "".join(v).strip(_HEX_DIGITS))
 
 
 def fail(what: str, msg: str) -> IntegrityError:
@@ -55,6 +69,8 @@ def parse_attempt(v: Any, what: str) -> str:
 
 
 def parse_shape(v: Any, what: str) -> tuple[int, ...]:
+    if type(v) is list and len(v) <= MAX_NDIM and all_ints(v, 0, MAX_DIM):
+        return tuple(v)
     if not isinstance(v, list) or len(v) > MAX_NDIM:
         raise fail(what, f"expected a list of at most {MAX_NDIM} dims, got {v!r}")
     return tuple(parse_int(d, what, 0, MAX_DIM) for d in v)

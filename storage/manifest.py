@@ -13,12 +13,13 @@ import functools
 import itertools
 import json
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
 from dcr_core.bundles import Members
 from dcr_core.chain import DELTA, KEYFRAME
-from dcr_core.chunking import ChunkGrid
+from dcr_core.chunking import ChunkGrid, grid_of
 from dcr_core.codec import CodecSpec
 from dcr_core.delta import Encoding
 from dcr_core.digest import (
@@ -35,7 +36,17 @@ from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import IntegrityError, UsageError
 from dcr_core.shard_spec import Piece, c_strides, check_cover
 from storage import layout
-from storage.document_fields import MAX_DIM, MAX_NDIM, fail, parse_attempt, parse_digest, parse_int, parse_shape
+from storage.document_fields import (
+    MAX_DIM,
+    MAX_NDIM,
+    all_digests,
+    all_ints,
+    fail,
+    parse_attempt,
+    parse_digest,
+    parse_int,
+    parse_shape,
+)
 
 # Schema 2: tensor digests are block digests (``dcr_core.digest``, named by ``digest_scheme``).
 # Schema 1 (flat digests) is still read, and written where a publisher asks for flat digests.
@@ -74,7 +85,7 @@ def refusal(shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...]) ->
         return f"{math.prod(shape)} elements, more than {MAX_TENSOR_ELEMENTS}"
     if math.prod(chunk_shape) * DTYPES[dtype].itemsize > MAX_CHUNK_BYTES:
         return f"its chunks {list(chunk_shape)} exceed {MAX_CHUNK_BYTES} bytes (an empty tensor with a huge dimension?)"
-    grid = ChunkGrid(shape, chunk_shape)
+    grid = grid_of(shape, chunk_shape)
     if grid.n_chunks > MAX_CHUNKS_PER_TENSOR:
         return f"{grid.n_chunks} chunks, more than {MAX_CHUNKS_PER_TENSOR}; publish with larger chunks"
     return None
@@ -117,11 +128,14 @@ class ChunkTable:
             raise fail(what, "chunks.indices/digests/nbytes must be lists of equal length")
         if len(idx) > n_chunks:
             raise fail(what, f"{len(idx)} stored chunks but the grid has {n_chunks}")
-        indices = tuple(parse_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
-        if any(a >= b for a, b in zip(indices, indices[1:])):
+        # Each column checked whole in C where it is well formed; item by item (naming the bad one) if not.
+        indices = tuple(idx) if all_ints(idx, 0, max(0, n_chunks - 1)) else \
+            tuple(parse_int(i, what, 0, max(0, n_chunks - 1)) for i in idx)
+        if not all(map(operator.lt, indices, indices[1:])):
             raise fail(what, "chunk indices must be strictly increasing")
         in_packs, offsets = _parse_pack_columns(d, what, "chunks", len(idx), packs)
-        return cls(indices, tuple(parse_digest(x, what) for x in dig), tuple(parse_int(x, what) for x in nb),
+        digests = tuple(dig) if all_digests(dig) else tuple(parse_digest(x, what) for x in dig)
+        return cls(indices, digests, tuple(nb) if all_ints(nb) else tuple(parse_int(x, what) for x in nb),
                    in_packs, offsets)
 
 
@@ -140,6 +154,8 @@ def _parse_pack_columns(d: dict, what: str, table: str, n: int,
         raise fail(what, f"{table} name packs, but the manifest lists none")
     if not isinstance(pk, list) or not isinstance(off, list) or not len(pk) == len(off) == n:
         raise fail(what, f"{table}.pack/offset must be lists as long as {table}.indices")
+    if all_ints(pk, 0, len(packs) - 1) and all_ints(off, 0, MAX_PACK_BYTES):  # the common case, in C
+        return tuple(map(packs.__getitem__, pk)), tuple(off)
     return (tuple(packs[parse_int(p, f"{what} {table}.pack", 0, len(packs) - 1)] for p in pk),
             tuple(parse_int(o, f"{what} {table}.offset", 0, MAX_PACK_BYTES) for o in off))
 
@@ -305,7 +321,7 @@ class TensorEntry:
 
     @property
     def grid(self) -> ChunkGrid:
-        return ChunkGrid(self.shape, self.chunk_shape)
+        return grid_of(self.shape, self.chunk_shape)
 
     @property
     def info(self) -> TensorInfo:
@@ -427,7 +443,7 @@ class TensorEntry:
         if math.prod(chunk_shape) * DTYPES[dtype].itemsize > MAX_CHUNK_BYTES:
             raise fail(what, f"chunk shape {list(chunk_shape)} exceeds {MAX_CHUNK_BYTES} bytes per chunk")
         try:
-            grid = ChunkGrid(shape, chunk_shape)  # validates contiguity and ranks
+            grid = grid_of(shape, chunk_shape)  # validates contiguity and ranks
         except IntegrityError as e:
             raise fail(what, str(e)) from None
         if grid.n_chunks > MAX_CHUNKS_PER_TENSOR:
@@ -723,9 +739,6 @@ def _parse_bundles(d: Any, version: int, tensors_d: dict, where: str) -> dict[st
     return d
 
 
-_HEX_DIGITS = "0123456789abcdef"  # a string of only these strips to nothing (one pass in C)
-
-
 def _parse_members(d: dict, what: str, dtype: str) -> Members:
     """A bundle's members from their columns, checked column by column (a bundle of 70,000 tensors
     parses in milliseconds)."""
@@ -742,7 +755,7 @@ def _parse_members(d: dict, what: str, dtype: str) -> Members:
     dims = list(itertools.chain.from_iterable(shapes))
     if dims and (not set(map(type, dims)) <= {int} or min(dims) < 0 or max(dims) > MAX_DIM):
         raise fail(what, f"member shapes must hold integers in [0, {MAX_DIM}]")
-    if set(map(type, digests)) != {str} or set(map(len, digests)) != {64} or "".join(digests).strip(_HEX_DIGITS):
+    if not all_digests(digests):
         raise fail(what, "member digests must be 64 lowercase hex digits each")
     if changed is not None and (not isinstance(changed, list) or len(changed) != len(names) or (
             changed and (not set(map(type, changed)) <= {int} or min(changed) < 0))):

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dcr_core import events
-from dcr_core.chunking import ChunkGrid
+from dcr_core.chunking import ChunkGrid, grid_of
 from dcr_core.codec import CodecSpec
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError
@@ -140,7 +140,7 @@ def _array_chunks(array: str, a: Any, what: str) -> list[StreamedChunk]:
     if not isinstance(a, dict) or a.get("dtype") not in DTYPES or not isinstance(a.get("tensor"), str):
         raise fail(what, "needs a tensor name and a supported dtype")
     try:
-        grid = ChunkGrid(parse_shape(a.get("shape"), what), parse_shape(a.get("chunk_shape"), what))
+        grid = grid_of(parse_shape(a.get("shape"), what), parse_shape(a.get("chunk_shape"), what))
     except IntegrityError as e:
         raise fail(what, str(e)) from None
     indices, digests, nbytes = a.get("indices"), a.get("digests"), a.get("nbytes")

@@ -2,6 +2,6 @@
 
 import sys
 
-from flows.cli import main
+from flows.cli import command
 
-sys.exit(main())
+sys.exit(command())

@@ -51,7 +51,7 @@ import numpy as np
 from dcr_core import events
 from dcr_core.bundles import MembersHasher
 from dcr_core.chain import KEYFRAME
-from dcr_core.chunking import ChunkGrid, choose_chunk_shape
+from dcr_core.chunking import ChunkGrid, choose_chunk_shape, grid_of
 from dcr_core.delta import Encoding, choose_encoding, count_changed, encode_chunks
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, SchemaMismatchError
@@ -190,7 +190,7 @@ class _Uploads:
 
 def _grids(plan: PublishPlan) -> dict[str, ChunkGrid]:
     opts = plan.options
-    return {n: ChunkGrid(i.shape, choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, opts.chunk_bytes,
+    return {n: grid_of(i.shape, choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, opts.chunk_bytes,
                                                      opts.column_blocks))
             for n, i in plan.infos.items()}
 
@@ -259,7 +259,7 @@ def announcing(plan: PublishPlan) -> Iterator[Callable[[dict[str, TensorEntry]],
                 for p, n in zip(e.chunks.packs, e.chunks.nbytes):
                     sizes[p] = sizes.get(p, 0) + n
             for name, e in entries.items():
-                grid = ChunkGrid(plan.infos[name].shape, e.chunk_shape)
+                grid = grid_of(plan.infos[name].shape, e.chunk_shape)
                 c = e.chunks
                 for pos, (index, digest, nbytes) in enumerate(zip(c.indices, c.digests, c.nbytes)):
                     where = (c.packs[pos], c.offsets[pos], sizes[c.packs[pos]]) if c.packs else ()
@@ -556,7 +556,7 @@ def write_snapshot(plan: PublishPlan, source: SourceRef, entries: dict[str, Tens
         for name in sorted(plan.infos):
             info, e = plan.infos[name], entries[name]
             array = unique_array(e.array + layout.SNAPSHOT_SUFFIX, used)
-            grid = ChunkGrid(info.shape, e.chunk_shape)
+            grid = grid_of(info.shape, e.chunk_shape)
             attrs = {"dcr": {"tensor": name, "dtype": info.dtype, "encoding": Encoding.FULL.value,
                              "step": plan.step, "snapshot": True}}
             array_fut = w.write_array(array, info.shape, grid.chunk_shape, info.dtype, attrs)

@@ -17,7 +17,7 @@ from dcr_core import bundles, events
 from dcr_core.bundles import Members
 from dcr_core.chain import DELTA, KEYFRAME
 from dcr_core.chunking import choose_chunk_shape
-from dcr_core.digest import DigestScheme
+from dcr_core.digest import DigestScheme, scheme_of
 from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import InvalidCheckpointError, SchemaMismatchError, StepConflictError, UsageError
 from flows.options import PublishOptions
@@ -69,7 +69,7 @@ class PublishPlan:
     @property
     def scheme(self) -> DigestScheme:
         """The digest scheme of the step's manifest."""
-        return DigestScheme(self.options.digest_block_bytes)
+        return scheme_of(self.options.digest_block_bytes)
 
     def base_entries(self) -> dict[str, TensorEntry]:
         """The base step's entries (empty for a keyframe), from its pinned manifest."""
@@ -106,17 +106,21 @@ def check_receivable(infos: dict[str, TensorInfo], options: PublishOptions, sour
         raise InvalidCheckpointError(f"{source_name or 'checkpoint'}: {len(infos)} tensors, more than the {MAX_TENSORS} a step may hold")
     small = options.chunk_bytes
     sizes = {k: d.itemsize for k, d in DTYPES.items()}
-    for name in sorted(infos):
-        i = infos[name]
-        if len(i.shape) <= MAX_NDIM and 0 < math.prod(i.shape) * sizes[i.dtype] <= small \
-                and (not i.shape or max(i.shape) <= MAX_DIM):
+    refused: dict[tuple[str, tuple[int, ...]], str] = {}
+    for dtype, shape in {(i.dtype, tuple(i.shape)) for i in infos.values()}:  # a model has few distinct ones
+        if len(shape) <= MAX_NDIM and 0 < math.prod(shape) * sizes[dtype] <= small \
+                and (not shape or max(shape) <= MAX_DIM):
             continue  # one chunk at most, within every limit: nothing to refuse
-        chunk = choose_chunk_shape(i.shape, DTYPES[i.dtype].itemsize, options.chunk_bytes,
-                                   options.column_blocks) if len(i.shape) <= MAX_NDIM else ()
-        why = refusal(i.shape, i.dtype, chunk)
+        chunk = choose_chunk_shape(shape, DTYPES[dtype].itemsize, options.chunk_bytes,
+                                   options.column_blocks) if len(shape) <= MAX_NDIM else ()
+        why = refusal(shape, dtype, chunk)
         if why:
-            raise InvalidCheckpointError(f"{source_name or 'checkpoint'}: tensor {name!r} {i.dtype}{list(i.shape)}: {why}; "
-                                         "receivers could not read it")
+            refused[dtype, shape] = why
+    if refused:  # the first such tensor by name
+        name = min(n for n, i in infos.items() if (i.dtype, tuple(i.shape)) in refused)
+        i = infos[name]
+        raise InvalidCheckpointError(f"{source_name or 'checkpoint'}: tensor {name!r} {i.dtype}{list(i.shape)}: "
+                                     f"{refused[i.dtype, tuple(i.shape)]}; receivers could not read it")
 
 
 def check_free(root: Root, cat: Catalog, step: int) -> int | None:
@@ -174,7 +178,9 @@ def plan_publish(
     reason = ("requested" if sharded else "first step") if latest is None else "requested" if keyframe else ""
     events.reached("publish.planned", step=step, rank=rank)
     if not sharded:  # ranks report no tensor.done (their shards are not canonical tensors): no total either
-        events.reached("work.planned", what="publish", nbytes=sum(i.nbytes for i in infos.values()))
+        size = {k: d.itemsize for k, d in DTYPES.items()}
+        events.reached("work.planned", what="publish",
+                       nbytes=sum([math.prod(i.shape) * size[i.dtype] for i in infos.values()]))
     if reason:
         packed = {} if sharded else bundles.plan(infos, options.bundle_below, options.bundle_min_tensors, order)
         return PublishPlan(root, step, KEYFRAME, None, None, attempt, bundles.stored_infos(infos, packed), options,

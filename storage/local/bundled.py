@@ -13,6 +13,7 @@ tensors are unchanged. ``write_stored`` writes a bundle's bits into a writer lai
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Mapping
 
@@ -21,6 +22,8 @@ import numpy as np
 from dcr_core.bundles import Members, stored_infos
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import InvalidCheckpointError
+
+_DTYPE, _SHAPE = operator.attrgetter("dtype"), operator.attrgetter("shape")
 
 
 class BundledView:
@@ -34,7 +37,11 @@ class BundledView:
         for b, m in bundles.items():
             if b in held:  # held as stored already
                 continue
-            if all(n in held and (held[n].dtype, held[n].shape) == (m.dtype, s) for n, s in zip(m.names, m.shapes)):
+            try:  # every member held, with its dtype and shape (whole columns compared, in C)
+                infos = [held[n] for n in m.names]
+            except KeyError:
+                continue
+            if set(map(_DTYPE, infos)) == {m.dtype} and list(map(_SHAPE, infos)) == list(m.shapes):
                 self.bundles[b] = m
         self.infos = stored_infos(held, self.bundles)
         self.file = hasattr(inner, "read_into")
@@ -49,17 +56,13 @@ class BundledView:
         runs = self._runs.get(bundle)
         if runs is None:
             m = self.bundles[bundle]
-            where = [self.inner.file_of(n) for n in m.names]
-            bs = m.byte_starts().tolist()
-            starts, fds, offs = [], [], []
-            end_fd, end_off = None, None
-            for (fd, off), a, b in zip(where, bs, bs[1:]):
-                if fd != end_fd or off != end_off:
-                    starts.append(a)
-                    fds.append(fd)
-                    offs.append(off)
-                end_fd, end_off = fd, off + (b - a)
-            runs = self._runs[bundle] = (np.array(starts + [bs[-1]], np.int64), fds, offs)
+            fds, offs = self.inner.files_of(m.names)
+            bs = m.byte_starts()
+            # A member starts a new run unless it lies in its predecessor's file right after it.
+            new = np.ones(len(m), bool)
+            new[1:] = (fds[1:] != fds[:-1]) | (offs[1:] != offs[:-1] + np.diff(bs)[:-1])
+            first = np.flatnonzero(new)
+            runs = self._runs[bundle] = (np.append(bs[first], bs[-1]), fds[first].tolist(), offs[first].tolist())
         return runs
 
     def one_run(self, bundle: str) -> bool:

@@ -15,7 +15,7 @@ import math
 import os
 import struct
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -113,7 +113,14 @@ def _parse_header(path: str, fd: int) -> tuple[Header, dict[str, TensorInfo], di
         raise InvalidCheckpointError(
             f"{path}: truncated (needs {8 + n + end_max} bytes, file has {size})"
         )
-    return head, dict(infos), dict(metadata), {k: 8 + n + v for k, v in starts.items()}
+    return head, infos, metadata, _file_offsets(head.raw)
+
+
+@functools.lru_cache(maxsize=8)
+def _file_offsets(raw: bytes) -> dict[str, int]:
+    """Each tensor's data offset in the file whose header (length prefix included) is ``raw``: kept
+    beside ``header_entries``, as the checkpoint is opened several times. Callers must not change it."""
+    return {k: len(raw) + v for k, v in header_entries(raw)[2].items()}
 
 
 @functools.lru_cache(maxsize=8)
@@ -121,6 +128,9 @@ def header_doc(text: bytes):
     """A header's JSON text parsed, kept for the few headers in use (a publish opens its checkpoint
     several times, and the header of 70,000 tensors is 6 MB of JSON): callers must not change it."""
     return json.loads(text)
+
+
+_INTS = frozenset({int})  # a shape's dimensions are JSON integers: their types, checked in one pass in C
 
 
 @functools.lru_cache(maxsize=8)
@@ -141,7 +151,7 @@ def header_entries(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], d
         try:  # the common case first (a plain entry of JSON integers), one dict lookup per field
             dt = DTYPES[d["dtype"]]
             shape, (start, end) = d["shape"], d["data_offsets"]
-            if type(shape) is not list or not all(type(x) is int for x in shape) or type(start) is not int \
+            if type(shape) is not list or not _INTS.issuperset(map(type, shape)) or type(start) is not int \
                     or type(end) is not int:
                 raise TypeError
             shape = tuple(shape)
@@ -195,13 +205,14 @@ class SafetensorsCheckpoint:
                 raise InvalidCheckpointError(f"{f}: cannot read checkpoint ({e.strerror or e})") from None
             self.headers[f], infos, meta, offsets = _parse_header(f, self._fh[f].fileno())
             self.sizes[f] = os.fstat(self._fh[f].fileno()).st_size
+            twice = infos.keys() & self.infos.keys() if self.infos else ()
+            if twice:
+                raise InvalidCheckpointError(f"{self.path}: tensor {min(twice)!r} appears in two files")
+            # Whole tables at once (the parsed header's are shared, never changed): no Python loop per tensor.
             self._offset.update(offsets)
             self.metadata.update(meta)
-            for name, info in infos.items():
-                if name in self.infos:
-                    raise InvalidCheckpointError(f"{self.path}: tensor {name!r} appears in two files")
-                self.infos[name] = info
-                self._where[name] = f
+            self.infos.update(infos)
+            self._where.update(dict.fromkeys(infos, f))
 
     def _index_files(self) -> list[str]:
         index = os.path.join(self.path, INDEX_NAME)
@@ -275,6 +286,16 @@ class SafetensorsCheckpoint:
         """``(fd, byte offset)`` of one tensor's data in the open file that holds it (the file this
         reader validated, even if its path was replaced since): for copies made by the kernel."""
         return self._fh[self._where[name]].fileno(), self._offset[name]
+
+    def files_of(self, names: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``file_of`` for many tensors at once: their file descriptors and data offsets (two arrays)."""
+        offsets = np.fromiter(map(self._offset.__getitem__, names), np.int64, len(names))
+        if len(self._fh) == 1:
+            fds = np.full(len(names), next(iter(self._fh.values())).fileno(), np.int64)
+        else:
+            fd = {f: h.fileno() for f, h in self._fh.items()}
+            fds = np.fromiter(map(fd.__getitem__, map(self._where.__getitem__, names)), np.int64, len(names))
+        return fds, offsets
 
     def file_order(self) -> dict[str, int | tuple[int, int]]:
         """A sort key per tensor: where its data lies (its byte offset; in a directory, the file's
