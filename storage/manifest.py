@@ -73,6 +73,7 @@ MAX_PIECE_RUNS_PER_TENSOR = 1 << 23  # contiguous runs the pieces' boxes decompo
 MAX_PART_SLOTS = 1 << 16
 MAX_PACKS = 1 << 24
 MAX_PACK_BYTES = 1 << 40  # a pack is sealed at about ``pack_bytes`` (8 MiB by default) plus one chunk
+_ENCODINGS = {e.value: e for e in Encoding}  # a stored encoding name -> its member (a dict lookup per entry)
 
 def refusal(shape: tuple[int, ...], dtype: str, chunk_shape: tuple[int, ...]) -> str | None:
     """Why every receiver would refuse a tensor of this shape and chunking (the limits a manifest
@@ -124,7 +125,7 @@ class ChunkTable:
         if not isinstance(d, dict):
             raise fail(what, "chunks must be an object")
         idx, dig, nb = d.get("indices"), d.get("digests"), d.get("nbytes")
-        if not all(isinstance(x, list) for x in (idx, dig, nb)) or not len(idx) == len(dig) == len(nb):
+        if not (type(idx) is list and type(dig) is list and type(nb) is list) or not len(idx) == len(dig) == len(nb):
             raise fail(what, "chunks.indices/digests/nbytes must be lists of equal length")
         if len(idx) > n_chunks:
             raise fail(what, f"{len(idx)} stored chunks but the grid has {n_chunks}")
@@ -432,10 +433,9 @@ class TensorEntry:
         dtype = d.get("dtype")
         if dtype not in DTYPES:
             raise fail(what, f"unsupported dtype {dtype!r}")
-        try:
-            encoding = Encoding(d.get("encoding"))
-        except ValueError:
-            raise fail(what, f"unknown encoding {d.get('encoding')!r}") from None
+        encoding = _ENCODINGS.get(d.get("encoding")) if type(d.get("encoding")) is str else None
+        if encoding is None:
+            raise fail(what, f"unknown encoding {d.get('encoding')!r}")
         shape = parse_shape(d.get("shape"), what)
         chunk_shape = parse_shape(d.get("chunk_shape"), what)
         if math.prod(shape) > MAX_TENSOR_ELEMENTS:

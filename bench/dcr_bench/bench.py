@@ -142,6 +142,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-count-bytes", type=lambda s: parse_size(s, "bytes"),
                    help=f"checkpoint bytes of that section (default {tensor_counts.DEFAULT_BYTES / 1e6:g}M; --quick "
                    f"{tensor_counts.QUICK_BYTES / 1e6:g}M)")
+    p.add_argument("--tensor-count-bundle-below", type=lambda s: 0 if s.strip() == "0" else parse_size(s, "bytes"), default=None,
+                   metavar="BYTES", help="--bundle-below of that section's publishes (default: dcr publish's; 0: no "
+                   "bundles, every tensor stored alone: the per-tensor costs of tensors too large to bundle)")
     p.add_argument("--seed", type=Number(int, 0, 2**32 - 1), default=0, help="seed of the synthetic updates (default 0)")
     return p
 
@@ -801,7 +804,8 @@ def run(a: argparse.Namespace, command: list[str]) -> dict:
             t0 = time.perf_counter()
             say(f"cost against tensor count: {_counts(a.tensor_counts)} tensors of {a.tensor_count_bytes / 1e6:g} MB")
             results["tensor_counts"] = tensor_counts.measure(tmp, a.tensor_counts, a.backends, s3, a.tensor_count_bytes,
-                                                             seed=a.seed, log=say)
+                                                             seed=a.seed, log=say,
+                                                             bundle_below=a.tensor_count_bundle_below)
             say(f"cost against tensor count done ({time.perf_counter() - t0:.1f}s)")
     results["wall_s"] = time.perf_counter() - t_start
     return results

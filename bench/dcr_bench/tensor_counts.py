@@ -62,14 +62,15 @@ def _requests(used: stats.IOStats) -> dict:
     return {**kinds, "total": sum(kinds.values()), "retries": used.retries}
 
 
-def _phase(phase: str, root: str, so: dict, checkpoint: str, state: str, cache_dir: str, env: dict) -> dict:
+def _phase(phase: str, root: str, so: dict, checkpoint: str, state: str, cache_dir: str, env: dict,
+           bundle_below: int | None = None) -> dict:
     """One phase (setup, publish or receive) in this process, with the caller's environment ``env``
     (the forkserver's is the one it started with); what it cost."""
     os.environ.clear()
     os.environ.update(env)
     start_rss = _peak_rss()
     url = check_root_url(root)
-    popts = PublishOptions(cache_dir=cache_dir)
+    popts = PublishOptions(cache_dir=cache_dir, **({} if bundle_below is None else {"bundle_below": bundle_below}))
     before = stats.io_stats(url)
     t0 = time.perf_counter()
     out: dict = {}
@@ -94,7 +95,7 @@ def _phase(phase: str, root: str, so: dict, checkpoint: str, state: str, cache_d
     return out
 
 
-def _one(work: str, n: int, backend: str, s3, old: str, new: str) -> dict:
+def _one(work: str, n: int, backend: str, s3, old: str, new: str, bundle_below: int | None = None) -> dict:
     run = uuid.uuid4().hex[:8]
     d = os.path.join(work, f"run-{run}")  # the state file, what a receiver keeps beside it, the cache
     os.makedirs(d)
@@ -105,7 +106,7 @@ def _one(work: str, n: int, backend: str, s3, old: str, new: str) -> dict:
     state = os.path.join(d, "state.safetensors")
     try:
         phases = {p: _in_child(_phase, p, root, so, old if p == "setup" else new, state, os.path.join(d, "cache"),
-                               dict(os.environ)) for p in ("setup", "publish", "receive")}
+                               dict(os.environ), bundle_below) for p in ("setup", "publish", "receive")}
         exact = same_tensors(state, new)
     finally:
         if backend == "s3":
@@ -130,8 +131,10 @@ def _one(work: str, n: int, backend: str, s3, old: str, new: str) -> dict:
 
 
 def measure(work: str, counts=DEFAULT_COUNTS, backends=("local",), s3=None, total_bytes: int = DEFAULT_BYTES,
-            rate: float = 0.03, seed: int = 0, log=None) -> dict:
-    """Every count on every backend (S3 only with ``s3``, a running ``e2e.S3Service``)."""
+            rate: float = 0.03, seed: int = 0, log=None, bundle_below: int | None = None) -> dict:
+    """Every count on every backend (S3 only with ``s3``, a running ``e2e.S3Service``). ``bundle_below``:
+    ``PublishOptions.bundle_below`` of the keyframes (None: the default; 0: no bundles, every tensor
+    stored alone, as tensors too large to bundle are)."""
     work = os.path.join(work, "tensor-counts")
     os.makedirs(work, exist_ok=True)
     backends = [b for b in backends if b == "local" or s3 is not None]
@@ -142,7 +145,7 @@ def measure(work: str, counts=DEFAULT_COUNTS, backends=("local",), s3=None, tota
         checkpoints.append(info)
         for backend in backends:
             t0 = time.perf_counter()
-            row = {**_one(work, n, backend, s3, old, new), "bytes": info["bytes"], "changed": info["changed"]}
+            row = {**_one(work, n, backend, s3, old, new, bundle_below), "bytes": info["bytes"], "changed": info["changed"]}
             rows.append(row)
             if log:
                 log(line(row) + f" ({time.perf_counter() - t0:.1f}s)")
@@ -154,8 +157,21 @@ def measure(work: str, counts=DEFAULT_COUNTS, backends=("local",), s3=None, tota
         row["publish_ratio"] = row["publish_s"] / base["publish_s"]
         row["receive_ratio"] = row["receive_s"] / base["receive_s"]
     return {"total_bytes": total_bytes, "rate": rate, "seed": seed, "counts": list(counts), "backends": backends,
+            "bundle_below": bundle_below, "per_tensor_s": per_tensor(rows),
             "ratio_base_tensors": min(counts),
             "bound": {"base": BOUND_BASE, "bytes_per_request": BOUND_BYTES}, "checkpoints": checkpoints, "rows": rows}
+
+
+def per_tensor(rows: list[dict]) -> dict:
+    """Seconds per tensor beyond the bytes, on each backend: (most tensors - fewest) / their difference
+    in count, for publish and receive (what ``dcr simulate``'s calibration takes as per-tensor costs)."""
+    out = {}
+    for backend in dict.fromkeys(r["backend"] for r in rows):
+        mine = [r for r in rows if r["backend"] == backend]
+        lo, hi = min(mine, key=lambda r: r["tensors"]), max(mine, key=lambda r: r["tensors"])
+        if hi["tensors"] > lo["tensors"]:
+            out[backend] = {k: (hi[f"{k}_s"] - lo[f"{k}_s"]) / (hi["tensors"] - lo["tensors"]) for k in ("publish", "receive")}
+    return out
 
 
 def line(r: dict) -> str:
@@ -182,6 +198,10 @@ def markdown(res: dict) -> list[str]:
          "(bound) | receive GETs (bound) | stored bytes | pulled bytes | peak RSS MB (publish / receive) | exact |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---|---:|---:|---|:--:|",
     ]
+    if res.get("bundle_below") is not None:
+        lines.insert(2, f"Published with `--bundle-below {res['bundle_below']}`"
+                     + (" (no bundles: every tensor stored alone, as tensors too large to bundle are).\n"
+                        if res["bundle_below"] == 0 else ".\n"))
     for r in res["rows"]:
         q, b, m = r["requests"], r["bound"], r["peak_rss_bytes"]
         lines.append(
@@ -192,6 +212,10 @@ def markdown(res: dict) -> list[str]:
             f"{q['receive']['GET']:,} ({b['receive_gets']:.1f}{'' if b['receive_gets_ok'] else ', over'}) | "
             f"{r['bytes_stored']:,} | {r['bytes_pulled']:,} | {m['publish'] / 1e6:.0f} / {m['receive'] / 1e6:.0f} | "
             f"{'yes' if r['exact'] else 'NO'} |")
+    if res.get("per_tensor_s"):
+        lines.append("\nPer tensor beyond the bytes ((most tensors - fewest) / their difference in count): "
+                     + "; ".join(f"{b}: publish {1e3 * v['publish']:.3f} ms, receive {1e3 * v['receive']:.3f} ms"
+                                 for b, v in res["per_tensor_s"].items()) + ".")
     return lines
 
 

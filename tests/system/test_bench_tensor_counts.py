@@ -55,6 +55,9 @@ def test_tensor_counts_option_and_defaults():
     assert a.tensor_counts == list(tensor_counts.DEFAULT_COUNTS) and a.tensor_count_bytes == tensor_counts.DEFAULT_BYTES
     a = resolve(build_parser().parse_args(["--quick", "--tensor-counts", "0"]))
     assert a.tensor_counts == [0] and a.tensor_count_bytes == tensor_counts.QUICK_BYTES
+    assert a.tensor_count_bundle_below is None
+    assert build_parser().parse_args(["--tensor-count-bundle-below", "0"]).tensor_count_bundle_below == 0
+    assert build_parser().parse_args(["--tensor-count-bundle-below", "1M"]).tensor_count_bundle_below == 1_000_000
 
 
 def _check(res: dict, counts: list[int], backends: list[str]) -> None:
@@ -85,13 +88,19 @@ def _check(res: dict, counts: list[int], backends: list[str]) -> None:
     for backend in backends:
         first = next(r for r in rows if r["backend"] == backend)
         assert first["publish_ratio"] == first["receive_ratio"] == 1.0
+    for backend in backends:  # (most - fewest) / difference in count
+        lo, hi = (next(r for r in rows if r["backend"] == backend and r["tensors"] == n) for n in (min(counts), max(counts)))
+        want = {k: (hi[f"{k}_s"] - lo[f"{k}_s"]) / (max(counts) - min(counts)) for k in ("publish", "receive")}
+        assert res["per_tensor_s"][backend] == want
     md = "\n".join(tensor_counts.markdown(res))
-    assert "Cost against tensor count" in md and md.count("| yes |") == len(rows)
+    assert "Cost against tensor count" in md and md.count("| yes |") == len(rows) and "Per tensor beyond the bytes" in md
 
 
 def test_tensor_count_section_on_a_local_root(tmp_path):
-    res = tensor_counts.measure(str(tmp_path), [8, 200], ["local"], total_bytes=1_000_000)
+    res = tensor_counts.measure(str(tmp_path), [8, 200], ["local"], total_bytes=1_000_000, bundle_below=0)
     _check(res, [8, 200], ["local"])
+    assert res["bundle_below"] == 0 and {r["schema_version"] for r in res["rows"]} == {3}  # no bundles: schema 3
+    assert "--bundle-below 0" in "\n".join(tensor_counts.markdown(res))
     if importlib.util.find_spec("matplotlib") is not None:
         import matplotlib
 
