@@ -178,7 +178,7 @@ class StepWriter:
         if self._packer is None:
             self.root.write(self._key(layout.GROUP_META), zarr_meta.group_json(attributes))
 
-    def write_array(self, array: str, shape, chunk_shape, dtype: str, attributes: dict) -> Future:
+    def write_array(self, array: str, shape, chunk_shape, dtype: str, attributes: dict) -> Future | Ready:
         if self._packer is not None:
             return _done(None)
         data = zarr_meta.array_json(tuple(shape), tuple(chunk_shape), dtype, self.codec, attributes)
@@ -230,10 +230,31 @@ class StepWriter:
         return self._pool.submit(work)
 
 
-def _done(value) -> Future:
-    fut: Future = Future()
-    fut.set_result(value)
-    return fut
+class Ready:
+    """A result known already, read like a finished ``Future`` (``result``, ``done``,
+    ``add_done_callback``): a ``Future`` builds a condition and a lock, asked for several times per
+    tensor of a step whose work was done in place."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value=None):
+        self.value = value
+
+    def result(self, timeout: float | None = None):
+        return self.value
+
+    def exception(self, timeout: float | None = None) -> None:
+        return None
+
+    def done(self) -> bool:
+        return True
+
+    def add_done_callback(self, fn) -> None:
+        fn(self)
+
+
+def _done(value) -> Ready:
+    return Ready(value)
 
 
 @dataclass(frozen=True)

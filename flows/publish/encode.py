@@ -62,7 +62,7 @@ from flows.publish.groups import TensorGroup, array_names, unique_array
 from flows.publish.plan import PublishPlan
 from flows.publish.sources import Source, SourceRef, opened
 from storage import layout
-from storage.chunk_io import StepWriter, StoredChunk
+from storage.chunk_io import Ready, StepWriter, StoredChunk
 from storage.local import bundled
 from storage.local.patch_log import PatchLogWriter
 from storage.local.safetensors import SafetensorsCheckpoint
@@ -463,10 +463,8 @@ def _diff(new: np.ndarray, old: np.ndarray, mask: np.ndarray) -> tuple[np.ndarra
     return found
 
 
-def _done(value: str) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
+def _done(value: str) -> Ready:
+    return Ready(value)
 
 
 @dataclasses.dataclass
