@@ -121,3 +121,16 @@ def test_tensor_count_section_on_s3(tmp_path):
         left = s3.fs(s3.direct).ls(s3.bucket)
     _check(res, [8, 200], ["local", "s3"])
     assert not [p for p in left if "tensor-counts-" in p]  # every ROOT removed from the server
+
+
+@pytest.mark.slow  # about 10 s: eight dcr commands, each its own process
+def test_command_times_runs_the_commands_and_reports_medians(tmp_path):
+    from dcr_bench import command_times
+
+    res = command_times.measure(str(tmp_path), [8, 300], runs=1, total_bytes=1_000_000, log=lambda _: None)
+    assert [r["tensors"] for r in res["rows"]] == [8, 300] and all(r["exact"] for r in res["rows"])
+    for r in res["rows"]:
+        for c in ("publish", "receive"):
+            assert len(r[c]["runs_s"]) == 1 and r[c]["median_s"] == r[c]["fastest_s"] > 0
+    assert res["rows"][0]["publish"]["ratio"] == res["rows"][0]["receive"]["ratio"] == 1.0
+    assert "| 300 |" in command_times.markdown(res)
