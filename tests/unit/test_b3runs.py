@@ -1,0 +1,45 @@
+"""The C kernel behind members' digests (dcr_zarr_codec._b3runs): BLAKE3 of many runs of one buffer,
+byte for byte the ``blake3`` package's, in both digest schemes; bad offsets refused, nothing read."""
+
+import blake3
+import numpy as np
+import pytest
+from dcr_zarr_codec._b3runs import runs_hex
+
+from dcr_core.bundles import member_digests
+from dcr_core.digest import BLOCKS_SCHEME, DigestScheme
+
+# around BLAKE3's block (64) and chunk (1024) sizes, and its SIMD degrees' multiples of chunks
+SIZES = [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 3000, 4096, 8191, 16384, 16385, 65536 + 7, 0, 5]
+
+
+def _runs(seed: int = 0):
+    rng = np.random.default_rng(seed)
+    starts = np.concatenate([[0], np.cumsum(SIZES)]).astype(np.int64)
+    return rng.integers(0, 256, int(starts[-1]) + 11, dtype=np.uint8), starts
+
+
+def test_runs_hex_is_blake3_of_each_run_with_and_without_a_prefix():
+    raw, st = _runs()
+    runs = [raw[a:b].tobytes() for a, b in zip(st[:-1], st[1:])]
+    assert runs_hex(raw, st) == tuple(blake3.blake3(r).hexdigest() for r in runs)
+    head = b"a prefix\n"
+    assert runs_hex(raw, st, head) == tuple(blake3.blake3(head + blake3.blake3(r).digest()).hexdigest() for r in runs)
+    assert runs_hex(raw, st[:1]) == ()  # no run
+    assert runs_hex(raw, st[3:6]) == runs_hex(raw[st[3]:], st[3:6] - st[3])  # runs anywhere in the buffer
+
+
+@pytest.mark.parametrize("bad", [[0, -1], [5, 4], [0, 10**9], [-3, 0], []])
+def test_runs_hex_refuses_offsets_outside_the_buffer(bad):
+    raw, _ = _runs()
+    with pytest.raises(ValueError):
+        runs_hex(raw, np.array(bad, np.int64))
+
+
+@pytest.mark.parametrize("scheme", [DigestScheme(), DigestScheme(1024), DigestScheme(4096)])
+def test_member_digests_are_each_members_digest_in_its_scheme(scheme):
+    raw, st = _runs(1)
+    want = tuple(scheme.digest(raw[a:b]) for a, b in zip(st[:-1], st[1:]))  # members of several blocks included
+    assert member_digests(raw, st, scheme) == want
+    if scheme.blocked:  # an empty member: the digest of no block (the scheme's head alone)
+        assert want[0] == blake3.blake3(f"{BLOCKS_SCHEME}\n{scheme.block_bytes}\n".encode()).hexdigest()
