@@ -13,15 +13,137 @@
  * non-decreasing, the last at most the buffer's length; run i is buffer[starts[i]:starts[i+1]].
  * Digest i is BLAKE3(run i) as 64 lowercase hex digits, or with `prefix` (bytes) BLAKE3(prefix ||
  * BLAKE3(run i)): the block scheme's digest of a run of one block (dcr_core.digest).
+ *
+ * Runs of equal length (the experts of a layer share a shape) are hashed side by side: BLAKE3's
+ * SIMD kernels compress one block of 8 or 16 inputs at once, and one small run alone fills few of
+ * them (a run of 5 KB is 5 chunks). So a group of equal runs made of whole 64-byte blocks goes
+ * through BLAKE3's tree level by level, each level one `blake3_hash_many` call across the group:
+ * chunk j of every run (counter j), then the parents of the left-balanced tree, the root flagged
+ * ROOT, whose chaining value is the digest. Any other run is hashed alone. Both give BLAKE3's digest.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
-#include "blake3/blake3.h"
+#include "blake3/blake3_impl.h"
 
 static const char HEX[] = "0123456789abcdef";
+
+typedef struct {
+    const uint8_t *buf;
+    const int64_t *s;
+    const Py_ssize_t *idx; /* the group's runs */
+    size_t m;              /* how many */
+    const uint8_t **ptrs;  /* m input pointers */
+    uint8_t *pb;           /* m parent blocks (64 bytes each) */
+    uint8_t *arena;        /* parents' chaining values: (chunks - 1) x m x 32 */
+    size_t used;
+    uint8_t *chunks;       /* chunk chaining values: chunks x m x 32 */
+} group;
+
+/* The chaining values (m x 32 bytes) of chunks [lo, hi) of every run of the group, as one subtree. */
+static uint8_t *subtree(group *g, size_t lo, size_t hi, int root) {
+    size_t m = g->m;
+    if (hi - lo == 1)
+        return g->chunks + lo * m * BLAKE3_OUT_LEN;
+    size_t left = 1;
+    while (left * 2 < hi - lo)
+        left *= 2; /* the largest power of two below the count: BLAKE3's left-balanced tree */
+    uint8_t *l = subtree(g, lo, lo + left, 0), *r = subtree(g, lo + left, hi, 0);
+    for (size_t k = 0; k < m; k++) {
+        memcpy(g->pb + 64 * k, l + BLAKE3_OUT_LEN * k, BLAKE3_OUT_LEN);
+        memcpy(g->pb + 64 * k + BLAKE3_OUT_LEN, r + BLAKE3_OUT_LEN * k, BLAKE3_OUT_LEN);
+        g->ptrs[k] = g->pb + 64 * k;
+    }
+    uint8_t *out = g->arena + g->used;
+    g->used += m * BLAKE3_OUT_LEN;
+    blake3_hash_many(g->ptrs, m, 1, IV, 0, false, PARENT | (root ? ROOT : 0), 0, 0, out);
+    return out;
+}
+
+/* Digests (m x 32 bytes, into `out`) of the group's runs, each `len` bytes (whole blocks). 0: no memory. */
+static int hash_group(group *g, int64_t len, uint8_t *out) {
+    size_t m = g->m, nchunks = (size_t)((len + BLAKE3_CHUNK_LEN - 1) / BLAKE3_CHUNK_LEN);
+    g->chunks = malloc(nchunks * m * BLAKE3_OUT_LEN);
+    g->arena = nchunks > 1 ? malloc((nchunks - 1) * m * BLAKE3_OUT_LEN) : NULL;
+    if (g->chunks == NULL || (nchunks > 1 && g->arena == NULL)) {
+        free(g->chunks);
+        free(g->arena);
+        return 0;
+    }
+    g->used = 0;
+    for (size_t j = 0; j < nchunks; j++) {
+        int64_t at = (int64_t)j * BLAKE3_CHUNK_LEN, left = len - at;
+        size_t blocks = (size_t)((left < BLAKE3_CHUNK_LEN ? left : BLAKE3_CHUNK_LEN) / BLAKE3_BLOCK_LEN);
+        for (size_t k = 0; k < m; k++)
+            g->ptrs[k] = g->buf + g->s[g->idx[k]] + at;
+        blake3_hash_many(g->ptrs, m, blocks, IV, j, false, 0, CHUNK_START, CHUNK_END | (nchunks == 1 ? ROOT : 0),
+                         g->chunks + j * m * BLAKE3_OUT_LEN);
+    }
+    memcpy(out, subtree(g, 0, nchunks, 1), m * BLAKE3_OUT_LEN);
+    free(g->chunks);
+    free(g->arena);
+    return 1;
+}
+
+typedef struct {
+    int64_t len;
+    Py_ssize_t i;
+} sized;
+
+static int by_length(const void *a, const void *b) {
+    const sized *x = a, *y = b;
+    return x->len < y->len ? -1 : x->len > y->len ? 1 : (x->i > y->i) - (x->i < y->i);
+}
+
+/* Every run's raw digest into d (n x 32 bytes); 0: no memory. The interpreter lock is not held. */
+static int digest_runs(const uint8_t *buf, const int64_t *s, Py_ssize_t n, uint8_t *d) {
+    sized *runs = malloc((n ? n : 1) * sizeof *runs);
+    Py_ssize_t *order = malloc((n ? n : 1) * sizeof *order);
+    const uint8_t **ptrs = malloc((n ? n : 1) * sizeof *ptrs);
+    uint8_t *pb = malloc((n ? n : 1) * 64), *tmp = malloc((n ? n : 1) * BLAKE3_OUT_LEN);
+    int ok = runs && order && ptrs && pb && tmp;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        int64_t len = s[i + 1] - s[i];
+        if (len > 0 && len % BLAKE3_BLOCK_LEN == 0) {
+            runs[k].len = len; /* whole blocks: hashed in a group of its length */
+            runs[k++].i = i;
+        } else {
+            blake3_hasher h;
+            blake3_hasher_init(&h);
+            blake3_hasher_update(&h, buf + s[i], (size_t)len);
+            blake3_hasher_finalize(&h, d + (size_t)i * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+        }
+    }
+    if (ok && k) {
+        qsort(runs, (size_t)k, sizeof *runs, by_length);
+        for (Py_ssize_t q = 0; q < k; q++)
+            order[q] = runs[q].i;
+    }
+    for (Py_ssize_t a = 0; ok && a < k;) {
+        int64_t len = s[order[a] + 1] - s[order[a]];
+        Py_ssize_t b = a + 1;
+        while (b < k && s[order[b] + 1] - s[order[b]] == len)
+            b++;
+        group g = {buf, s, order + a, (size_t)(b - a), ptrs, pb, NULL, 0, NULL};
+        if (!hash_group(&g, len, tmp)) {
+            ok = 0;
+            break;
+        }
+        for (Py_ssize_t q = a; q < b; q++)
+            memcpy(d + (size_t)order[q] * BLAKE3_OUT_LEN, tmp + (size_t)(q - a) * BLAKE3_OUT_LEN, BLAKE3_OUT_LEN);
+        a = b;
+    }
+    free(runs);
+    free(order);
+    free(ptrs);
+    free(pb);
+    free(tmp);
+    return ok;
+}
 
 static PyObject *runs_hex(PyObject *self, PyObject *args, PyObject *kwargs) {
     static char *kwlist[] = {"buffer", "starts", "prefix", NULL};
@@ -55,14 +177,18 @@ static PyObject *runs_hex(PyObject *self, PyObject *args, PyObject *kwargs) {
     const uint8_t *buf = (const uint8_t *)data.buf;
     const uint8_t *pbuf = have_prefix ? (const uint8_t *)pre.buf : NULL;
     size_t plen = have_prefix ? (size_t)pre.len : 0;
+    uint8_t *raw = PyMem_RawMalloc(n ? (size_t)n * BLAKE3_OUT_LEN : 1);
+    if (raw == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    int ok;
     Py_BEGIN_ALLOW_THREADS
-    blake3_hasher h;
-    uint8_t d[BLAKE3_OUT_LEN];
-    for (Py_ssize_t i = 0; i < n; i++) {
-        blake3_hasher_init(&h);
-        blake3_hasher_update(&h, buf + s[i], (size_t)(s[i + 1] - s[i]));
-        blake3_hasher_finalize(&h, d, BLAKE3_OUT_LEN);
+    ok = digest_runs(buf, s, n, raw);
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        uint8_t *d = raw + (size_t)i * BLAKE3_OUT_LEN;
         if (pbuf != NULL) {
+            blake3_hasher h;
             blake3_hasher_init(&h);
             blake3_hasher_update(&h, pbuf, plen);
             blake3_hasher_update(&h, d, BLAKE3_OUT_LEN);
@@ -75,6 +201,11 @@ static PyObject *runs_hex(PyObject *self, PyObject *args, PyObject *kwargs) {
         }
     }
     Py_END_ALLOW_THREADS
+    PyMem_RawFree(raw);
+    if (!ok) {
+        PyErr_NoMemory();
+        goto done;
+    }
     out = PyTuple_New(n);
     if (out == NULL)
         goto done;

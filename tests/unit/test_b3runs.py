@@ -29,6 +29,19 @@ def test_runs_hex_is_blake3_of_each_run_with_and_without_a_prefix():
     assert runs_hex(raw, st[3:6]) == runs_hex(raw[st[3]:], st[3:6] - st[3])  # runs anywhere in the buffer
 
 
+def test_runs_of_equal_length_hashed_side_by_side_are_blake3_of_each():
+    """Runs of whole 64-byte blocks go through BLAKE3's tree across their group (one SIMD call per
+    level): every chunk count up to past 64 chunks (trees of every shape), groups of 1 to 19, mixed
+    with runs hashed alone, in any order."""
+    rng = np.random.default_rng(3)
+    lens = [n for c in [*range(1, 34), 63, 64, 65, 70] for n in (c * 1024, c * 1024 - 64, 64 * c)
+            for _ in range(int(rng.integers(1, 20)))] + [0, 1, 5, 100, 1000, 64, 64, 128]
+    rng.shuffle(lens)
+    st = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
+    raw = rng.integers(0, 256, int(st[-1]), dtype=np.uint8)
+    assert runs_hex(raw, st) == tuple(blake3.blake3(raw[a:b]).hexdigest() for a, b in zip(st[:-1], st[1:]))
+
+
 @pytest.mark.parametrize("bad", [[0, -1], [5, 4], [0, 10**9], [-3, 0], []])
 def test_runs_hex_refuses_offsets_outside_the_buffer(bad):
     raw, _ = _runs()
