@@ -13,7 +13,7 @@ Two things, both about the store behind ROOT rather than the data in it:
   answer). Exit codes stay the documented ones: configuration a user must fix is 2 (bad input),
   anything else 1.
 
-Nothing here imports boto, gcsfs or aiohttp: exceptions are matched by qualified type names and the
+Nothing here imports boto, gcsfs, the Azure SDK or aiohttp: exceptions are matched by qualified type names and the
 status and code they carry (``storage.retry``).
 """
 
@@ -112,8 +112,9 @@ def bucket_of(path: str) -> str:
     return path.lstrip("/").split("/", 1)[0]
 
 
-# The services' error codes for a request refused for its credentials.
-DENIED = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "ExpiredToken"})
+# The services' error codes for a request refused for its credentials (S3's, Azure's).
+DENIED = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "ExpiredToken",
+                    "AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch"})
 
 
 def denied(root_url: str, endpoint: Endpoint, exc: BaseException) -> StoreUnreachableError | None:

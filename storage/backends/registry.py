@@ -6,13 +6,14 @@ from __future__ import annotations
 import fsspec
 
 from dcr_core.errors import DCRError, UsageError
+from storage.backends.azure import AzureBackend
 from storage.backends.base import Backend, OtherBackend
 from storage.backends.gcs import GcsBackend
 from storage.backends.local import LocalBackend
 from storage.backends.memory import MemoryBackend
 from storage.backends.s3 import S3Backend
 
-BACKENDS: tuple[type[Backend], ...] = (LocalBackend, MemoryBackend, S3Backend, GcsBackend)
+BACKENDS: tuple[type[Backend], ...] = (LocalBackend, MemoryBackend, S3Backend, GcsBackend, AzureBackend)
 
 _BY_SCHEME: dict[str, type[Backend]] = {scheme: b for b in BACKENDS for scheme in b.schemes}
 
@@ -35,7 +36,8 @@ def open_backend(url: str, storage_options: dict) -> Backend:
 
 def canonical_url(url: str) -> str:
     """One spelling for every spelling of the same place: ``./bucket``, ``bucket/`` and
-    ``file:///abs/bucket`` alike; ``s3a://`` as ``s3://``, ``gcs://`` as ``gs://``."""
+    ``file:///abs/bucket`` alike; ``s3a://`` as ``s3://``, ``gcs://`` as ``gs://``, ``abfs://`` as
+    ``az://``."""
     return backend_class(url).canonical_url(url)
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from storage.backends import registry
+from storage.backends.azure import AzureBackend
 from storage.backends.base import OtherBackend
 from storage.backends.gcs import GcsBackend
 from storage.backends.local import LocalBackend
@@ -21,7 +22,8 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.mark.parametrize(("url", "kind"), [
     ("bucket", LocalBackend), ("/abs/bucket", LocalBackend), ("file:///abs/bucket", LocalBackend),
     ("memory://run", MemoryBackend), ("s3://b/run", S3Backend), ("S3A://b/run", S3Backend), ("gs://b/run", GcsBackend),
-    ("gcs://b/run", GcsBackend), ("https://host/run", OtherBackend), ("simplecache::s3://b/run", OtherBackend),
+    ("gcs://b/run", GcsBackend), ("az://c/run", AzureBackend), ("abfs://c/run", AzureBackend),
+    ("abfss://c/run", AzureBackend), ("https://host/run", OtherBackend), ("simplecache::s3://b/run", OtherBackend),
 ])
 def test_each_url_finds_the_backend_of_its_scheme(url, kind):
     assert registry.backend_class(url) is kind
@@ -32,7 +34,8 @@ def test_every_scheme_belongs_to_one_backend_and_spellings_of_one_place_compare_
     assert len(seen) == len(set(seen)) and set(registry.schemes()) == set(seen)
     monkeypatch.chdir(tmp_path)
     assert registry.canonical_url("bucket/") == registry.canonical_url(f"file://{tmp_path}/bucket") == str(tmp_path / "bucket")
-    for spellings in (("s3://b/run", "s3a://b/run/"), ("gs://b/run", "gcs://b/run")):
+    for spellings in (("s3://b/run", "s3a://b/run/"), ("gs://b/run", "gcs://b/run"),
+                      ("az://c/run", "abfs://c/run", "abfss://c/run/")):
         assert len({registry.canonical_url(u) for u in spellings}) == 1, spellings
     assert registry.canonical_url("s3://b/run") != registry.canonical_url("gs://b/run")
 
