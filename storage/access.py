@@ -13,8 +13,8 @@ Two things, both about the store behind ROOT rather than the data in it:
   answer). Exit codes stay the documented ones: configuration a user must fix is 2 (bad input),
   anything else 1.
 
-Nothing here imports boto, gcsfs, the Azure SDK or aiohttp: exceptions are matched by qualified type names and the
-status and code they carry (``storage.retry``).
+Nothing here imports boto, gcsfs, the Azure SDK or aiohttp: exceptions are matched by qualified type
+names and the status and code they carry (``storage.retry``).
 """
 
 from __future__ import annotations
@@ -112,19 +112,14 @@ def bucket_of(path: str) -> str:
     return path.lstrip("/").split("/", 1)[0]
 
 
-# The services' error codes for a request refused for its credentials (S3's, Azure's).
-DENIED = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "ExpiredToken",
-                    "AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch"})
-
-
-def denied(root_url: str, endpoint: Endpoint, exc: BaseException) -> StoreUnreachableError | None:
-    """``exc`` as access denied (a 401 or 403, a service's code for it), else None."""
+def denied(root_url: str, endpoint: Endpoint, exc: BaseException, denied_codes: frozenset[str]) -> StoreUnreachableError | None:
+    """``exc`` as access denied (a 401 or 403, or one of the service's ``denied_codes``), else None."""
     statuses, codes = statuses_and_codes(exc)
     forbidden = str(exc).startswith("Forbidden:")  # gcsfs's 403, as an OSError whose message starts so
-    if not (codes & DENIED or 403 in statuses or 401 in statuses or "builtins.PermissionError" in type_names(exc)
+    if not (codes & denied_codes or 403 in statuses or 401 in statuses or "builtins.PermissionError" in type_names(exc)
             or forbidden):
         return None
-    code = sorted(codes & DENIED)[0] if codes & DENIED else "access denied"
+    code = sorted(codes & denied_codes)[0] if codes & denied_codes else "access denied"
     return StoreUnreachableError(f"{root_url}: {code} at {endpoint}; check the credentials and that they grant what "
                                  "docs/guides/operations.md, \"Permissions\", lists for this role")
 

@@ -124,7 +124,8 @@ def check_free(root: Root, cat: Catalog, step: int) -> int | None:
     """Step ``step`` can still be published on ``root``; returns the latest committed step."""
     layout.check_step(step)
     if not root.backend.supports_conditional_create:
-        raise UsageError(f"{root.url}: no atomic create-if-absent for {root.protocol!r} ROOTs; use {registry.forms(publishable=True)}")
+        raise UsageError(f"{root.url}: no atomic create-if-absent for {root.protocol!r} ROOTs; "
+                         f"use {registry.forms(publishable=True)}")
     latest = cat.latest_committed()  # the newest live step: retracted ones are skipped
     if cat.marker(step) is not None or cat.retraction(step) is not None:
         if cat.retraction(step) is not None:

@@ -48,6 +48,7 @@ class AzureBackend(Backend):
     credentials_hint = ("no usable Azure credentials; set AZURE_STORAGE_CONNECTION_STRING, or AZURE_STORAGE_ACCOUNT_NAME "
                         "and AZURE_STORAGE_ACCOUNT_KEY")
     missing_bucket_codes = frozenset({"ContainerNotFound"})
+    denied_codes = frozenset({"AuthenticationFailed", "AuthorizationFailure", "AuthorizationPermissionMismatch"})
     endpoint_hint = "is the server running? (infra/start-azurite.sh starts Azurite here)"
     default_endpoint_hint = "check the network and the account name (AZURE_STORAGE_ACCOUNT_NAME)"
     server_hint = "infra/start-azurite.sh creates one in a local Azurite"

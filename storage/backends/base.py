@@ -41,6 +41,7 @@ class Backend:
     credentials_hint: ClassVar[str] = ""  # what to set when there are none
     missing_bucket_codes: ClassVar[frozenset[str]] = frozenset()  # the service's error codes for "no such bucket"
     missing_bucket_message: ClassVar[str] = ""  # how the client's own message for it starts, where it has one
+    denied_codes: ClassVar[frozenset[str]] = frozenset()  # the service's error codes for a refused credential
     endpoint_hint: ClassVar[str] = ""  # an endpoint the user set does not answer: what to check
     default_endpoint_hint: ClassVar[str] = ""  # the cloud's own endpoint does not resolve: what to check
     server_hint: ClassVar[str] = ""  # where a local server with a bucket comes from (infra/)
@@ -155,7 +156,7 @@ class Backend:
             return access.StoreConfigError(f"{root_url}: {self.credentials_hint} for {self.endpoint}")
         if no_bucket:
             return self._missing_bucket(root_url, access.bucket_of(self.path))
-        return access.denied(root_url, self.endpoint, exc) or access.unreachable(root_url, self.endpoint, exc)
+        return access.denied(root_url, self.endpoint, exc, self.denied_codes) or access.unreachable(root_url, self.endpoint, exc)
 
     def _missing_bucket(self, root_url: str, bucket: str) -> access.StoreConfigError:
         return access.StoreConfigError(f"{root_url}: {self.bucket_word} {bucket!r} does not exist at {self.endpoint}; "

@@ -33,6 +33,8 @@ class S3Backend(Backend):
     credentials_hint = "no AWS credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
     missing_bucket_codes = frozenset({"NoSuchBucket"})
     missing_bucket_message = "The specified bucket does not exist"  # s3fs's message for NoSuchBucket
+    denied_codes = frozenset({"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled",
+                              "ExpiredToken"})
     endpoint_hint = "is the server running? (infra/start-s3.sh starts one here)"
     default_endpoint_hint = "check the network, or set AWS_ENDPOINT_URL for an S3-compatible server"
     server_hint = "infra/start-s3.sh creates one on a local server"
