@@ -68,7 +68,8 @@ bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m dcr_bench.vllm_fleet --out docs/bench-vllm-fleet
 	$(VLLM_PY) -m dcr_bench.vllm_fleet --members 1 --out docs/bench-vllm-fleet/one-member
 
-# The backend matrix: every conformance and refit test against the S3 server and the GCS emulator.
+# The backend matrix: every conformance and refit test against the S3 server, the GCS emulator and
+# Azurite (Node.js and npm needed: infra/start-azurite.sh installs Azurite on its first use).
 test-backends: install
 	$(PYTEST) $(XDIST) -m "backend and not slow and not vllm"
 

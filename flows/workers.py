@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from dcr_core.errors import DCRError, UsageError
+from storage.backends import registry
 from storage.root import RootRef
 
 WorkersSpec = int | str | None
@@ -91,8 +92,9 @@ def entered(workers: WorkersSpec = None) -> Iterator[Any]:
 def portable_root(ref: RootRef) -> RootRef:
     """``ref`` as a task in another process opens it: a local path made absolute. A ``memory://``
     ROOT lives in one process: ``UsageError``."""
-    if ref.url.startswith("memory://"):
-        raise UsageError(f"{ref.url}: a memory:// ROOT lives in one process; workers cannot reach it")
+    kind = registry.backend_class(ref.url)
+    if not kind.shared_between_processes:
+        raise UsageError(f"{ref.url}: a {kind.schemes[0]}:// ROOT lives in one process; workers cannot reach it")
     return ref if "://" in ref.url else dataclasses.replace(ref, url=os.path.abspath(ref.url))
 
 

@@ -7,13 +7,14 @@ Two things, both about the store behind ROOT rather than the data in it:
   that is not running or a host that does not resolve then fails the command in about a second,
   instead of after the client's own retry loop (gcsfs retries a refused connection six times over
   half a minute). Skipped when a proxy is configured: the proxy decides then.
-- ``explain(...)``: the backend's exception, once retries are over, as a one-line DCR error that
-  names the ROOT, the bucket or endpoint, and the setting to fix: no credentials, a bucket that
-  does not exist, access denied, an endpoint that does not answer. Exit codes stay the documented
-  ones: configuration a user must fix is 2 (bad input), anything else 1.
+- reading a backend's exception, once retries are over (``storage.backends.base.Backend.explain``
+  turns it into a one-line DCR error that names the ROOT, the bucket or endpoint, and the setting to
+  fix: no credentials, a bucket that does not exist, access denied, an endpoint that does not
+  answer). Exit codes stay the documented ones: configuration a user must fix is 2 (bad input),
+  anything else 1.
 
-Nothing here imports boto, gcsfs or aiohttp: exceptions are matched by qualified type names and the
-status and code they carry (``storage.retry``).
+Nothing here imports boto, gcsfs, the Azure SDK or aiohttp: exceptions are matched by qualified type
+names and the status and code they carry (``storage.retry``).
 """
 
 from __future__ import annotations
@@ -55,26 +56,6 @@ class Endpoint:
         return f"{self.url} ({self.setting})"
 
 
-def s3_endpoint(storage_options: dict) -> Endpoint:
-    given = storage_options.get("endpoint_url") or (storage_options.get("client_kwargs") or {}).get("endpoint_url")
-    if given:
-        return Endpoint(str(given), "--storage-option endpoint_url")
-    for var in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-        if os.environ.get(var):
-            return Endpoint(os.environ[var], var)
-    region = os.environ.get("AWS_DEFAULT_REGION") or os.environ.get("AWS_REGION")
-    host = f"s3.{region}.amazonaws.com" if region else "s3.amazonaws.com"
-    return Endpoint(f"https://{host}", "AWS S3: no AWS_ENDPOINT_URL set", default=True)
-
-
-def gcs_endpoint(storage_options: dict) -> Endpoint:
-    if storage_options.get("endpoint_url"):
-        return Endpoint(str(storage_options["endpoint_url"]), "--storage-option endpoint_url")
-    if os.environ.get("STORAGE_EMULATOR_HOST"):
-        return Endpoint(os.environ["STORAGE_EMULATOR_HOST"], "STORAGE_EMULATOR_HOST")
-    return Endpoint("https://storage.googleapis.com", "Google Cloud Storage: no STORAGE_EMULATOR_HOST set", default=True)
-
-
 _REACHED: set[tuple[str, int]] = set()
 _LOCK = threading.Lock()
 
@@ -106,11 +87,13 @@ def probe(root_url: str, endpoint: Endpoint, hint: str) -> None:
         _REACHED.add(target)
 
 
-def _names(exc: BaseException) -> set[str]:
+def type_names(exc: BaseException) -> set[str]:
+    """The qualified type names along ``exc``'s chain (its classes' hierarchies included)."""
     return {n for e in retry.chain(exc) for n in retry.type_names(e)}
 
 
-def _codes(exc: BaseException) -> tuple[set[int], set[str]]:
+def statuses_and_codes(exc: BaseException) -> tuple[set[int], set[str]]:
+    """The HTTP statuses and the service error codes along ``exc``'s chain."""
     statuses, codes = set(), set()
     for e in retry.chain(exc):
         status, code = retry.status_and_code(e)
@@ -121,70 +104,29 @@ def _codes(exc: BaseException) -> tuple[set[int], set[str]]:
     return statuses, codes
 
 
-def _no_such_bucket(exc: BaseException, codes: set[str]) -> bool:
-    """S3's NoSuchBucket (by its error code, or s3fs's message for it); never a path that happens to
-    contain the words."""
-    return "NoSuchBucket" in codes or any(str(e).startswith("The specified bucket does not exist")
-                                          for e in retry.chain(exc))
+def messages(exc: BaseException) -> list[str]:
+    return [str(e) for e in retry.chain(exc)]
 
 
 def bucket_of(path: str) -> str:
     return path.lstrip("/").split("/", 1)[0]
 
 
-def explain(root_url: str, protocol: str, path: str, endpoint: Endpoint | None, exc: BaseException) -> DCRError | None:
-    """``exc`` (raised by a cloud backend) as a DCR error saying what to set, or None when it is
-    not about reaching or using the store (the caller re-raises it as it is)."""
-    if isinstance(exc, DCRError) or endpoint is None:
-        return None
-    names, (statuses, codes) = _names(exc), _codes(exc)
-    bucket = bucket_of(path)
-    if isinstance(exc, FileNotFoundError) and not _no_such_bucket(exc, codes):
-        return None  # a missing object: callers decide what that means (no marker yet, ...)
-    s3 = protocol in ("s3", "s3a")
-    if names & {"botocore.exceptions.NoCredentialsError", "botocore.exceptions.PartialCredentialsError"}:
-        return StoreConfigError(
-            f"{root_url}: no AWS credentials found; set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE)"
-            f" for {endpoint}")
-    if "google.auth.exceptions.DefaultCredentialsError" in names or (
-            not s3 and "google.auth.exceptions.GoogleAuthError" in names):
-        return StoreConfigError(
-            f"{root_url}: no usable Google credentials; set GOOGLE_APPLICATION_CREDENTIALS to a service account key "
-            "file (or run `gcloud auth application-default login`), or STORAGE_EMULATOR_HOST for an emulator")
-    if _no_such_bucket(exc, codes):
-        return StoreConfigError(
-            f"{root_url}: bucket {bucket!r} does not exist at {endpoint}; create it (infra/start-s3.sh and "
-            "infra/start-gcs.sh create one for local servers) or fix ROOT")
-    denied = {"AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "AllAccessDisabled", "ExpiredToken"}
+def denied(root_url: str, endpoint: Endpoint, exc: BaseException, denied_codes: frozenset[str]) -> StoreUnreachableError | None:
+    """``exc`` as access denied (a 401 or 403, or one of the service's ``denied_codes``), else None."""
+    statuses, codes = statuses_and_codes(exc)
     forbidden = str(exc).startswith("Forbidden:")  # gcsfs's 403, as an OSError whose message starts so
-    if codes & denied or 403 in statuses or 401 in statuses or "builtins.PermissionError" in names or forbidden:
-        code = sorted(codes & denied)[0] if codes & denied else "access denied"
-        return StoreUnreachableError(
-            f"{root_url}: {code} at {endpoint}; check the credentials and that they grant what "
-            "docs/guides/operations.md, \"Permissions\", lists for this role")
-    if retry.is_transient(exc) and names & retry.TRANSIENT_TYPES:  # connection level, retries spent
-        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return StoreUnreachableError(f"{root_url}: cannot reach {endpoint}: {first[:200]}")
-    return None
+    if not (codes & denied_codes or 403 in statuses or 401 in statuses or "builtins.PermissionError" in type_names(exc)
+            or forbidden):
+        return None
+    code = sorted(codes & denied_codes)[0] if codes & denied_codes else "access denied"
+    return StoreUnreachableError(f"{root_url}: {code} at {endpoint}; check the credentials and that they grant what "
+                                 "docs/guides/operations.md, \"Permissions\", lists for this role")
 
 
-def check_bucket(root_url: str, fs, protocol: str, path: str, endpoint: Endpoint) -> None:
-    """Called when a listing under ROOT came back empty (fsspec lists a missing bucket as empty): one
-    object listing of at most one key under ``path``, the permission every reader has. A bucket that
-    does not exist is a ``StoreConfigError``; any other answer (the bucket is there, or the check
-    itself fails) leaves the empty listing as it is: nothing is claimed that was not seen."""
-    bucket, _, key = path.lstrip("/").partition("/")
-    prefix = key.rstrip("/") + "/" if key else ""
-    try:
-        if protocol in ("s3", "s3a"):
-            fs.call_s3("list_objects_v2", Bucket=bucket, Prefix=prefix, MaxKeys=1)
-        else:
-            fs.call("GET", "b/{}/o", bucket, prefix=prefix, maxResults=1, json_out=True)
-    except FileNotFoundError as e:  # s3fs: NoSuchBucket; gcsfs: 404 on the bucket's object list
-        if protocol in ("s3", "s3a") and not _no_such_bucket(e, _codes(e)[1]):
-            return
-        raise StoreConfigError(
-            f"{root_url}: bucket {bucket!r} does not exist at {endpoint}; create it (infra/start-s3.sh and "
-            "infra/start-gcs.sh create one for local servers) or fix ROOT") from None
-    except Exception:  # noqa: BLE001 - no verdict: the listing's own (empty) result stands
-        return
+def unreachable(root_url: str, endpoint: Endpoint, exc: BaseException) -> StoreUnreachableError | None:
+    """``exc`` as an endpoint that does not answer (connection level, the retries spent), else None."""
+    if not (retry.is_transient(exc) and type_names(exc) & retry.TRANSIENT_TYPES):
+        return None
+    first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    return StoreUnreachableError(f"{root_url}: cannot reach {endpoint}: {first[:200]}")

@@ -27,6 +27,7 @@ import blake3
 from dcr_core.chain import DELTA, StepInfo
 from dcr_core.errors import DCRError, IntegrityError, RootNotFoundError, StepNotFoundError, UntrustedError, UsageError
 from storage import layout, receiver_record, run_identity, signing
+from storage.backends import registry
 from storage.manifest import MAX_MANIFEST_BYTES, Manifest
 from storage.marker import MAX_MARKER_BYTES, CommitMarker
 from storage.receiver_record import MAX_RECORD_BYTES
@@ -439,7 +440,8 @@ def _unchecked(url: str, why: str) -> None:
                 signing.ENV_KEY, signing.ENV_KEY_FILE, signing.ENV_REQUIRE_SIGNED)
 
 
-_SCHEME_WITHOUT_COLON = re.compile(r"^(s3|s3a|gs|gcs|memory|file)//")
+# a registered scheme followed by "//" without its colon: a local path only by accident
+_SCHEME_WITHOUT_COLON = re.compile(rf"^({'|'.join(map(re.escape, registry.schemes()))})//")
 
 
 def no_such_directory(root: Root) -> str | None:

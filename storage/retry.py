@@ -8,6 +8,7 @@ Who retries what (nothing else in the stack retries a request, so attempts never
 | local, memory | nobody | file system errors are not transient |
 | S3 (s3fs) | this module, through ``Root`` | s3fs (``retries=1``) and botocore (``total_max_attempts=1``) are told not to retry; botocore's standard mode, measured in its place, does not retry a GET body cut short while it is read and its retry quota stops retrying under a burst of throttling (``docs/benchmarks.md``, "Retries: why DCR owns them (measured)") |
 | GCS (gcsfs) | gcsfs's ``retry_request`` | it retries 408/429/5xx and connection errors itself (fixed at import by gcsfs: it cannot be turned off per filesystem), so ``Root`` does not |
+| Azure (adlfs) | the Azure SDK's storage retry policy | azure-core's pipeline inside adlfs retries connection errors, 408 and 5xx with exponential backoff, and its downloader reads a body cut short again; adlfs passes no retry settings to the SDK's clients, so it cannot hand them to ``Root``, which does not retry |
 
 Prefect tasks do not retry either: a failed task fails its flow run, and rerunning the flow is
 safe (every write path is idempotent or goes to a fresh attempt).
@@ -53,6 +54,8 @@ TRANSIENT_TYPES = frozenset({
     "urllib3.exceptions.ProtocolError",
     "requests.exceptions.ConnectionError",
     "requests.exceptions.Timeout",
+    "azure.core.exceptions.ServiceRequestError",  # the request never reached the service
+    "azure.core.exceptions.ServiceResponseError",  # the connection broke before a whole answer
 })
 
 
@@ -71,12 +74,18 @@ def _type_names(e: BaseException) -> set[str]:
 
 def _status_and_code(e: BaseException) -> tuple[int | None, str | None]:
     """The HTTP status and the service's error code carried by ``e``, where it carries them:
-    botocore's ``ClientError.response``, gcsfs's ``HttpError.code``, aiohttp's ``.status``."""
+    botocore's ``ClientError.response``, gcsfs's ``HttpError.code``, aiohttp's ``.status``, the
+    Azure SDK's ``HttpResponseError.status_code`` and ``.error_code``."""
     response = getattr(e, "response", None)
     if isinstance(response, dict):
         status = (response.get("ResponseMetadata") or {}).get("HTTPStatusCode")
         code = (response.get("Error") or {}).get("Code")
         return (status if isinstance(status, int) else None), (str(code) if code is not None else None)
+    status_code = getattr(e, "status_code", None)
+    if isinstance(status_code, int) and 100 <= status_code <= 599:
+        code = getattr(e, "error_code", None)
+        code = getattr(code, "value", code)  # the SDK's StorageErrorCode enum, or its string
+        return status_code, (str(code) if code else None)
     for attr in ("status", "code"):
         v = getattr(e, attr, None)
         if isinstance(v, int) and 100 <= v <= 599:

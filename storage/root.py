@@ -8,7 +8,6 @@ and storage options in the process, so steps that receive a ``RootRef`` do not r
 
 from __future__ import annotations
 
-import datetime
 import json
 import logging
 import os
@@ -21,8 +20,8 @@ from dataclasses import dataclass, field
 import fsspec
 
 from dcr_core.errors import IntegrityError, UnsafeKeyError, UsageError
-from storage import access, backends, stats
-from storage.local import objects as local_objects
+from storage import stats
+from storage.backends import registry
 from storage.retry import RetryPolicy
 
 log = logging.getLogger("dcr.storage")
@@ -35,7 +34,7 @@ _URLISH = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:")
 
 def check_root_url(url: str) -> str:
     """``url`` if it is a local path or a well-formed fsspec URL, else a one-line UsageError.
-    (Publishing needs a backend with create-if-absent: ``storage.backends.SUPPORTED``.)"""
+    (Publishing needs a backend with create-if-absent: ``storage.backends``.)"""
     if not isinstance(url, str) or not url:
         raise UsageError(f"ROOT must be a non-empty path or URL, got {url!r}")
     if "::" in url:  # a chained fsspec URL (simplecache::s3://...): fsspec checks each part
@@ -43,28 +42,13 @@ def check_root_url(url: str) -> str:
     if _URLISH.match(url):
         scheme, _, rest = url.partition(":")
         if scheme.lower() not in fsspec.available_protocols() or not rest.startswith("//"):
-            raise UsageError(
-                f"ROOT {url!r} is not a valid URL; use a local path, file:///dir, memory://name, "
-                "s3://bucket/prefix or gs://bucket/prefix"
-            )
+            raise UsageError(f"ROOT {url!r} is not a valid URL; use {registry.forms()}")
     return url
 
 
 def same_root(a: str, b: str) -> bool:
-    """Whether two ROOT spellings name the same place: ``./bucket``, ``bucket/`` and
-    ``file:///abs/bucket`` alike; ``s3a://`` as ``s3://``, ``gcs://`` as ``gs://``."""
-    return _canonical(a) == _canonical(b)
-
-
-def _canonical(url: str) -> str:
-    url = url.strip()
-    if url.startswith("file://"):
-        url = url[len("file://"):]
-    scheme, sep, rest = url.partition("://")
-    if not sep:
-        return os.path.abspath(url)
-    scheme = {"s3a": "s3", "gcs": "gs"}.get(scheme.lower(), scheme.lower())
-    return f"{scheme}://{rest.rstrip('/')}"
+    """Whether two ROOT spellings name the same place (``storage.backends.registry.canonical_url``)."""
+    return registry.canonical_url(a) == registry.canonical_url(b)
 
 
 @dataclass(frozen=True)
@@ -133,25 +117,6 @@ class ObjectInfo:
     mtime: float | None  # seconds since the epoch; None when the backend does not say
 
 
-def _mtime(info: Mapping[str, object]) -> float | None:
-    """The modification time in an fsspec info dict (each backend names and types it its own way)."""
-    for field_name in ("mtime", "LastModified", "updated", "created"):
-        v = info.get(field_name)
-        if v is None:
-            continue
-        if isinstance(v, (int, float)):
-            return float(v)
-        if isinstance(v, datetime.datetime):
-            return (v if v.tzinfo else v.replace(tzinfo=datetime.UTC)).timestamp()
-        if isinstance(v, str):
-            try:
-                d = datetime.datetime.fromisoformat(v.replace("Z", "+00:00"))
-            except ValueError:
-                continue
-            return (d if d.tzinfo else d.replace(tzinfo=datetime.UTC)).timestamp()
-    return None
-
-
 class Root:
     """One ROOT opened through fsspec (prefer ``open_root``, which shares instances)."""
 
@@ -160,7 +125,7 @@ class Root:
         self.ref = RootRef(os.fspath(url), dict(storage_options or {}))
         self.url = self.ref.url
         self.storage_options = self.ref.storage_options
-        self.backend = backends.open_backend(self.url, self.storage_options)
+        self.backend = registry.open_backend(self.url, self.storage_options)
         self.fs, self.path, self.protocol = self.backend.fs, self.backend.path, self.backend.protocol
         self.retry = retry or self.backend.retry
         self._bucket_seen = self.backend.endpoint is None  # cloud: checked on the first empty listing
@@ -178,7 +143,7 @@ class Root:
         try:
             return self.retry.call(fn, on_retry)
         except Exception as e:
-            explained = access.explain(self.url, self.protocol, self.path, self.backend.endpoint, e)
+            explained = self.backend.explain(self.url, e)
             if explained is None:
                 raise
             raise explained from e
@@ -186,7 +151,7 @@ class Root:
     def _empty_listing(self, key: str) -> None:
         """An empty listing of a cloud ROOT: make sure the bucket exists (once per Root)."""
         if not self._bucket_seen:
-            access.check_bucket(self.url, self.fs, self.protocol, self.full(key), self.backend.endpoint)
+            self.backend.check_bucket(self.url, self.full(key))
             self._bucket_seen = True
 
     def full(self, key: str) -> str:
@@ -200,12 +165,7 @@ class Root:
 
         def get() -> bytes:
             stats.count(self.url, gets=1)
-            if self.backend.local:
-                data = local_objects.read(self.path, path, limit)
-            elif limit is None:
-                data = self.fs.cat_file(path)
-            else:
-                data = self.fs.cat_file(path, start=0, end=limit + 1)
+            data = self.backend.read(path, limit)
             stats.count(self.url, bytes_read=len(data))
             return data
 
@@ -221,10 +181,7 @@ class Root:
 
         def get() -> bytes:
             stats.count(self.url, gets=1)
-            if self.backend.local:
-                data = local_objects.read_range(self.path, path, start, length)
-            else:
-                data = self.fs.cat_file(path, start=start, end=start + length)
+            data = self.backend.read_range(path, start, length)
             stats.count(self.url, bytes_read=len(data))
             return data
 
@@ -236,10 +193,7 @@ class Root:
 
         def put() -> None:
             stats.count(self.url, puts=1, bytes_written=len(data))
-            if self.backend.local:
-                local_objects.write_atomically(self.path, path, data)  # like a PUT: never seen half-written
-                return
-            self.fs.pipe_file(path, data, **backends.upload_kwargs(self.protocol, data))
+            self.backend.write(path, data)
 
         self._call("PUT", key, put)
 
@@ -249,9 +203,7 @@ class Root:
 
         def put() -> bool:
             stats.count(self.url, puts=1, bytes_written=len(data))
-            if self.backend.local:
-                return local_objects.create_if_absent(self.path, path, data)
-            return backends.create_if_absent(self.backend, path, data)
+            return self.backend.create_if_absent(path, data)
 
         return self._call("PUT-if-absent", key, put)
 
@@ -260,10 +212,7 @@ class Root:
 
         def head() -> bool:
             stats.count(self.url, heads=1)
-            if self.backend.local:
-                return local_objects.exists(self.path, path)
-            self.fs.invalidate_cache(path)
-            return self.fs.exists(path)
+            return self.backend.exists(path)
 
         return self._call("HEAD", key, head)
 
@@ -275,16 +224,7 @@ class Root:
 
         def ls() -> list[str]:
             stats.count(self.url, lists=1)
-            if self.backend.local:
-                return local_objects.listdir(self.path, path, prefixes)
-            self.fs.invalidate_cache(path)
-            try:
-                entries = self.fs.ls(path, detail=True)
-            except FileNotFoundError:
-                return []
-            names = {posixpath.basename(e["name"].rstrip("/")) for e in entries
-                     if not (prefixes and e.get("type") == "file")}
-            return sorted(names - {""})
+            return self.backend.listdir(path, prefixes)
 
         names = self._call("LIST", key, ls)
         if not names:
@@ -301,15 +241,7 @@ class Root:
 
         def find() -> list[ObjectInfo]:
             stats.count(self.url, lists=1)
-            if self.backend.local:
-                return sorted((ObjectInfo(rel(p), size, mtime) for p, size, mtime in local_objects.find(self.path, path)),
-                              key=lambda o: o.key)
-            self.fs.invalidate_cache(path)
-            try:
-                found = self.fs.find(path, detail=True)
-            except FileNotFoundError:
-                return []
-            return sorted((ObjectInfo(rel(f), int(i.get("size") or 0), _mtime(i)) for f, i in found.items()),
+            return sorted((ObjectInfo(rel(p), size, mtime) for p, size, mtime in self.backend.find(path)),
                           key=lambda o: o.key)
 
         found = self._call("LIST", key, find)
@@ -322,10 +254,7 @@ class Root:
 
         def delete() -> None:
             stats.count(self.url, deletes=1)
-            if self.backend.local:
-                local_objects.remove(self.path, path, recursive)
-            else:
-                self.fs.rm(path, recursive=recursive)
+            self.backend.remove(path, recursive)
 
         self._call("DELETE", key, delete)
 

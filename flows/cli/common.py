@@ -10,13 +10,14 @@ from dcr_core.errors import UsageError
 from dcr_core.text import printable
 from flows.cli.values import WORKERS, Number
 from storage import layout
+from storage.backends import registry
 from storage.root import parse_storage_options
 
 step_arg = Number(int, 0, layout.MAX_STEP)  # a step number, as ROOT's keys can hold it
 
 
 def add_common(p: argparse.ArgumentParser, orchestrated: bool = False) -> None:
-    p.add_argument("root", help="the bucket: a local path, file://, memory://name, s3://bucket/prefix or gs://bucket/prefix")
+    p.add_argument("root", help=f"the bucket: {registry.forms()}")
     p.add_argument(
         "--storage-option", action="append", default=[], metavar="KEY=VALUE",
         help="extra fsspec option for ROOT (repeatable), e.g. endpoint_url=http://127.0.0.1:9000",

@@ -86,11 +86,11 @@ def _chunk_table(futures: list[Future]) -> ChunkTable:
 
 def _window(plan: PublishPlan, root) -> int:
     """Chunks encoded ahead of the uploads (each holds a mask, and its base for ``dcr-cond``).
-    Remote ROOTs: the pool's own window (uploads wait on the network). Local and memory ROOTs:
+    ROOTs with latency: the pool's own window (uploads wait on the network). Local and memory ROOTs:
     writing is compression, CPU-bound, so a chunk per core and one more keep every core busy;
     more would only touch more memory."""
     pool_window = 2 * max(1, plan.options.io_workers)
-    if root.backend.local or root.protocol == "memory":
+    if not root.backend.has_latency:
         return min(pool_window, (os.cpu_count() or 1) + 1)
     return pool_window
 

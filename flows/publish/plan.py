@@ -22,7 +22,8 @@ from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import InvalidCheckpointError, SchemaMismatchError, StepConflictError, UsageError
 from flows.options import PublishOptions
 from flows.publish.sources import SourceRef, opened
-from storage import backends, layout, source_layout
+from storage import layout, source_layout
+from storage.backends import registry
 from storage.catalog import Catalog
 from storage.document_fields import MAX_DIM, MAX_NDIM
 from storage.local.safetensors import SafetensorsCheckpoint
@@ -126,10 +127,9 @@ def check_receivable(infos: dict[str, TensorInfo], options: PublishOptions, sour
 def check_free(root: Root, cat: Catalog, step: int) -> int | None:
     """Step ``step`` can still be published on ``root``; returns the latest committed step."""
     layout.check_step(step)
-    if not backends.supports_create_if_absent(root.protocol):
-        raise UsageError(
-            f"{root.url}: no atomic create-if-absent for {root.protocol!r} ROOTs; use a local path, memory://, s3:// or gs://"
-        )
+    if not root.backend.supports_conditional_create:
+        raise UsageError(f"{root.url}: no atomic create-if-absent for {root.protocol!r} ROOTs; "
+                         f"use {registry.forms(publishable=True)}")
     latest = cat.latest_committed()  # the newest live step: retracted ones are skipped
     if cat.marker(step) is not None or cat.retraction(step) is not None:
         if cat.retraction(step) is not None:

@@ -31,7 +31,7 @@ import stat
 
 from dcr_core import events
 from dcr_core.errors import UsageError
-from storage.backends import fsync_dir
+from storage.local.objects import fsync_dir
 from storage.local.safetensors import temp_path
 
 FORMAT = "dcr-swap"

@@ -45,7 +45,7 @@ import numpy as np
 
 from dcr_core import events
 from dcr_core.errors import StateMismatchError
-from storage.backends import fsync_dir
+from storage.local.objects import fsync_dir
 
 MAGIC = b"DCRUNDO1"
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -302,3 +302,17 @@ def remove(base: str, path: str, recursive: bool = False, attempts: int = 5) -> 
                 if e.errno not in (errno.ENOTEMPTY, errno.EEXIST) or n == attempts - 1:
                     raise
                 time.sleep(0.05 * (n + 1))
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename or link durable (best effort: not every file system fsyncs directories)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # e.g. EINVAL on file systems without directory fsync: nothing more can be done
+    finally:
+        os.close(fd)

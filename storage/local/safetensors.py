@@ -22,7 +22,7 @@ import numpy as np
 
 from dcr_core.dtypes import DTYPES, TensorInfo, dtype_named
 from dcr_core.errors import InvalidCheckpointError
-from storage.backends import fsync_dir
+from storage.local.objects import fsync_dir
 
 INDEX_NAME = "model.safetensors.index.json"
 MAX_HEADER_BYTES = 100 << 20

@@ -136,7 +136,7 @@ def publish_run(root: str, tmp_path, n: int = 8, every: int = 4, dtypes: list[st
 def test_gc_deletes_only_what_retention_and_receivers_do_not_need(tmp_path, backend):
     root = new_root(backend, tmp_path)
     # On the servers, a few dtypes (each object is a request there); every dtype runs locally.
-    few = ["BF16", "F32", "I8", "BOOL"] if backend in ("s3", "gcs") else None
+    few = ["BF16", "F32", "I8", "BOOL"] if backend in ("s3", "gcs", "azure") else None
     ckpts = publish_run(root, tmp_path, dtypes=few)  # a keyframe at 0, a delta with a full snapshot at 4
     behind = tmp_path / "behind.safetensors"
     run_receive(root, "behind", str(behind), step=2)

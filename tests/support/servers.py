@@ -1,4 +1,5 @@
-"""Real servers for the tests, on 127.0.0.1 and free ports: moto (S3), the GCS emulator, Prefect.
+"""Real servers for the tests, on 127.0.0.1 and free ports: moto (S3), the GCS emulator, Azurite
+(Azure Blob Storage), Prefect.
 
 Registered as a pytest plugin from conftest. One server of each kind serves the whole run (every
 xdist worker); each test gets a fresh prefix (S3/GCS) or directory.
@@ -26,7 +27,11 @@ from tests.support.procs import stop
 REPO = Path(__file__).resolve().parents[2]
 S3_BUCKET = "dcr-test"
 GCS_BUCKET = "dcr-test"
-BACKENDS = ("local", "memory", "s3", "gcs")
+AZURE_CONTAINER = "dcr-test"
+# Azurite's development account and its key, published in Azure's documentation (not a secret)
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+BACKENDS = ("local", "memory", "s3", "gcs", "azure")
 
 
 def _free_port() -> int:
@@ -40,8 +45,9 @@ def _free_port() -> int:
 # lock in the run's shared temp directory, and the run's last act (pytest_sessionfinish of the
 # controller, or of the lone process) stops it. A server outside pytest is named by
 # DCR_TEST_S3_URL (a moto server with the bucket dcr-test), DCR_TEST_GCS_URL (the GCS emulator, its
-# default bucket dcr-test) or DCR_TEST_PREFECT_URL (a Prefect API); a PREFECT_API_URL already set is
-# used as it is.
+# default bucket dcr-test), DCR_TEST_AZURE_URL (Azurite's blob endpoint for its development account,
+# http://127.0.0.1:PORT/devstoreaccount1, with the container dcr-test) or DCR_TEST_PREFECT_URL (a
+# Prefect API); a PREFECT_API_URL already set is used as it is.
 
 
 def _run_dir(tmp_path_factory) -> Path:
@@ -151,6 +157,37 @@ def gcs_server(tmp_path_factory):
         mp.undo()
 
 
+def azurite_connection_string(blob_url: str) -> str:
+    """The connection string of Azurite's development account at ``blob_url``."""
+    return (f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+            f"BlobEndpoint={blob_url};")
+
+
+def _azurite(d: Path) -> dict:
+    """infra/start-azurite.sh (Azurite from npm, installed on its first use, and the container), in a
+    process group of its own: the script exits once Azurite answers, and the group's id stops it."""
+    port = _free_port()
+    env = {**os.environ, "TMPDIR": str(d), "DCR_PYTHON": sys.executable}
+    proc = subprocess.Popen(["bash", str(REPO / "infra" / "start-azurite.sh"), str(port), AZURE_CONTAINER], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=REPO)
+    out, err = proc.communicate(timeout=300)
+    if proc.returncode:
+        raise RuntimeError(f"infra/start-azurite.sh failed: {err.strip()[-2000:]}")
+    return {"url": f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}", "pid": proc.pid}
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory):
+    """Azurite's blob service (one per run); sets AZURE_STORAGE_CONNECTION_STRING for the session."""
+    url = os.environ.get("DCR_TEST_AZURE_URL") or _shared("azure", tmp_path_factory, _azurite)["url"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("AZURE_STORAGE_CONNECTION_STRING", azurite_connection_string(url))
+    try:
+        yield url
+    finally:
+        mp.undo()
+
+
 def _prefect(d: Path) -> dict:
     home = d / "prefect-home"
     home.mkdir(exist_ok=True)
@@ -197,15 +234,14 @@ def drain_prefect_workers() -> None:
     EventsWorker.drain_all(timeout=10)
 
 
-@pytest.fixture(params=[
-    "local", pytest.param("memory", marks=pytest.mark.backend), pytest.param("s3", marks=pytest.mark.backend), pytest.param("gcs", marks=pytest.mark.backend),
-])
+SERVERS = {"s3": "s3_server", "gcs": "gcs_server", "azure": "azure_server"}  # backend -> its server's fixture
+
+
+@pytest.fixture(params=["local", *(pytest.param(b, marks=pytest.mark.backend) for b in BACKENDS[1:])])
 def backend(request, tmp_path):
     """The name of a backend, with its server running (if it has one)."""
-    if request.param == "s3":
-        request.getfixturevalue("s3_server")
-    elif request.param == "gcs":
-        request.getfixturevalue("gcs_server")
+    if request.param in SERVERS:
+        request.getfixturevalue(SERVERS[request.param])
     return request.param
 
 
@@ -220,6 +256,8 @@ def new_root(backend: str, tmp_path) -> str:
         return f"s3://{S3_BUCKET}/t-{tag}"
     if backend == "gcs":
         return f"gs://{GCS_BUCKET}/t-{tag}"
+    if backend == "azure":
+        return f"az://{AZURE_CONTAINER}/t-{tag}"
     raise ValueError(backend)
 
 

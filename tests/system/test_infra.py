@@ -44,10 +44,21 @@ def _exports(stdout: str) -> dict:
     return dict(item.split("=", 1) for item in shlex.split(line)[1:])
 
 
-@pytest.mark.parametrize("name, scheme, pid_name", [("start-s3.sh", "s3", "dcr-moto"), ("start-gcs.sh", "gs", "dcr-gcs")])
+def _azurite_install() -> dict:
+    """Where infra/start-azurite.sh finds Azurite already installed (not under the test's HOME)."""
+    if os.environ.get("DCR_AZURITE_DIR"):
+        return {"DCR_AZURITE_DIR": os.environ["DCR_AZURITE_DIR"]}
+    return {"XDG_CACHE_HOME": os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")}
+
+
+@pytest.mark.parametrize("name, scheme, pid_name", [
+    ("start-s3.sh", "s3", "dcr-moto"), ("start-gcs.sh", "gs", "dcr-gcs"),
+    pytest.param("start-azurite.sh", "az", "dcr-azurite", marks=pytest.mark.backend),  # Node.js and Azurite from npm
+])
 def test_object_store_scripts_start_from_a_clean_path_and_print_what_works(name, scheme, pid_name, tmp_path):
     port = _port()
-    out = _script(name, port, "ops-bucket", env=_clean_env(tmp_path))
+    script_env = _clean_env(tmp_path, **(_azurite_install() if scheme == "az" else {}))
+    out = _script(name, port, "ops-bucket", env=script_env, timeout=300)
     assert out.returncode == 0, out.stderr
     pid_file = tmp_path / f"{pid_name}-{port}.pid"
     try:
@@ -57,7 +68,7 @@ def test_object_store_scripts_start_from_a_clean_path_and_print_what_works(name,
         env = {**exports, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
         listed = dcr("ls", root, "--allow-empty", env=env, check=0)  # the bucket exists and answers
         assert listed.stdout.startswith("    STEP"), listed
-        again = _script(name, port, env=_clean_env(tmp_path), timeout=30)  # the port is taken now
+        again = _script(name, port, env=script_env, timeout=30)  # the port is taken now
         assert again.returncode == 1 and f"port {port} on 127.0.0.1 is in use" in again.stderr, again
     finally:
         stop_from_file(pid_file)
@@ -68,7 +79,7 @@ def test_scripts_fail_at_once_without_an_environment_that_has_the_server(tmp_pat
     if bare is None or subprocess.run([bare, "-c", "import moto"], capture_output=True).returncode == 0:
         pytest.skip("needs a system python3 without moto")
     for name, module in (("start-s3.sh", "moto.server"), ("start-gcs.sh", "gcp_storage_emulator"),
-                         ("start-prefect.sh", "prefect")):
+                         ("start-azurite.sh", "azure.storage.blob"), ("start-prefect.sh", "prefect")):
         t0 = time.monotonic()
         out = _script(name, _port(), env={**_clean_env(tmp_path), "DCR_PYTHON": bare}, cwd=tmp_path, timeout=30)
         assert out.returncode == 1 and f"DCR_PYTHON={bare} cannot import {module}" in out.stderr, out

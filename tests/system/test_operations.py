@@ -311,16 +311,18 @@ def test_a_follower_started_while_the_endpoint_is_down_keeps_trying(tmp_path, mo
 
 
 def test_error_hints_never_read_object_paths(tmp_path):
-    from storage.access import Endpoint, StoreConfigError, explain
+    from storage.access import Endpoint, StoreConfigError
+    from storage.backends.gcs import GcsBackend
+    from storage.backends.s3 import S3Backend
     from storage.root import same_root
 
     ep = Endpoint("http://127.0.0.1:1", "STORAGE_EMULATOR_HOST")
     missing = FileNotFoundError("b/dcr/o/forbidden-zone%2Fthe bucket does not exist%2Frun.json")
-    assert explain("gs://dcr/forbidden-zone", "gs", "dcr/forbidden-zone", ep, missing) is None
+    assert GcsBackend("gs", None, "dcr/forbidden-zone", endpoint=ep).explain("gs://dcr/forbidden-zone", missing) is None
     no_bucket = FileNotFoundError("The specified bucket does not exist")
-    assert isinstance(explain("s3://x/run", "s3", "x/run", ep, no_bucket), StoreConfigError)
+    assert isinstance(S3Backend("s3", None, "x/run", endpoint=ep).explain("s3://x/run", no_bucket), StoreConfigError)
     assert same_root("bucket", f"file://{os.path.abspath('bucket')}/") and same_root("s3a://b/run/", "s3://b/run")
-    assert not same_root("s3://b/run", "s3://b/run2")
+    assert same_root("abfs://c/run/", "az://c/run") and not same_root("s3://b/run", "s3://b/run2")
 
 
 def test_a_bad_orchestrator_setting_is_refused(made, tmp_path):

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("dcr_core", "storage", "flows")
 # Imports allowed inside functions: optional heavy dependencies, loaded only by the paths that need them.
 LAZY_OK = {
-    "gcsfs.core",  # storage.backends: only GCS ROOTs
+    "gcsfs.core",  # storage.backends.gcs: only GCS ROOTs
     "torch.distributed.tensor", "torch.distributed.tensor._utils",  # flows.publish.shards: only FSDP2 (DTensor) callers
     "flows.cli.orchestrated",  # flows.cli: Prefect only with --orchestrator prefect
     "storage.fleet",  # flows.cli.bucket: fleet records (pydantic) for dcr status only; ls and verify start without
