@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 import os
@@ -136,12 +137,17 @@ _INTS = frozenset({int})  # a shape's dimensions are JSON integers: their types,
 @functools.lru_cache(maxsize=8)
 def header_entries(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], dict[str, int], int]:
     """The tensors, metadata, data starts and data end a header's bytes describe, checked (kept for
-    the few headers in use: a publish opens its checkpoint several times, and a header of tens of
-    thousands of tensors costs a second to check). Errors name no file: the caller adds it."""
+    the few headers in use: a publish opens its checkpoint several times). A well-formed header is
+    checked column by column (``_entries_whole``); one that is not, entry by entry, for the error
+    naming the first bad tensor. Errors name no file: the caller adds it."""
     header = dict(header_doc(raw[8:]))  # a copy: the parsed document is shared
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict):
         raise InvalidCheckpointError("safetensors metadata is not an object")
+    whole = _entries_whole(header)
+    if whole is not None:
+        infos, starts, end_max = whole
+        return infos, {str(k): str(v) for k, v in metadata.items()}, starts, end_max
     infos: dict[str, TensorInfo] = {}
     starts: dict[str, int] = {}
     spans: list[tuple[int, int, str]] = []
@@ -176,6 +182,46 @@ def header_entries(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], d
         if start_b < end_a:
             raise InvalidCheckpointError(f"tensors {a!r} and {b!r} overlap (data_offsets)")
     return infos, {str(k): str(v) for k, v in metadata.items()}, starts, end_max
+
+
+def _entries_whole(header: dict) -> tuple[dict[str, TensorInfo], dict[str, int], int] | None:
+    """``header_entries`` of a well-formed header, each check one pass over a column in C (types,
+    dtypes, bounds, sizes, overlaps: numpy over every tensor at once); None if any check fails or a
+    field is not as expected, and the caller checks entry by entry to name the first bad tensor."""
+    names = list(header)
+    entries = list(header.values())
+    try:
+        dtypes = [e["dtype"] for e in entries]
+        shapes = [e["shape"] for e in entries]
+        offsets = [e["data_offsets"] for e in entries]
+    except (KeyError, TypeError):
+        return None
+    if not names:
+        return {}, {}, 0
+    if not DTYPES.keys() >= set(dtypes) or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} \
+            or set(map(len, offsets)) != {2}:
+        return None
+    dims = list(itertools.chain.from_iterable(shapes))
+    ends = list(itertools.chain.from_iterable(offsets))
+    if not _INTS.issuperset(map(type, dims)) or not _INTS.issuperset(map(type, ends)) or (dims and min(dims) < 0):
+        return None
+    try:
+        span = np.array(ends, np.int64).reshape(-1, 2)
+        numel = np.fromiter(map(math.prod, shapes), np.int64, len(shapes))
+    except OverflowError:  # beyond any file: the entry-by-entry check says which tensor
+        return None
+    size = np.fromiter(map(_ITEMSIZE.__getitem__, dtypes), np.int64, len(dtypes))
+    start, end = span[:, 0], span[:, 1]
+    if not ((start >= 0) & (end - start == numel * size)).all():
+        return None
+    order = np.lexsort((end, start))  # by start, then end: the order the overlap check reads
+    if (start[order[1:]] < end[order[:-1]]).any():
+        return None
+    infos = dict(zip(names, map(TensorInfo, names, dtypes, map(tuple, shapes))))
+    return infos, dict(zip(names, start.tolist())), int(end.max())
+
+
+_ITEMSIZE = {k: d.itemsize for k, d in DTYPES.items()}
 
 
 class SafetensorsCheckpoint:
