@@ -103,7 +103,7 @@ def _mapped_task(step: Step):
 
 def _mapped_name() -> str:
     """``encode-group-3`` (a group of tensors, numbered); ``verify-tensors-<first name>``,
-    ``copy-objects-<first key>`` (a batch, by its first item)."""
+    ``copy-object-batch-<first key>`` (a batch, by its first item)."""
     p = task_run.parameters
     if p.get("group") is not None:
         return f"{task_run.task_name}-{getattr(p['group'], 'index', '?')}"

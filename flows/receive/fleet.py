@@ -312,14 +312,15 @@ def record_fleet(root: RootRef, name: str, target: int, previous: int | None, ou
     return rec.model_dump()
 
 
-FLEET_STEPS = StepTable(
-    Step("resolve-fleet", resolve_fleet),
-    Step("prepare-members", prepare_members),
-    Step("drop-prepared", drop_prepared),
-    Step("apply-members", apply_members),
-    Step("take-back-members", take_back_members),
-    Step("record-fleet", record_fleet),
-)
+class FleetSteps(StepTable):
+    """A fleet switch's steps, in order."""
+
+    resolve_fleet = Step(resolve_fleet)
+    prepare_members = Step(prepare_members)
+    drop_prepared = Step(drop_prepared)  # one failed to prepare: nobody switches
+    apply_members = Step(apply_members)
+    take_back_members = Step(take_back_members)  # one failed to apply
+    record_fleet = Step(record_fleet)
 
 
 def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = None, name: str = "default",
@@ -331,7 +332,7 @@ def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = No
     layout.fleet_key(name)
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
     members = [asdict(m) for m in parse_members(name, list(engines))]
-    tasks = FLEET_STEPS.bind(runner or InProcess())
+    tasks = FleetSteps(runner or InProcess())
     t0 = time.perf_counter()
     plan = tasks.resolve_fleet(ref, name, members, step)
     target, previous, members = plan["target"], plan["previous"], plan["members"]
@@ -371,7 +372,7 @@ def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = No
                           else "; every member was taken back to its previous step"))
 
 
-def _finish(tasks, ref: RootRef, name: str, target: int, previous: int | None, outcome: str, members: list[dict],
+def _finish(tasks: FleetSteps, ref: RootRef, name: str, target: int, previous: int | None, outcome: str, members: list[dict],
             t0: float, error: str | None) -> FleetResult:
     rec = tasks.record_fleet(ref, name, target, previous, outcome, members)
     result = FleetResult(name, outcome, rec["version"], target, previous, rec["members"], time.perf_counter() - t0)

@@ -13,21 +13,22 @@ from flows.options import ReceiveOptions
 from flows.receive import held_digests, module, state_file
 from flows.receive.pipeline import Leases, check_arguments
 from flows.results import ReceiveResult, as_dict
-from flows.steps import Bound, InProcess, Runner, Step, StepTable
+from flows.steps import InProcess, Runner, Step, StepTable
 from storage.reader import RefitPlan, manifests
 from storage.root import RootRef
 
 log = logging.getLogger("dcr.receive")
 
-MODULE_STEPS = StepTable(
-    Step("resolve-module-chain", module.plan_module_refit),
-    Step("take-leases", state_file.take_leases),
-    Step("load-dense", module.load_dense),
-    Step("fetch-verify", module.fetch_module_payloads),
-    Step("apply-to-module", module.apply_to_module),
-    Step("record-receiver-commit", state_file.record_receiver_commit),
-    Step("release-leases", state_file.release_leases),
-)
+class ModuleSteps(StepTable):
+    """A live module's steps, in order."""
+
+    plan_module_refit = Step(module.plan_module_refit)
+    take_leases = Step(state_file.take_leases)
+    load_dense = Step(module.load_dense)  # or the two below: a delta
+    fetch_module_payloads = Step(module.fetch_module_payloads)
+    apply_to_module = Step(module.apply_to_module)
+    record_receiver_commit = Step(state_file.record_receiver_commit)
+    release_leases = Step(state_file.release_leases)
 
 
 def receive_into_module(
@@ -46,7 +47,7 @@ def receive_into_module(
     options = check_arguments(receiver_id, step, options)
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
     mirror = os.fspath(state_path or module.default_mirror_path(ref.url, receiver_id))
-    tasks = MODULE_STEPS.bind(runner or InProcess())
+    tasks = ModuleSteps(runner or InProcess())
     with local_refs.holding(target, "module") as mod, \
             Leases(ref, receiver_id, options.lease_seconds, tasks.take_leases, tasks.release_leases) as leases:
         def refit(p: RefitPlan) -> dict:
@@ -77,7 +78,7 @@ def _digests_after(target, before: dict | None, info: dict) -> dict[str, str]:
     return before["digests"]
 
 
-def _refit(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target) -> dict:
+def _refit(tasks: ModuleSteps, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target) -> dict:
     if plan.current_step is None or plan.from_keyframe or _held_coded(plan):
         module.set_held(target, None)  # unknown until the dense load completes
         return tasks.load_dense(plan, mod, mirror, options)
@@ -93,7 +94,7 @@ def _held_coded(plan: RefitPlan) -> bool:
     return any(ms[m.step].codec.conditional for m in plan.moves)
 
 
-def _delta(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target) -> dict:
+def _delta(tasks: ModuleSteps, plan: RefitPlan, mod, mirror: str, options: ReceiveOptions, target) -> dict:
     held = module.held_by(target)  # the apply drops it right before the module changes
     fetched = None
     try:

@@ -18,16 +18,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TypeVar
 
+from dcr_core import events
 from dcr_core.errors import IntegrityError, StateMismatchError, StepVanishedError, UsageError
 from flows.options import ReceiveOptions
 from flows.receive import exact as exact_files
 from flows.receive import on_workers, state_file
+from flows.receive.state_file import Staged
 from flows.results import ReceiveResult
 from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
 from storage import heartbeat, layout, reader
 from storage.catalog import Catalog
-from storage.local import journal, materialized, sidecar, state
+from storage.local import dir_swap, journal, materialized, sidecar, state
 from storage.reader import RefitPlan, manifests
 from storage.root import RootRef, open_root
 from storage.source_layout import DIRECTORY
@@ -35,17 +37,21 @@ from storage.source_layout import DIRECTORY
 log = logging.getLogger("dcr.receive")
 T = TypeVar("T")
 
-STATE_STEPS = StepTable(
-    Step("resolve-chain", state_file.plan_receive),
-    Step("take-leases", state_file.take_leases),
-    Step("fetch-apply-verify", state_file.stage_refit),
-    Step("reserve-file", on_workers.reserve_file),
-    Step("rewrite-group", on_workers.rewrite_group),
-    Step("replace-state", state_file.install_state),
-    Step("verify-held-state", state_file.verify_held_state),
-    Step("record-receiver-commit", state_file.record_receiver_commit),
-    Step("release-leases", state_file.release_leases),
-)
+class StateSteps(StepTable):
+    """A state file's steps, in order."""
+
+    plan_receive = Step(state_file.plan_receive)
+    take_leases = Step(state_file.take_leases)
+    stage_refit = Step(state_file.stage_refit)
+    # on workers (flows.receive.on_workers): a file reserved, then its groups of tensors written (mapped)
+    reserve_file = Step(on_workers.reserve_file)
+    rewrite_group = Step(on_workers.rewrite_group)
+    install_state = Step(state_file.install_state)
+    verify_held_state = Step(state_file.verify_held_state)  # instead of the install: nothing to apply
+    record_receiver_commit = Step(state_file.record_receiver_commit)
+    release_leases = Step(state_file.release_leases)
+
+
 MAX_REPLANS = 3  # a step deleted under a refit (gc): plan again, this many times at most
 
 
@@ -101,6 +107,36 @@ class Leases:
         self.release()  # also when the refit failed: leases only ever protect reads in progress
 
 
+def stage_on_workers(tasks: StateSteps, plan: RefitPlan, state_path: str, options: ReceiveOptions,
+                     root_url: str | None = None, exact: str | None = None) -> Staged:
+    """Stage the refit as a new file written by ``rewrite-group`` tasks on the runner's workers
+    (``flows.receive.on_workers``; ``exact``: the published files of a materialization); a
+    ``state_file.Staged`` for ``install_state``. The temp files are removed on any failure."""
+    reserved = tasks.reserve_file(plan, state_path, root_url, exact)
+    try:
+        groups = on_workers.groups_of(plan, tasks.slots, options.group_bytes)
+        parts = tasks.map(on_workers.rewrite_group, [{"group": g} for g in groups], plan=plan, reserved=reserved,
+                          io_workers=options.io_workers)
+        target = manifests(plan)[plan.target_step]
+        expected = sum(e.nbytes for e in target.tensors.values())
+        if sum(p["bytes_written"] for p in parts) != expected:  # every tensor written, once: no hole of zeros
+            raise IntegrityError(f"{state_path}: the groups wrote {sum(p['bytes_written'] for p in parts)} of "
+                                 f"{expected} bytes; nothing installed")
+    except BaseException:
+        for tmp in reserved.temp_files:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        if exact == DIRECTORY:
+            dir_swap.discard(state_path)  # the new directory they were in
+        raise
+    events.reached("receive.staged", path=reserved.tmp)
+    pulled = sum(p["bytes_pulled"] for p in parts)
+    if exact is not None:
+        return Staged(state_path, reserved.tmp, False, pulled, exact=exact, moves=reserved.moves,
+                      about=exact_files.about(plan))
+    return Staged(state_path, reserved.tmp, False, pulled)
+
+
 def clear_for_rewrite(state_path: str) -> None:
     """Before a file is rewritten whole (under its lock): a pending in-place patch settled (so a
     failed rewrite leaves one whole step), then its journal and block digests removed."""
@@ -136,7 +172,7 @@ def run_receive(
     if exact is not None and (record or not fresh):
         raise UsageError("an exact materialization writes a fresh output and records no receiver")
     state_path = exact_files.check_directory(state_path) if exact == DIRECTORY else state_file.check_path(state_path)
-    tasks = STATE_STEPS.bind(runner or InProcess())
+    tasks = StateSteps(runner or InProcess())
     mapped = tasks.mapped and not options.in_place  # an in-place patch runs here (see flows.receive.on_workers)
     named = state.absolute_root(ref.url)  # what the state's header records, as in one process (workers' cwd differs)
     if mapped:
@@ -158,7 +194,7 @@ def run_receive(
                 if not p.moves:
                     return None
                 if mapped:
-                    return on_workers.stage_on_workers(tasks, p, state_path, options, named, exact)
+                    return stage_on_workers(tasks, p, state_path, options, named, exact)
                 return tasks.stage_refit(p, state_path, options, exact)
 
             plan, staged = leases.replanned(lambda: tasks.plan_receive(ref, state_path, step, fresh), stage, state_path)

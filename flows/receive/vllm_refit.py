@@ -70,12 +70,13 @@ def reset_prefix_cache(engine: LocalRef) -> bool:
     return bool(reset()) if callable(reset) else False
 
 
-ENGINE_STEPS = StepTable(
-    Step("prepare-on-workers", prepare_on_workers),
-    Step("apply-on-workers", apply_on_workers),
-    Step("reset-prefix-cache", reset_prefix_cache),
-    Step("await-receiver-commit", await_receiver_commit),
-)
+class EngineSteps(StepTable):
+    """A vLLM engine's steps, from its driver, in order."""
+
+    prepare_on_workers = Step(prepare_on_workers)
+    apply_on_workers = Step(apply_on_workers)
+    reset_prefix_cache = Step(reset_prefix_cache)
+    await_receiver_commit = Step(await_receiver_commit)
 
 
 def _check_engine(llm) -> None:
@@ -111,7 +112,7 @@ def refit_engine(llm, root: str | os.PathLike, receiver_id: str = "vllm", step: 
     (step, bytes pulled, the slowest worker's fetch and pause seconds) and each worker's result."""
     _check_engine(llm)
     options = check_arguments(receiver_id, step, options)
-    tasks = ENGINE_STEPS.bind(runner or InProcess())
+    tasks = EngineSteps(runner or InProcess())
     with local_refs.holding(llm, "engine") as engine:
         tasks.prepare_on_workers(engine, os.fspath(root), step, receiver_id, dict(storage_options or {}),
                                  options.model_dump(), state_path, False)
