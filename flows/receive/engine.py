@@ -111,12 +111,13 @@ class EngineReceiver(Receiver):
         """Write the receiver's commit record and release the leases in a thread (object-store
         writes, after the engine serves again); ``wait`` waits for them, and so does the next prepare."""
         p, self._applied = self._applied, None
-        if p is None:
+        if p is None or p.record is None:
             return
+        record = p.record
 
         def finish() -> None:
             try:
-                state_file.record_receiver_commit(p.ref, p.receiver_id, p.plan.target_step, p.record)
+                state_file.record_receiver_commit(p.ref, p.receiver_id, p.plan.target_step, record)
             except BaseException as e:  # reported by wait(); the next refit records again
                 log.warning("receiver %s: recording its commit of step %s failed (%s: %s); the next refit records it",
                             p.receiver_id, p.plan.target_step, type(e).__name__, e)
@@ -187,7 +188,7 @@ class EngineReceiver(Receiver):
 
     def status(self) -> dict:
         held = self.known.held
-        known = bool(held) and held_digests.unchanged(self.engine.model, held["digests"])
+        known = held is not None and held_digests.unchanged(self.engine.model, held["digests"])
         return {"held": self.public_held(), "known": known, "prepared": self._prepared is not None}
 
     def fingerprint(self) -> str:

@@ -53,6 +53,7 @@ import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import cast
 
 from dcr_core import events
 from dcr_core.errors import DCRError, StepNotFoundError, UsageError
@@ -142,7 +143,7 @@ def _status(e: BaseException) -> int | None:
 
 def _receiver(m: dict) -> Receiver:
     """The member's receiver, opened by ``run_fleet`` for the switch (a ``LocalRef``)."""
-    return local_refs.get(m["ref"])
+    return cast(Receiver, local_refs.get(m["ref"]))
 
 
 # -- the steps (Prefect tasks under fleet_refit) --------------------------------------------------

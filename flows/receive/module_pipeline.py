@@ -78,36 +78,39 @@ class LiveModule(Receiver):
         fetched and verified (the module untouched). A step gc deleted meanwhile: plan again."""
         b, tasks = self.binding, self.tasks
         self.release()
-        self._module = local_refs.put(self.target, "module")
-        self._leases = Leases(b.root, b.receiver_id, b.options.lease_seconds, tasks.take_leases, tasks.release_leases)
+        mod = self._module = local_refs.put(self.target, "module")
+        leases = self._leases = Leases(b.root, b.receiver_id, b.options.lease_seconds, tasks.take_leases,
+                                       tasks.release_leases)
         self._before = module.held_by(self.target)
 
         def fetch(p: RefitPlan) -> DenseStaged | LocalRef | None:
-            self._leases.take(p)
+            leases.take(p)
             if _dense(p):
                 return tasks.stage_dense(p, self.mirror, b.options)
-            return tasks.fetch_module_payloads(p, self._module, b.options) if p.moves else None
+            return tasks.fetch_module_payloads(p, mod, b.options) if p.moves else None
 
-        self._plan, self._staged = self._leases.replanned(
-            lambda: tasks.plan_module_refit(b.root, self._module, step), fetch, self.name)
+        self._plan, self._staged = leases.replanned(lambda: tasks.plan_module_refit(b.root, mod, step), fetch,
+                                                    self.name)
 
     def install(self, step: int | None) -> None:
         """The pause window: a dense load, or the fetched payloads applied all or nothing."""
-        p, staged = self._plan, self._staged
-        if p is None:
+        p, mod, staged = self._plan, self._module, self._staged
+        if p is None or mod is None:
             raise UsageError(f"{self.name}: nothing prepared: prepare first")
         if isinstance(staged, DenseStaged):
             module.set_held(self.target, None)  # unknown until the dense load completes
             self._staged = None  # the load removes the file, whatever happens
-            self._info = self.tasks.load_dense(self._module, staged, self.mirror)
+            self._info = self.tasks.load_dense(mod, staged, self.mirror)
         elif staged is not None:
-            self._info = self._delta(p, staged)
+            self._info = self._delta(p, mod, staged)
         else:
             self._info = {"mode": "current", "bytes_pulled": 0, "pause_seconds": 0.0, "tensors_loaded": 0}
 
     def record(self) -> None:
         """What the module holds now (its digests, for the next refit's check), then the receiver's commit."""
         p, info, b = self._plan, dict(self._info or {}), self.binding
+        if p is None or not info:
+            raise UsageError(f"{self.name}: nothing applied: apply first")
         policy = manifests(p)[p.target_step].policy_digest
         digests = _digests_after(self.target, self._before, info)
         module.set_held(self.target, {"root": b.root.url, "step": p.target_step, "policy_digest": policy,
@@ -136,10 +139,10 @@ class LiveModule(Receiver):
         return ReceiveResult(p.target_step, p.current_step, p.describe(), r.bytes_pulled, r.policy_digest,
                              dict(self.tasks.timings), {"probe": r.probe, **(self._info or {})})
 
-    def _delta(self, plan: RefitPlan, fetched: LocalRef) -> dict:
+    def _delta(self, plan: RefitPlan, mod: LocalRef, fetched: LocalRef) -> dict:
         held = module.held_by(self.target)  # the apply drops it right before the module changes
         try:
-            return self.tasks.apply_to_module(plan, self._module, fetched, self.mirror)
+            return self.tasks.apply_to_module(plan, mod, fetched, self.mirror)
         except BaseException:
             if held and module.held_by(self.target) is None and held_digests.unchanged(self.target, held["digests"]):
                 module.set_held(self.target, held)  # rolled back: still at the held step, every module hashed to say so
@@ -178,7 +181,7 @@ def _digests_after(target, before: dict | None, info: dict) -> dict[str, str]:
     """The module digests after the refit: every module after a dense load; after a delta only the
     modules it wrote are hashed again (the plan checked the others); nothing after a no-op."""
     written = info.pop("modules_written", None)
-    if info["mode"] == "dense":
+    if info["mode"] == "dense" or before is None:
         return held_digests.digests_of(target)
     if info["mode"] == "delta":
         return held_digests.after(target, before["digests"], written)
