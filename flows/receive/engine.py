@@ -48,7 +48,7 @@ class EngineReceiver(Receiver):
     """One engine worker (one tensor-parallel rank) as a receiver (see the module docstring)."""
 
     def __init__(self, engine: EngineModel):
-        super().__init__(f"{engine.kind} worker {engine.rank}")
+        super().__init__(f"{engine.kind} worker")  # its rank is asked when a refit needs it (TP groups start late)
         self.engine = engine
         self.known = EngineState()
         self.last: WorkerResult | None = None  # the last apply's result

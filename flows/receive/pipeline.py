@@ -1,8 +1,9 @@
 """The receiver's pipelines: the order of its steps, written once, run in-process or as Prefect tasks.
 
-- a state file (``run_receive``): under the state's lock (one writer per file; a cut-off in-place
-  patch settled first), plan, then stage the refit and install it (or verify the held state
-  when there is nothing to apply), then record the receiver's commit;
+- a state file (``run_receive``; the receiver kind ``StateFile``, whose lifecycle runs the steps of
+  ``StateSteps``): under the state's lock (one writer per file; a cut-off in-place patch settled
+  first), plan, then stage the refit and install it (or verify the held state when there is
+  nothing to apply), then record the receiver's commit;
 - ``run_materialize``: the same into a fresh file, with no receiver record.
 With a runner that maps (``flows.workers``), a refit that rewrites the file is staged by tasks
 mapped over groups of tensors on its workers (``flows.receive.on_workers``).
