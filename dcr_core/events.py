@@ -63,9 +63,9 @@ POINTS = frozenset({
     # in place; where there is no exchange, the old one moved aside first
     "receive.swap-journaled", "receive.moved-aside", "receive.swapped",
     "receive.recorded",
-    # receiver (a vLLM engine): each tensor handed to vLLM's reload, then the reload done
+    # receiver (an engine): each tensor handed to the engine's reload, then the reload done
     "receive.engine-tensor", "receive.engine-reloaded",
-    # a fleet member that is a state file (flows.receive.fleet_members): its update, before anything changes
+    # a fleet member (flows.receive.fleet): its update, once paused, before anything changes
     "fleet.member-update",
     # a mirror: each object copied downstream, a step's payload complete, its marker copied
     "mirror.object-copied", "mirror.payload-copied", "mirror.committed",

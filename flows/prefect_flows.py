@@ -73,6 +73,7 @@ from flows.maintenance.gc import GcReport, run_gc
 from flows.maintenance.mirror import run_mirror
 from flows.options import GcOptions, PublishOptions, ReceiveOptions, refuse_credentials
 from flows.publish.pipeline import run_publish
+from flows.receive import receiver as receivers
 from flows.receive.fleet import FleetResult, FleetSwitchError, run_fleet
 from flows.receive.pipeline import run_materialize, run_receive
 from flows.results import PublishResult, as_dict
@@ -81,9 +82,9 @@ from storage import layout
 from storage.catalog import Catalog
 from storage.root import open_root
 
-# Not imported here: flows.receive.module_pipeline and flows.receive.vllm_refit, the receivers of live
-# targets (a module with ``load_weights``, a vLLM engine), import torch (2-3 s). ``receive_refit``
-# imports them when it refits one (its caller holds torch already). This module is imported by every
+# Not imported here: the receiver kinds of live targets (a module with ``load_weights``, a vLLM
+# engine) import torch (2-3 s). The receivers' registry (``flows.receive.receiver``) imports a kind
+# when it refits a target of it (its caller holds torch already). This module is imported by every
 # Prefect-orchestrated command and by every Dask worker, which unpickles the flow with each task.
 
 
@@ -103,7 +104,7 @@ def _mapped_task(step: Step):
 
 def _mapped_name() -> str:
     """``encode-group-3`` (a group of tensors, numbered); ``verify-tensors-<first name>``,
-    ``copy-objects-<first key>`` (a batch, by its first item)."""
+    ``copy-object-batch-<first key>`` (a batch, by its first item)."""
     p = task_run.parameters
     if p.get("group") is not None:
         return f"{task_run.task_name}-{getattr(p['group'], 'index', '?')}"
@@ -341,18 +342,9 @@ def receive_live(
     (``state_path``: each worker's mirror) or of a live module with ``load_weights``
     (``state_path``: its partial mirror). Called by ``receive_refit``, which holds the target."""
     refuse_credentials(storage_options)
-    live = local_refs.get(target)
-    with tags(*_receive_tags(root, receiver_id)):
-        if callable(getattr(live, "collective_rpc", None)):
-            from flows.receive.vllm_refit import refit_engine  # noqa: PLC0415 - torch: see the imports
-
-            result = refit_engine(live, str(root), receiver_id, step, storage_options, options, state_path,
-                                  PrefectRunner())
-        else:
-            from flows.receive.module_pipeline import receive_into_module  # noqa: PLC0415 - torch: see the imports
-
-            result = receive_into_module(str(root), receiver_id, live, step, storage_options, options, state_path,
-                                         PrefectRunner())
+    with tags(*_receive_tags(root, receiver_id)):  # the target's kind from the receivers' registry
+        result = receivers.refit(local_refs.get(target), str(root), receiver_id, step, storage_options, options,
+                                 state_path, runner=PrefectRunner())
     _best_effort(_report_receive, str(root), storage_options, receiver_id, result)
     return result
 
@@ -370,7 +362,7 @@ def receive_refit(
 
     ``workers`` (a state file only): a refit that rewrites the file runs as tasks mapped over groups
     of tensors on that Dask cluster."""
-    if isinstance(target, (str, os.PathLike)):
+    if not receivers.kind_of(target).in_process:  # a state file: named by its path, a flow parameter
         if state_path is not None:
             raise UsageError("state_path is the mirror of a live module or engine; a state file target is its own")
         return receive_state(os.fspath(root), receiver_id, os.fspath(target), step, storage_options, options,

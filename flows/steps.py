@@ -1,20 +1,36 @@
-"""The step table: each refit is a fixed order of steps, written once and run by a ``Runner``.
+"""The step tables: each refit is a fixed order of steps, written once and run by a ``Runner``.
 
 A ``Step`` is a plain function whose arguments and result are serializable references (ROOT and
 step references, plans, manifest entries, file paths, ``LocalRef`` handles of objects that live in
-this process), never open files or tensors. A pipeline (``flows.publish.pipeline``,
-``flows.receive.pipeline``, ``flows.maintenance.gc``) calls its steps through
-``TABLE.bind(runner)``: ``InProcess`` calls them directly (``dcr`` without a Prefect server, the
-``Publisher``), ``flows.prefect_flows.PrefectRunner`` runs each as a Prefect task. A bound table
-times every step it runs (``bound.timings``, by task name). Nothing else lists the steps.
+this process), never open files or tensors. A pipeline's steps are the attributes of one
+``StepTable`` class, each named after its function (its task name too: ``plan_receive`` runs as
+``plan-receive``)::
+
+    class StateSteps(StepTable):
+        plan_receive = Step(state_file.plan_receive)
+        ...
+
+    tasks = StateSteps(runner)
+    plan = tasks.plan_receive(ref, path, step)   # the function's own signature, checked
+
+An instance runs its steps with a runner: ``InProcess`` calls them directly (``dcr`` without a
+Prefect server, the ``Publisher``), ``flows.prefect_flows.PrefectRunner`` runs each as a Prefect
+task. Reading a step off an instance gives a callable typed as the function itself (``Step`` is a
+descriptor generic in the function's parameters and result), so type checkers and editors see every
+call site and its arguments. An instance times every step it runs (``tasks.timings``, by task
+name). Nothing else lists the steps.
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Generic, ParamSpec, Protocol, TypeVar, cast, overload
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 @dataclass(frozen=True)
@@ -31,17 +47,35 @@ class ResultCache:
 
 
 @dataclass(frozen=True)
-class Step:
-    """One step: its task name (shown by Prefect) and its function; ``cache``: for a mapped step
-    whose results a rerun can use (see ``ResultCache``), else None."""
+class Step(Generic[P, R]):
+    """One step: its function, and ``cache`` for a mapped step whose results a rerun can use (see
+    ``ResultCache``). Its key is the function's name and its task name that name with hyphens
+    (``plan_receive``: ``plan-receive``). As an attribute of a ``StepTable`` it must be named
+    after its function; read off a table instance it is the function, run by the table's runner."""
 
-    name: str
-    fn: Callable[..., Any]
+    fn: Callable[P, R]
     cache: ResultCache | None = None
 
     @property
     def key(self) -> str:
         return self.fn.__name__
+
+    @property
+    def name(self) -> str:
+        return self.fn.__name__.replace("_", "-")
+
+    def __set_name__(self, owner: type, attr: str) -> None:
+        if attr != self.key:
+            raise TypeError(f"{owner.__name__}.{attr} runs {self.key}: a step is named after its function")
+
+    @overload
+    def __get__(self, table: None, owner: type | None = None) -> Step[P, R]: ...
+
+    @overload
+    def __get__(self, table: StepTable, owner: type | None = None) -> Callable[P, R]: ...
+
+    def __get__(self, table: StepTable | None, owner: type | None = None) -> Step[P, R] | Callable[P, R]:
+        return self if table is None else table.call(self)
 
 
 class Runner(Protocol):
@@ -61,28 +95,29 @@ class MappingRunner(Runner, Protocol):
 
 
 class StepTable:
-    """The steps of one pipeline, in the order they run."""
+    """The steps of one pipeline, as class attributes in the order they run; an instance runs them
+    with ``runner`` (default ``InProcess``) and holds ``timings``: the seconds spent in each step
+    it ran, by task name."""
 
-    def __init__(self, *steps: Step):
-        self.steps = {s.key: s for s in steps}
-        if len(self.steps) != len(steps) or len({s.name for s in steps}) != len(steps):
-            raise ValueError("step keys and names must be unique")
-
-    def __iter__(self):
-        return iter(self.steps.values())
-
-    def bind(self, runner: Runner | MappingRunner) -> Bound:
-        return Bound(self, runner)
-
-
-class Bound:
-    """A step table bound to a runner: ``bound.plan_publish(...)`` runs that step; ``timings`` holds
-    the seconds spent in each step this bound table ran."""
-
-    def __init__(self, table: StepTable, runner: Runner | MappingRunner):
-        self._table, self._runner = table, runner
-        self._calls: dict[str, Callable[..., Any]] = {}
+    def __init__(self, runner: Runner | MappingRunner | None = None):
+        self._runner = runner if runner is not None else InProcess()
+        self._calls: dict[Step, Callable[..., Any]] = {}
         self.timings: dict[str, float] = {}
+
+    @classmethod
+    def steps(cls) -> dict[str, Step]:
+        """Key -> step, in the order the table (and the tables it extends) declares them."""
+        out: dict[str, Step] = {}
+        for klass in reversed(cls.__mro__):
+            out.update({k: v for k, v in vars(klass).items() if isinstance(v, Step)})
+        return out
+
+    def call(self, step: Step[P, R]) -> Callable[P, R]:
+        """``step`` as this table runs it: through the runner, timed under its task name."""
+        call = self._calls.get(step)
+        if call is None:
+            call = self._calls[step] = timed(self.timings, step.name, self._runner.wrap(step), step.fn)
+        return call
 
     @property
     def mapped(self) -> bool:
@@ -94,15 +129,18 @@ class Bound:
         """How many mapped calls run at once (1 without workers)."""
         return getattr(self._runner, "slots", 1) if self.mapped else 1
 
-    def map(self, key: str, items: list[dict], *, each: Callable[[Any], None] | None = None, **shared) -> list:
-        """Step ``key`` called with ``shared`` and each item's arguments: on the runner's workers
-        if it has them, else in turn here; results in the items' order, each passed to ``each``
-        (if given) as soon as it and those before it are in. Timed as one step."""
-        step = self._table.steps[key]
+    def map(self, fn: Callable[..., R], items: list[dict], *, each: Callable[[R], None] | None = None,
+            **shared: Any) -> list[R]:
+        """The step of function ``fn`` called with ``shared`` and each item's arguments: on the
+        runner's workers if it has them, else in turn here; results in the items' order, each passed
+        to ``each`` (if given) as soon as it and those before it are in. Timed as one step."""
+        step = self.steps().get(fn.__name__)
+        if step is None:
+            raise AttributeError(f"{type(self).__name__} has no step {fn.__name__!r}")
         t0 = time.perf_counter()
         try:
             if self.mapped:
-                return self._runner.map(step, items, shared, each)
+                return cast(MappingRunner, self._runner).map(step, items, shared, each)
             call, out = self._runner.wrap(step), []
             for item in items:
                 out.append(call(**shared, **item))
@@ -112,19 +150,12 @@ class Bound:
         finally:
             self.timings[step.name] = self.timings.get(step.name, 0.0) + time.perf_counter() - t0
 
-    def __getattr__(self, key: str) -> Callable[..., Any]:
-        try:
-            step = self._table.steps[key]
-        except KeyError:
-            raise AttributeError(f"no step {key!r}") from None
-        call = self._calls.get(key)
-        if call is None:
-            call = self._calls[key] = timed(self.timings, step.name, self._runner.wrap(step))
-        return call
 
-
-def timed(timings: dict[str, float], key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-    def call(*args, **kwargs):
+def timed(timings: dict[str, float], key: str, fn: Callable[P, R], like: Callable[..., Any] | None = None) -> Callable[P, R]:
+    """``fn``, adding the seconds each call takes to ``timings[key]``; it reads as ``like`` (name,
+    signature, docstring: what editors and ``inspect`` show)."""
+    @functools.wraps(like or fn)
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
         t0 = time.perf_counter()
         try:
             return fn(*args, **kwargs)

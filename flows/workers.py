@@ -4,7 +4,7 @@ worker processes on this machine (``--workers N``), or on an existing Dask clust
 
 Only mapped steps travel: a publish's ``encode-group`` (``flows.publish.groups``), a rewriting
 receive's or a materialize's ``rewrite-group`` (``flows.receive.on_workers``), verify's
-``verify-tensors`` and mirror's ``copy-objects``; the other steps of a flow run in its own
+``verify-tensors`` and mirror's ``copy-object-batch``; the other steps of a flow run in its own
 process, as without workers. A mapped task takes references only (a ROOT, file paths, the plan, its
 group) and returns small results (manifest entries, counts); what it reads it reads where it runs. Retries belong to Dask: a task whose worker dies (kill -9, out of memory)
 is run again on another worker, up to the scheduler's ``allowed-failures``; since a group's output

@@ -40,16 +40,16 @@ from flows import PublishOptions
 from flows.cli import Parser
 from flows.cli.values import Number
 from flows.options import COND_DELTAS
-from flows.publish.pipeline import PUBLISH
-from flows.receive.pipeline import STATE_STEPS
+from flows.publish.pipeline import PublishSteps
+from flows.receive.pipeline import StateSteps
 
 QUICK_SIZES, DEFAULT_SIZES = "2M", "10M,100M"
 QUICK_RATES, DEFAULT_RATES = "0.01,0.03,0.05", "0.005,0.01,0.03,0.05,0.10"
 E2E_RATES = (0.01, 0.03, 0.05)
 E2E_MAX_PARAMS = 100_000_000
 DEFAULT_BANDWIDTHS = (50e6, 10e6)
-PUBLISH_STEPS = tuple(s.name for s in PUBLISH)  # the step timings, in pipeline order
-RECEIVE_STEPS = tuple(s.name for s in STATE_STEPS)
+PUBLISH_STEPS = tuple(s.name for s in PublishSteps.steps().values())  # the step timings, in pipeline order
+RECEIVE_STEPS = tuple(s.name for s in StateSteps.steps().values())
 # Peak memory per BF16 model byte: old, new, XOR temporaries, decode targets and baselines (measured:
 # 7.2 for synthetic 100M, peak RSS 1.44 GB); the AdamW source also holds FP32 master weights,
 # gradients, Adam moments and a saved step. A scenario runs if it needs at most MEM_BUDGET of the

@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from dcr_bench.vllm_engine import PROMPTS
-from flows.receive.fleet import http_call
+from flows.receive.fleet_members import http_call
 from flows.receive.vllm_refit import EXTENSION
 
 
@@ -83,7 +83,7 @@ class Server:
 
 
 def call(url: str, route: str, body: dict | None = None, method: str = "POST", timeout: float = 600.0) -> dict:
-    """One JSON request (``flows.receive.fleet.http_call``: errors name the server and route)."""
+    """One JSON request (``flows.receive.fleet_members.http_call``: errors name the server and route)."""
     return http_call(url, route, body, method, timeout)
 
 

@@ -82,7 +82,7 @@ def _publish(dcr: list[str], root: str, ckpt: str, step: int, cpus: list[int], w
         raise RuntimeError(f"dcr {' '.join(argv[len(dcr):])} failed: {out.stderr.strip()[-800:]}")
     doc = json.loads(out.stdout)
     t = doc["timings"]
-    encode = t["encode-group"] if workers else t["encode-and-write-chunks"]  # mapped on workers: one step, timed whole
+    encode = t["encode-group"] if workers else t["encode-and-write"]  # mapped on workers: one step, timed whole
     return {"step": step, "file": os.path.basename(ckpt), "wall_s": wall, "encode_s": encode,
             "remember_baseline_s": t["remember-baseline"], "kind": doc["kind"], "policy_digest": doc["policy_digest"],
             "bytes_full": doc["summary"]["bytes_full"], "change_rate": doc["summary"]["change_rate"]}

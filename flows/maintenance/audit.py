@@ -153,7 +153,8 @@ def verify_tensors(root: RootRef, step: int, names: tuple[str, ...] | None = Non
     return out
 
 
-VERIFY_STEPS = StepTable(Step("verify-tensors", verify_tensors))
+class VerifySteps(StepTable):
+    verify_tensors = Step(verify_tensors)  # one per step; on workers mapped over groups of its tensors
 
 
 def _rebuilt_bytes(cat: Catalog, steps: list[int], deep: bool) -> int:
@@ -205,7 +206,7 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
     cat = Catalog(root)
     if step is not None:
         cat.require_marker(step)  # a step that is not committed: that error, as every command says it (not a failed check)
-    tasks = VERIFY_STEPS.bind(runner or InProcess())
+    tasks = VerifySteps(runner or InProcess())
     report = VerifyReport(deep=deep)
     steps = [step] if step is not None else cat.ever_committed_steps()  # retracted steps' data too, until gc
     ref = portable_root(root.ref) if tasks.mapped else root.ref
@@ -224,7 +225,7 @@ def verify(root: Root, step: int | None = None, deep: bool = False, workers: int
                 report.steps.append(s)
                 continue
             runs = batches_for(((n, e.nbytes) for n, e in sorted(m.tensors.items())), tasks.slots, group_bytes)
-            parts = tasks.map("verify_tensors", [{"names": tuple(r)} for r in runs], root=ref, step=s, deep=deep,
+            parts = tasks.map(verify_tensors, [{"names": tuple(r)} for r in runs], root=ref, step=s, deep=deep,
                               io_workers=workers)
         else:
             parts = [tasks.verify_tensors(ref, s, None, deep, workers)]

@@ -264,14 +264,16 @@ def _remove_garbage_leases(root: Root, plan: GcPlan, report: GcReport) -> None:
             report.removed_leases.append([key, still[key]])
 
 
-GC = StepTable(Step("plan-gc", plan_gc), Step("collect", collect))
+class GcSteps(StepTable):
+    plan_gc = Step(plan_gc)
+    collect = Step(collect)
 
 
 def run_gc(root: str | os.PathLike, options: GcOptions, storage_options: dict | None = None,
            runner: Runner | None = None) -> GcReport:
     """Plan, then (unless ``options.dry_run``) delete."""
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
-    tasks = GC.bind(runner or InProcess())
+    tasks = GcSteps(runner or InProcess())
     plan = tasks.plan_gc(ref, options)
     events.reached("gc.planned", delete_steps=len(plan.delete_steps))
     return GcReport(True, plan) if options.dry_run else tasks.collect(ref, plan)

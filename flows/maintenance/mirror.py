@@ -39,7 +39,7 @@ downstream (no marker); a rerun copies what is missing and commits. Receivers ve
 they pull from a mirror against the origin's signature and digests, as from the origin.
 ``mirror_refit`` is the Prefect flow (``plan-mirror``, one ``copy-step`` task per step; the
 ``mirror`` deployment of ``infra/prefect.yaml``); with workers (``flows.workers``) a step's objects
-are copied by ``copy-objects`` tasks mapped over runs of them, and the marker by the flow. Forwarding an attempt while it is written
+are copied by ``copy-object-batch`` tasks mapped over runs of them, and the marker by the flow. Forwarding an attempt while it is written
 upstream (``dcr mirror --follow --stream``) is ``flows.maintenance.mirror_stream``.
 """
 
@@ -54,7 +54,7 @@ from dataclasses import asdict, dataclass, field
 from dcr_core import events
 from dcr_core.batches import batches_for
 from dcr_core.errors import DCRError, IntegrityError, StepConflictError, UsageError
-from flows.steps import Bound, InProcess, Runner, Step, StepTable
+from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
 from storage import heartbeat, layout, leases, source_layout
 from storage.catalog import Catalog, manifest_digest, not_committed
@@ -497,12 +497,17 @@ def release_mirror_lease(src: RootRef, job: MirrorJob, as_id: str | None) -> Non
     close_step(open_root(src), job, as_id)
 
 
-MIRROR_STEPS = StepTable(Step("plan-mirror", plan_mirror), Step("copy-step", copy_step),
-                         Step("open-mirror-step", open_mirror_step), Step("copy-objects", copy_object_batch),
-                         Step("commit-mirrored-step", commit_mirrored_step),
-                         Step("release-mirror-lease", release_mirror_lease),
-                         Step("sync-retractions", sync_retractions), Step("sync-heartbeat", sync_heartbeat),
-                         Step("record-mirror-position", record_position))
+class MirrorSteps(StepTable):
+    sync_retractions = Step(sync_retractions)
+    plan_mirror = Step(plan_mirror)
+    copy_step = Step(copy_step)
+    # on workers: open the step, copy its objects in batches (mapped), commit it, release its lease
+    open_mirror_step = Step(open_mirror_step)
+    copy_object_batch = Step(copy_object_batch)
+    commit_mirrored_step = Step(commit_mirrored_step)
+    release_mirror_lease = Step(release_mirror_lease)
+    record_position = Step(record_position)
+    sync_heartbeat = Step(sync_heartbeat)
 
 
 def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | None = None,
@@ -519,7 +524,7 @@ def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | 
     if group_bytes is not None and group_bytes < 1:
         raise UsageError(f"group_bytes must be at least 1, got {group_bytes}")
     s, d = RootRef(src, dict(src_options or {})), RootRef(dst, dict(dst_options or {}))
-    tasks = MIRROR_STEPS.bind(runner or InProcess())
+    tasks = MirrorSteps(runner or InProcess())
     if tasks.mapped:
         s, d = portable_root(s), portable_root(d)
     result = MirrorResult()
@@ -541,7 +546,7 @@ def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | 
     return result
 
 
-def _mirror_mapped(tasks: Bound, s: RootRef, d: RootRef, step: int, as_id: str | None, io_workers: int,
+def _mirror_mapped(tasks: MirrorSteps, s: RootRef, d: RootRef, step: int, as_id: str | None, io_workers: int,
                    group_bytes: int | None, result: MirrorResult) -> None:
     job = tasks.open_mirror_step(s, d, step, as_id)
     if job is None:
@@ -550,7 +555,7 @@ def _mirror_mapped(tasks: Bound, s: RootRef, d: RootRef, step: int, as_id: str |
     try:
         batches = [{"keys": tuple(b)} for b in batches_for(job.todo, tasks.slots, group_bytes)]
         marker_only = dataclasses.replace(job, todo=())  # what each task needs of the job: not the others' keys
-        for part in tasks.map("copy_object_batch", batches, src=s, dst=d, job=marker_only, io_workers=io_workers):
+        for part in tasks.map(copy_object_batch, batches, src=s, dst=d, job=marker_only, io_workers=io_workers):
             result.objects_copied += part["objects"]
             result.bytes_copied += part["bytes"]
         tasks.commit_mirrored_step(d, job)

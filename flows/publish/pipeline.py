@@ -31,7 +31,7 @@ from flows.publish.groups import GROUP_CACHE, drop_results, plan_groups, stored_
 from flows.publish.plan import DEFAULT_TIMEOUT, plan_from_source
 from flows.publish.sources import as_source_ref
 from flows.results import PublishResult
-from flows.steps import Bound, InProcess, Runner, Step, StepTable
+from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
 from storage import layout
 from storage.commit import discard_attempt
@@ -42,20 +42,20 @@ log = logging.getLogger("dcr.publish")
 SHARDS = "flows.publish.shards"  # ShardedSource (torch)
 RANK_PIPELINE = "flows.publish.rank_pipeline"  # publish_rank(...), publish_ranks(...)
 
-# The canonical source's steps, in order (torch-free: a checkpoint path is read as raw bits).
-PUBLISH = StepTable(
-    # a canonical source (a checkpoint, or tensors in memory)
-    Step("snapshot", sources.snapshot),
-    Step("plan-publish", plan_from_source),
-    Step("load-baseline", baseline.load_baseline),
-    Step("encode-and-write-chunks", encode.encode_and_write),
+class PublishSteps(StepTable):
+    """A canonical source's steps (a checkpoint, or tensors in memory), in order (torch-free: a
+    checkpoint path is read as raw bits)."""
+
+    snapshot = Step(sources.snapshot)
+    plan_from_source = Step(plan_from_source)
+    load_baseline = Step(baseline.load_baseline)
+    encode_and_write = Step(encode.encode_and_write)
     # mapped over tensor groups on workers (flows.workers); a rerun of the attempt skips finished groups
-    Step("encode-group", encode.encode_group, GROUP_CACHE),
-    Step("write-snapshot", encode.write_snapshot),
-    Step("write-manifest", commit.write_manifest),
-    Step("commit", commit.commit_step),
-    Step("remember-baseline", baseline.remember_baseline),
-)
+    encode_group = Step(encode.encode_group, GROUP_CACHE)
+    write_snapshot = Step(encode.write_snapshot)
+    write_manifest = Step(commit.write_manifest)
+    commit_step = Step(commit.commit_step)
+    remember_baseline = Step(baseline.remember_baseline)
 
 
 def sharded(source) -> tuple[bool, bool]:
@@ -100,11 +100,11 @@ def run_publish(
     if all_ranks:
         return importlib.import_module(RANK_PIPELINE).publish_ranks(
             runner or InProcess(), ref, list(source), step, keyframe, options)
-    tasks = PUBLISH.bind(runner or InProcess())
+    tasks = PublishSteps(runner or InProcess())
     return _publish(tasks, ref, source, step, keyframe, options, held, attempt)
 
 
-def _encode(tasks: Bound, plan, snap, baseline) -> dict:
+def _encode(tasks: PublishSteps, plan, snap, baseline) -> dict:
     """The manifest entries of every tensor, encoded and stored: in one call here, or, with workers
     (``tasks.mapped``), as tasks mapped over groups of tensors (``flows.publish.groups``), merged in
     name order (so the manifest is the same however the work was split)."""
@@ -123,7 +123,7 @@ def _encode(tasks: Bound, plan, snap, baseline) -> dict:
             announce(part)
 
     with announcing(plan) as announce:  # streaming: each group's chunks announced as it returns
-        parts = tasks.map("encode_group", [{"group": g} for g in groups], each=each, plan=plan, source=snap,
+        parts = tasks.map(encode.encode_group, [{"group": g} for g in groups], each=each, plan=plan, source=snap,
                           baseline=baseline)
     entries = {name: entry for part in parts for name, entry in part.items()}
     if again:  # kept results are only as good as the objects they name: the attempt must hold exactly those
@@ -157,12 +157,12 @@ def mappable(plan, snap, baseline):
             None if baseline is None else os.path.abspath(baseline))
 
 
-def result_of(marker, summary: dict, tasks: Bound) -> PublishResult:
+def result_of(marker, summary: dict, tasks: StepTable) -> PublishResult:
     return PublishResult(marker.step, marker.kind, marker.base_step, marker.attempt, marker.policy_digest,
                          summary, dict(tasks.timings))
 
 
-def _publish(tasks: Bound, ref: RootRef, source, step: int, keyframe: bool, options: PublishOptions,
+def _publish(tasks: PublishSteps, ref: RootRef, source, step: int, keyframe: bool, options: PublishOptions,
              held: BaselineSlot | None, attempt: str | None = None) -> PublishResult:
     src, given = as_source_ref(source)
     handles: list = [given]

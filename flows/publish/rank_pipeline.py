@@ -18,24 +18,25 @@ from flows.publish.pipeline import result_of
 from flows.publish.plan import PublishPlan
 from flows.publish.shards import ShardedSource
 from flows.results import PublishResult
-from flows.steps import Bound, Runner, Step, StepTable
+from flows.steps import Runner, Step, StepTable
 from storage.commit import discard_attempt
 from storage.root import RootRef, open_root
 
-# The steps of one rank of a sharded publish, in order.
-RANK_PUBLISH = StepTable(
-    Step("snapshot-shards", shards.snapshot_shards),
-    Step("plan-rank", ranks.plan_rank),
-    Step("load-shard-baseline", shard_baseline.load_shard_baseline),
-    Step("encode-rank-shards", ranks.encode_rank),
-    Step("stage-shard-baseline", shard_baseline.stage_shard_baseline),
-    Step("merge-and-commit", ranks.commit_ranks),
-    Step("await-commit", ranks.await_commit),
-    Step("keep-shard-baseline", shard_baseline.keep_shard_baseline),
-)
+
+class RankSteps(StepTable):
+    """The steps of one rank of a sharded publish, in order."""
+
+    snapshot_shards = Step(shards.snapshot_shards)
+    plan_rank = Step(ranks.plan_rank)
+    load_shard_baseline = Step(shard_baseline.load_shard_baseline)
+    encode_rank = Step(ranks.encode_rank)
+    stage_shard_baseline = Step(shard_baseline.stage_shard_baseline)
+    commit_ranks = Step(ranks.commit_ranks)  # rank 0: merge the ranks' parts and commit
+    await_commit = Step(ranks.await_commit)  # the other ranks
+    keep_shard_baseline = Step(shard_baseline.keep_shard_baseline)
 
 
-def _rank_part(tasks: Bound, plan: PublishPlan, snap: LocalRef) -> str | None:
+def _rank_part(tasks: RankSteps, plan: PublishPlan, snap: LocalRef) -> str | None:
     """One rank's share: its baseline, encode and upload with its partial manifest, and its next
     baseline staged (kept only once the step is committed)."""
     baseline = tasks.load_shard_baseline(plan, snap)
@@ -49,7 +50,7 @@ def _rank_part(tasks: Bound, plan: PublishPlan, snap: LocalRef) -> str | None:
 def publish_rank(runner: Runner, ref: RootRef, source: ShardedSource, step: int, keyframe: bool,
                  options: PublishOptions, attempt: str | None, timeout: float) -> PublishResult:
     """This rank's part of a sharded publish (every rank calls it; rank 0 commits)."""
-    tasks = RANK_PUBLISH.bind(runner)
+    tasks = RankSteps(runner)
     attempt = ranks.agree_on_attempt(attempt, source.world)  # a collective: every rank, first
     plan, staged = None, None
     with local_refs.holding(source, "shards") as src:
@@ -77,7 +78,7 @@ def publish_rank(runner: Runner, ref: RootRef, source: ShardedSource, step: int,
 def publish_ranks(runner: Runner, ref: RootRef, sources: list[ShardedSource], step: int, keyframe: bool,
                   options: PublishOptions) -> PublishResult:
     """Every rank of a sharded publish from this one process, then the commit."""
-    tasks = RANK_PUBLISH.bind(runner)
+    tasks = RankSteps(runner)
     worlds = {s.world for s in sources}
     order = sorted(s.rank for s in sources)
     if len(worlds) != 1 or order != list(range(next(iter(worlds)))):

@@ -1,10 +1,13 @@
 """``dcr fleet ROOT --engine URL ...``: one policy version across a fleet of vLLM servers, all or nothing.
 
-A member is an OpenAI-compatible vLLM server started with ``--weight-transfer-config
-'{"backend": "dcr"}'`` and ``VLLM_SERVER_DEV_MODE=1`` (``flows.receive.vllm_transfer``), driven
-through vLLM's own weight-transfer routes; a DCR state file (``state:PATH``) or a vLLM ``LLM`` in
-this process (``local:NAME``) answers the same calls (``flows.receive.fleet_members``). A switch
-to step N (default: the newest live step):
+A member is a receiver of any kind named by a URL (``flows.receive.receiver``, its registry): an
+OpenAI-compatible vLLM server started with ``--weight-transfer-config '{"backend": "dcr"}'`` and
+``VLLM_SERVER_DEV_MODE=1`` (``flows.receive.vllm_transfer``), driven through vLLM's own
+weight-transfer routes (``http://HOST:PORT``), a vLLM ``LLM`` in this process (``local:NAME``;
+both ``flows.receive.fleet_members``), or a DCR state file (``state:PATH``,
+``flows.receive.pipeline.StateFile``). The coordinator drives each through the receivers'
+lifecycle (``bind``, ``prepare``, ``pause``, ``apply``, ``record``, ``resume``, ``release``); the
+calls below are what a server member gets. A switch to step N (default: the newest live step):
 
 1. **prepare** (every member, at once; they keep serving): ``/init_weight_transfer_engine`` with
    the ROOT, the member's receiver id and ``prepare: N`` (each worker pulls and verifies N into a
@@ -48,13 +51,16 @@ import logging
 import os
 import re
 import time
-import urllib.parse
-import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from typing import cast
 
+from dcr_core import events
 from dcr_core.errors import DCRError, StepNotFoundError, UsageError
-from flows.receive.fleet_members import HTTP_TIMEOUT, MemberError, http_call, member_call  # noqa: F401 - re-exported
+from flows import local_refs
+from flows.receive import receiver as receivers
+from flows.receive.fleet_members import HTTP_TIMEOUT, MemberError
+from flows.receive.receiver import Binding, Receiver
 from flows.steps import InProcess, Runner, Step, StepTable
 from storage import fleet, layout
 from storage.catalog import Catalog, not_committed
@@ -81,27 +87,21 @@ class MemberRef:
 
 def parse_members(name: str, engines: list[str]) -> list[MemberRef]:
     """``URL`` or ``ID=URL`` per engine -> members with their receiver ids (see the module docstring).
-    A URL is ``http(s)://HOST:PORT``, ``state:PATH`` or ``local:NAME`` (``flows.receive.fleet_members``)."""
+    A URL names a receiver kind by its scheme (``flows.receive.receiver``): ``http(s)://HOST:PORT``,
+    ``state:PATH`` or ``local:NAME``."""
     if not engines:
         raise UsageError("a fleet needs at least one --engine URL")
     out = []
     for spec in engines:
         rid, sep, url = spec.partition("=")
-        if not sep or "://" in rid or rid in ("state", "local") or rid.startswith(("state:", "local:")):
-            rid, url = "", spec
-        if url.startswith("state:") and len(url) > len("state:"):
-            url = "state:" + os.path.abspath(url[len("state:"):])  # the same file from any directory
-            default = f"{name}-state-{os.path.basename(url)}"
-        elif url.startswith("local:") and len(url) > len("local:"):
-            default = f"{name}-{url[len('local:'):]}"
-        else:
-            u = urllib.parse.urlparse(url)
-            if u.scheme not in ("http", "https") or not u.hostname:
-                raise UsageError(f"--engine {spec!r}: expected http://HOST:PORT, state:PATH or local:NAME "
-                                 "(each optionally ID=...)")
-            url = url.rstrip("/")
-            default = f"{name}-{u.hostname}-{u.port or 80}"
-        rid = rid or re.sub(r"[^A-Za-z0-9._-]", "-", default)
+        schemes = receivers.url_schemes()
+        if not sep or "://" in rid or rid.lower() in schemes or receivers.scheme_of(rid) in schemes:
+            rid, url = "", spec  # a URL holding "=" (state:a=b.safetensors, ?x=y), not ID=URL
+        try:
+            url, suffix = receivers.kind_of_url(url).load().canonical(url)
+        except UsageError:
+            raise UsageError(f"--engine {spec!r}: expected {receivers.url_forms()} (each optionally ID=...)") from None
+        rid = rid or re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-{suffix}")
         out.append(MemberRef(url, layout.check_receiver(rid)))
     if len({m.url for m in out}) != len(out) or len({m.receiver for m in out}) != len(out):
         raise UsageError("every --engine must be a different member with a different receiver id")
@@ -135,6 +135,17 @@ def _error(e: BaseException) -> str:
     return str(e) if isinstance(e, MemberError) else f"{type(e).__name__}: {e}"
 
 
+def _status(e: BaseException) -> int | None:
+    """What the member answered: an HTTP status (None: no answer); a member of this process that
+    raised answered, as a server's 500."""
+    return e.status if isinstance(e, MemberError) else 500
+
+
+def _receiver(m: dict) -> Receiver:
+    """The member's receiver, opened by ``run_fleet`` for the switch (a ``LocalRef``)."""
+    return cast(Receiver, local_refs.get(m["ref"]))
+
+
 # -- the steps (Prefect tasks under fleet_refit) --------------------------------------------------
 
 
@@ -157,78 +168,34 @@ def resolve_fleet(root: RootRef, name: str, members: list[dict], step: int | Non
             raise StepNotFoundError(f"{r.url}: step {target} is retracted; a fleet switches only to a live step")
     held = fleet.read(r, name)
     by_receiver = {m.receiver: m.step for m in held.members} if held else {}
-    versions = _each(members, lambda m: member_call(m["url"], "/weight_info", method="GET", timeout=30)["weight_version"])
+    versions = _each(members, lambda m: _receiver(m).version())
     out = []
     for m, version in zip(members, versions):
         prev = by_receiver.get(m["receiver"])
         if prev is None:
             pos = cat.position(m["receiver"])
             prev = pos.get("step") if pos else None
-        out.append({**m, "previous": prev if prev is not None and version == str(prev) else None})
+        out.append({**m, "previous": prev if prev is not None and version == prev else None})
     return {"target": target, "previous": held.version if held else None, "members": out}
 
 
-def prepare_members(root: RootRef, members: list[dict], target: int, timeout: float = HTTP_TIMEOUT) -> list[dict]:
-    """Phase 1 on every member at once (they keep serving); each result says ``ok`` or the error."""
+def prepare_members(root: RootRef, name: str, members: list[dict], target: int) -> list[dict]:
+    """Phase 1 on every member at once (they keep serving): each bound to ROOT under its receiver
+    id, then prepared; each result says ``ok`` or the error."""
     def prepare(m):
-        server = m["url"].startswith(("http://", "https://"))
-        init = {"root": root.url, "receiver_id": m["receiver"], "storage_options": dict(root.storage_options),
-                "prepare": True, "step": target, **({"prepare_id": uuid.uuid4().hex} if server else {})}
-        for attempt in (1, 2):
-            member_call(m["url"], "/init_weight_transfer_engine", {"init_info": init}, timeout=timeout)
-            if server:  # while it pulls, the server serves: wait for its report, not in its engine loop
-                await_prepared(root, m, init["prepare_id"], timeout)
-            try:
-                member_call(m["url"], "/start_weight_update", timeout=timeout)  # returns once staged and verified
-                return True
-            except MemberError as e:
-                if e.status is None or attempt == 2:
-                    raise
-            # vLLM refuses a start while an update is open: a coordinator that died after its prepare
-            # left one. Finishing it without an update drops what it held; then prepare again, once.
-            with contextlib.suppress(MemberError):
-                member_call(m["url"], "/finish_weight_update", {}, timeout=timeout)
+        r = _receiver(m)
+        r.bind(Binding(root, m["receiver"], coordinator=name))
+        r.prepare(target)  # returns once staged and verified
         return True
 
     results = _each(members, prepare)
     return [{**m, "ok": r is True, **({} if r is True else {"error": _error(r)})} for m, r in zip(members, results)]
 
 
-def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.02) -> bool:
-    """Wait until every worker of member ``m`` reported the prepare ``prepare_id`` done
-    (``prepared/<receiver>.json``, one per TP rank as ``<receiver>-rankK``); raise ``MemberError``
-    with what one reported failing. False when no report came within ``timeout`` (a member whose
-    DCR does not report: the start call then waits for the prepare, in its engine loop)."""
-    cat = Catalog(open_root(root))
-    rid = m["receiver"]
-    deadline = time.monotonic() + timeout
-    while True:
-        docs = [d for d in (cat.prepared(rid),) if d and d.get("prepare_id") == prepare_id]
-        if not docs:
-            first = cat.prepared(f"{rid}-rank0")
-            if first and first.get("prepare_id") == prepare_id:
-                ranks = first.get("ranks") if isinstance(first.get("ranks"), int) else 1
-                docs = [first] + [cat.prepared(f"{rid}-rank{k}") for k in range(1, ranks)]
-                docs = [d for d in docs if d and d.get("prepare_id") == prepare_id]
-                if len(docs) < ranks:
-                    docs = [d for d in docs if not d.get("ok")]  # a failure is enough to stop waiting
-        failed = [d for d in docs if not d.get("ok")]
-        if failed:
-            raise MemberError(f"{m['url']}: preparing step {failed[0].get('step')} failed: {failed[0].get('error')}", 500)
-        if docs:
-            return True
-        if time.monotonic() > deadline:
-            log.warning("%s: no prepare report within %.0f s; its start call waits for the prepare", m["url"], timeout)
-            return False
-        time.sleep(poll)
-        poll = min(poll * 1.5, 0.5)
-
-
-def drop_prepared(members: list[dict], timeout: float = HTTP_TIMEOUT) -> list[dict]:
-    """Nobody switches: every member gets ``/finish_weight_update`` with no update (what it staged
-    is dropped; a member whose start failed or timed out here may still have opened one), errors
-    ignored."""
-    _each(members, lambda m: member_call(m["url"], "/finish_weight_update", {}, timeout=timeout))
+def drop_prepared(members: list[dict]) -> list[dict]:
+    """Nobody switches: every member releases what it prepared (what it staged is dropped; a member
+    whose prepare failed or timed out here may still have opened an update), errors ignored."""
+    _each(members, lambda m: _receiver(m).release())
     return members
 
 
@@ -236,62 +203,63 @@ class SwitchFailed(MemberError):
     """A member's pause window failed; ``applied``: its weights had reached the step (the update
     returned) before the failure, so it must be taken back like a member that switched."""
 
-    def __init__(self, error: MemberError, applied: bool):
-        super().__init__(str(error), error.status)
+    def __init__(self, error: BaseException, applied: bool):
+        super().__init__(_error(error), _status(error))
         self.applied = applied
 
 
-def _switch(m: dict, step: int, timeout: float, start: bool) -> dict:
-    """The pause window of one member: pause, update to ``step``, finish with the version, resume.
-    The update session is always closed (finished without an update if the update never ran), and
-    the member always asked to resume; any failure raises ``SwitchFailed`` saying whether the
-    weights had changed."""
-    url = m["url"]
-    if start:
-        member_call(url, "/start_weight_update", timeout=timeout)
+def _switch(m: dict, step: int) -> dict:
+    """The pause window of one member: pause, apply ``step``, record it (a server: finished with the
+    version), resume. What it staged is always released (dropped if the update never ran), and the
+    member always asked to resume; any failure raises ``SwitchFailed`` saying whether the weights
+    had changed."""
+    r = _receiver(m)
     t0 = time.perf_counter()
     applied, error = False, None
     try:
-        member_call(url, "/pause", timeout=timeout)
-        member_call(url, "/update_weights", {"update_info": {"step": step}}, timeout=timeout)
+        r.pause()
+        events.reached("fleet.member-update", member=m["url"], step=step)
+        r.apply(step)
         applied = True
-        member_call(url, "/finish_weight_update", {"weight_version": str(step)}, timeout=timeout)
-    except MemberError as e:
+        r.record()
+    except Exception as e:  # noqa: BLE001 - every member's failure is reported (SwitchFailed)
         error = e
-        if not applied:  # a session still open (a failed pause) is closed; after a failed update vLLM closed it
-            with contextlib.suppress(MemberError):
-                member_call(url, "/finish_weight_update", {}, timeout=timeout)
+        if not applied:  # an update still open (a failed pause) is closed; after a failed update vLLM closed it
+            with contextlib.suppress(Exception):
+                r.release()
     try:
-        member_call(url, "/resume", timeout=timeout)
-    except MemberError as e:  # a member left paused is a failure too (the first error is the one reported)
+        r.resume()
+    except Exception as e:  # noqa: BLE001 - a member left paused is a failure too (the first error is the one reported)
         error = error or e
+    with contextlib.suppress(Exception):  # leases and locks of a member refitted here
+        r.release()
     if error is not None:
         raise SwitchFailed(error, applied)
     return {"pause_seconds": time.perf_counter() - t0}
 
 
-def apply_members(members: list[dict], target: int, timeout: float = HTTP_TIMEOUT) -> list[dict]:
+def apply_members(members: list[dict], target: int) -> list[dict]:
     """Phase 2 on every member at once; each result says ``ok`` (with its pause) or the error. A
-    member already serving ``target`` is not paused: its open update is finished without one."""
+    member already serving ``target`` is not paused: what it prepared is released."""
     def apply(m):
         if m["previous"] == target:
-            member_call(m["url"], "/finish_weight_update", {}, timeout=timeout)
+            _receiver(m).release()
             return {"pause_seconds": 0.0}
-        return _switch(m, target, timeout, start=False)
+        return _switch(m, target)
 
     results = _each(members, apply)
     return [{**m, "ok": isinstance(r, dict), **(r if isinstance(r, dict) else {
-        "error": _error(r), "answered": getattr(r, "status", None) is not None,
+        "error": _error(r), "answered": _status(r) is not None,
         "applied": getattr(r, "applied", False)})} for m, r in zip(members, results)]
 
 
-def take_back_members(members: list[dict], timeout: float = HTTP_TIMEOUT) -> list[dict]:
+def take_back_members(members: list[dict]) -> list[dict]:
     """Members that applied go back to their previous step (the inverse delta, exact), at once;
     a member with no previous step cannot be taken back (its result says so)."""
     def back(m):
         if m.get("previous") is None:
             raise UsageError(f"{m['url']}: its previous step is unknown (DCR never refitted it); it stays at the new step")
-        return _switch(m, m["previous"], timeout, start=True)
+        return _switch(m, m["previous"])
 
     results = _each(members, back)
     return [{**m, "back": isinstance(r, dict), **({} if isinstance(r, dict) else {"back_error": _error(r)})}
@@ -312,14 +280,15 @@ def record_fleet(root: RootRef, name: str, target: int, previous: int | None, ou
     return rec.model_dump()
 
 
-FLEET_STEPS = StepTable(
-    Step("resolve-fleet", resolve_fleet),
-    Step("prepare-members", prepare_members),
-    Step("drop-prepared", drop_prepared),
-    Step("apply-members", apply_members),
-    Step("take-back-members", take_back_members),
-    Step("record-fleet", record_fleet),
-)
+class FleetSteps(StepTable):
+    """A fleet switch's steps, in order."""
+
+    resolve_fleet = Step(resolve_fleet)
+    prepare_members = Step(prepare_members)
+    drop_prepared = Step(drop_prepared)  # one failed to prepare: nobody switches
+    apply_members = Step(apply_members)
+    take_back_members = Step(take_back_members)  # one failed to apply
+    record_fleet = Step(record_fleet)
 
 
 def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = None, name: str = "default",
@@ -330,26 +299,37 @@ def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = No
     the record) unless every member serves the target step."""
     layout.fleet_key(name)
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
-    members = [asdict(m) for m in parse_members(name, list(engines))]
-    tasks = FLEET_STEPS.bind(runner or InProcess())
+    parsed = parse_members(name, list(engines))
+    tasks = FleetSteps(runner or InProcess())
+    with contextlib.ExitStack() as held:  # each member's receiver, for the steps of this switch
+        members = [{"url": m.url, "receiver": m.receiver,
+                    "ref": held.enter_context(local_refs.holding(receivers.member(m.url, timeout=timeout), "member"))}
+                   for m in parsed]
+        try:
+            return _switch_fleet(tasks, ref, name, members, step)
+        finally:  # whatever a failure left prepared or locked (nothing, when the switch ran its course)
+            _each(members, lambda m: _receiver(m).release())
+
+
+def _switch_fleet(tasks: FleetSteps, ref: RootRef, name: str, members: list[dict], step: int | None) -> FleetResult:
     t0 = time.perf_counter()
     plan = tasks.resolve_fleet(ref, name, members, step)
     target, previous, members = plan["target"], plan["previous"], plan["members"]
-    prepared = tasks.prepare_members(ref, members, target, timeout)
+    prepared = tasks.prepare_members(ref, name, members, target)
     failed = [m for m in prepared if not m["ok"]]
     if failed:
-        tasks.drop_prepared(prepared, timeout)
+        tasks.drop_prepared(prepared)
         done = [{**m, "step": m["previous"], "outcome": "not-switched" if m["ok"] else "failed"} for m in prepared]
         return _finish(tasks, ref, name, target, previous, "aborted", done, t0,
                        f"nobody switched: {failed[0]['url']} could not prepare step {target} ({failed[0]['error']})")
-    applied = tasks.apply_members(members, target, timeout)
+    applied = tasks.apply_members(members, target)
     failed = [m for m in applied if not m["ok"]]
     if not failed:
         done = [{**m, "step": target, "outcome": "unchanged" if m["previous"] == target else "switched"} for m in applied]
         return _finish(tasks, ref, name, target, previous, "unchanged" if previous == target and all(
             d["outcome"] == "unchanged" for d in done) else "switched", done, t0, None)
     switched = [m for m in applied if (m["ok"] or m.get("applied")) and m["previous"] != target]
-    back = tasks.take_back_members(switched, timeout)
+    back = tasks.take_back_members(switched)
     back_by = {m["receiver"]: m for m in back}
     done = []
     for m in applied:
@@ -371,7 +351,7 @@ def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = No
                           else "; every member was taken back to its previous step"))
 
 
-def _finish(tasks, ref: RootRef, name: str, target: int, previous: int | None, outcome: str, members: list[dict],
+def _finish(tasks: FleetSteps, ref: RootRef, name: str, target: int, previous: int | None, outcome: str, members: list[dict],
             t0: float, error: str | None) -> FleetResult:
     rec = tasks.record_fleet(ref, name, target, previous, outcome, members)
     result = FleetResult(name, outcome, rec["version"], target, previous, rec["members"], time.perf_counter() - t0)

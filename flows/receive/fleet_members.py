@@ -1,24 +1,24 @@
-"""How ``dcr fleet`` reaches its members: vLLM's weight-transfer calls, over HTTP or in this process.
+"""Fleet members reached through vLLM's weight-transfer API: a server over HTTP, an ``LLM`` in this process.
 
-Every member answers the same calls, named by the routes of a vLLM server in dev mode
-(``vllm.entrypoints.rl.online.api_router``): ``/weight_info``, ``/init_weight_transfer_engine``,
-``/start_weight_update``, ``/update_weights``, ``/finish_weight_update``, ``/pause`` and
-``/resume``. A member is named by a URL:
+vLLM 0.32's weight-transfer API (with the ``dcr`` backend, ``flows.receive.vllm_transfer``, on the
+member's side) is ``init_weight_transfer_engine`` (with ``prepare``: the member pulls and verifies
+the step into a staged mirror while it serves), ``start_weight_update`` (waits for that prepare,
+raises what it failed with), ``update_weights`` (the pause window), ``finish_weight_update`` (with a
+version: done, and the member records its commit in the background; without one after a start:
+what was staged is dropped), around vLLM's ``pause`` and ``resume``, and the weight version. The
+two receiver kinds here speak it and nothing else:
 
-- ``http://HOST:PORT``: an OpenAI-compatible vLLM server with the ``dcr`` backend (``http_call``);
-- ``state:PATH``: a DCR state file (what ``dcr receive --state PATH`` keeps), refitted by the
-  coordinator's process (``StateFileMember``): init with ``prepare`` pulls and verifies the step
-  into a new file beside it (the file untouched, its lock held), update installs it (one atomic
-  rename), finish records the receiver's commit; a start with no update drops what was staged. Its
-  weight version is the step its header says. Nothing to pause: a reader of the file sees one
-  whole step or the next (the rename is atomic), never a mix;
-- ``local:NAME``: a vLLM ``LLM`` in this process, started with ``weight_transfer_config={"backend":
-  "dcr"}`` and registered by ``register_fleet_engine(NAME, llm)``: the calls go to the LLM's own
-  weight-transfer methods (``LocalEngineMember``); resume resets its prefix cache. Python only
-  (``flows.run_fleet``): a command line has no ``LLM`` to register.
+- ``HttpServer`` (``http://HOST:PORT``, ``https://...``): an OpenAI-compatible vLLM server in dev
+  mode (``VLLM_SERVER_DEV_MODE=1``), its routes (``vllm.entrypoints.rl.online.api_router``):
+  ``/weight_info``, ``/init_weight_transfer_engine``, ``/start_weight_update``, ``/update_weights``,
+  ``/finish_weight_update``, ``/pause``, ``/resume``;
+- ``LocalEngine`` (``local:NAME``): a vLLM ``LLM`` in this process, started with
+  ``weight_transfer_config={"backend": "dcr"}`` and registered by ``register_fleet_engine(NAME,
+  llm)``: the calls go to the LLM's own weight-transfer methods; resume resets its prefix cache.
+  Python only (``flows.run_fleet``): a command line has no ``LLM`` to register.
 
 A failed call raises ``MemberError`` naming the member and the call; ``status`` is what the member
-answered (None: no answer), as for HTTP: an in-process member that raised answered 500.
+answered (None: no answer).
 """
 
 from __future__ import annotations
@@ -26,27 +26,24 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import uuid
+from abc import abstractmethod
 from typing import Any
 
-from dcr_core import events
 from dcr_core.errors import UsageError
-from flows.options import ReceiveOptions
-from flows.receive import state_file
-from flows.receive.pipeline import Leases
-from storage import layout, reader
-from storage.local import journal, state
-from storage.reader import RefitPlan
-from storage.root import RootRef
+from flows.receive.receiver import Receiver
+from storage import layout
+from storage.catalog import Catalog
+from storage.root import RootRef, open_root
 
 log = logging.getLogger("dcr.fleet")
 HTTP_TIMEOUT = 600.0
-SCHEMES = ("http://", "https://", "state:", "local:")
+VERSION_TIMEOUT = 30.0  # asking a member its version: it answers at once, or is not serving
 
 
 class MemberError(ConnectionError):
@@ -74,24 +71,176 @@ def http_call(url: str, route: str, body: dict | None = None, method: str = "POS
     return json.loads(raw) if raw else {}
 
 
-def member_call(url: str, route: str, body: dict | None = None, method: str = "POST",
-                timeout: float = HTTP_TIMEOUT) -> dict:
-    """One weight-transfer call to the member ``url`` (any kind; see the module docstring)."""
-    if url.startswith(("http://", "https://")):
-        return http_call(url, route, body, method, timeout)
-    member = _member(url)
-    try:
-        return member.handle(route, body or {}) or {}
-    except MemberError:
-        raise
-    except Exception as e:  # noqa: BLE001 - the member answered with an error, as a server's 500 would
-        raise MemberError(f"{url}{route}: {type(e).__name__}: {e}", 500) from None
+def _step(version: Any) -> int | None:
+    """A weight version as a step (None: not one DCR set, such as vLLM's default)."""
+    return int(version) if isinstance(version, str) and version.isdigit() else None
 
 
-# -- in-process members ---------------------------------------------------------------------------
+class _WeightTransfer(Receiver):
+    """The lifecycle over vLLM's weight-transfer calls, which each kind makes its own way (the
+    methods ``_init`` to ``_resume``). An update session is opened by the prepare's start (or, to
+    take a member back, by the apply itself) and closed by ``record`` (finished with the version)
+    or ``release`` (without one)."""
 
-_members: dict[str, Any] = {}
-_members_lock = threading.Lock()
+    def __init__(self, url: str):
+        super().__init__(url)
+        self.url = url
+        self._open = False  # an update session is open (started, not finished)
+        self._applied: int | None = None
+
+    # -- the calls -------------------------------------------------------------------------------
+
+    @abstractmethod
+    def _weight_version(self) -> Any: ...
+
+    @abstractmethod
+    def _init(self, init_info: dict) -> None: ...
+
+    @abstractmethod
+    def _start(self) -> None: ...
+
+    @abstractmethod
+    def _update(self, step: int | None) -> None: ...
+
+    @abstractmethod
+    def _finish(self, version: str | None) -> None: ...
+
+    def _init_info(self, step: int | None) -> dict:
+        b = self.binding
+        return {"root": b.root.url, "receiver_id": b.receiver_id, "storage_options": dict(b.root.storage_options),
+                "prepare": True, "step": step}
+
+    def _prepared(self, init_info: dict) -> None:
+        """Between the init and the start: a server's prepare report awaited."""
+        return None
+
+    # -- the lifecycle ---------------------------------------------------------------------------
+
+    def version(self) -> int | None:
+        return _step(self._weight_version())
+
+    def stage(self, step: int | None) -> None:
+        init = self._init_info(step)
+        for attempt in (1, 2):
+            self._init(init)
+            self._prepared(init)
+            try:
+                self._start()  # returns once staged and verified
+                self._open = True
+                return
+            except MemberError as e:
+                if e.status is None or attempt == 2:
+                    raise
+            # vLLM refuses a start while an update is open: a coordinator that died after its prepare
+            # left one. Finishing it without an update drops what it held; then prepare again, once.
+            with contextlib.suppress(MemberError):
+                self._finish(None)
+
+    def install(self, step: int | None) -> None:
+        if not self._open:  # taken back (nothing prepared): the update pulls the step in the pause
+            self._start()
+            self._open = True
+        self._update(step)
+        self._applied = step
+
+    def record(self) -> None:
+        self._open = False  # finished with the version: the member records its commit itself
+        self._finish(str(self._applied))
+
+    def release(self) -> None:
+        if self._open:  # started, never updated: what it staged is dropped
+            self._open = False
+            self._finish(None)
+
+
+class HttpServer(_WeightTransfer):
+    """An OpenAI-compatible vLLM server with the ``dcr`` weight-transfer backend, over HTTP (see the
+    module docstring). Its prepare runs in the server while it serves: the coordinator waits for
+    the server's report in ROOT (``await_prepared``) before the start call, which would otherwise
+    wait in the server's engine loop, where it generates nothing."""
+
+    def __init__(self, url: str, timeout: float = HTTP_TIMEOUT):
+        super().__init__(url)
+        self.timeout = timeout
+
+    @classmethod
+    def from_url(cls, url: str, timeout: float = HTTP_TIMEOUT, **how) -> HttpServer:
+        return cls(url, timeout)
+
+    @classmethod
+    def canonical(cls, url: str) -> tuple[str, str]:
+        u = urllib.parse.urlparse(url)
+        if u.scheme not in ("http", "https") or not u.hostname:
+            raise UsageError(f"{url!r}: a server member is http://HOST:PORT")
+        return url.rstrip("/"), f"{u.hostname}-{u.port or 80}"
+
+    def _post(self, route: str, body: dict | None = None) -> dict:
+        return http_call(self.url, route, body, timeout=self.timeout)
+
+    def _weight_version(self) -> Any:
+        return http_call(self.url, "/weight_info", method="GET", timeout=VERSION_TIMEOUT).get("weight_version")
+
+    def _init(self, init_info: dict) -> None:
+        self._post("/init_weight_transfer_engine", {"init_info": init_info})
+
+    def _init_info(self, step: int | None) -> dict:
+        return {**super()._init_info(step), "prepare_id": uuid.uuid4().hex}
+
+    def _prepared(self, init_info: dict) -> None:
+        await_prepared(self.binding.root, {"url": self.url, "receiver": init_info["receiver_id"]},
+                       init_info["prepare_id"], self.timeout)
+
+    def _start(self) -> None:
+        self._post("/start_weight_update")
+
+    def _update(self, step: int | None) -> None:
+        self._post("/update_weights", {"update_info": {"step": step}})
+
+    def _finish(self, version: str | None) -> None:
+        self._post("/finish_weight_update", {} if version is None else {"weight_version": version})
+
+    def pause(self) -> None:
+        self._post("/pause")
+
+    def resume(self) -> None:
+        self._post("/resume")
+
+
+def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.02) -> bool:
+    """Wait until every worker of member ``m`` (``url``, ``receiver``) reported the prepare
+    ``prepare_id`` done (``prepared/<receiver>.json``, one per TP rank as ``<receiver>-rankK``);
+    raise ``MemberError`` with what one reported failing. False when no report came within
+    ``timeout`` (a member whose DCR does not report: the start call then waits for the prepare, in
+    its engine loop)."""
+    cat = Catalog(open_root(root))
+    rid = m["receiver"]
+    deadline = time.monotonic() + timeout
+    while True:
+        docs = [d for d in (cat.prepared(rid),) if d and d.get("prepare_id") == prepare_id]
+        if not docs:
+            first = cat.prepared(f"{rid}-rank0")
+            if first and first.get("prepare_id") == prepare_id:
+                ranks = first.get("ranks") if isinstance(first.get("ranks"), int) else 1
+                docs = [first] + [cat.prepared(f"{rid}-rank{k}") for k in range(1, ranks)]
+                docs = [d for d in docs if d and d.get("prepare_id") == prepare_id]
+                if len(docs) < ranks:
+                    docs = [d for d in docs if not d.get("ok")]  # a failure is enough to stop waiting
+        failed = [d for d in docs if not d.get("ok")]
+        if failed:
+            raise MemberError(f"{m['url']}: preparing step {failed[0].get('step')} failed: {failed[0].get('error')}", 500)
+        if docs:
+            return True
+        if time.monotonic() > deadline:
+            log.warning("%s: no prepare report within %.0f s; its start call waits for the prepare", m["url"], timeout)
+            return False
+        time.sleep(poll)
+        poll = min(poll * 1.5, 0.5)
+
+
+# -- an LLM in this process ---------------------------------------------------------------------------
+
+_engines: dict[str, Any] = {}
+_engines_lock = threading.Lock()
 
 
 def register_fleet_engine(name: str, llm) -> str:
@@ -99,168 +248,50 @@ def register_fleet_engine(name: str, llm) -> str:
     a fleet member named ``local:NAME``; returns that URL."""
     layout.check_receiver(name)
     url = f"local:{name}"
-    with _members_lock:
-        _members[url] = LocalEngineMember(llm)
+    with _engines_lock:
+        _engines[url] = llm
     return url
 
 
-def _member(url: str):
-    with _members_lock:
-        if url in _members:
-            return _members[url]
-        if url.startswith("local:"):
-            raise MemberError(f"{url}: no in-process engine registered under that name (flows.register_fleet_engine)")
-        if not url.startswith("state:") or len(url) == len("state:"):
-            raise MemberError(f"{url}: not a member URL (expected one of {', '.join(SCHEMES)})")
-        member = _members[url] = StateFileMember(url[len("state:"):])
-        return member
+class LocalEngine(_WeightTransfer):
+    """A vLLM ``LLM`` of this process registered as ``local:NAME`` (see the module docstring): the
+    calls are its own methods; one that raises answered as a server's 500 would."""
 
+    @classmethod
+    def from_url(cls, url: str, **how) -> LocalEngine:
+        return cls(url)
 
-class LocalEngineMember:
-    """A vLLM ``LLM`` in this process, through its own weight-transfer methods."""
+    @classmethod
+    def canonical(cls, url: str) -> tuple[str, str]:
+        name = url[len("local:"):]
+        if not name:
+            raise UsageError(f"{url!r}: an in-process engine member is local:NAME")
+        return url, name
 
-    def __init__(self, llm):
-        self.llm = llm
-
-    def handle(self, route: str, body: dict) -> dict | None:
-        llm = self.llm
-        if route == "/weight_info":
-            return {"weight_version": llm.get_weight_version()}
-        if route == "/init_weight_transfer_engine":
-            return llm.init_weight_transfer_engine(body)
-        if route == "/start_weight_update":
-            return llm.start_weight_update()
-        if route == "/update_weights":
-            return llm.update_weights(body)
-        if route == "/finish_weight_update":
-            return llm.finish_weight_update(body.get("weight_version"))
-        if route == "/pause":  # the caller drives the LLM: nothing generates while it switches it
-            return None
-        if route == "/resume":
-            llm.reset_prefix_cache()  # KV blocks computed with the old weights (a server's /pause clears them)
-            return None
-        raise MemberError(f"local engine{route}: not a weight-transfer call", 404)
-
-
-@dataclass
-class _Staging:
-    ref: RootRef
-    receiver_id: str
-    plan: RefitPlan
-    staged: state_file.Staged | None
-    leases: Leases
-    lock: contextlib.ExitStack = field(repr=False)
-
-
-class StateFileMember:
-    """A DCR state file as a fleet member (see the module docstring)."""
-
-    def __init__(self, path: str):
-        self.path = state_file.check_path(os.path.abspath(path))
-        self._bound: dict | None = None
-        self._staging: _Staging | None = None
-        self._updated = False
-        self._lock = threading.Lock()
-
-    def handle(self, route: str, body: dict) -> dict | None:
-        calls: dict[str, Callable[[dict], dict | None]] = {
-            "/weight_info": self._weight_info, "/init_weight_transfer_engine": self._init,
-            "/start_weight_update": self._start, "/update_weights": self._update,
-            "/finish_weight_update": self._finish, "/pause": lambda body: None, "/resume": lambda body: None}
-        if route not in calls:
-            raise MemberError(f"state:{self.path}{route}: not a weight-transfer call", 404)
-        with self._lock:
-            return calls[route](body)
-
-    def _weight_info(self, body: dict) -> dict:
-        step = state.peek_step(self.path) if os.path.exists(self.path) else None
-        return {"weight_version": None if step is None else str(step)}
-
-    def _init(self, body: dict) -> None:
-        info = dict(body.get("init_info") or {})
-        if not isinstance(info.get("root"), str) or not info["root"]:
-            raise UsageError(f"init_info: root must be a ROOT URL, got {info.get('root')!r}")
-        layout.check_receiver(info.get("receiver_id", ""))
-        self._drop()
-        self._bound = info
-        if info.get("prepare"):
-            self._staging = self._stage(info.get("step"))
-
-    def _start(self, body: dict) -> None:
-        if self._bound is None:
-            raise UsageError(f"state:{self.path}: no ROOT bound: init_weight_transfer_engine first")
-        self._updated = False
-
-    def _update(self, body: dict) -> None:
-        step = (body.get("update_info") or {}).get("step")
-        if step is not None:
-            layout.check_step(step)
-        s = self._staging
-        if s is None or (step is not None and s.plan.target_step != step):
-            self._drop()
-            s = self._staging = self._stage(step)
-        events.reached("fleet.member-update", member=self.path, step=s.plan.target_step)
-        if s.staged is not None:
-            state_file.install_state(s.staged)
-        self._updated = True
-        self._staging = None
-        target = reader.manifests(s.plan)[s.plan.target_step]
-        record = {"from_step": s.plan.current_step, "moves": s.plan.describe(),
-                  "bytes_pulled": s.staged.bytes_pulled if s.staged else 0, "policy_digest": target.policy_digest,
-                  "mode": "fleet"}
+    def _llm(self, call: str, *args: Any) -> Any:
+        with _engines_lock:
+            llm = _engines.get(self.url)
+        if llm is None:
+            raise MemberError(f"{self.url}: no in-process engine registered under that name (flows.register_fleet_engine)")
         try:
-            state_file.record_receiver_commit(s.ref, s.receiver_id, s.plan.target_step, record)
-        except Exception as e:  # noqa: BLE001 - the file holds the step; its position is recorded by the next refit
-            log.warning("receiver %s: recording its commit of step %s failed (%s: %s)", s.receiver_id,
-                        s.plan.target_step, type(e).__name__, e)
-        finally:
-            self._release(s, unlink=False)
+            return getattr(llm, call)(*args)
+        except Exception as e:  # noqa: BLE001 - the member answered with an error, as a server's 500 would
+            raise MemberError(f"{self.url}: {call}: {type(e).__name__}: {e}", 500) from None
 
-    def _finish(self, body: dict) -> None:
-        if not self._updated:
-            self._drop()  # started, never updated: what was staged is dropped
-        self._updated = False
+    def _weight_version(self) -> Any:
+        return self._llm("get_weight_version")
 
-    def _stage(self, step: int | None) -> _Staging:
-        """Pull and verify ``step`` into a new file beside the state file (which is not touched)."""
-        b = self._bound
-        if b is None:
-            raise UsageError(f"state:{self.path}: no ROOT bound: init_weight_transfer_engine first")
-        ref = RootRef(b["root"], dict(b.get("storage_options") or {}))
-        rid = b.get("receiver_id", "")
-        opts = ReceiveOptions(**{**(b.get("options") or {}), "in_place": False})  # the old file is the undo
-        lock = contextlib.ExitStack()
-        lock.enter_context(state.exclusive(self.path))
-        leases = Leases(ref, rid, opts.lease_seconds)  # released after the update (or a drop)
-        try:
-            journal.settle(self.path)
+    def _init(self, init_info: dict) -> None:
+        self._llm("init_weight_transfer_engine", {"init_info": init_info})
 
-            def stage(p: RefitPlan):
-                if not p.moves:
-                    return None
-                leases.take(p)
-                return state_file.stage_refit(p, self.path, opts)
+    def _start(self) -> None:
+        self._llm("start_weight_update")
 
-            plan, staged = leases.replanned(lambda: state_file.plan_receive(ref, self.path, step), stage, self.path)
-            if staged is None:  # already there: the file must hold the step it claims
-                state_file.verify_held_state(plan, self.path)
-            return _Staging(ref, rid, plan, staged, leases, lock)
-        except BaseException:
-            leases.release()
-            lock.close()
-            raise
+    def _update(self, step: int | None) -> None:
+        self._llm("update_weights", {"update_info": {"step": step}})
 
-    def _drop(self) -> None:
-        s, self._staging = self._staging, None
-        if s is not None:
-            self._release(s, unlink=True)
+    def _finish(self, version: str | None) -> None:
+        self._llm("finish_weight_update", version)
 
-    @staticmethod
-    def _release(s: _Staging, unlink: bool) -> None:
-        try:
-            if unlink and s.staged is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(s.staged.path)
-            s.leases.release()
-        finally:
-            s.lock.close()
+    def resume(self) -> None:
+        self._llm("reset_prefix_cache")  # KV blocks computed with the old weights (a server's /pause clears them)

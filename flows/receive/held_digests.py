@@ -1,14 +1,14 @@
 """Whether a live target still holds the bits DCR left in it: one digest per module of everything
 the module holds, read whole, and the check both live receivers make with them (a torch module,
-``flows.receive.module_pipeline``; a vLLM engine, ``flows.receive.vllm_worker``).
+``flows.receive.module_pipeline``; an engine's worker, ``flows.receive.engine``).
 
 Memory has no change time. An in-place torch op bumps a tensor's version counter, but a write
 through ``.data`` (what vLLM-style loaders do), a numpy view of the storage, a copy by another
 device, stream or process, or a rebuild of a repacked kernel does not; only the bytes say what the
 target holds. So the digests read them all: per module (by qualified name), BLAKE3 over the name,
-dtype, shape and raw bytes of every tensor it holds itself (``vllm_state.module_tensors``:
+dtype, shape and raw bytes of every tensor it holds itself (``live_tensors.module_tensors``:
 parameters, buffers, tensors kept as attributes or captured by closures) and, for a module that
-computes through vLLM's CPU kernel, that kernel's output for a fixed row (``vllm_state.kernel_probe``).
+computes through vLLM's CPU kernel, that kernel's output for a fixed row (``live_tensors.kernel_probe``).
 
 The check, the same for both receivers (a delta is never applied onto bits DCR did not leave):
 
@@ -37,7 +37,7 @@ from collections.abc import Iterable
 import blake3
 import torch
 
-from flows.receive.vllm_state import has_kernel, kernel_probe, module_tensors, raw_bytes
+from flows.receive.live_tensors import has_kernel, kernel_probe, module_tensors, raw_bytes
 
 HOST_CHUNK_BYTES = 64 << 20
 

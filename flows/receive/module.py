@@ -39,6 +39,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from dataclasses import dataclass
 
 import blake3
 import numpy as np
@@ -131,21 +132,38 @@ def _write_mirror(path: str, step: int, manifest, tensors: dict[str, np.ndarray]
         raise
 
 
-def load_dense(plan: RefitPlan, module: LocalRef, mirror: str, options: ReceiveOptions) -> dict:
-    """Load step N through the loader, tensor by tensor, and keep the overwrite-path tensors."""
-    target = local_refs.get(module)
+@dataclass(frozen=True)
+class DenseStaged:
+    """Step N materialized beside the mirror for a dense load (``path``), by ``plan`` (from its
+    nearest keyframe), and what fetching it cost."""
+
+    plan: RefitPlan
+    path: str
+    bytes_pulled: int
+    fetch_seconds: float
+
+
+def stage_dense(plan: RefitPlan, mirror: str, options: ReceiveOptions) -> DenseStaged:
+    """Materialize step N beside the mirror for a dense load (streamed; the module is not touched)."""
     root = open_root(plan.root)
     if not plan.from_keyframe or plan.current_step is not None:
         plan = reader.plan_refit(root, None, plan.target_step)
-    manifest = reader.manifests(plan, root)[plan.target_step]
-    table = _probe_table(target, manifest)
     tmp = f"{mirror}.dense-{os.getpid()}.safetensors"
     t_fetch = time.perf_counter()
     staged = stage_rewrite(plan, tmp, options)
     install(staged.path, tmp, durable=False)
-    fetch_s = time.perf_counter() - t_fetch
+    return DenseStaged(plan, tmp, staged.bytes_pulled, time.perf_counter() - t_fetch)
+
+
+def load_dense(module: LocalRef, staged: DenseStaged, mirror: str) -> dict:
+    """Load the staged step through the loader, tensor by tensor, and keep the overwrite-path
+    tensors; the staged file is removed."""
+    target = local_refs.get(module)
+    plan = staged.plan
+    manifest = reader.manifests(plan)[plan.target_step]
+    table = _probe_table(target, manifest)
     try:
-        with SafetensorsCheckpoint(tmp) as ck:  # the held tensors by name (a bundle's members)
+        with SafetensorsCheckpoint(staged.path) as ck:  # the held tensors by name (a bundle's members)
             t0 = time.perf_counter()
             for name in sorted(ck.infos):
                 target.load_weights([(name, _tensor(ck.bits(name), ck.infos[name]))])
@@ -154,8 +172,8 @@ def load_dense(plan: RefitPlan, module: LocalRef, mirror: str, options: ReceiveO
             loaded = len(ck.infos)
         _write_mirror(mirror, plan.target_step, manifest, keep)
     finally:
-        os.unlink(tmp)
-    return {"mode": "dense", "bytes_pulled": staged.bytes_pulled, "fetch_seconds": fetch_s,
+        os.unlink(staged.path)
+    return {"mode": "dense", "bytes_pulled": staged.bytes_pulled, "fetch_seconds": staged.fetch_seconds,
             "pause_seconds": pause, "tensors_loaded": loaded}
 
 

@@ -26,17 +26,13 @@ from dataclasses import dataclass, field
 
 from dcr_core import events
 from dcr_core.batches import batches_for
-from dcr_core.errors import IntegrityError, UsageError
-from flows.options import ReceiveOptions
+from dcr_core.errors import UsageError
 from flows.receive import exact as exact_files
-from flows.receive.state_file import Staged
-from flows.steps import Bound
 from storage import reader
-from storage.local import bundled, dir_swap, state
+from storage.local import bundled, state
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, write_placed
 from storage.reader import RefitPlan
 from storage.root import open_root
-from storage.source_layout import DIRECTORY
 
 
 @dataclass(frozen=True)
@@ -134,32 +130,3 @@ def groups_of(plan: RefitPlan, slots: int, group_bytes: int | None = None) -> li
     names = sorted(target.tensors)
     runs = batches_for(((n, target.tensors[n].nbytes) for n in names), slots, group_bytes)
     return [Group(i, len(runs), tuple(r)) for i, r in enumerate(runs)]
-
-
-def stage_on_workers(tasks: Bound, plan: RefitPlan, state_path: str, options: ReceiveOptions,
-                     root_url: str | None = None, exact: str | None = None) -> Staged:
-    """Stage the refit as a new file written by ``rewrite-group`` tasks on the runner's workers
-    (``exact``: the published files of a materialization); a ``state_file.Staged`` for
-    ``install_state``. The temp files are removed on any failure."""
-    reserved = tasks.reserve_file(plan, state_path, root_url, exact)
-    try:
-        parts = tasks.map("rewrite_group", [{"group": g} for g in groups_of(plan, tasks.slots, options.group_bytes)],
-                          plan=plan, reserved=reserved, io_workers=options.io_workers)
-        target = reader.manifests(plan)[plan.target_step]
-        expected = sum(e.nbytes for e in target.tensors.values())
-        if sum(p["bytes_written"] for p in parts) != expected:  # every tensor written, once: no hole of zeros
-            raise IntegrityError(f"{state_path}: the groups wrote {sum(p['bytes_written'] for p in parts)} of "
-                                 f"{expected} bytes; nothing installed")
-    except BaseException:
-        for tmp in reserved.temp_files:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-        if exact == DIRECTORY:
-            dir_swap.discard(state_path)  # the new directory they were in
-        raise
-    events.reached("receive.staged", path=reserved.tmp)
-    pulled = sum(p["bytes_pulled"] for p in parts)
-    if exact is not None:
-        return Staged(state_path, reserved.tmp, False, pulled, exact=exact, moves=reserved.moves,
-                      about=exact_files.about(plan))
-    return Staged(state_path, reserved.tmp, False, pulled)

@@ -20,6 +20,7 @@ from dcr_core.errors import StateMismatchError, StepVanishedError
 from flows.options import ReceiveOptions
 from flows.receive import exact as exact_files
 from flows.receive import in_place
+from flows.receive.records import ReceiverCommit
 from storage import layout, leases, reader
 from storage.catalog import Catalog, unpublished, utc_now
 from storage.local import bundled, journal, materialized, sidecar, state
@@ -241,14 +242,15 @@ def verify_held_state(plan: RefitPlan, state_path: str) -> None:
         events.reached("receive.blocks-hashed", blocks=sum(x.shape[0] for x in leaves.values()), trusted=False)
 
 
-def record_receiver_commit(root: RootRef, receiver_id: str, step: int, record: dict) -> bool:
-    """Record the receiver's commit of ``step`` and its position; True if written. A refit that
-    moved nothing writes nothing when the receiver's position already says this step (a scheduled
-    receiver polling an idle ROOT costs one GET, not a PUT, and keeps what its last refit did)."""
+def record_receiver_commit(root: RootRef, receiver_id: str, step: int, record: ReceiverCommit) -> bool:
+    """Record the receiver's commit of ``step`` (any receiver kind's: ``records.ReceiverCommit``)
+    and its position; True if written. A refit that moved nothing writes nothing when the
+    receiver's position already says this step (a scheduled receiver polling an idle ROOT costs
+    one GET, not a PUT, and keeps what its last refit did)."""
     cat = Catalog(open_root(root))
     written = False
-    if record.get("moves") or not _already_recorded(_position(cat, receiver_id), step, record.get("policy_digest")):
-        cat.record_receiver(step, receiver_id, {"committed_at": utc_now(), **record})
+    if record.moves or not _already_recorded(_position(cat, receiver_id), step, record.policy_digest):
+        cat.record_receiver(step, receiver_id, {"committed_at": utc_now(), **record.document()})
         written = True
     events.reached("receive.recorded", step=step, receiver=receiver_id)
     return written

@@ -24,14 +24,20 @@ unfinished layer's own kernel tensors back (their contents are only written afte
 succeeds) before vLLM's ``finalize_layerwise_reload`` closes the reload, so the rollback's reload
 starts from the engine's real tensors.
 
+``reload`` and ``abandon`` wrap vLLM's reload with these fixes: what both of DCR's vLLM adapters
+(``vllm_worker.VllmWorker``, ``vllm_transfer.VllmEngineModel``) give the engine-independent code as
+their ``EngineModel.reload`` and ``abandon_reload``.
+
 A vLLM upgrade may fix or change any of these; the exactness tests say which.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from flows.receive.vllm_layers import tied_followers
+from flows.receive.layer_probe import tied_followers
 
 
 def _layers(model: torch.nn.Module, layers: set[str] | None):
@@ -74,3 +80,24 @@ def abandon_reload(model: torch.nn.Module, model_config) -> None:
         layerwise._place_kernel_tensors(layer, info)
         info.reset()
     layerwise.finalize_layerwise_reload(model, model_config)
+
+
+def reload(model: torch.nn.Module, vllm_config, layers: set[str] | None, reload_weights: Callable[[], None]) -> None:
+    """vLLM's in-place reload (``reload_weights()``) of ``layers`` (None: all), with fixes 1 and 2."""
+    before_reload(model, layers)
+    reload_weights()
+    with current_config(vllm_config):
+        after_reload(model, layers)
+
+
+def abandon(model: torch.nn.Module, vllm_config, model_config) -> None:
+    """Close a reload cut off by an exception (fix 3)."""
+    with current_config(vllm_config):
+        abandon_reload(model, model_config)
+
+
+def current_config(vllm_config):
+    """vLLM's loaders read the current config; its worker methods set it (``set_current_vllm_config``)."""
+    from vllm.config import set_current_vllm_config  # noqa: PLC0415 - in a vLLM process
+
+    return set_current_vllm_config(vllm_config)

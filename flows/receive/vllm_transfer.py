@@ -4,9 +4,9 @@ vLLM 0.32's weight-transfer API (``vllm.distributed.weight_transfer``; over HTTP
 ``vllm.entrypoints.rl.online.api_router`` with ``VLLM_SERVER_DEV_MODE=1``) drives every worker of
 an engine through ``init_weight_transfer_engine``, ``start_weight_update``, ``update_weights`` and
 ``finish_weight_update``. With this backend (registered by ``flows.receive.vllm_plugin``) those
-calls refit the engine from a DCR ROOT, exactly as ``flows.receive.vllm_worker`` does (prepare in
-``vllm_prepare``, apply in ``vllm_apply``; it is the
-same code: the engine drives a ``DCRWorkerExtension`` bound to its model):
+calls refit the engine from a DCR ROOT with the same engine-independent code as the worker
+extension (``flows.receive.engine.EngineReceiver``: prepare in ``engine_prepare``, apply in
+``engine_apply``), given the backend's model as its ``EngineModel`` (``VllmEngineModel``):
 
 - ``init_info`` (``POST /init_weight_transfer_engine``, ``LLM.init_weight_transfer_engine``):
   ``{"root": URL, "receiver_id": ID, "storage_options": {...}}``, optionally ``"options"``
@@ -29,27 +29,34 @@ same code: the engine drives a ``DCRWorkerExtension`` bound to its model):
   engine serves again; after a ``start`` with no update it drops what was prepared (a fleet's
   "nobody switches").
 
-The engine result of the last update (step, mode, bytes pulled, pause) is logged and kept in the
-bucket's receiver record (``receivers/ID.json``), which is where a fleet reads where each member
-stands. vLLM internals beyond the public API (still those of ``flows.receive.vllm_worker``):
+The engine result of the last update (``records.WorkerResult``: step, mode, bytes pulled, pause)
+is logged, kept as ``last_result`` and in the bucket's receiver record (``receivers/ID.json``),
+which is where a fleet reads where each member stands. vLLM internals beyond the public API (still
+those of ``flows.receive.vllm_worker``):
 ``vllm.model_executor.model_loader.reload.inplace.reload_weights`` for the reload, the layer probe
-of ``flows.receive.vllm_layers`` (``weight_loader`` attributes), the fixes of
-``flows.receive.vllm_fixups`` and the CPU kernel read-back of ``flows.receive.vllm_state``.
+of ``flows.receive.layer_probe`` (``weight_loader`` attributes), the fixes of
+``flows.receive.vllm_fixups`` and the CPU kernel read-back of ``flows.receive.live_tensors``.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 from vllm.distributed.weight_transfer.base import WeightTransferEngine, WeightTransferInitInfo, WeightTransferUpdateInfo
 
 from dcr_core.errors import UsageError
-from flows.receive.vllm_worker import DCRWorkerExtension
+from flows.options import ReceiveOptions
+from flows.receive import vllm_fixups
+from flows.receive.engine import EngineReceiver
+from flows.receive.engine_model import Weights
+from flows.receive.receiver import Binding, check_arguments
+from flows.receive.records import WorkerResult
 from storage import layout
+from storage.root import RootRef
 
 log = logging.getLogger("dcr.receive")
 
@@ -82,46 +89,46 @@ class DCRUpdateInfo(WeightTransferUpdateInfo):
             layout.check_step(self.step)
 
 
-class _EngineWorker(DCRWorkerExtension):
-    """A ``DCRWorkerExtension`` bound to a weight-transfer engine's model instead of a worker: the
-    attributes the extension reads of a worker, taken from the engine."""
+class VllmEngineModel:
+    """The model a weight-transfer engine is given, as DCR's ``EngineModel``
+    (``flows.receive.engine_model``): its config from the engine, its reload vLLM's
+    ``reload.inplace.reload_weights`` (what ``Worker.reload_weights`` runs)."""
+
+    kind = "vllm"
 
     def __init__(self, engine: WeightTransferEngine):
         self._engine = engine
 
     @property
-    def model_runner(self):
-        return SimpleNamespace(model=self._engine.model)
+    def model(self) -> torch.nn.Module:
+        return self._engine.model
 
     @property
-    def vllm_config(self):
-        return self._engine.vllm_config
-
-    @property
-    def model_config(self):
-        return self._engine.model_config
-
-    @property
-    def parallel_config(self):
-        return self._engine.parallel_config
+    def ranks(self) -> int:
+        return self._engine.parallel_config.tensor_parallel_size
 
     @property
     def rank(self) -> int:
-        if self.parallel_config.tensor_parallel_size == 1:
+        if self.ranks == 1:
             return 0
         from vllm.distributed import get_tensor_model_parallel_rank  # noqa: PLC0415 - a TP worker
 
         return get_tensor_model_parallel_rank()
 
-    def reload_weights(self, weights_iterator=None) -> None:
-        """vLLM's in-place layerwise reload (what ``Worker.reload_weights`` runs); without an
-        iterator, every weight from the engine's own model path."""
-        from vllm.config import set_current_vllm_config  # noqa: PLC0415
+    def reload(self, weights: Weights | None, layers: set[str] | None) -> None:
+        """vLLM's in-place layerwise reload; without weights, every weight from the engine's own model path."""
         from vllm.model_executor.model_loader.reload.inplace import reload_weights  # noqa: PLC0415
 
-        with set_current_vllm_config(self.vllm_config):
-            reload_weights(self.vllm_config, self._engine.model, weights_iterator=weights_iterator, weights_path=None,
-                           is_checkpoint_format=True)
+        cfg = self._engine.vllm_config
+
+        def run() -> None:
+            with vllm_fixups.current_config(cfg):
+                reload_weights(cfg, self.model, weights_iterator=weights, weights_path=None, is_checkpoint_format=True)
+
+        vllm_fixups.reload(self.model, cfg, layers, run)
+
+    def abandon_reload(self) -> None:
+        vllm_fixups.abandon(self.model, self._engine.vllm_config, self._engine.model_config)
 
 
 class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
@@ -133,15 +140,10 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
 
     def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
-        self._worker = _EngineWorker(self)
+        self._receiver = EngineReceiver(VllmEngineModel(self))
         self._bound: DCRInitInfo | None = None
         self._updated = False
-        self.last_result: dict | None = None
-
-    def _args(self, step: int | None) -> dict:
-        b = self._require_bound()
-        return {"root": b.root, "step": step, "receiver_id": b.receiver_id, "storage_options": dict(b.storage_options),
-                "options": dict(b.options), "state_path": b.state_path}
+        self.last_result: WorkerResult | None = None
 
     def _require_bound(self) -> DCRInitInfo:
         if self._bound is None:
@@ -150,34 +152,42 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         return self._bound
 
     def init_transfer_engine(self, init_info: DCRInitInfo) -> None:
-        self._worker.dcr_abort()  # a re-init drops what an earlier one prepared
+        r = self._receiver
+        r.abort()  # a re-init drops what an earlier one prepared
         self._bound = init_info
+        options = check_arguments(init_info.receiver_id, init_info.step, ReceiveOptions(**init_info.options))
+        r.bind(Binding(RootRef(os.fspath(init_info.root), dict(init_info.storage_options)), init_info.receiver_id,
+                       options, mirror=init_info.state_path))
         if init_info.prepare:
-            self._worker.dcr_prepare(**self._args(init_info.step), background=True, report=init_info.prepare_id)
+            r.prepare_in_background(init_info.step, init_info.prepare_id)
 
     def start_weight_update(self) -> None:
         self._require_bound()
         self._updated = False
-        self._worker.dcr_prepared_step()  # waits for a prepare still pulling; raises what it failed with
+        self._receiver.prepared_step()  # waits for a prepare still pulling; raises what it failed with
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.receive_weights(self.parse_update_info(update_info))  # everything is applied when this returns
 
     def receive_weights(self, update_info: DCRUpdateInfo) -> None:
-        prepared = self._worker.dcr_prepared_step()
+        self._require_bound()
+        r = self._receiver
+        prepared = r.prepared_step()
         step = update_info.step if update_info.step is not None else prepared
         if prepared is None or step != prepared:
-            self._worker.dcr_prepare(**self._args(step))  # in the pause: a step nobody prepared
+            r.abort()
+            r.prepare(step)  # in the pause: a step nobody prepared
         self._updated = True
-        self.last_result = self._worker.dcr_apply()
-        r = self.last_result
-        log.info("dcr: receiver %s at step %s (%s from %s): %d bytes pulled, %.3f s pause", r["receiver"], r["to_step"],
-                 r["mode"], r["from_step"], r["bytes_pulled"], r["pause_seconds"])
+        r.apply()
+        r.record()
+        self.last_result = res = r.last
+        log.info("dcr: receiver %s at step %s (%s from %s): %d bytes pulled, %.3f s pause", res.receiver, res.to_step,
+                 res.mode, res.from_step, res.bytes_pulled, res.pause_seconds)
 
     def finish_weight_update(self) -> None:
         if not self._updated:
-            self._worker.dcr_abort()  # started, never updated: nothing switches, what was prepared is dropped
+            self._receiver.abort()  # started, never updated: nothing switches, what was prepared is dropped
         self._updated = False
 
     def shutdown(self) -> None:
-        self._worker.dcr_abort()
+        self._receiver.abort()

@@ -3,27 +3,13 @@
 Give ``worker_extension_cls=EXTENSION`` to ``vllm.LLM`` (or ``--worker-extension-cls`` to
 ``vllm serve``); vLLM mixes this class into each worker, and the driver calls its methods on every
 worker with ``llm.collective_rpc("dcr_receive", kwargs={...})`` (``flows.receive.vllm_refit``
-wraps that: ``refit_engine``). A refit is two phases:
-
-1. ``dcr_prepare`` (the engine keeps serving; ``background=True`` runs it in a thread): lock the
-   worker's mirror, digest the engine, plan, lease, stage and verify the next step, and choose
-   what to reload or patch (``flows.receive.vllm_prepare``). Nothing in the engine changes.
-2. ``dcr_apply`` (the pause window): check and write the touched modules through vLLM's own
-   in-place layerwise reload (``worker.reload_weights(weights_iterator=...)``,
-   ``process_weights_after_loading`` included, so repacked kernels are rebuilt) or in place,
-   install the staged mirror, record (``flows.receive.vllm_apply``). The receiver's commit record
-   and the lease release follow in a thread once the engine serves again (``dcr_wait`` waits).
-
-A worker's engine is *known* when its module digests (``flows.receive.held_digests``, the check a
-live torch module receiver makes too) are those recorded after DCR last refitted it and its mirror
-holds that step; otherwise (first refit, the engine reloaded or changed behind DCR's back) the
-refit reloads every tensor. Anything before the apply leaves the engine untouched; a failed reload
-is rolled back to the old step's bits, or ``EngineRefitError`` says the engine must be reloaded.
-
-The worker keeps its state in ``_dcr_`` attributes (they cannot collide with the worker's own):
-``_dcr_held`` (what DCR knows the engine holds, None when unknown), ``_dcr_prepared`` (a prepared
-refit), ``_dcr_layers`` (the layer map of the mirror's schema), ``_dcr_background`` and
-``_dcr_finishing`` (the prepare's and the record's threads).
+wraps that: ``refit_engine``). The methods are a thin adapter: the refit itself is the
+engine-independent ``flows.receive.engine.EngineReceiver`` (prepare while the engine serves, then
+the pause window, then the record in a thread), given the worker as its ``EngineModel``
+(``VllmWorker``: the worker's model, its rank, and ``Worker.reload_weights(weights_iterator=...)``
+with the fixes of ``vllm_fixups``, so repacked kernels are rebuilt). Results cross
+``collective_rpc`` as dicts (``flows.receive.records``). The worker keeps its receiver in the
+attribute ``_dcr_receiver`` (it cannot collide with the worker's own).
 
 vLLM internals this relies on (vLLM 0.32.0; a vLLM upgrade breaks here first, and the exactness
 tests in ``tests/vllm`` say where):
@@ -34,42 +20,71 @@ tests in ``tests/vllm`` say where):
   ``model_config`` (``.model``: where a not-yet-known engine is rolled back from), ``rank``,
   ``parallel_config.tensor_parallel_size``, ``vllm.config.set_current_vllm_config``;
 - the model: ``load_weights(iterable)`` and each parameter's ``weight_loader`` attribute (the
-  layer probe, ``vllm_layers``);
+  layer probe, ``layer_probe``);
 - the fixes (``vllm_fixups``): ``quant_method.process_weights_after_loading(module)`` (tied
   modules), ``quant_method.moe_kernel`` (MoE layers), and after a failed reload
   ``reload.layerwise.LAYERWISE_INFO``, ``_place_kernel_tensors``, ``finalize_layerwise_reload`` and
   ``vllm.model_executor.layers.attention.is_deferred_attention_layer``;
 - on CPU, what linear layers compute with: ``cpu_linear(x, weight, bias)``,
-  ``input_size_per_partition``, ``params_dtype`` (``vllm_state``);
+  ``input_size_per_partition``, ``params_dtype`` (``live_tensors``);
 - the driver (``vllm_refit``): ``LLM.collective_rpc(name, kwargs=...)``, ``LLM.reset_prefix_cache()``.
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import threading
 
 from dcr_core import events
-from dcr_core.errors import UsageError
 from flows.options import ReceiveOptions
-from flows.receive import held_digests, state_file, vllm_apply, vllm_prepare, vllm_state
-from flows.receive.pipeline import check_arguments
-from flows.receive.vllm_apply import EngineRefitError
-from flows.receive.vllm_prepare import Begun, Prepared, model_of, release
-from storage.catalog import Catalog
-from storage.root import RootRef, open_root
+from flows.receive import vllm_fixups
+from flows.receive.engine import EngineReceiver
+from flows.receive.engine_apply import EngineRefitError
+from flows.receive.engine_model import Weights
+from flows.receive.receiver import Binding, check_arguments
+from storage.root import RootRef
 
-__all__ = ["EXTENSION", "DCRWorkerExtension", "EngineRefitError"]
-
-log = logging.getLogger("dcr.receive")
+__all__ = ["EXTENSION", "DCRWorkerExtension", "EngineRefitError", "VllmWorker"]
 
 EXTENSION = "flows.receive.vllm_worker.DCRWorkerExtension"
 
 
+class VllmWorker:
+    """A vLLM worker as DCR's ``EngineModel`` (``flows.receive.engine_model``)."""
+
+    kind = "vllm"
+
+    def __init__(self, worker):
+        self.worker = worker
+
+    @property
+    def model(self):
+        return self.worker.model_runner.model
+
+    @property
+    def rank(self) -> int:
+        return self.worker.rank
+
+    @property
+    def ranks(self) -> int:
+        return getattr(getattr(self.worker, "parallel_config", None), "tensor_parallel_size", 1)
+
+    def reload(self, weights: Weights | None, layers: set[str] | None) -> None:
+        w = self.worker  # without weights, vLLM reloads from model_config.model, where the engine was loaded from
+        vllm_fixups.reload(self.model, w.vllm_config, layers,
+                           w.reload_weights if weights is None else lambda: w.reload_weights(weights_iterator=weights))
+
+    def abandon_reload(self) -> None:
+        vllm_fixups.abandon(self.model, self.worker.vllm_config, self.worker.model_config)
+
+
 class DCRWorkerExtension:
-    """Methods vLLM adds to each of its workers (see the module docstring). Attributes are prefixed
-    ``_dcr_`` so they cannot collide with the worker's own."""
+    """Methods vLLM adds to each of its workers (see the module docstring)."""
+
+    def _dcr(self) -> EngineReceiver:
+        receiver = self.__dict__.get("_dcr_receiver")
+        if receiver is None:
+            receiver = self._dcr_receiver = EngineReceiver(VllmWorker(self))
+        return receiver
 
     # -- the two phases ------------------------------------------------------------------------
 
@@ -79,76 +94,30 @@ class DCRWorkerExtension:
         """Plan, lease, pull and verify ``step`` (default: the latest) of ``root`` into a staged mirror;
         the engine is not touched. ``background``: return at once and do it in a thread (``dcr_apply``
         waits for it). ``report`` (with ``background``): an id written with the outcome to the
-        receiver's ``prepared/<id>.json`` in ROOT when the thread is done, so that a coordinator knows
-        without calling into the engine (a call would wait in its engine loop). Returns what was
-        planned (or ``{"preparing": True}``)."""
-        self.dcr_abort()
+        receiver's ``prepared/<id>.json`` in ROOT when the thread is done. Returns what was planned
+        (or ``{"preparing": True}``)."""
+        r = self._dcr()
+        r.abort()
         opts = check_arguments(receiver_id, step, ReceiveOptions(**(options or {})))
-        if opts.in_place:
-            raise UsageError("a vLLM worker's mirror is staged whole (in_place=False): the old one is its undo")
-        begun = vllm_prepare.begin(self, RootRef(os.fspath(root), dict(storage_options or {})), receiver_id, state_path)
-        if not background:
-            self._dcr_prepared = vllm_prepare.stage(self, begun, step, opts)
-            return vllm_prepare.summary(self._dcr_prepared)
-        def staged() -> Prepared:
-            try:
-                p = vllm_prepare.stage(self, begun, step, opts)
-            except BaseException as e:
-                self._dcr_report(begun, report, step, e)
-                raise
-            self._dcr_report(begun, report, p.plan.target_step, None)
-            return p
-
-        self._dcr_start("_dcr_background", "dcr-prepare", staged)
-        return {"preparing": True, "receiver": begun.receiver_id}
-
-    def _dcr_report(self, b: Begun, report: str | None, step: int | None, error: BaseException | None) -> None:
-        """Write the outcome of a background prepare to ``prepared/<receiver>.json`` (if asked for);
-        a failure to write it is logged (the coordinator then learns it from the start call)."""
-        if report is None:
-            return
-        tp = getattr(getattr(self, "parallel_config", None), "tensor_parallel_size", 1)
-        doc = {"prepare_id": report, "step": -1 if step is None else step, "ok": error is None, "ranks": tp,
-               **({} if error is None else {"error": f"{type(error).__name__}: {error}"})}
-        try:
-            Catalog(open_root(b.ref)).record_prepared(b.receiver_id, doc)
-        except Exception as e:  # noqa: BLE001 - advisory
-            log.warning("receiver %s: could not record its prepare (%s: %s)", b.receiver_id, type(e).__name__, e)
+        r.bind(Binding(RootRef(os.fspath(root), dict(storage_options or {})), receiver_id, opts, mirror=state_path))
+        if background:
+            return r.prepare_in_background(step, report)
+        r.prepare(step)
+        return r.prepared().model_dump()
 
     def dcr_apply(self) -> dict:
-        """The pause window: reload the prepared step into the engine (see the module docstring).
-        The receiver's commit record and the lease release (object-store writes) then finish in a
-        thread, after the engine serves again; ``dcr_wait`` waits for them, and so does the next
-        prepare."""
-        p = self._dcr_take_prepared()
-        try:
-            result = vllm_apply.apply(self, p)
-        except BaseException:
-            release(p)
-            raise
-        def finish() -> None:
-            try:
-                state_file.record_receiver_commit(p.ref, p.receiver_id, p.plan.target_step, p.record)
-            except BaseException as e:  # reported by dcr_wait; the next refit records again
-                log.warning("receiver %s: recording its commit of step %s failed (%s: %s); the next refit records it",
-                            p.receiver_id, p.plan.target_step, type(e).__name__, e)
-                raise
-            finally:
-                release(p)
-
-        self._dcr_start("_dcr_finishing", "dcr-record", finish)
-        return result
+        """The pause window: reload the prepared step into the engine. The receiver's commit record
+        and the lease release (object-store writes) then finish in a thread, after the engine serves
+        again; ``dcr_wait`` waits for them, and so does the next prepare."""
+        r = self._dcr()
+        r.apply()
+        r.record()
+        return r.last.model_dump()
 
     def dcr_wait(self) -> dict:
         """Wait for the work a refit left in the background (a prepare, the commit record); raise
         what the record failed with. Returns the step held (``{"held": ...}``)."""
-        done = self._dcr_join("_dcr_finishing")
-        if done is not None and "error" in done:
-            raise done["error"]
-        bg = getattr(self, "_dcr_background", None)
-        if bg is not None:  # waited for, kept for dcr_apply
-            bg[0].join()
-        return {"held": self._dcr_public_held()}
+        return {"held": self._dcr().wait()}
 
     def dcr_receive(self, root: str, step: int | None = None, receiver_id: str = "vllm",
                     storage_options: dict | None = None, options: dict | None = None,
@@ -159,42 +128,24 @@ class DCRWorkerExtension:
 
     def dcr_abort(self) -> bool:
         """Drop a prepared refit (its staged mirror and leases); True if there was one."""
-        self._dcr_join("_dcr_finishing")  # the last refit's record: done before anything else locks the mirror
-        staged = self._dcr_join("_dcr_background")
-        if staged is not None and "result" in staged:
-            self._dcr_prepared = staged["result"]
-        p = getattr(self, "_dcr_prepared", None)
-        self._dcr_prepared = None
-        if p is None:
-            return False
-        release(p)
-        return True
+        return self._dcr().abort()
 
     def dcr_prepared_step(self) -> int | None:
         """Wait for a background prepare (if any) and return the step prepared (None: nothing is);
         raise what the prepare failed with (the engine is untouched then)."""
-        staged = self._dcr_join("_dcr_background")
-        if staged is not None:
-            if "error" in staged:
-                raise staged["error"]
-            self._dcr_prepared = staged["result"]
-        p = getattr(self, "_dcr_prepared", None)
-        return None if p is None else p.plan.target_step
+        return self._dcr().prepared_step()
 
     # -- inspection (tests and operators) --------------------------------------------------------
 
     def dcr_preparing(self) -> bool:
         """Whether a background prepare is still pulling (``dcr_apply`` would wait for it)."""
-        bg = getattr(self, "_dcr_background", None)
-        return bg is not None and bg[0].is_alive()
+        return self._dcr().preparing()
 
     def dcr_status(self) -> dict:
-        held = getattr(self, "_dcr_held", None)
-        known = bool(held) and held_digests.unchanged(model_of(self), held["digests"])
-        return {"held": self._dcr_public_held(), "known": known, "prepared": getattr(self, "_dcr_prepared", None) is not None}
+        return self._dcr().status()
 
     def dcr_fingerprint(self) -> str:
-        return held_digests.fingerprint(model_of(self))
+        return self._dcr().fingerprint()
 
     def dcr_set_failpoints(self, spec: str = "") -> str:
         """Set this worker process's failpoints (``dcr_core.events``; "" clears them) and restart
@@ -203,42 +154,5 @@ class DCRWorkerExtension:
         return spec
 
     def dcr_dump(self, readback: bool = True) -> dict:
-        """name -> (dtype, shape, BLAKE3) of everything the engine holds (``vllm_state.dump``)."""
-        return vllm_state.dump(model_of(self), readback)
-
-    # -- internals ---------------------------------------------------------------------------------
-
-    def _dcr_public_held(self) -> dict | None:
-        held = getattr(self, "_dcr_held", None)
-        return None if held is None else {k: v for k, v in held.items() if k != "digests"}
-
-    def _dcr_start(self, attr: str, name: str, fn) -> None:
-        """Run ``fn`` in a thread kept as ``attr``; its result or error lands in a box ``_dcr_join`` returns."""
-        box: dict = {}
-
-        def run() -> None:
-            try:
-                box["result"] = fn()
-            except BaseException as e:  # noqa: BLE001 - handed to whoever joins
-                box["error"] = e
-
-        thread = threading.Thread(target=run, name=name, daemon=True)
-        setattr(self, attr, (thread, box))
-        thread.start()
-
-    def _dcr_join(self, attr: str) -> dict | None:
-        """Wait for the thread kept as ``attr`` (if any), forget it, and return its box."""
-        job = getattr(self, attr, None)
-        if job is None:
-            return None
-        job[0].join()
-        setattr(self, attr, None)
-        return job[1]
-
-    def _dcr_take_prepared(self) -> Prepared:
-        self.dcr_prepared_step()
-        p = getattr(self, "_dcr_prepared", None)
-        self._dcr_prepared = None
-        if p is None:
-            raise UsageError("nothing prepared: call dcr_prepare first")
-        return p
+        """name -> (dtype, shape, BLAKE3) of everything the engine holds (``live_tensors.dump``)."""
+        return self._dcr().dump(readback)

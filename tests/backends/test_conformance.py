@@ -15,7 +15,7 @@ from flows import run_materialize, run_publish, run_receive
 from flows.maintenance.audit import list_steps, verify
 from flows.maintenance.gc import plan_gc
 from flows.options import GcOptions, PublishOptions
-from flows.publish.pipeline import PUBLISH
+from flows.publish.pipeline import PublishSteps
 from storage import layout, run_identity
 from storage.catalog import Catalog
 from storage.root import Root
@@ -162,7 +162,7 @@ def test_a_publish_that_dies_before_its_commit_is_invisible_and_a_retry_commits(
     def crash(real, *a, **k):
         raise ConnectionResetError("publisher died before the commit")
 
-    patch_step(monkeypatch, PUBLISH, "commit_step", crash)
+    patch_step(monkeypatch, PublishSteps, "commit_step", crash)
     with pytest.raises(ConnectionResetError):
         run_publish(url, steps[1], 1, options=opts(tmp_path))
     assert Catalog(Root(url)).latest_committed() == 0
@@ -189,7 +189,7 @@ def test_racing_publishers_of_one_step_commit_exactly_once(backend, make_root, t
         barrier.wait()  # every publisher has written its attempt and reaches the commit together
         return real(plan, manifest)
 
-    patch_step(monkeypatch, PUBLISH, "commit_step", gated)
+    patch_step(monkeypatch, PublishSteps, "commit_step", gated)
     candidates = [{k: v.clone() for k, v in base.items()} for _ in range(n)]
     for i, c in enumerate(candidates):
         first = sorted(c)[0]

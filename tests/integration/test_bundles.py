@@ -379,48 +379,39 @@ def test_kill_9_during_a_bundled_publish_commits_nothing_and_a_rerun_is_exact(tm
     assert_bits_equal(read_state(state), ck1)
 
 
-class _VllmStyleWorker:
-    """The vLLM worker extension bound to this repository's vLLM-style Llama (no vLLM): its
-    ``reload_weights`` loads the tensors given through the model's own ``load_weights``, as vLLM's
-    layerwise reload does for the whole layers the receiver passes."""
+class _LoaderEngine:
+    """An engine whose in-place reload is the model's own ``load_weights`` (as vLLM's layerwise
+    reload is, for the whole layers the receiver passes): DCR's engine receiver with no vLLM."""
 
-    rank = 0
-    vllm_config = model_config = None
+    kind, rank, ranks = "loader", 0, 1
 
     def __init__(self, model):
-        from types import SimpleNamespace
+        self.model = model
 
-        self.model_runner = SimpleNamespace(model=model)
+    def reload(self, weights, layers):
+        self.model.load_weights(weights)
 
-    def reload_weights(self, weights_iterator=None):
-        self.model_runner.model.load_weights(weights_iterator)
-
-
-def _vllm_worker(model):
-    from flows.receive.vllm_worker import DCRWorkerExtension
-
-    return type("Worker", (_VllmStyleWorker, DCRWorkerExtension), {})(model)
+    def abandon_reload(self):
+        pass  # no half-processed layers to put back
 
 
-def test_a_vllm_worker_refits_a_bundled_chain_exactly_patching_and_reloading_members(tmp_path, monkeypatch):
-    """The vLLM receiver (prepare, pause, rollback: ``flows.receive.vllm_worker``) on a vLLM-style
-    model whose small tensors are bundled: a changed bundle is the members whose digests changed; a
-    norm (a member) is patched in place, a member of a fused layer reloads that layer, the embedding
-    (stored alone) is reloaded; a reload that fails mid-way rolls back to the held step exactly; a
-    new unbundled lineage (a keyframe move) and the way back are exact; after every refit the model
-    equals a dense load of the step, bit for bit."""
-    from contextlib import nullcontext
-
+def test_an_engine_worker_refits_a_bundled_chain_exactly_patching_and_reloading_members(tmp_path):
+    """The engine receiver (prepare, pause, rollback: ``flows.receive.engine``, what vLLM's worker
+    extension and backend run) on a vLLM-style model whose small tensors are bundled: a changed
+    bundle is the members whose digests changed; a norm (a member) is patched in place, a member of
+    a fused layer reloads that layer, the embedding (stored alone) is reloaded; a reload that fails
+    mid-way rolls back to the held step exactly; a new unbundled lineage (a keyframe move) and the
+    way back are exact; after every refit the model equals a dense load of the step, bit for bit."""
     import torch
 
     from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint
     from dcr_core import events
     from flows import run_publish
     from flows.options import PublishOptions
-    from flows.receive import vllm_apply, vllm_fixups
+    from flows.receive.engine import EngineReceiver
+    from flows.receive.receiver import Binding
+    from storage.root import RootRef
 
-    monkeypatch.setattr(vllm_apply, "set_vllm_config", lambda worker: nullcontext())  # vLLM's config: none here
-    monkeypatch.setattr(vllm_fixups, "abandon_reload", lambda model, config: None)  # vLLM's layerwise state: none
     cfg = LlamaConfig()  # no inv_freq: a buffer feeds every layer, and a keyframe move would reload all
     cks = [{n: t for n, t in canonical_checkpoint(cfg, seed=0).items() if not n.endswith("inv_freq")}]
 
@@ -446,28 +437,27 @@ def test_a_vllm_worker_refits_a_bundled_chain_exactly_patching_and_reloading_mem
 
     model = VllmLlama(cfg)
     model.load_weights(list(cks[0].items()))
-    worker = _vllm_worker(model)
-    mirror = str(tmp_path / "mirror.safetensors")
+    worker = EngineReceiver(_LoaderEngine(model))
+    worker.bind(Binding(RootRef(root), "v", mirror=str(tmp_path / "mirror.safetensors")))
 
     def refit(step):
-        r = worker.dcr_receive(root, step, "v", state_path=mirror)
-        worker.dcr_wait()
+        worker.refit(step)
         dense = VllmLlama(cfg)
         dense.load_weights(list(cks[step].items()))
         assert_bits_equal(dict(model.state_dict()), dict(dense.state_dict()))
-        return r
+        return worker.last.model_dump()
 
     def fails(step, held):  # the reload breaks after one tensor: the engine is back at ``held``, exactly
         events.set_failpoints("receive.engine-tensor@2=fail")
         try:
             with pytest.raises(events.FailpointFault):
-                worker.dcr_receive(root, step, "v", state_path=mirror)
+                worker.refit(step)
         finally:
             events.set_failpoints("")
         dense = VllmLlama(cfg)
         dense.load_weights(list(cks[held].items()))
         assert_bits_equal(dict(model.state_dict()), dict(dense.state_dict()))
-        assert worker.dcr_status()["known"]
+        assert worker.status()["known"]
 
     assert refit(0)["mode"] == "full"
     fails(1, 0)  # the norm's patch undone, the layers reloaded from the mirror
@@ -484,7 +474,7 @@ def test_a_vllm_worker_refits_a_bundled_chain_exactly_patching_and_reloading_mem
     assert (r["mode"], r["changed_tensors"], r["moves"]) == ("delta", len(cks[3]), ["keyframe:3"]), r
     r = refit(1)  # and back: the bundled lineage's keyframe, then its delta
     assert (r["mode"], r["changed_tensors"]) == ("delta", len(cks[1])), r
-    assert worker.dcr_status()["known"]
+    assert worker.status()["known"]
 
 
 def test_a_member_digest_found_wrong_after_its_bundle_was_yielded_fails_the_refit_before_install(tmp_path, monkeypatch):

@@ -423,7 +423,7 @@ def test_the_layout_names_every_byte(files):
 
 
 def test_a_file_whose_header_changes_while_it_is_published_keeps_no_layout(tmp_path, monkeypatch):
-    from flows.publish.pipeline import PUBLISH
+    from flows.publish.pipeline import PublishSteps
     from tests.support.steps import patch_step
 
     ck = chain_of_steps(1, seed=12, dtypes=["BF16", "I32"])[0]
@@ -435,7 +435,7 @@ def test_a_file_whose_header_changes_while_it_is_published_keeps_no_layout(tmp_p
         path.write_bytes(data.replace(b'"format":"pt"', b'"format":"np"'))
         return real(plan, *args, **kwargs)
 
-    patch_step(monkeypatch, PUBLISH, "write_manifest", rewritten)
+    patch_step(monkeypatch, PublishSteps, "write_manifest", rewritten)
     root = publish_files(tmp_path, [path])
     m = Catalog(Root(root)).manifest(0)
     assert m.source is None and "changed while it was published" in m.producer["source_layout"]

@@ -29,7 +29,7 @@ from dcr_core.errors import (
 )
 from flows import run_materialize, run_publish, run_receive
 from flows.options import PublishOptions
-from flows.publish.pipeline import PUBLISH
+from flows.publish.pipeline import PublishSteps
 from storage import layout, reader
 from storage.catalog import Catalog, manifest_digest
 from storage.root import Root, open_root
@@ -621,7 +621,7 @@ def test_a_publish_that_crashes_before_commit_is_invisible_and_a_retry_is_exact(
                 real(*a, **kw)  # every chunk uploaded, then the crash
             raise Crash("power cut")
 
-        patch_step(monkeypatch, PUBLISH, crash_at, crash)
+        patch_step(monkeypatch, PublishSteps, crash_at, crash)
     with pytest.raises(Crash):
         run_publish(root, steps[2], 2, options=opts(tmp_path))
     monkeypatch.undo()
@@ -659,7 +659,7 @@ def test_two_publishers_racing_for_one_step_one_wins_and_the_other_conflicts(tmp
         return out
 
     mp = pytest.MonkeyPatch()
-    patch_step(mp, PUBLISH, "write_manifest", write_manifest_then_wait)
+    patch_step(mp, PublishSteps, "write_manifest", write_manifest_then_wait)
     results: list = [None, None]
 
     def publish(i):

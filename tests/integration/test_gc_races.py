@@ -159,7 +159,7 @@ def test_a_step_deleted_between_plan_and_lease_is_planned_again(chain, monkeypat
     """The receiver plans a refit to step 2, then gc deletes step 2 before the lease lands: the check
     after leasing finds it gone before anything is fetched, the receiver plans again, and says the
     step is gone (exit 4), its state untouched."""
-    from flows.receive.pipeline import STATE_STEPS
+    from flows.receive.pipeline import StateSteps
     from tests.support.steps import patch_step
 
     root, cks, state = chain
@@ -168,7 +168,7 @@ def test_a_step_deleted_between_plan_and_lease_is_planned_again(chain, monkeypat
     run_receive(root, "anon", anon, 1, record=False)
     before = open(anon, "rb").read()
     staged = []
-    patch_step(monkeypatch, STATE_STEPS, "stage_refit", lambda real, *a, **k: staged.append(1) or real(*a, **k))
+    patch_step(monkeypatch, StateSteps, "stage_refit", lambda real, *a, **k: staged.append(1) or real(*a, **k))
     gc_gate, rx_gate = Gate("gc", "gc.planned"), Gate("rx", "receive.planned")
     with events.listening(gc_gate), events.listening(rx_gate):
         gc, rx, _ = _gc_and_receive(root, anon, gc_gate, rx_gate, 2, receiver="a2")
@@ -265,7 +265,7 @@ def test_a_live_module_whose_plan_loses_steps_to_gc_plans_again(tmp_path, monkey
 
     from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint
     from flows import receive_into_module
-    from flows.receive.module_pipeline import MODULE_STEPS
+    from flows.receive.module_pipeline import ModuleSteps
     from tests.support.steps import patch_step
 
     cfg = LlamaConfig()
@@ -295,7 +295,7 @@ def test_a_live_module_whose_plan_loses_steps_to_gc_plans_again(tmp_path, monkey
             deleted.extend(run_gc(root, KEEP_1).deleted_steps)
         return plan
 
-    patch_step(monkeypatch, MODULE_STEPS, "plan_module_refit", plan_then_gc)
+    patch_step(monkeypatch, ModuleSteps, "plan_module_refit", plan_then_gc)
     res = receive_into_module(root, "m", mod, state_path=mirror)
     assert deleted == [0, 1, 2] and res["step"] == 4 and "planning again" in caplog.text
     dense = VllmLlama(cfg, 0, 1)

@@ -16,7 +16,7 @@ from dcr_core.errors import StateMismatchError
 from flows import receive_into_module, run_publish
 from flows.options import PublishOptions
 from flows.receive import held_digests, module, placement
-from flows.receive.module_pipeline import MODULE_STEPS
+from flows.receive.module_pipeline import ModuleSteps
 from tests.support.helpers import assert_bits_equal
 from tests.support.steps import patch_step
 
@@ -136,7 +136,7 @@ def test_a_write_while_the_step_is_fetched_stops_the_delta_before_anything_chang
         seen.update(_bits(mod))
         return fetched
 
-    patch_step(monkeypatch, MODULE_STEPS, "fetch_module_payloads", fetch_then_write)
+    patch_step(monkeypatch, ModuleSteps, "fetch_module_payloads", fetch_then_write)
     with pytest.raises(StateMismatchError, match="nothing was applied"):
         receive_into_module(root, "r", mod, 1)
     assert_bits_equal(_bits(mod), seen)
@@ -158,7 +158,7 @@ def test_a_module_the_delta_does_not_write_rewritten_meanwhile_is_found_by_the_n
         other.weight.data.view(-1)[0] += 1
         return fetched
 
-    patch_step(monkeypatch, MODULE_STEPS, "fetch_module_payloads", fetch_then_write)
+    patch_step(monkeypatch, ModuleSteps, "fetch_module_payloads", fetch_then_write)
     assert receive_into_module(root, "r", mod, 1)["mode"] == "delta"  # nothing was applied onto the edit
     monkeypatch.undo()
     assert receive_into_module(root, "r", mod, 1)["mode"] == "dense"

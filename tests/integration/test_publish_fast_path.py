@@ -21,7 +21,7 @@ from flows import run_materialize, run_publish
 from flows.options import DELTA_CODECS, PublishOptions
 from flows.publish import baseline as ps
 from flows.publish import encode
-from flows.publish.pipeline import PUBLISH
+from flows.publish.pipeline import PublishSteps
 from storage import layout
 from storage.catalog import Catalog
 from storage.local.safetensors import SafetensorsCheckpoint
@@ -85,7 +85,7 @@ def test_a_cache_damaged_behind_a_matching_stamp_is_caught_while_encoding_and_re
     ps.write_stamp(path, int(meta["dcr.step"]), meta["dcr.policy_digest"])
 
     calls = []
-    patch_step(monkeypatch, PUBLISH, "load_baseline", lambda real, *a: calls.append(a[2:]) or real(*a))
+    patch_step(monkeypatch, PublishSteps, "load_baseline", lambda real, *a: calls.append(a[2:]) or real(*a))
     rebuilds = []
     real_rebuild = ps.rebuild
     monkeypatch.setattr(ps, "rebuild", lambda *a: rebuilds.append(1) or real_rebuild(*a))

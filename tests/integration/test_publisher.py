@@ -22,7 +22,7 @@ from flows.options import PublishOptions
 from flows.publish import baseline as ps
 from flows.publish import sources
 from flows.publish.baseline import BaselineSlot, HeldBaseline
-from flows.publish.pipeline import PUBLISH
+from flows.publish.pipeline import PublishSteps
 from flows.publish.shards import Shard, ShardedSource
 from flows.publish.sources import MemorySource
 from storage.catalog import Catalog
@@ -71,7 +71,7 @@ def baselines(monkeypatch):
             return real(*a, **kw)
         return wrapped
 
-    patch_step(monkeypatch, PUBLISH, "load_baseline", load)
+    patch_step(monkeypatch, PublishSteps, "load_baseline", load)
     monkeypatch.setattr(ps, "SafetensorsCheckpoint", spy("file_reads", ps.SafetensorsCheckpoint))
     monkeypatch.setattr(ps, "StreamingSafetensorsWriter", spy("file_writes", ps.StreamingSafetensorsWriter))
     monkeypatch.setattr(ps, "rebuild", spy("rebuilds", ps.rebuild))
@@ -223,7 +223,7 @@ def test_a_publish_that_fails_keeps_the_held_baseline_and_a_retry_is_exact(tmp_p
                 real(*a, **kw)  # the step's work done, then the crash
                 raise Crash("power cut")
 
-            patch_step(mp, PUBLISH, crash_at, boom)
+            patch_step(mp, PublishSteps, crash_at, boom)
         with pytest.raises(Crash):
             pub.publish(steps[2], 2)
     assert pub._slot.baseline is held and pub.step == 1
@@ -258,7 +258,7 @@ def test_a_failure_after_the_commit_keeps_the_previous_baseline_and_the_next_pub
         raise Crash("interrupted")
 
     with pytest.MonkeyPatch.context() as mp:
-        patch_step(mp, PUBLISH, "remember_baseline", boom)
+        patch_step(mp, PublishSteps, "remember_baseline", boom)
         with pytest.raises(Crash):
             pub.publish(steps[1], 1)
     assert pub.step == 0 and Catalog(Root(root)).latest_committed() == 1

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flows import Publisher, PublishOptions, local_refs, receive_into_module, run_publish, run_receive
-from flows.publish.pipeline import PUBLISH
+from flows.publish.pipeline import PublishSteps
 from flows.steps import InProcess, Step
 from storage.root import check_root_url
 from tests.support.fused_module import TinyFused
@@ -47,7 +47,7 @@ def test_every_publish_and_receive_step_takes_and_returns_serializable_reference
     for i, ck in enumerate(steps):
         run_publish(root, ck, i, options=opts, runner=runner)
         run_receive(root, "r", state, runner=runner)
-    assert {"snapshot", "plan-publish", "encode-and-write-chunks", "commit", "fetch-apply-verify", "replace-state"} <= set(runner.sizes)
+    assert {"snapshot", "plan-from-source", "encode-and-write", "commit-step", "stage-refit", "install-state"} <= set(runner.sizes)
     assert max(runner.sizes.values()) < 1 << 20, runner.sizes
 
 
@@ -64,7 +64,7 @@ def test_handles_of_in_process_objects_are_released_whatever_happens(tmp_path, m
         raise RuntimeError("crashed")
 
     with pytest.MonkeyPatch.context() as mp:
-        patch_step(mp, PUBLISH, "write_manifest", crash)
+        patch_step(mp, PublishSteps, "write_manifest", crash)
         with pytest.raises(RuntimeError):
             pub.publish(steps[2], 2)
     pub.publish(steps[2], 2)

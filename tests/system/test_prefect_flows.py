@@ -71,7 +71,7 @@ def test_flows_publish_and_receive_through_the_prefect_api_bit_exact(prefect_set
         # the newest first: the session's API also holds other tests' runs, beyond one page
         tasks = {tr.name.rsplit("-", 1)[0] for tr in client.read_task_runs(sort=TaskRunSort.END_TIME_DESC, limit=200)}
     assert names, "flow runs are recorded by the API"
-    assert {"encode-and-write-chunks", "commit", "fetch-apply-verify", "replace-state"} <= tasks
+    assert {"encode-and-write", "commit-step", "stage-refit", "install-state"} <= tasks
 
 
 def test_receive_refit_into_a_module_equals_a_dense_load_after_every_step(prefect_settings, tmp_path):
@@ -114,7 +114,7 @@ def test_the_prefect_publish_tasks_use_and_keep_a_held_baseline(prefect_settings
     for step in range(3):
         res = publish_held(pub, step)
         assert res.kind == ("keyframe" if step == 0 else "delta") and pub.step == step
-        assert "encode-and-write-chunks" in res.timings
+        assert "encode-and-write" in res.timings
         run_receive(root, "rx", state)
         assert_bits_equal(load_file(state), ck)
         ck = _next(ck, step + 1)
@@ -163,8 +163,8 @@ def test_task_results_are_serializable_references_and_nothing_is_persisted(prefe
         checked_pipelines()
         publish_refit(root, _next(ck, 2), 2)
         receive_refit(root, "rx", str(tmp_path / "s.safetensors"))
-    assert {"plan-publish", "encode-and-write-chunks", "write-manifest", "commit", "resolve-chain",
-            "fetch-apply-verify", "replace-state", "record-receiver-commit"} <= set(seen), seen
+    assert {"plan-from-source", "encode-and-write", "write-manifest", "commit-step", "plan-receive",
+            "stage-refit", "install-state", "record-receiver-commit"} <= set(seen), seen
     assert not [p for p in store.rglob("*") if p.is_file()], "results were persisted"
 
 

@@ -28,7 +28,7 @@ def test_publish_refit_from_all_ranks_shards_is_bit_exact(prefect_settings, tmp_
     for step in range(2):
         res = publish_refit(root, sources(ck), step, options=opts)
         assert res["kind"] == ("keyframe" if step == 0 else "delta")
-        assert {"plan-rank", "encode-rank-shards", "merge-and-commit"} <= set(res["timings"])
+        assert {"plan-rank", "encode-rank", "commit-ranks"} <= set(res["timings"])
         receive_refit(root, "r", state)
         assert_bits_equal(held(state), ck)
         ck = next_step(ck, 30 + step)

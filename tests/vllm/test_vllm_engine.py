@@ -4,7 +4,7 @@ Models are created here from configs and trained for real AdamW BF16 steps; ever
 to a local ROOT. The reference for step N is a fresh engine (same configuration) loaded from step
 N's materialized checkpoint; after every refit, everything the refitted engine holds (parameters,
 buffers, tensors kept beside them, and its repacked CPU kernels read back through the identity
-matrix: ``flows.receive.vllm_state.dump``) and its greedy generation equal the reference's.
+matrix: ``flows.receive.live_tensors.dump``) and its greedy generation equal the reference's.
 
 Engines run in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``), one at a time; the reference
 dumps are taken first. Tensor parallelism runs its workers in processes of their own.

@@ -1,4 +1,5 @@
-"""Which vLLM layers each checkpoint tensor lands in, learned from the model's own ``load_weights``.
+"""Which layers each checkpoint tensor lands in, learned from the model's own ``load_weights`` (a
+vLLM-style loader: SGLang's models use the same ``weight_loader`` convention).
 
 vLLM (0.32) reloads weights layer by layer (``vllm.model_executor.model_loader.reload``): a layer
 (a module that owns parameters) is processed once every element of its parameters has been loaded,
@@ -17,7 +18,7 @@ to every layer: the refit is then a full reload, never a partial one. Nothing li
 The same probe says which names are loaded *directly*: one plain ``weight_loader(param, tensor)``
 call (no shard id, no other argument) into a parameter of the name's own shape (the engine's dtype
 may differ: the loader's copy converts). Only such a name can be patched in place
-(``flows.receive.vllm_patch`` decides whether it is).
+(``flows.receive.param_patch`` decides whether it is).
 """
 
 from __future__ import annotations

@@ -1,15 +1,16 @@
-"""Phase 1 of a vLLM engine refit, while the engine serves: what the worker holds, the next step
-staged beside it, and what the pause will reload or patch. Nothing in the engine changes.
+"""Phase 1 of an engine refit, while the engine serves: what the worker holds, the next step
+staged beside it, and what the pause will reload or patch. Nothing in the engine changes. Any
+engine: it is reached through its ``EngineModel`` (``flows.receive.engine_model``).
 
-``begin`` runs in the RPC's thread (it reads the model, never beside a forward pass): it locks the
+``begin`` runs in the calling thread (it reads the model, never beside a forward pass): it locks the
 worker's *mirror* (a DCR state file holding the canonical checkpoint of the step the engine serves,
 one per ROOT and receiver), digests every module of the engine (``held_digests``, step 1) and
 decides whether DCR knows the engine: its digests are those recorded after DCR's last apply
-(``worker._dcr_held``) and the mirror holds that step. ``stage`` only reads the bucket and the
+(``EngineState.held``) and the mirror holds that step. ``stage`` only reads the bucket and the
 mirror (it may run in a thread): plan from the mirror's step, lease the steps read, stage the next
 mirror (only the changed chunks pulled, every tensor verified against the step's digest), and, for
-a known engine, split the changed tensors into those patched in place (``vllm_patch``: their
-changed elements found now) and the layers reloaded whole (``vllm_layers``), and name every module
+a known engine, split the changed tensors into those patched in place (``param_patch``: their
+changed elements found now) and the layers reloaded whole (``layer_probe``), and name every module
 the apply may change (``Prepared.touched``: checked and hashed again in the pause).
 
 Bundled steps (manifest schema 4, ``dcr_core.bundles``): the mirror holds a bundle's members by
@@ -30,9 +31,11 @@ from dcr_core.bits import tensor_from_bits
 from dcr_core.chain import Direction
 from dcr_core.dtypes import DTYPES
 from flows.options import ReceiveOptions
-from flows.receive import held_digests, state_file, vllm_layers, vllm_patch
+from flows.receive import held_digests, layer_probe, param_patch, state_file
+from flows.receive.engine_model import EngineModel, EngineState
 from flows.receive.module import default_mirror_path
 from flows.receive.pipeline import Leases
+from flows.receive.records import ReceiverCommit, WorkerPrepared
 from storage import reader
 from storage.local import journal, state
 from storage.local.safetensors import SafetensorsCheckpoint
@@ -48,8 +51,8 @@ class Begun:
     mirror: str
     digests: dict[str, str]  # the engine's module digests, when prepared
     known: bool
-    layer_map: vllm_layers.LayerMap | None
-    patchable: dict[str, str]  # names that can be patched in place (vllm_patch.candidates)
+    layer_map: layer_probe.LayerMap | None
+    patchable: dict[str, str]  # names that can be patched in place (param_patch.candidates)
     lock: contextlib.ExitStack = field(repr=False)
 
 
@@ -62,7 +65,7 @@ class Prepared:
     staged: state_file.Staged | None
     reload: list[str] | None  # None: every tensor
     layers: set[str] | None  # the layers those feed (None: all)
-    patches: list[vllm_patch.Patch]  # changed elements written in place, not reloaded
+    patches: list[param_patch.Patch]  # changed elements written in place, not reloaded
     touched: set[str] | None  # the modules the apply may change (None: all): checked and re-hashed in the pause
     changed: int
     known: bool
@@ -70,7 +73,7 @@ class Prepared:
     leases: Leases
     fetch_seconds: float
     lock: contextlib.ExitStack = field(repr=False)
-    record: dict = field(default_factory=dict)  # the receiver's commit record, once applied
+    record: ReceiverCommit | None = None  # the receiver's commit record, once applied
 
     @property
     def mode(self) -> str:
@@ -79,43 +82,38 @@ class Prepared:
         return "delta" if self.known and self.reload is not None else "full"
 
 
-def model_of(worker):
-    """The model a worker (or the weight-transfer engine's stand-in) serves."""
-    return worker.model_runner.model
-
-
-def receiver_of(worker, receiver_id: str) -> str:
+def receiver_of(engine: EngineModel, receiver_id: str) -> str:
     """With tensor parallelism each rank is its own receiver (``<id>-rank<r>``), with its own mirror."""
-    tp = getattr(getattr(worker, "parallel_config", None), "tensor_parallel_size", 1)
-    return receiver_id if tp == 1 else f"{receiver_id}-rank{worker.rank}"
+    return receiver_id if engine.ranks == 1 else f"{receiver_id}-rank{engine.rank}"
 
 
-def begin(worker, ref: RootRef, receiver_id: str, state_path: str | None) -> Begun:
+def begin(engine: EngineModel, known_state: EngineState, ref: RootRef, receiver_id: str,
+          state_path: str | None) -> Begun:
     """Lock the mirror, digest the engine, and say whether DCR knows it (see the module docstring)."""
-    rid = receiver_of(worker, receiver_id)
+    rid = receiver_of(engine, receiver_id)
     mirror = state_file.check_path(
-        f"{state_path}.rank{worker.rank}" if state_path and rid != receiver_id else state_path
+        f"{state_path}.rank{engine.rank}" if state_path and rid != receiver_id else state_path
         or default_mirror_path(ref.url, rid))
     lock = contextlib.ExitStack()
     lock.enter_context(state.exclusive(mirror))  # one refit per mirror; held until applied or aborted
     try:
         journal.settle(mirror)  # a mirror is never patched in place; a foreign journal is settled
-        digests = held_digests.digests_of(model_of(worker))  # the whole engine, while it serves (not in the pause)
-        held = getattr(worker, "_dcr_held", None)
+        digests = held_digests.digests_of(engine.model)  # the whole engine, while it serves (not in the pause)
+        held = known_state.held
         known = bool(held) and held["root"] == ref.url and held["mirror"] == mirror \
             and held["digests"] == digests and state.peek_step(mirror) == held["step"]
         layer_map, patchable = None, {}
         if known:
             with SafetensorsCheckpoint(mirror) as ck:
                 schema = tuple(sorted((n, i.dtype, tuple(i.shape)) for n, i in ck.infos.items()))
-            layer_map, patchable = _layer_map(worker, schema)
+            layer_map, patchable = _layer_map(engine, known_state, schema)
         return Begun(ref, rid, mirror, digests, known, layer_map, patchable, lock)
     except BaseException:
         lock.close()
         raise
 
 
-def stage(worker, b: Begun, step: int | None, opts: ReceiveOptions) -> Prepared:
+def stage(engine: EngineModel, b: Begun, step: int | None, opts: ReceiveOptions) -> Prepared:
     """Plan, lease, stage the next mirror (verified), and choose what to reload and patch."""
     leases = Leases(b.ref, b.receiver_id, opts.lease_seconds)  # released after the apply (or an abort)
     t0 = time.perf_counter()
@@ -132,17 +130,17 @@ def stage(worker, b: Begun, step: int | None, opts: ReceiveOptions) -> Prepared:
             state_file.verify_held_state(plan, b.mirror)
         changed = changed_names(plan)
         reload = layers = touched = None
-        patches: list[vllm_patch.Patch] = []
+        patches: list[param_patch.Patch] = []
         schema = tuple(sorted((n, i.dtype, tuple(i.shape)) for n, i in reader.state_infos(target).items()))
         if b.known and b.layer_map is not None and b.layer_map.schema == schema:
-            patch, reload = vllm_patch.split(changed, b.patchable, b.layer_map)
+            patch, reload = param_patch.split(changed, b.patchable, b.layer_map)
             if patch:
-                patches = _patches(worker, b, staged, patch)
+                patches = _patches(engine.model, b, staged, patch)
                 if patches is None:  # a parameter's bytes are not the checkpoint's: reload its layer
                     patches, reload = [], b.layer_map.reload_set(changed)
             if reload is not None:
                 layers = b.layer_map.layers_of(reload)
-                touched = _touched(model_of(worker), layers, patches)
+                touched = _touched(engine.model, layers, patches)
         return Prepared(b.ref, b.receiver_id, b.mirror, plan, staged, reload, layers, patches, touched,
                         len(changed), b.known, b.digests, leases, time.perf_counter() - t0, b.lock)
     except BaseException:
@@ -162,10 +160,11 @@ def release(p: Prepared) -> None:
         p.lock.close()
 
 
-def summary(p: Prepared) -> dict:
-    return {"receiver": p.receiver_id, "from_step": p.plan.current_step, "to_step": p.plan.target_step,
-            "mode": p.mode, "moves": p.plan.describe(), "changed_tensors": p.changed,
-            "bytes_pulled": p.staged.bytes_pulled if p.staged else 0, "fetch_seconds": p.fetch_seconds}
+def summary(p: Prepared) -> WorkerPrepared:
+    return WorkerPrepared(receiver=p.receiver_id, from_step=p.plan.current_step, to_step=p.plan.target_step,
+                          mode=p.mode, moves=p.plan.describe(), changed_tensors=p.changed,
+                          bytes_pulled=p.staged.bytes_pulled if p.staged else 0, fetch_seconds=p.fetch_seconds,
+                          policy_digest=reader.manifests(p.plan)[p.plan.target_step].policy_digest)
 
 
 def changed_names(plan: RefitPlan) -> list[str]:
@@ -205,33 +204,32 @@ def changed_members(held: Manifest, target: Manifest, names: set[str]) -> list[s
     return sorted(n for n in names if was.get(n) is None or was[n] != now.get(n))
 
 
-def _layer_map(worker, schema: tuple) -> tuple[vllm_layers.LayerMap, dict[str, str]]:
+def _layer_map(engine: EngineModel, known_state: EngineState, schema: tuple) -> tuple[layer_probe.LayerMap, dict[str, str]]:
     """The layer map for ``schema`` and the names patchable in place (probed once per schema and
-    kept on the worker)."""
-    cached = getattr(worker, "_dcr_layers", None)
+    kept in the worker's ``EngineState``)."""
+    cached = known_state.layers
     if cached is None or cached[0].schema != schema:
-        model = model_of(worker)
-        layer_map = vllm_layers.probe_layers(model, schema)
-        cached = (layer_map, vllm_patch.candidates(model, layer_map))
-        worker._dcr_layers = cached
+        layer_map = layer_probe.probe_layers(engine.model, schema)
+        cached = (layer_map, param_patch.candidates(engine.model, layer_map))
+        known_state.layers = cached
     return cached
 
 
-def _patches(worker, b: Begun, staged, names: list[str]) -> list[vllm_patch.Patch] | None:
+def _patches(model, b: Begun, staged, names: list[str]) -> list[param_patch.Patch] | None:
     """The in-place patches of ``names``: the held step's bits from the mirror, the target's from
     the staged mirror (reads the model; writes nothing)."""
     def reader_of(ck: SafetensorsCheckpoint):
         return lambda n: tensor_from_bits(ck.bits(n), DTYPES[ck.infos[n].dtype], tuple(ck.infos[n].shape))
 
     with SafetensorsCheckpoint(b.mirror) as held, SafetensorsCheckpoint(staged.path) as target:
-        return vllm_patch.prepare(model_of(worker), b.patchable, names, reader_of(held), reader_of(target))
+        return param_patch.prepare(model, b.patchable, names, reader_of(held), reader_of(target))
 
 
-def _touched(model, layers: set[str], patches: list[vllm_patch.Patch]) -> set[str]:
+def _touched(model, layers: set[str], patches: list[param_patch.Patch]) -> set[str]:
     """Every module an apply reloading ``layers`` and writing ``patches`` may change: the layers
     and their submodules, modules tied to them (``vllm_fixups.after_reload`` processes those) and
     the patched modules."""
-    out = {pt.module for pt in patches} | {name for name, _ in vllm_layers.tied_followers(model, layers)}
+    out = {pt.module for pt in patches} | {name for name, _ in layer_probe.tied_followers(model, layers)}
     for name, _ in model.named_modules():
         parts = name.split(".")
         if any(".".join(parts[:i]) in layers for i in range(1, len(parts) + 1)):

@@ -1,4 +1,5 @@
-"""Changed elements written in place into the vLLM layers that keep the checkpoint's layout.
+"""Changed elements written in place into an engine's layers that keep the checkpoint's layout
+(described here for vLLM, the engine DCR adapts today).
 
 A layer keeps the checkpoint's layout when nothing vLLM does after loading turns its weights into
 something else. DCR patches a checkpoint name in place only when all of this holds:
@@ -31,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from flows.receive import vllm_layers, vllm_state
+from flows.receive import layer_probe, live_tensors
 
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -50,12 +51,12 @@ class Patch:
         return int(self.index.numel())
 
 
-def candidates(model: torch.nn.Module, layer_map: vllm_layers.LayerMap) -> dict[str, str]:
+def candidates(model: torch.nn.Module, layer_map: layer_probe.LayerMap) -> dict[str, str]:
     """Checkpoint name -> the parameter ("module.attr") it is copied into, for the names this engine
     can take patched in place (the structural conditions of the module docstring; the data condition
     is checked by ``prepare``)."""
     params = dict(model.named_parameters())
-    held_by = vllm_layers.owners(model)
+    held_by = layer_probe.owners(model)
     direct = set(layer_map.direct.values())
     out: dict[str, str] = {}
     for name, pname in layer_map.direct.items():
@@ -64,15 +65,15 @@ def candidates(model: torch.nn.Module, layer_map: vllm_layers.LayerMap) -> dict[
         mod = model.get_submodule(mod_name)
         if layer_map.layers.get(name) != frozenset({mod_name}) or len(held_by[id(p)]) != 1:
             continue
-        if vllm_state.has_kernel(mod) or not p.is_contiguous() or p.element_size() not in _INT:
+        if live_tensors.has_kernel(mod) or not p.is_contiguous() or p.element_size() not in _INT:
             continue
-        own = [n for n, _ in vllm_state.module_tensors(f"{mod_name}." if mod_name else "", mod)]
+        own = [n for n, _ in live_tensors.module_tensors(f"{mod_name}." if mod_name else "", mod)]
         if all(n in direct for n in own):
             out[name] = pname
     return out
 
 
-def split(changed: Iterable[str], patchable: dict[str, str], layer_map: vllm_layers.LayerMap
+def split(changed: Iterable[str], patchable: dict[str, str], layer_map: layer_probe.LayerMap
           ) -> tuple[list[str], list[str] | None]:
     """(names to patch, names to reload; None: everything) for a change: a patchable name whose
     module a reload touches anyway is reloaded with it."""

@@ -1,8 +1,8 @@
-"""What a running vLLM engine holds, as bytes: the parameters and buffers of its model, the tensors
-it keeps beside them, and what its opaque repacked kernels compute.
+"""What a live model holds, as bytes (an engine's, a torch module's): the parameters and buffers of
+its modules, the tensors it keeps beside them, and what its opaque repacked kernels compute.
 
-After loading, vLLM may move weights out of ``named_parameters``: on CPU (vLLM 0.32) every linear
-layer's weight is repacked into a oneDNN (or sgl) handle reached only through ``layer.cpu_linear``,
+After loading, an engine may move weights out of ``named_parameters``: on CPU, vLLM 0.32 repacks
+every linear layer's weight into a oneDNN (or sgl) handle reached only through ``layer.cpu_linear``,
 and the parameter left behind has shape ``(0,)``. Such a handle holds a pointer, not bytes DCR can
 read. So the engine's state is described by:
 

@@ -1,0 +1,304 @@
+"""Every kind of receiver behind one interface, and the registry that picks the kind of a target.
+
+A receiver is a target DCR brings to a step: a state file, a live torch module, an inference
+engine in this process, a server that ``dcr fleet`` switches. Each kind is one ``Receiver``
+subclass, and a refit runs the same lifecycle on every kind, in this order:
+
+============  =========================================================================================
+``bind``      the ROOT, the receiver's id and options, and who drives the refit (``Binding``)
+``prepare``   plan, lease the steps it reads, stage the step beside the target and verify it; the
+              target is not touched, and keeps serving (``stage``)
+``pause``     the target stops serving (a kind that serves; nothing for the others)
+``apply``     the pause window: the staged step put in place; a failure leaves the target at its
+              previous step, bit for bit, or says that it could not (``install``)
+``resume``    the target serves again
+``record``    the receiver's commit recorded in ROOT (``flows.receive.records.ReceiverCommit``)
+``release``   leases, locks and whatever was staged but not applied dropped; after success or
+              failure alike
+============  =========================================================================================
+
+``refit(step)`` runs them once, for ``dcr receive`` and ``receive_refit``; ``dcr fleet``
+(``flows.receive.fleet``) runs each phase on every member at once, all or nothing. A kind
+implements ``version``, ``stage``, ``install``, ``record`` and ``release`` (``pause``, ``resume``
+if it serves; ``result`` if it refits on its own). ``admit`` is the one check every request passes,
+whatever the kind: ``bind``, ``prepare`` and ``apply`` call it before anything is planned or
+changed, so a receiver that must refuse a caller (a coordinator that is no longer the one in
+charge, say) refuses there, once for every kind.
+
+The registry (``KINDS``, extended by ``register``) says which kind a target is, and imports the
+kind's module only then (a kind's module may import torch or vLLM; the state file's imports
+neither): by the scheme of a URL (``state:PATH``, ``http(s)://HOST:PORT``, ``local:NAME``), a
+plain path (a state file), or, for an object of this process, by asking each in-process kind in
+turn whether the object is one of its (``holds``: the only place DCR tells a vLLM engine from a
+torch module). Nothing outside the registry tests a target's type or a URL's prefix.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from dcr_core.errors import UsageError
+from flows.options import ReceiveOptions
+from flows.results import ReceiveResult, as_dict
+from storage import layout
+from storage.root import RootRef
+
+
+@dataclass(frozen=True)
+class Binding:
+    """What a refit is for: ``root`` (the ROOT read, with its storage options), ``receiver_id``
+    (the receiver's records, leases and reports in ROOT), ``options``, ``mirror`` (where a live
+    target keeps the canonical copy of what it holds; None: DCR's cache directory) and
+    ``coordinator`` (who drives the refit: None for the receiver itself, the fleet's name under
+    ``dcr fleet``)."""
+
+    root: RootRef
+    receiver_id: str
+    options: ReceiveOptions = field(default_factory=ReceiveOptions)
+    mirror: str | None = None
+    coordinator: str | None = None
+
+
+def check_arguments(receiver_id: str | None, step: int | None, options: Any) -> ReceiveOptions:
+    """A refit's receiver id and step checked (one line naming what is wrong), and its options."""
+    if receiver_id is not None:
+        layout.check_receiver(receiver_id)
+    if step is not None:
+        layout.check_step(step)
+    if options is not None and not isinstance(options, ReceiveOptions):
+        raise UsageError(f"options must be a ReceiveOptions, got {type(options).__name__}")
+    return options or ReceiveOptions()
+
+
+class Receiver(ABC):
+    """One receiver (see the module docstring for the lifecycle). ``name``: how messages name it
+    (its URL, path or type)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._binding: Binding | None = None
+
+    # -- the lifecycle, the same for every kind ------------------------------------------------------
+
+    @property
+    def binding(self) -> Binding:
+        if self._binding is None:
+            raise UsageError(f"{self.name}: no ROOT bound: bind it first")
+        return self._binding
+
+    def bind(self, binding: Binding) -> None:
+        """Bind the receiver to a ROOT and an id (a fresh binding replaces the last one)."""
+        self.admit(binding)
+        self._binding = binding
+
+    def admit(self, binding: Binding) -> None:
+        """Accept requests made under ``binding``, or raise: the one check every request passes
+        before anything is planned or changed (``bind``, ``prepare``, ``apply``), whatever the
+        kind. Every binding is accepted so far."""
+        return None  # nothing is refused yet: the place where a receiver refuses a caller
+
+    def prepare(self, step: int | None = None) -> None:
+        """Phase 1: plan, lease and stage ``step`` (default: the latest), verified; the target is untouched."""
+        self.admit(self.binding)
+        self.stage(step)
+
+    def apply(self, step: int | None = None) -> None:
+        """Phase 2, the pause window: put ``step`` in place (default: the step prepared; another
+        step is prepared first)."""
+        self.admit(self.binding)
+        self.install(step)
+
+    def pause(self) -> None:
+        """Stop serving before ``apply`` (a kind that serves requests)."""
+        return None  # a target that serves nothing has nothing to stop
+
+    def resume(self) -> None:
+        """Serve again after ``apply``, whether it succeeded or not."""
+        return None  # a target that serves nothing has nothing to resume
+
+    def refit(self, step: int | None = None) -> ReceiveResult:
+        """Bring the bound target to ``step`` (default: the latest) at once: prepare, pause, apply,
+        resume, record, and release whatever happened."""
+        try:
+            self.prepare(step)
+            self.pause()
+            try:
+                self.apply(step)
+            finally:
+                self.resume()
+            self.record()
+        finally:
+            self.release()
+        return self.result()
+
+    # -- what each kind implements -------------------------------------------------------------------
+
+    @abstractmethod
+    def version(self) -> int | None:
+        """The step the target holds now (None: unknown, or none)."""
+
+    @abstractmethod
+    def stage(self, step: int | None) -> None:
+        """Phase 1's work (see ``prepare``)."""
+
+    @abstractmethod
+    def install(self, step: int | None) -> None:
+        """Phase 2's work (see ``apply``)."""
+
+    @abstractmethod
+    def record(self) -> None:
+        """Record the receiver's commit of the step applied."""
+
+    @abstractmethod
+    def release(self) -> None:
+        """Drop leases, locks, and what was staged but not applied; safe to call at any time."""
+
+    def result(self) -> ReceiveResult:
+        """What the last ``refit`` did."""
+        raise UsageError(f"{self.name}: a {type(self).__name__} is refitted by dcr fleet, not on its own")
+
+    # -- how the registry makes one ------------------------------------------------------------------
+
+    @classmethod
+    def from_url(cls, url: str, **how: Any) -> Receiver:
+        """The receiver a URL of this kind names (``how``: what its caller decides, e.g. ``timeout``)."""
+        raise UsageError(f"{url}: a {cls.__name__} is not named by a URL")
+
+    @classmethod
+    def from_target(cls, target: Any, **how: Any) -> Receiver:
+        """The receiver of ``target``, a path or an object of this process (``how``: ``runner``, ...)."""
+        raise UsageError(f"{cls.__name__} takes no target of type {type(target).__name__}")
+
+    @classmethod
+    def canonical(cls, url: str) -> tuple[str, str]:
+        """``url`` as a fleet names the member (the same member from any directory), and the default
+        receiver id's suffix (``dcr fleet`` prefixes the fleet's name). ``UsageError`` if it is not
+        a well-formed URL of this kind."""
+        return url, url.partition(":")[2]
+
+
+# -- the registry ------------------------------------------------------------------------------------
+
+
+def _has_method(name: str) -> Callable[[object], bool]:
+    return lambda obj: callable(getattr(obj, name, None))
+
+
+@dataclass(frozen=True)
+class Kind:
+    """A receiver kind in the registry: its class (``module``, ``cls``: imported on first use), how
+    a target of it is written (``form``, for messages), the URL ``schemes`` that name one, whether a
+    plain path does (``paths``), and for an object of this process whether it is one (``holds``)."""
+
+    name: str
+    module: str
+    cls: str
+    form: str
+    schemes: tuple[str, ...] = ()
+    paths: bool = False
+    holds: Callable[[object], bool] | None = None
+
+    @property
+    def in_process(self) -> bool:
+        """Whether its targets are objects of this process (not named by a path or URL)."""
+        return self.holds is not None
+
+    def load(self) -> type[Receiver]:
+        return getattr(importlib.import_module(self.module), self.cls)
+
+
+KINDS: list[Kind] = [
+    Kind("http-server", "flows.receive.fleet_members", "HttpServer", "http://HOST:PORT", schemes=("http", "https")),
+    Kind("state-file", "flows.receive.pipeline", "StateFile", "state:PATH", schemes=("state",), paths=True),
+    Kind("local-engine", "flows.receive.fleet_members", "LocalEngine", "local:NAME", schemes=("local",)),
+    # objects of this process, asked in this order: an engine first (it has no load_weights of its own)
+    Kind("vllm-engine", "flows.receive.vllm_refit", "VllmEngine", "a vLLM LLM started with DCR's worker extension",
+         holds=_has_method("collective_rpc")),
+    Kind("live-module", "flows.receive.module_pipeline", "LiveModule", "a torch module with load_weights(weights)",
+         holds=_has_method("load_weights")),
+]
+_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.-]*):")
+
+
+def register(kind: Kind) -> None:
+    """Add a receiver kind (its schemes must be new; in-process kinds are asked after the others)."""
+    taken = {s for k in KINDS for s in k.schemes}
+    if taken & set(kind.schemes) or any(k.name == kind.name for k in KINDS):
+        raise ValueError(f"receiver kind {kind.name}: its name or a scheme of {kind.schemes} is registered already")
+    KINDS.append(kind)
+
+
+def scheme_of(url: str) -> str | None:
+    """The scheme ``url`` starts with (``state``, ``http``, ...), or None."""
+    m = _SCHEME.match(url)
+    return m.group(1).lower() if m else None
+
+
+def url_schemes() -> set[str]:
+    """Every scheme a registered kind answers."""
+    return {s for k in KINDS for s in k.schemes}
+
+
+def _either(forms: list[str]) -> str:
+    return forms[0] if len(forms) == 1 else f"{', '.join(forms[:-1])} or {forms[-1]}"
+
+
+def url_forms() -> str:
+    """How the kinds named by a URL are written: ``http://HOST:PORT, state:PATH or local:NAME``."""
+    return _either([k.form for k in KINDS if k.schemes])
+
+
+def kind_of_url(url: str) -> Kind:
+    """The kind whose scheme ``url`` has; else a one-line ``UsageError`` naming it."""
+    scheme = scheme_of(url)
+    for k in KINDS:
+        if scheme is not None and scheme in k.schemes:
+            return k
+    what = "no scheme" if scheme is None else f"no receiver kind for scheme {scheme!r}"
+    raise UsageError(f"{url!r}: {what} (expected {url_forms()})")
+
+
+def kind_of(target: Any) -> Kind:
+    """The kind of a refit's ``target``: a path (``str`` or ``os.PathLike``) is a state file; an
+    object of this process is asked of each in-process kind in turn."""
+    if isinstance(target, (str, os.PathLike)):
+        return next(k for k in KINDS if k.paths)
+    for k in KINDS:
+        if k.holds is not None and k.holds(target):
+            return k
+    raise UsageError(f"{type(target).__name__} is not a receiver: expected a state file path or "
+                     f"{_either([k.form for k in KINDS if k.holds is not None])}")
+
+
+def holds(target: Any, cls: type[Receiver]) -> bool:
+    """Whether ``target``, an object of this process, is one the kind of class ``cls`` refits."""
+    kind = next((k for k in KINDS if k.cls == cls.__name__ and k.module == cls.__module__), None)
+    return kind is not None and kind.holds is not None and kind.holds(target)
+
+
+def member(url: str, **how: Any) -> Receiver:
+    """The receiver a fleet member's URL names (see ``kind_of_url``)."""
+    return kind_of_url(url).load().from_url(url, **how)
+
+
+def receiver_of(target: Any, **how: Any) -> Receiver:
+    """The receiver of a refit's target (see ``kind_of``)."""
+    return kind_of(target).load().from_target(target, **how)
+
+
+def refit(target: Any, root: str | os.PathLike, receiver_id: str, step: int | None = None,
+          storage_options: dict | None = None, options: ReceiveOptions | None = None, mirror: str | None = None,
+          **how: Any) -> dict:
+    """Bring ``target`` (any kind: ``kind_of``) to ``step`` (default: the latest) of ``root`` through
+    its kind's lifecycle; ``mirror``: where a live target keeps its mirror; ``how``: what its kind
+    takes (``runner``). Returns its ``ReceiveResult`` as one flat dict."""
+    receiver = receiver_of(target, **how)
+    options = check_arguments(receiver_id, step, options)
+    receiver.bind(Binding(RootRef(os.fspath(root), dict(storage_options or {})), receiver_id, options, mirror=mirror))
+    return as_dict(receiver.refit(step))
