@@ -14,6 +14,7 @@ import itertools
 import json
 import math
 import operator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -486,15 +487,14 @@ class TensorEntry:
         )
 
 
-def policy_entries(entries: dict[str, TensorEntry]):
+def policy_entries(entries: dict[str, TensorEntry]) -> Iterator[tuple[str, str, tuple[int, ...], str]]:
     """``(name, dtype, shape, digest)`` of every tensor of the policy ``entries`` store: bundles'
-    members included, bundles themselves not (what the policy digest covers)."""
-    for t in entries.values():
-        if t.members is None:
-            yield t.name, t.dtype, t.shape, t.digest
-        else:
-            m = t.members
-            yield from zip(m.names, [m.dtype] * len(m), m.shapes, m.digests)
+    members included, bundles themselves not (what the policy digest covers). A bundle's members
+    come from its columns in C (``zip``), not one Python step per member."""
+    return itertools.chain.from_iterable(
+        ((t.name, t.dtype, t.shape, t.digest),) if t.members is None
+        else zip(t.members.names, itertools.repeat(t.members.dtype), t.members.shapes, t.members.digests)
+        for t in entries.values())
 
 
 @dataclass(frozen=True)
