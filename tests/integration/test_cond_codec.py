@@ -38,6 +38,7 @@ from tests.support.helpers import (
     chunk_named,
     damage_chunk,
     file_bytes,
+    module_bits,
     stored_chunks,
     write_safetensors,
 )
@@ -166,13 +167,6 @@ def test_cond_chunks_in_column_blocks_refit_forward_and_back(tmp_path, in_place)
         assert_bits_equal(load_file(state), cks[step])
 
 
-def _bits(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer (persistent or not) of a module, by qualified name."""
-    out = {f"p:{n}": p.detach().clone() for n, p in module.named_parameters()}
-    out.update({f"b:{n}": b.detach().clone() for n, b in module.named_buffers()})
-    return out
-
-
 def test_live_module_receivers_load_cond_steps_whole_and_exactly(tmp_path):
     """A live module holds its weights in its own layout, so ``dcr-cond`` steps are loaded through
     the loader from a verified full checkpoint (mode "dense"); the result is the dense load's."""
@@ -197,6 +191,6 @@ def test_live_module_receivers_load_cond_steps_whole_and_exactly(tmp_path):
         assert res["mode"] == "dense"
         ref = VllmLlama(cfg)
         ref.load_weights(list(cks[step].items()))
-        assert_bits_equal(_bits(mod), _bits(ref))
+        assert_bits_equal(module_bits(mod), module_bits(ref))
     run_materialize(root, 2, str(tmp_path / "full.safetensors"))
     assert_bits_equal(load_file(tmp_path / "full.safetensors"), cks[2])

@@ -11,9 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 from dcr_core.errors import IntegrityError, StateMismatchError
-from flows import run_publish, run_receive
-from flows.options import PublishOptions
+from flows import run_receive
 from tests.support.helpers import assert_bits_equal, file_bytes
+from tests.support.publishing import publish_steps
 
 pytestmark = pytest.mark.faults(component="security", outcome="refused with a one-line error; the held state unchanged")
 
@@ -29,11 +29,6 @@ def _chain(n):
     return out
 
 
-def _publish(root, cks, tmp_path):
-    for s, ck in enumerate(cks):
-        run_publish(root, ck, s, options=PublishOptions(cache_dir=str(tmp_path / "c")))
-
-
 def _marker(root, step):
     return os.path.join(root, "steps", f"{step:012d}", "commit.json")
 
@@ -43,7 +38,7 @@ def signed(tmp_path, monkeypatch):
     monkeypatch.setenv("DCR_SIGNING_KEY", "correct horse battery staple")
     root = str(tmp_path / "bucket")
     cks = _chain(3)
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "c")
     return root, cks
 
 
@@ -57,7 +52,7 @@ def test_signed_steps_refit_exactly_and_carry_a_signature(signed, tmp_path):
 
 def test_a_receiver_with_the_key_refuses_unsigned_markers(tmp_path, monkeypatch):
     root = str(tmp_path / "bucket")
-    _publish(root, _chain(2), tmp_path)  # no key: unsigned
+    publish_steps(root, _chain(2), cache_dir=tmp_path / "c")  # no key: unsigned
     monkeypatch.setenv("DCR_SIGNING_KEY", "k")
     with pytest.raises(IntegrityError, match="not signed"):
         run_receive(root, "r", str(tmp_path / "s.safetensors"))
@@ -119,7 +114,7 @@ def ed25519(tmp_path, monkeypatch):
     monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
     root = str(tmp_path / "bucket")
     cks = _chain(3)
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "c")
     monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
     monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))  # from here on: a receiver
     return root, cks
@@ -240,7 +235,7 @@ def test_an_unsigned_root_refused_by_a_verify_key_names_that_variable(tmp_path, 
     from storage import signing
 
     root = str(tmp_path / "bucket")
-    _publish(root, _chain(2), tmp_path)
+    publish_steps(root, _chain(2), cache_dir=tmp_path / "c")
     assert "signed" not in json.load(open(os.path.join(root, "run.json")))
     signing.keygen(tmp_path / "key")
     monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))

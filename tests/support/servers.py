@@ -29,7 +29,8 @@ GCS_BUCKET = "dcr-test"
 BACKENDS = ("local", "memory", "s3", "gcs")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 free a moment ago (nothing listens there: connections are refused)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -98,7 +99,7 @@ def pytest_sessionfinish(session) -> None:
 
 
 def _moto(d: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
     pid = _start_detached([exe, "-H", "127.0.0.1", "-p", str(port)], f"http://127.0.0.1:{port}/", d / "moto.log")
     return {"url": f"http://127.0.0.1:{port}", "pid": pid}
@@ -131,7 +132,7 @@ def s3_server(tmp_path_factory):
 
 
 def _gcs(d: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, str(REPO / "infra" / "gcs_emulator.py"), "start", "--host", "127.0.0.1", "--port", str(port),
            "--in-memory", "--default-bucket", GCS_BUCKET]
@@ -154,7 +155,7 @@ def gcs_server(tmp_path_factory):
 def _prefect(d: Path) -> dict:
     home = d / "prefect-home"
     home.mkdir(exist_ok=True)
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
@@ -183,6 +184,15 @@ def prefect_api(tmp_path_factory):
     finally:
         drain_prefect_workers()
         mp.undo()
+
+
+@pytest.fixture
+def prefect_settings(prefect_api):
+    """Prefect's client settings pointed at the run's API server for one test."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_api}):
+        yield prefect_api
 
 
 def drain_prefect_workers() -> None:
