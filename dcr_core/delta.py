@@ -44,7 +44,7 @@ class ChunkPayload:
 
 @dataclass(frozen=True, slots=True)
 class HeldCoded:
-    """A stored chunk that decodes only against the bits it is applied to (codec ``dcr-cond``).
+    """A stored chunk that decodes only against the bits it is applied to (codec ``dcr.cond``).
 
     Fetching checks its stored bytes (size, frame header, digest); ``apply_chunk`` decodes it
     against the target's bits of the chunk, forward (target holds the old bits) or backward (the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from typing import Literal
 
+from dcr_zarr_codec.metadata import BLOSC_CODEC, COND_CODEC, SPARSE_CODEC
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dcr_core import bundles
@@ -21,16 +22,16 @@ from dcr_core.retention import KeyframePolicy
 from storage import leases
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-# Measured on real AdamW deltas (lr 1e-6, 1.7% changed): dcr-sparse level 1 stores 1.36 B per
+# Measured on real AdamW deltas (lr 1e-6, 1.7% changed): dcr.sparse level 1 stores 1.36 B per
 # changed element (entropy bound 1.26); the standard Blosc chain below stores 2.35.
-SPARSE_DELTAS = CodecSpec(name="dcr-sparse", clevel=1)
+SPARSE_DELTAS = CodecSpec(name=SPARSE_CODEC, clevel=1)
 # Standard-only chain for deltas that any zarr reads without this package (audits): byte shuffle
 # beats bit shuffle on XOR masks, and 1 MiB blocks give zstd more context than Blosc's default.
-BLOSC_DELTAS = CodecSpec(name="blosc", clevel=1, shuffle="shuffle", blocksize=1 << 20)
+BLOSC_DELTAS = CodecSpec(name=BLOSC_CODEC, clevel=1, shuffle="shuffle", blocksize=1 << 20)
 # Coded against the receiver's old bits (positions per exponent class, signed ulp steps): below the
 # XOR entropy bound (0.71-0.77x of it on the bench's AdamW steps); decodes only with the held bits, so
 # stock zarr cannot read its arrays as masks, and training ranks (which hold shards) cannot publish it.
-COND_DELTAS = CodecSpec(name="dcr-cond", clevel=3)
+COND_DELTAS = CodecSpec(name=COND_CODEC, clevel=3)
 # Keyframes: bit shuffle then zstd level 1. On BF16 weights (64 MB, one thread) it keeps 98% of the
 # ratio of byte shuffle + zstd level 3 (1.32 against 1.35) and encodes 4.8x faster (1.16 against
 # 0.24 GB/s), decodes 5.5x faster (3.7 against 0.68 GB/s). Older ROOTs keep the codec their manifests name.

@@ -189,7 +189,7 @@ class StepWriter:
         """Compress, digest and upload one chunk; the future gives its StoredChunk. ``announce(key
         in the store, stored chunk)`` is called once it is stored (streaming, ``storage.stream``).
         ``base``: the chunk's old bits, when ``payload`` is an XOR mask and the codec codes against
-        them (``dcr-cond``, which also needs the tensor's ``dtype``). ``changes``: the payload's
+        them (``dcr.cond``, which also needs the tensor's ``dtype``). ``changes``: the payload's
         non-zero elements (positions, values), if the caller found them (``CodecSpec.encode``)."""
         return self._upload(layout.chunk_key(array, grid.grid_index(index)), grid, index, payload, announce,
                             base, dtype, changes)
@@ -303,7 +303,7 @@ def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, che
 def decode_chunk(url: str, key: str, data: bytes, codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int,
                  nbytes: int) -> np.ndarray | HeldCoded:
     """The payload of chunk ``index`` from its stored bytes (size and format checked; not its
-    digest). A ``dcr-cond`` chunk stays coded (``HeldCoded``): it decodes against the held bits."""
+    digest). A ``dcr.cond`` chunk stays coded (``HeldCoded``): it decodes against the held bits."""
     if len(data) != nbytes:
         raise IntegrityError(f"{url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
     size = grid.chunk_size(index)
@@ -318,7 +318,7 @@ def decode_chunk(url: str, key: str, data: bytes, codec: CodecSpec, dtype: str, 
 
 
 def stored_digest(data: bytes) -> str:
-    """The digest of a chunk's stored bytes: what the manifest records for ``dcr-cond`` chunks,
+    """The digest of a chunk's stored bytes: what the manifest records for ``dcr.cond`` chunks,
     whose payload exists only against the held bits."""
     return chunk_digest(np.frombuffer(data, dtype=np.uint8))
 

@@ -87,7 +87,7 @@ def _refit(tasks: Bound, plan: RefitPlan, mod, mirror: str, options: ReceiveOpti
 
 
 def _held_coded(plan: RefitPlan) -> bool:
-    """Whether a move's chunks decode only against the canonical bits (codec ``dcr-cond``): a live
+    """Whether a move's chunks decode only against the canonical bits (codec ``dcr.cond``): a live
     module holds its weights in its own layout (fused, sharded), so it loads such steps whole."""
     ms = manifests(plan)
     return any(ms[m.step].codec.conditional for m in plan.moves)

@@ -375,12 +375,12 @@ def test_a_sharded_delta_on_top_of_an_unsharded_keyframe(tmp_path, opts):
 
 
 def test_training_ranks_refuse_the_cond_codec_with_one_line_and_commit_nothing(tmp_path, opts):
-    """``dcr-cond`` codes each chunk against its whole old bits, which no rank holds."""
+    """``dcr.cond`` codes each chunk against its whole old bits, which no rank holds."""
     root = str(tmp_path / "bucket")
     first = canonical(1)
     run_publish(root, sources(first), 0, options=opts)
     cond = opts.model_copy(update={"delta_codec": DELTA_CODECS["cond"]})
-    with pytest.raises(DCRError, match="dcr-cond") as err:
+    with pytest.raises(DCRError, match="dcr.cond") as err:
         run_publish(root, sources(next_step(first, 7)), 1, options=cond)
     assert "\n" not in str(err.value)
     assert Catalog(Root(root)).marker(1) is None
