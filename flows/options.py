@@ -20,6 +20,7 @@ from dcr_core.digest import DEFAULT_BLOCK_BYTES
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
 from storage import leases
+from storage.chunk_io import IO_WORKERS
 
 DEFAULT_CHUNK_BYTES = 4 << 20
 # Measured on real AdamW deltas (lr 1e-6, 1.7% changed): dcr.sparse level 1 stores 1.36 B per
@@ -73,7 +74,7 @@ class PublishOptions(_Options):
         1.0, ge=0.0, le=1.0,
         description="store new values instead of an XOR mask when more than this fraction of a tensor changed",
     )
-    io_workers: int = Field(8, ge=1, le=1024, description="parallel object writes and reads")
+    io_workers: int = Field(IO_WORKERS, ge=1, le=1024, description="parallel object writes and reads")
     cache_dir: str = Field(default_factory=default_cache_dir, description="the publisher's baseline cache")
     use_cache: bool = Field(True, description="keep the committed step as the next baseline on local disk")
     keyframe_policy: KeyframePolicy = Field(
@@ -111,7 +112,7 @@ class PublishOptions(_Options):
 
 
 class ReceiveOptions(_Options):
-    io_workers: int = Field(8, ge=1, le=1024, description="parallel object reads")
+    io_workers: int = Field(IO_WORKERS, ge=1, le=1024, description="parallel object reads")
     # Patch the state file in place (a journal, only the changed elements written) instead of
     # rewriting it and renaming it into place; see flows.receive.in_place for the trade-off.
     in_place: bool = Field(False, description="patch the state file in place behind a journal")
@@ -122,6 +123,10 @@ class ReceiveOptions(_Options):
     max_staleness: float | None = Field(
         None, gt=0.0, allow_inf_nan=False,
         description="refuse a ROOT whose newest signed heartbeat is older than this many seconds (storage.heartbeat)",
+    )
+    require_signed: bool = Field(
+        False, description="refuse to read ROOT without a key to verify its commit markers with: never apply a step "
+        "whose signature was not checked (as DCR_REQUIRE_SIGNED=1 does for every reader of the process)",
     )
     group_bytes: int | None = Field(
         None, ge=1, description="materialize on workers (flows.workers): raw bytes of tensors per mapped task; None: "

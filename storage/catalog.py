@@ -103,9 +103,7 @@ class Catalog:
         self.root = root
         self.key = signing.verify_key()  # markers must be signed with it when set
         if self.key is None and signing.require_signed():
-            raise UntrustedError(f"{root.url}: {signing.ENV_REQUIRE_SIGNED} (--require-signed) is set, and this reader has "
-                                 f"no key to verify with: set {signing.ENV_VERIFY_KEY_FILE} (Ed25519) or "
-                                 f"{signing.ENV_KEY} / {signing.ENV_KEY_FILE} (HMAC)")
+            signing.check_verifiable(root.url, signing.ENV_REQUIRE_SIGNED)
         self._markers: dict[int, CommitMarker] = {}
         self._retractions: dict[int, Retraction | None] = {}
         self._run: run_identity.Run | None | bool = False  # False: not read yet

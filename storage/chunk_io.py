@@ -34,6 +34,10 @@ from storage.held_chunks import PREFETCHED
 from storage.manifest import Manifest, TensorEntry
 from storage.root import Root
 
+# Parallel object reads and writes of one transfer (a pool's threads), unless told otherwise: what
+# --io-workers and the options models (flows.options) default to.
+IO_WORKERS = 8
+
 
 class BoundedPool:
     """``workers`` threads; ``submit`` blocks while ``window`` jobs are admitted and unfinished."""
@@ -140,7 +144,7 @@ class StepWriter:
     from the manifest; an auditor opens a packed step with ``dcr_zarr_codec.open_tensor``). 0: one
     object per chunk, and a ``zarr.json`` per array, as steps were written before packs."""
 
-    def __init__(self, root: Root, step: int, attempt: str, codec: CodecSpec, workers: int = 8,
+    def __init__(self, root: Root, step: int, attempt: str, codec: CodecSpec, workers: int = IO_WORKERS,
                  pack_bytes: int = 0):
         self.root, self.step, self.attempt, self.codec = root, step, attempt, codec
         self._pool = BoundedPool(workers, name="dcr-put")
@@ -406,7 +410,7 @@ def _plan_ranges(root: Root, jobs: list[ChunkJob]) -> list[_RangeRead | None]:
     return reads
 
 
-def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = 8, window: int | None = None,
+def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = IO_WORKERS, window: int | None = None,
                   unchecked: Callable[[Manifest, TensorEntry], bool] | None = None
                   ) -> Iterator[tuple[Manifest, TensorEntry, int, np.ndarray | HeldCoded | UncheckedChunk]]:
     """Fetch and verify chunks in the order of ``jobs``, reading ahead across tensors and steps
@@ -450,7 +454,7 @@ def stored_positions(entry: TensorEntry, wanted: Container[int] | None = None) -
     return [p for p, index in enumerate(entry.stored_indices) if index in wanted]
 
 
-def read_chunks(root: Root, manifest: Manifest, entries: dict[str, TensorEntry], workers: int = 8,
+def read_chunks(root: Root, manifest: Manifest, entries: dict[str, TensorEntry], workers: int = IO_WORKERS,
                 positions: dict[str, list[int]] | None = None) -> dict[str, list[tuple[int, np.ndarray]]]:
     """All stored chunks of ``entries`` (of ``manifest``; ``positions``: only these stored positions
     per tensor), verified, in stored-position order per tensor (main chunks in chunk order, then

@@ -26,7 +26,7 @@ from dcr_core.codec import CodecSpec
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
-from storage.chunk_io import MAX_RANGE_BYTES, BoundedPool, decode_chunk, payload_digest, verified_as
+from storage.chunk_io import IO_WORKERS, MAX_RANGE_BYTES, BoundedPool, decode_chunk, payload_digest, verified_as
 from storage.held_chunks import PREFETCHED, Prefetched
 from storage.marker import MAX_MARKER_BYTES
 from storage.root import Root
@@ -50,7 +50,7 @@ class Prefetcher:
     """``Prefetcher(root, step, attempt).start()``; ``stop()`` ends it, ``close()`` also drops what
     it holds. ``committed`` is set once the step's marker exists (whatever attempt it names)."""
 
-    def __init__(self, root: Root, step: int, attempt: str, store: Prefetched = PREFETCHED, workers: int = 8,
+    def __init__(self, root: Root, step: int, attempt: str, store: Prefetched = PREFETCHED, workers: int = IO_WORKERS,
                  poll: float = 0.02, max_poll: float = 0.2, trusted: Mapping[str, tuple[str, ChunkGrid]] | None = None):
         self.root, self.step, self.attempt, self.store = root, step, attempt, store
         # What a chunk may decode to, from a committed (signed) step: tensor -> (dtype, grid). See

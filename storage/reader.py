@@ -35,7 +35,7 @@ from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, RootNotFoundError, StateMismatchError, StepNotFoundError, UsageError
 from storage import layout
 from storage.catalog import Catalog, not_committed, unpublished
-from storage.chunk_io import read_chunks, stored_positions, stream_chunks
+from storage.chunk_io import IO_WORKERS, read_chunks, stored_positions, stream_chunks
 from storage.manifest import Manifest, TensorEntry
 from storage.root import Root, RootRef, open_root
 
@@ -256,7 +256,7 @@ def result_mismatch(step: int, name: str) -> StateMismatchError:
 
 def refit_tensors(
     root: Root, plan: RefitPlan, ms: dict[int, Manifest], held: Callable[[str], np.ndarray] | None,
-    workers: int = 8, where: str = "state", names: Iterable[str] | None = None,
+    workers: int = IO_WORKERS, where: str = "state", names: Iterable[str] | None = None,
 ) -> Iterator[tuple[str, np.ndarray, int]]:
     """Yield ``(name, bits, bytes pulled)`` of every target tensor (or of ``names`` only: a mapped
     task's group), in name order, verified.
@@ -313,7 +313,7 @@ class Fetched:
     seconds: float
 
 
-def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers: int = 8,
+def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers: int = IO_WORKERS,
                    wanted: Callable[[TensorEntry], Container[int] | None] | None = None) -> Fetched:
     """Every payload of every move, verified, in memory: for receivers that must have everything
     before they touch their target (live modules). ``wanted(entry)``: the chunk indices of a

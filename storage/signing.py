@@ -32,7 +32,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from dcr_core.errors import UsageError
+from dcr_core.errors import UntrustedError, UsageError
 from storage.document_fields import fail
 
 HMAC_SHA256 = "hmac-sha256"
@@ -219,6 +219,16 @@ def require_signed() -> bool:
     if value in ("1", "true", "yes"):
         return True
     raise UsageError(f"{ENV_REQUIRE_SIGNED}={os.environ[ENV_REQUIRE_SIGNED]!r} must be 1 or 0")
+
+
+def check_verifiable(where: str, required_by: str) -> Key:
+    """The key readers verify markers with, where ``required_by`` (an option, or ``DCR_REQUIRE_SIGNED``)
+    requires one: without it, a one-line ``UntrustedError`` naming ``where`` and what to set."""
+    key = verify_key()
+    if key is None:
+        raise UntrustedError(f"{where}: {required_by} is set, and this reader has no key to verify with: set "
+                             f"{ENV_VERIFY_KEY_FILE} (Ed25519) or {ENV_KEY} / {ENV_KEY_FILE} (HMAC)")
+    return key
 
 
 def keygen(path: str | os.PathLike) -> Key:

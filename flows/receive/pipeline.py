@@ -25,7 +25,7 @@ from flows.receive import on_workers, state_file
 from flows.results import ReceiveResult
 from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
-from storage import heartbeat, layout, reader
+from storage import heartbeat, layout, reader, signing
 from storage.catalog import Catalog
 from storage.local import journal, materialized, sidecar, state
 from storage.reader import RefitPlan, manifests
@@ -117,6 +117,8 @@ def check_arguments(receiver_id: str | None, step: int | None, options) -> Recei
         layout.check_step(step)
     if options is not None and not isinstance(options, ReceiveOptions):
         raise UsageError(f"options must be a ReceiveOptions, got {type(options).__name__}")
+    if options is not None and options.require_signed:  # before anything is read
+        signing.check_verifiable(f"receiver {receiver_id}" if receiver_id else "receive", "--require-signed")
     return options or ReceiveOptions()
 
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dcr_core.errors import IntegrityError, StateMismatchError
+from dcr_core.errors import IntegrityError, StateMismatchError, UntrustedError
 from flows import run_receive
+from flows.options import ReceiveOptions
 from tests.support.helpers import assert_bits_equal, file_bytes
 from tests.support.publishing import publish_steps
 
@@ -218,10 +219,16 @@ def test_a_signed_root_says_so_and_a_reader_without_a_key_warns_once_or_refuses(
     warning = out.stderr.strip().splitlines()
     assert len(warning) == 1 and "signatures are not checked" in warning[0] and "DCR_VERIFY_KEY_FILE" in warning[0], out.stderr
     before = file_bytes(state)
-    for args, env in ((("--require-signed",), {}), ((), {"DCR_REQUIRE_SIGNED": "1"})):
+    for args, env, said in ((("--require-signed",), {}, "receiver r: --require-signed is set"),
+                            ((), {"DCR_REQUIRE_SIGNED": "1"}, "DCR_REQUIRE_SIGNED is set")):
         out = dcr("receive", root, "--receiver", "r", "--state", state, *args, env=env, check=5)
-        assert len(out.stderr.strip().splitlines()) == 1 and "DCR_REQUIRE_SIGNED (--require-signed) is set" in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and said in out.stderr, out.stderr
+        assert "no key to verify with: set DCR_VERIFY_KEY_FILE" in out.stderr
         assert file_bytes(state) == before
+    # the option is the receive's own, not the process's: nothing else of it changes
+    with pytest.raises(UntrustedError, match="--require-signed is set"):
+        run_receive(root, "r", str(state), options=ReceiveOptions(require_signed=True))
+    assert "DCR_REQUIRE_SIGNED" not in os.environ and file_bytes(state) == before
     dcr("receive", root, "--receiver", "r", "--state", state, "--require-signed",
         env={"DCR_VERIFY_KEY_FILE": str(tmp_path / "key.pub")}, check=0)
     assert_bits_equal(load_file(state), cks[2])
