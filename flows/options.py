@@ -9,7 +9,6 @@ Python with a bad value they raise ``UsageError`` (one line naming the field).
 from __future__ import annotations
 
 import os
-from typing import Literal
 
 from dcr_zarr_codec.metadata import BLOSC_CODEC, COND_CODEC, SPARSE_CODEC
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -144,9 +143,6 @@ class GcOptions(_Options):
         3600.0, ge=0.0, description="leave uncommitted attempts younger than this alone (a publisher may be writing them)",
     )
     dry_run: bool = Field(False, description="report what would be deleted; delete nothing")
-
-
-Orchestrator = Literal["auto", "prefect", "none"]
 
 
 # Option names fsspec backends take credentials under (s3fs, gcsfs, adlfs), at any depth (client_kwargs).

@@ -57,10 +57,6 @@ class Key:
     private: Ed25519PrivateKey | None = None
     public: Ed25519PublicKey | None = None
 
-    @property
-    def can_sign(self) -> bool:
-        return self.secret is not None or self.private is not None
-
     def sign(self, body: dict) -> str:
         if self.secret is not None:
             return hmac.new(self.secret, _canonical(body), hashlib.sha256).hexdigest()

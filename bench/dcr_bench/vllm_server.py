@@ -22,7 +22,7 @@ import urllib.request
 from collections.abc import Sequence
 
 from dcr_bench.vllm_engine import PROMPTS
-from flows.receive.fleet import http_call
+from flows.receive.fleet_members import http_call
 from flows.receive.vllm_refit import EXTENSION
 
 

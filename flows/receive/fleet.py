@@ -54,7 +54,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
 from dcr_core.errors import DCRError, StepNotFoundError, UsageError
-from flows.receive.fleet_members import HTTP_TIMEOUT, MemberError, http_call, member_call  # noqa: F401 - re-exported
+from flows.receive.fleet_members import HTTP_TIMEOUT, MemberError, member_call
 from flows.steps import InProcess, Runner, Step, StepTable
 from storage import fleet, layout
 from storage.catalog import Catalog, not_committed

@@ -150,7 +150,8 @@ def test_phase_one_waits_for_each_members_prepare_report_in_root(root):
     """A server member reports its background prepare in ``prepared/<receiver>.json`` (one per TP
     rank): the coordinator waits for the report with its prepare id, stops at the first failure,
     ignores an older prepare's report, and gives up after its timeout (False: the start call waits)."""
-    from flows.receive.fleet import MemberError, await_prepared
+    from flows.receive.fleet import await_prepared
+    from flows.receive.fleet_members import MemberError
     from storage.catalog import Catalog
     from storage.root import RootRef, open_root
 
