@@ -5,7 +5,7 @@ step references, plans, manifest entries, file paths, ``LocalRef`` handles of ob
 this process), never open files or tensors. A pipeline (``flows.publish.pipeline``,
 ``flows.receive.pipeline``, ``flows.maintenance.gc``) calls its steps through
 ``TABLE.bind(runner)``: ``InProcess`` calls them directly (``dcr`` without a Prefect server, the
-``Publisher``), ``flows.prefect_flows.PrefectRunner`` runs each as a Prefect task. A bound table
+``Publisher``), ``flows.orchestration.runner.PrefectRunner`` runs each as a Prefect task. A bound table
 times every step it runs (``bound.timings``, by task name). Nothing else lists the steps.
 """
 

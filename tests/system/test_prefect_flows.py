@@ -86,7 +86,7 @@ def test_the_prefect_publish_tasks_use_and_keep_a_held_baseline(prefect_settings
     from safetensors.torch import load_file
 
     from flows import Publisher, PublishOptions, run_receive
-    from flows.prefect_flows import PrefectRunner
+    from flows.orchestration.runner import PrefectRunner
 
     root = str(tmp_path / "bucket")
     opts = PublishOptions(cache_dir=str(tmp_path / "cache"))
@@ -117,7 +117,7 @@ def test_task_results_are_serializable_references_and_nothing_is_persisted(prefe
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, PREFECT_RESULTS_PERSIST_BY_DEFAULT, temporary_settings
 
     from flows import publish_refit, receive_refit, run_publish, run_receive
-    from flows.prefect_flows import PrefectRunner
+    from flows.orchestration.runner import PrefectRunner
 
     seen: list[str] = []
     serializer = JSONSerializer()
