@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import blake3
 import numpy as np
 
-from dcr_core.digest import BLOCKS_SCHEME, DigestScheme
+from dcr_core.digest import BLOCKS_SCHEME, BlockHasher, DigestScheme, TensorHasher
 from dcr_core.dtypes import DTYPES, TensorInfo
 
 PREFIX = "%bundle."  # a bundle's name: PREFIX + dtype + "." + k (k: the first free number)
@@ -129,7 +129,7 @@ class Members:
 def member_digests(raw: np.ndarray, byte_starts: np.ndarray, scheme: DigestScheme) -> tuple[str, ...]:
     """Digests of the byte runs ``raw[s[i]:s[i+1]]`` (members of a bundle), one BLAKE3 call each (two
     for a member of one block under the block scheme); equal to ``scheme.digest`` of each run."""
-    mv = memoryview(raw).cast("B") if raw.size else memoryview(b"")
+    mv = raw.data.cast("B") if raw.size else memoryview(b"")
     st = byte_starts.tolist()
     h = blake3.blake3
     if scheme.block_bytes is None:
@@ -166,16 +166,17 @@ def plan(infos: Mapping[str, TensorInfo], below_bytes: int, min_tensors: int,
         found = small[dtype]
         if len(found) < max(2, min_tensors):
             continue
-        k, run, run_bytes = 0, [], 0
-        for i in found + [None]:
-            if i is None or (run and run_bytes + i.nbytes > MAX_BUNDLE_BYTES):
+        k, run_bytes = 0, 0
+        run: list[TensorInfo] = []
+        for member in [*found, None]:
+            if member is None or (run and run_bytes + member.nbytes > MAX_BUNDLE_BYTES):
                 while bundle_name(dtype, k) in infos:
                     k += 1
                 out[bundle_name(dtype, k)] = Members(dtype, tuple(x.name for x in run), tuple(x.shape for x in run))
                 k, run, run_bytes = k + 1, [], 0
-            if i is not None:
-                run.append(i)
-                run_bytes += i.nbytes
+            if member is not None:
+                run.append(member)
+                run_bytes += member.nbytes
     return out
 
 
@@ -210,7 +211,7 @@ class MembersHasher:
         self.members, self.scheme = members, scheme
         self._bs = members.byte_starts().tolist()
         self._next = 0  # the first member not finished
-        self._partial = None  # its hasher, when it began in an earlier chunk
+        self._partial: TensorHasher | BlockHasher | None = None  # its hasher, when it began in an earlier chunk
         self._at = 0  # bytes fed so far
         self.digests: list[str] = []
         self.changed = np.zeros(len(members), np.int64)

@@ -94,15 +94,17 @@ def encode_chunks(
     """Yield the chunks ``encoding`` stores, in chunk order. ``new``/``base`` are flat raw bits."""
     if encoding is Encoding.UNCHANGED:
         return
-    if encoding is not Encoding.FULL and (base is None or base.shape != new.shape):
-        raise ValueError(f"{encoding.value} needs a base of the same size")
-    for i in range(grid.n_chunks):
-        n = grid.take(new, i)
-        if encoding is Encoding.FULL:
+    if encoding is Encoding.FULL:
+        for i in range(grid.n_chunks):
+            n = grid.take(new, i)
             nz = int(np.count_nonzero(n))
             if nz:
                 yield ChunkPayload(i, n, nz)
-            continue
+        return
+    if base is None or base.shape != new.shape:
+        raise ValueError(f"{encoding.value} needs a base of the same size")
+    for i in range(grid.n_chunks):
+        n = grid.take(new, i)
         mask = np.bitwise_xor(n, grid.take(base, i))
         changed = int(np.count_nonzero(mask))
         if not changed:

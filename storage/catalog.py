@@ -106,7 +106,8 @@ class Catalog:
             signing.check_verifiable(root.url, signing.ENV_REQUIRE_SIGNED)
         self._markers: dict[int, CommitMarker] = {}
         self._retractions: dict[int, Retraction | None] = {}
-        self._run: run_identity.Run | None | bool = False  # False: not read yet
+        self._run: run_identity.Run | None = None
+        self._run_read = False  # whether _run holds what run.json said
 
     def listed_steps(self) -> list[int]:
         """Every step with a prefix under ``steps/`` (committed or not), ascending. An object named
@@ -227,8 +228,9 @@ class Catalog:
     def root_run(self, fresh: bool = False) -> run_identity.Run | None:
         """The ROOT's run (``storage.run_identity.read``: what this process read seconds ago may answer;
         ``fresh`` reads it again)."""
-        if self._run is False or fresh:
+        if not self._run_read or fresh:
             self._run = run_identity.read(self.root, cached=not fresh)
+            self._run_read = True
         return self._run
 
     def manifest(self, step: int) -> Manifest:

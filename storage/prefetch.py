@@ -176,7 +176,8 @@ class Prefetcher:
     def _fetch_run(self, idx: StreamIndex, run: list[StreamedChunk], pool: BoundedPool) -> None:
         """Fetch chunks that lie back to back in one pack with one ranged GET; each is checked and
         held on its own."""
-        key, start = run[0].location(self.step, self.attempt)
+        key = layout.store_key(self.step, self.attempt, layout.pack_key(run[0].pack))  # a run lies in one pack
+        start = run[0].offset
         whole = pool.submit(self._read_range, key, start, run[-1].offset + run[-1].nbytes - start)
         for c in run:
             fut: Future = Future()

@@ -71,12 +71,19 @@ class Key:
             raw = bytes.fromhex(signature)
         except ValueError:
             return False
-        public = self.public if self.public is not None else self.private.public_key()
         try:
-            public.verify(raw, _canonical(body))
+            self.ed25519_public().verify(raw, _canonical(body))
         except InvalidSignature:
             return False
         return True
+
+    def ed25519_public(self) -> Ed25519PublicKey:
+        """The Ed25519 public key: given, or the half of the private key."""
+        if self.public is not None:
+            return self.public
+        if self.private is not None:
+            return self.private.public_key()
+        raise UsageError(f"{self.source} is an HMAC secret: it has no public key")
 
     def verifier(self) -> Key:
         """The key readers need: the same secret, or the public half of a private key."""
@@ -89,7 +96,7 @@ class Key:
         """A short name for the key a reader trusts (Ed25519: SHA-256 of the raw public key)."""
         if self.secret is not None:
             return "hmac:" + hashlib.sha256(b"dcr-hmac-id\0" + self.secret).hexdigest()[:16]
-        return "ed25519:" + hashlib.sha256(_raw_public(self.verifier().public)).hexdigest()[:16]
+        return "ed25519:" + hashlib.sha256(_raw_public(self.ed25519_public())).hexdigest()[:16]
 
 
 def signature_field(d: dict, where: str) -> tuple[str | None, str]:
@@ -262,4 +269,4 @@ def _write_new(path: str, data: bytes, mode: int) -> None:
 
 def public_key_b64(key: Key) -> str:
     """The raw Ed25519 public key, base64 (what people compare out of band)."""
-    return base64.b64encode(_raw_public(key.verifier().public)).decode()
+    return base64.b64encode(_raw_public(key.ed25519_public())).decode()

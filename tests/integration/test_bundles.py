@@ -189,7 +189,10 @@ def _forged(root, step, change) -> bytes:
     (lambda d: d["bundles"].__setitem__("%bundle.nope.0", d["bundles"][next(iter(d["bundles"]))]), "not one of its tensors"),
     (lambda d: d.__setitem__("schema_version", 3), "schema 4"),
     (lambda d: d["bundles"][next(iter(d["bundles"]))]["shapes"].__setitem__(0, [999]), "flat tensor"),
-], ids=["names-longer", "named-twice", "digest", "shape", "unknown-bundle", "schema", "numel"])
+    (lambda d: d["bundles"][next(iter(d["bundles"]))].__setitem__("names", 7), "names must be a list"),
+    (lambda d: d.pop("codec"), "bad codec"),
+], ids=["names-longer", "named-twice", "digest", "shape", "unknown-bundle", "schema", "numel", "names-not-a-list",
+        "no-codec"])
 def test_a_bad_bundles_table_is_refused_in_one_line(tmp_path, change, said):
     root = tmp_path / "bucket"
     publish_file(tmp_path, root, nasty_checkpoint(seed=6), 0, *BUNDLE)
