@@ -81,8 +81,10 @@ test-slow: install
 test-more: install
 	$(PYTEST) $(XDIST) -m "(backend or slow) and not vllm"
 
+# ruff on everything; mypy on dcr_core and storage (its settings: pyproject.toml, [tool.mypy])
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 
 # The documentation site: MkDocs + Material, strict (every warning, a broken link or anchor included,
 # is an error) into site/ (git-ignored). Its requirements, the docs extra, are installed into .venv once.

@@ -27,7 +27,7 @@ import blake3
 import numpy as np
 from dcr_zarr_codec._b3runs import runs_hex
 
-from dcr_core.digest import BLOCKS_SCHEME, DigestScheme
+from dcr_core.digest import BLOCKS_SCHEME, BlockHasher, DigestScheme, TensorHasher
 from dcr_core.dtypes import DTYPES, TensorInfo
 
 PREFIX = "%bundle."  # a bundle's name: PREFIX + dtype + "." + k (k: the first free number)
@@ -143,12 +143,12 @@ def member_digests(raw: np.ndarray, byte_starts: np.ndarray, scheme: DigestSchem
     odd = np.flatnonzero((sizes == 0) | (sizes > block))
     if not odd.size:
         return out
-    out = list(out)
+    fixed = list(out)
     empty = blake3.blake3(head).hexdigest()
     for i in odd.tolist():  # members of no byte or of several blocks: few, if any
         a, b = int(starts[i]), int(starts[i + 1])
-        out[i] = empty if a == b else scheme.digest(raw[a:b])
-    return tuple(out)
+        fixed[i] = empty if a == b else scheme.digest(raw[a:b])
+    return tuple(fixed)
 
 
 def bundle_name(dtype: str, k: int) -> str:
@@ -174,16 +174,17 @@ def plan(infos: Mapping[str, TensorInfo], below_bytes: int, min_tensors: int,
         found = small[dtype]
         if len(found) < max(2, min_tensors):
             continue
-        k, run, run_bytes = 0, [], 0
-        for i in found + [None]:
-            if i is None or (run and run_bytes + i.nbytes > MAX_BUNDLE_BYTES):
+        k, run_bytes = 0, 0
+        run: list[TensorInfo] = []
+        for member in [*found, None]:
+            if member is None or (run and run_bytes + member.nbytes > MAX_BUNDLE_BYTES):
                 while bundle_name(dtype, k) in infos:
                     k += 1
                 out[bundle_name(dtype, k)] = Members(dtype, tuple(x.name for x in run), tuple(x.shape for x in run))
                 k, run, run_bytes = k + 1, [], 0
-            if i is not None:
-                run.append(i)
-                run_bytes += i.nbytes
+            if member is not None:
+                run.append(member)
+                run_bytes += member.nbytes
     return out
 
 
@@ -218,7 +219,7 @@ class MembersHasher:
         self.members, self.scheme = members, scheme
         self._bs = members.byte_starts().tolist()
         self._next = 0  # the first member not finished
-        self._partial = None  # its hasher, when it began in an earlier chunk
+        self._partial: TensorHasher | BlockHasher | None = None  # its hasher, when it began in an earlier chunk
         self._at = 0  # bytes fed so far
         self.digests: list[str] = []
         self.changed = np.zeros(len(members), np.int64)

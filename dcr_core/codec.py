@@ -1,19 +1,23 @@
-"""Chunk compressors: ``dcr-sparse`` (the default for deltas), ``dcr-cond`` and standard Blosc.
+"""Chunk compressors: ``dcr.sparse`` (the default for deltas), ``dcr.cond`` and standard Blosc.
 
-- ``dcr-sparse`` (``dcr_core.sparse``): gap-coded positions and byte planes under zstd, close to
+- ``dcr.sparse`` (``dcr_core.sparse``): gap-coded positions and byte planes under zstd, close to
   the entropy bound of sparse XOR masks. Stock zarr reads it once this project is installed (the
-  Zarr codec ``dcr.sparse`` is registered through the ``zarr.codecs`` entry point of the
-  ``dcr-zarr-codec`` package, ``codec/``).
-- ``dcr-cond`` (``dcr_zarr_codec.cond``): the changes coded against the bits the receiver
+  Zarr codec is registered through the ``zarr.codecs`` entry point of the ``dcr-zarr-codec``
+  package, ``codec/``).
+- ``dcr.cond`` (``dcr_zarr_codec.cond``): the changes coded against the bits the receiver
   already holds (positions per exponent class of the held value, values as signed ulp steps):
-  0.63-0.71x the bytes of ``dcr-sparse`` on real AdamW steps, below the XOR entropy bound. Its
+  0.63-0.71x the bytes of ``dcr.sparse`` on real AdamW steps, below the XOR entropy bound. Its
   chunks decode only against the held bits, so ``decode`` returns a ``HeldCoded`` payload
   (``dcr_core.delta``) that the apply resolves; stock zarr cannot read these arrays as masks (the
-  registered ``dcr.cond`` codec says so): use ``dcr materialize``, or keep ``dcr-sparse``/``blosc``
+  registered ``dcr.cond`` codec says so): use ``dcr materialize``, or keep ``dcr.sparse``/``blosc``
   where stock readers matter.
 - ``blosc`` (zstd inside, byte or bit shuffle): a standard Zarr v3 codec that stock zarr reads with
   no project code at all; the default for keyframes, and the audit-friendly choice for deltas
-  (about 1.6x the bytes of ``dcr-sparse`` on real AdamW deltas).
+  (about 1.6x the bytes of ``dcr.sparse`` on real AdamW deltas).
+
+Each codec has one name, defined in ``dcr_zarr_codec.metadata`` (the Zarr codec's name, which
+manifests record too); manifests written before name ``dcr-sparse`` and ``dcr-cond``, which read
+as the same codecs.
 
 Blosc run with several internal threads emits blocks in a thread-dependent order, so the same
 input can give different bytes; DCR needs deterministic payloads (a retry, or another worker,
@@ -35,14 +39,14 @@ from functools import cache
 
 import numpy as np
 from dcr_zarr_codec.cond import check_frame, decode_cond, encode_cond
+from dcr_zarr_codec.metadata import BLOSC_CODEC, CODECS, COND_CODEC, SPARSE_CODEC, codec_name
 from dcr_zarr_codec.sparse import SparseFrameError
 from numcodecs import Blosc, blosc
 
 from dcr_core.errors import IntegrityError, UsageError
 from dcr_core.sparse import decode_sparse, encode_sparse
 
-NAMES = ("blosc", "dcr-sparse", "dcr-cond")
-_OWN = ("dcr-sparse", "dcr-cond")  # DCR's own frames: only a zstd level to record
+_OWN = (SPARSE_CODEC, COND_CODEC)  # DCR's own frames: only a zstd level to record
 _SHUFFLES = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle": Blosc.BITSHUFFLE}
 
 
@@ -50,18 +54,20 @@ _SHUFFLES = {"noshuffle": Blosc.NOSHUFFLE, "shuffle": Blosc.SHUFFLE, "bitshuffle
 class CodecSpec:
     """How chunk payloads are compressed. Recorded in every manifest.
 
-    ``clevel`` is the zstd level for ``dcr-sparse`` and ``dcr-cond``; ``cname``/``shuffle``/``blocksize`` apply to Blosc.
+    ``clevel`` is the zstd level for ``dcr.sparse`` and ``dcr.cond``; ``cname``/``shuffle``/``blocksize``
+    apply to Blosc. A former name (``dcr-sparse``) is taken as the codec's name today.
     """
 
-    name: str = "blosc"
+    name: str = BLOSC_CODEC
     cname: str = "zstd"
     clevel: int = 3
     shuffle: str = "shuffle"
     blocksize: int = 0  # Blosc block size in bytes; 0 lets Blosc choose
 
     def __post_init__(self) -> None:
-        if self.name not in NAMES:
-            raise ValueError(f"codec must be one of {NAMES}, got {self.name!r}")
+        object.__setattr__(self, "name", codec_name(self.name))
+        if self.name not in CODECS:
+            raise ValueError(f"codec must be one of {CODECS}, got {self.name!r}")
         if self.shuffle not in _SHUFFLES:
             raise ValueError(f"shuffle must be one of {sorted(_SHUFFLES)}, got {self.shuffle!r}")
         if not 0 <= self.clevel <= 9:
@@ -77,12 +83,18 @@ class CodecSpec:
 
     @property
     def conditional(self) -> bool:
-        """Chunks decode only against the held bits (``dcr-cond``); their digest covers the stored bytes."""
-        return self.name == "dcr-cond"
+        """Chunks decode only against the held bits (``dcr.cond``); their digest covers the stored bytes."""
+        return self.name == COND_CODEC
+
+    @property
+    def sparse(self) -> bool:
+        """Chunks are sparse frames (``dcr.sparse``): an XOR delta's may be applied from their stored
+        form (``dcr_core.sparse.xor_frame``), without a dense mask."""
+        return self.name == SPARSE_CODEC
 
     @classmethod
     def from_dict(cls, d: dict) -> CodecSpec:
-        name = str(d.get("name", "blosc"))  # manifests written before sparse deltas existed
+        name = codec_name(str(d.get("name", BLOSC_CODEC)))  # no name: written before sparse deltas existed
         if name in _OWN:  # older manifests also listed (unused) Blosc fields
             return cls(name=name, clevel=int(d["clevel"]))
         return cls(
@@ -97,15 +109,15 @@ class CodecSpec:
                changes: tuple[np.ndarray, np.ndarray] | None = None) -> bytes:
         """Compress one full (padded) chunk of raw bits (deterministic: same bits, same bytes).
 
-        ``dcr-cond`` codes an XOR mask against ``base`` (the chunk's old bits, padded the same way)
+        ``dcr.cond`` codes an XOR mask against ``base`` (the chunk's old bits, padded the same way)
         and needs the tensor's ``dtype`` name; without a base it stores ``padded`` plainly. The
         other codecs ignore both. ``changes``: the chunk's non-zero elements (positions, values) if
-        the caller found them already; ``dcr-sparse`` then does not scan it again, the others ignore them."""
+        the caller found them already; ``dcr.sparse`` then does not scan it again, the others ignore them."""
         if self.conditional:
             if dtype is None and base is not None:
-                raise UsageError("dcr-cond needs the tensor's dtype to code a chunk against its old bits")
+                raise UsageError("dcr.cond needs the tensor's dtype to code a chunk against its old bits")
             return encode_cond(padded, base, dtype, self.clevel)
-        if self.name == "dcr-sparse":
+        if self.sparse:
             return encode_sparse(padded, self.clevel, changes)
         return _blosc_single_threaded(self._blosc(), np.ascontiguousarray(padded))
 
@@ -113,7 +125,7 @@ class CodecSpec:
                dtype: str | None = None, forward: bool = True, in_place: bool = False) -> np.ndarray:
         """Decompress one chunk into exactly ``n_padded`` elements, refusing any other size.
 
-        ``dcr-cond``: against ``base`` (the held bits of the chunk's first ``base.size`` elements:
+        ``dcr.cond``: against ``base`` (the held bits of the chunk's first ``base.size`` elements:
         the old bits if ``forward``, the new bits if not), the XOR mask of those elements; with
         ``in_place``, the other step's bits written over ``base`` (flat, writable) instead."""
         if self.conditional:
@@ -121,7 +133,7 @@ class CodecSpec:
                 return decode_cond(data, storage, n_padded, base, forward, dtype, in_place)
             except SparseFrameError as e:
                 raise IntegrityError(str(e)) from None
-        if self.name == "dcr-sparse":
+        if self.sparse:
             return decode_sparse(data, storage, n_padded)
         out = np.empty(n_padded, dtype=storage)
         # Blosc 1 header: version, versionlz, flags, typesize, nbytes, blocksize, cbytes (LE u32).
@@ -157,7 +169,7 @@ def _blosc_single_threaded(codec: Blosc, data: np.ndarray) -> bytes:
 
 
 def check_conditional(data: bytes, storage: np.dtype, n_padded: int, dtype: str) -> None:
-    """A ``dcr-cond`` frame's header fits the chunk (size, type, classes): what can be checked
+    """A ``dcr.cond`` frame's header fits the chunk (size, type, classes): what can be checked
     before the held bits are at hand (the stored bytes' digest is checked by the caller)."""
     try:
         check_frame(data, storage, n_padded, dtype)

@@ -44,7 +44,7 @@ class ChunkPayload:
 
 @dataclass(frozen=True, slots=True)
 class HeldCoded:
-    """A stored chunk that decodes only against the bits it is applied to (codec ``dcr-cond``).
+    """A stored chunk that decodes only against the bits it is applied to (codec ``dcr.cond``).
 
     Fetching checks its stored bytes (size, frame header, digest); ``apply_chunk`` decodes it
     against the target's bits of the chunk, forward (target holds the old bits) or backward (the
@@ -94,15 +94,17 @@ def encode_chunks(
     """Yield the chunks ``encoding`` stores, in chunk order. ``new``/``base`` are flat raw bits."""
     if encoding is Encoding.UNCHANGED:
         return
-    if encoding is not Encoding.FULL and (base is None or base.shape != new.shape):
-        raise ValueError(f"{encoding.value} needs a base of the same size")
-    for i in range(grid.n_chunks):
-        n = grid.take(new, i)
-        if encoding is Encoding.FULL:
+    if encoding is Encoding.FULL:
+        for i in range(grid.n_chunks):
+            n = grid.take(new, i)
             nz = int(np.count_nonzero(n))
             if nz:
                 yield ChunkPayload(i, n, nz)
-            continue
+        return
+    if base is None or base.shape != new.shape:
+        raise ValueError(f"{encoding.value} needs a base of the same size")
+    for i in range(grid.n_chunks):
+        n = grid.take(new, i)
         mask = np.bitwise_xor(n, grid.take(base, i))
         changed = int(np.count_nonzero(mask))
         if not changed:

@@ -35,7 +35,7 @@ def _hex(data) -> str:
 
 def tensor_digest(bits: np.ndarray) -> str:
     """Digest of a tensor's raw bits (flat, little-endian)."""
-    return _hex(memoryview(np.ascontiguousarray(bits)).cast("B"))
+    return _hex(np.ascontiguousarray(bits).data.cast("B"))
 
 
 class TensorHasher:
@@ -46,7 +46,7 @@ class TensorHasher:
 
     def update(self, bits: np.ndarray) -> None:
         if bits.size:
-            self._h.update(memoryview(np.ascontiguousarray(bits)).cast("B"))
+            self._h.update(np.ascontiguousarray(bits).data.cast("B"))
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()
@@ -58,7 +58,7 @@ DEFAULT_BLOCK_BYTES = 1 << 20
 
 
 def _raw(bits: np.ndarray) -> memoryview:
-    return memoryview(np.ascontiguousarray(bits)).cast("B")
+    return np.ascontiguousarray(bits).data.cast("B")
 
 
 class BlockHasher:

@@ -14,7 +14,8 @@ import numpy as np
 
 from dcr_core.errors import InvalidCheckpointError
 
-_UINT_BY_BITS = {8: np.dtype("<u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4"), 64: np.dtype("<u8")}
+_UINT_BY_BITS: dict[int, np.dtype] = {8: np.dtype("<u1"), 16: np.dtype("<u2"), 32: np.dtype("<u4"), 64: np.dtype("<u8")}
+UINT_BY_SIZE: dict[int, np.dtype] = {bits // 8: dt for bits, dt in _UINT_BY_BITS.items()}  # bytes -> unsigned dtype
 
 
 @dataclass(frozen=True, slots=True)

@@ -57,7 +57,7 @@ class _Runs:
     shard: np.ndarray
 
 
-def _runs_by_name(shards: Sequence[ShardBits]) -> dict[str, _Runs]:
+def _runs_by_name(shards: Sequence[ShardBits | _Extent]) -> dict[str, _Runs]:
     acc: dict[str, list] = {}
     for si, sh in enumerate(shards):
         for p in sh.pieces:
@@ -70,12 +70,12 @@ def _runs_by_name(shards: Sequence[ShardBits]) -> dict[str, _Runs]:
             acc.setdefault(p.name, []).append((c, l, np.full(c.size, n, np.int64), np.full(c.size, si, np.int64)))
     out = {}
     for name, parts in acc.items():
-        c, l, n, s = (np.concatenate(x) for x in zip(*parts))
-        order = np.argsort(c, kind="stable")
-        c, l, n, s = c[order], l[order], n[order], s[order]
-        if np.any(c[1:] < c[:-1] + n[:-1]):
+        cstart, lstart, length, shard = (np.concatenate(x) for x in zip(*parts))
+        order = np.argsort(cstart, kind="stable")
+        cstart, lstart, length, shard = cstart[order], lstart[order], length[order], shard[order]
+        if np.any(cstart[1:] < cstart[:-1] + length[:-1]):
             raise UsageError(f"tensor {name!r}: this rank's pieces overlap")
-        out[name] = _Runs(c, l, n, s)
+        out[name] = _Runs(cstart, lstart, length, shard)
     return out
 
 
@@ -103,8 +103,7 @@ def project(
 ) -> Iterator[Contribution]:
     """Yield this rank's contribution to every canonical chunk it touches that is not all zero,
     tensor by tensor (sorted names), chunk by chunk. ``dtypes``: storage dtype per canonical name."""
-    keyframe = all(s.base is None for s in shards)
-    if not keyframe and any(s.base is None for s in shards):
+    if len({s.base is None for s in shards}) > 1:
         raise UsageError("either every shard has a baseline (delta) or none has (keyframe)")
     runs = _runs_by_name(shards)
     for name in sorted(runs):
@@ -118,9 +117,9 @@ def project(
         # chunks touched: from the chunk holding the first run's start to the one holding the last end
         first = np.searchsorted(starts, r.cstart, side="right") - 1
         last = np.searchsorted(starts, ends - 1, side="right") - 1
-        touched = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in _merge(first, last)])) if first.size else []
-        for ci in touched:
-            ci = int(ci)
+        touched = np.unique(np.concatenate([np.arange(a, b + 1) for a, b in _merge(first, last)])) if first.size else np.empty(0, np.int64)
+        for chunk in touched:
+            ci = int(chunk)
             cs, ce = grid.chunk_range(ci)
             lo = int(np.searchsorted(ends, cs, side="right"))
             hi = int(np.searchsorted(r.cstart, ce, side="left"))
@@ -130,7 +129,7 @@ def project(
             while k < hi:
                 j = _regular_block(r, k, hi, cs, ce)
                 if j > k + 1:  # runs k..j-1: equal length, evenly spaced on both sides, one shard
-                    covered += _copy_block(buf, shards[int(r.shard[k])], r, k, j, cs, keyframe, name)
+                    covered += _copy_block(buf, shards[int(r.shard[k])], r, k, j, cs, name)
                     k = j
                     continue
                 a, b = max(cs, int(r.cstart[k])), min(ce, int(ends[k]))
@@ -139,7 +138,7 @@ def project(
                     la = int(r.lstart[k]) + a - int(r.cstart[k])
                     src = sh.new[la : la + b - a]
                     _check_dtype(src, buf, name)
-                    if keyframe:
+                    if sh.base is None:  # a keyframe: no shard has a baseline
                         buf[a - cs : b - cs] = src
                     else:
                         np.bitwise_xor(src, sh.base[la : la + b - a], out=buf[a - cs : b - cs])
@@ -171,7 +170,7 @@ def _regular_block(r: _Runs, k: int, hi: int, cs: int, ce: int) -> int:
     return k + (int(bad[0]) if bad.size else c.size)
 
 
-def _copy_block(buf, sh: ShardBits, r: _Runs, k: int, j: int, cs: int, keyframe: bool, name: str) -> int:
+def _copy_block(buf, sh: ShardBits, r: _Runs, k: int, j: int, cs: int, name: str) -> int:
     """Copy or XOR runs ``k..j-1`` (a regular block) with strided 2-d views: no index arrays."""
     n, rows = int(r.length[k]), j - k
     dc, dl = int(r.cstart[k + 1] - r.cstart[k]), int(r.lstart[k + 1] - r.lstart[k])
@@ -180,7 +179,7 @@ def _copy_block(buf, sh: ShardBits, r: _Runs, k: int, j: int, cs: int, keyframe:
     it = buf.itemsize
     out = as_strided(buf[c0:], shape=(rows, n), strides=(dc * it, it))
     src = as_strided(sh.new[l0:], shape=(rows, n), strides=(dl * it, it))
-    if keyframe:
+    if sh.base is None:  # a keyframe: no shard has a baseline
         out[...] = src
     else:
         np.bitwise_xor(src, as_strided(sh.base[l0:], shape=(rows, n), strides=(dl * it, it)), out=out)
@@ -206,11 +205,11 @@ def shard_runs(pieces_of_shards: Sequence[Sequence[Piece]], sizes: Sequence[int]
 
 @dataclass(frozen=True)
 class _Extent:
-    pieces: tuple
+    pieces: tuple[Piece, ...]
     size: int
 
     @property
-    def new(self):  # what _runs_by_name reads: only the size
+    def new(self) -> _Extent:  # what _runs_by_name reads: only the size
         return self
 
 

@@ -33,7 +33,7 @@ _PUBLIC = {
     "fleet_refit": "flows.prefect_flows",
     "run_retract": "flows.maintenance.retract",
     "receive_nearest": "flows.receive.nearest",
-    "PrefectRunner": "flows.prefect_flows",
+    "PrefectRunner": "flows.orchestration.runner",
     "run_publish": "flows.publish.pipeline",
     "Publisher": "flows.publish.publisher",
     "run_receive": "flows.receive.pipeline",

@@ -9,8 +9,8 @@ Python with a bad value they raise ``UsageError`` (one line naming the field).
 from __future__ import annotations
 
 import os
-from typing import Literal
 
+from dcr_zarr_codec.metadata import BLOSC_CODEC, COND_CODEC, SPARSE_CODEC
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dcr_core import bundles
@@ -19,18 +19,19 @@ from dcr_core.digest import DEFAULT_BLOCK_BYTES
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
 from storage import leases
+from storage.chunk_io import IO_WORKERS
 
 DEFAULT_CHUNK_BYTES = 4 << 20
-# Measured on real AdamW deltas (lr 1e-6, 1.7% changed): dcr-sparse level 1 stores 1.36 B per
+# Measured on real AdamW deltas (lr 1e-6, 1.7% changed): dcr.sparse level 1 stores 1.36 B per
 # changed element (entropy bound 1.26); the standard Blosc chain below stores 2.35.
-SPARSE_DELTAS = CodecSpec(name="dcr-sparse", clevel=1)
+SPARSE_DELTAS = CodecSpec(name=SPARSE_CODEC, clevel=1)
 # Standard-only chain for deltas that any zarr reads without this package (audits): byte shuffle
 # beats bit shuffle on XOR masks, and 1 MiB blocks give zstd more context than Blosc's default.
-BLOSC_DELTAS = CodecSpec(name="blosc", clevel=1, shuffle="shuffle", blocksize=1 << 20)
+BLOSC_DELTAS = CodecSpec(name=BLOSC_CODEC, clevel=1, shuffle="shuffle", blocksize=1 << 20)
 # Coded against the receiver's old bits (positions per exponent class, signed ulp steps): below the
 # XOR entropy bound (0.71-0.77x of it on the bench's AdamW steps); decodes only with the held bits, so
 # stock zarr cannot read its arrays as masks, and training ranks (which hold shards) cannot publish it.
-COND_DELTAS = CodecSpec(name="dcr-cond", clevel=3)
+COND_DELTAS = CodecSpec(name=COND_CODEC, clevel=3)
 # Keyframes: bit shuffle then zstd level 1. On BF16 weights (64 MB, one thread) it keeps 98% of the
 # ratio of byte shuffle + zstd level 3 (1.32 against 1.35) and encodes 4.8x faster (1.16 against
 # 0.24 GB/s), decodes 5.5x faster (3.7 against 0.68 GB/s). Older ROOTs keep the codec their manifests name.
@@ -72,7 +73,7 @@ class PublishOptions(_Options):
         1.0, ge=0.0, le=1.0,
         description="store new values instead of an XOR mask when more than this fraction of a tensor changed",
     )
-    io_workers: int = Field(8, ge=1, le=1024, description="parallel object writes and reads")
+    io_workers: int = Field(IO_WORKERS, ge=1, le=1024, description="parallel object writes and reads")
     cache_dir: str = Field(default_factory=default_cache_dir, description="the publisher's baseline cache")
     use_cache: bool = Field(True, description="keep the committed step as the next baseline on local disk")
     keyframe_policy: KeyframePolicy = Field(
@@ -110,7 +111,7 @@ class PublishOptions(_Options):
 
 
 class ReceiveOptions(_Options):
-    io_workers: int = Field(8, ge=1, le=1024, description="parallel object reads")
+    io_workers: int = Field(IO_WORKERS, ge=1, le=1024, description="parallel object reads")
     # Patch the state file in place (a journal, only the changed elements written) instead of
     # rewriting it and renaming it into place; see flows.receive.in_place for the trade-off.
     in_place: bool = Field(False, description="patch the state file in place behind a journal")
@@ -121,6 +122,10 @@ class ReceiveOptions(_Options):
     max_staleness: float | None = Field(
         None, gt=0.0, allow_inf_nan=False,
         description="refuse a ROOT whose newest signed heartbeat is older than this many seconds (storage.heartbeat)",
+    )
+    require_signed: bool = Field(
+        False, description="refuse to read ROOT without a key to verify its commit markers with: never apply a step "
+        "whose signature was not checked (as DCR_REQUIRE_SIGNED=1 does for every reader of the process)",
     )
     group_bytes: int | None = Field(
         None, ge=1, description="materialize on workers (flows.workers): raw bytes of tensors per mapped task; None: "
@@ -138,9 +143,6 @@ class GcOptions(_Options):
         3600.0, ge=0.0, description="leave uncommitted attempts younger than this alone (a publisher may be writing them)",
     )
     dry_run: bool = Field(False, description="report what would be deleted; delete nothing")
-
-
-Orchestrator = Literal["auto", "prefect", "none"]
 
 
 # Option names fsspec backends take credentials under (s3fs, gcsfs, adlfs), at any depth (client_kwargs).

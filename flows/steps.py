@@ -14,7 +14,7 @@ this process), never open files or tensors. A pipeline's steps are the attribute
     plan = tasks.plan_receive(ref, path, step)   # the function's own signature, checked
 
 An instance runs its steps with a runner: ``InProcess`` calls them directly (``dcr`` without a
-Prefect server, the ``Publisher``), ``flows.prefect_flows.PrefectRunner`` runs each as a Prefect
+Prefect server, the ``Publisher``), ``flows.orchestration.runner.PrefectRunner`` runs each as a Prefect
 task. Reading a step off an instance gives a callable typed as the function itself (``Step`` is a
 descriptor generic in the function's parameters and result), so type checkers and editors see every
 call site and its arguments. An instance times every step it runs (``tasks.timings``, by task

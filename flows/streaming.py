@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from dcr_core.errors import DCRError, StepConflictError
 from storage.catalog import Catalog
+from storage.chunk_io import IO_WORKERS
 from storage.held_chunks import PREFETCHED
 from storage.prefetch import Prefetcher, marker_exists
 from storage.root import Root, RootRef, open_root
@@ -56,7 +57,7 @@ class Streaming:
     """``start(root, step, attempt, workers)`` makes the (unstarted) ``Prefetcher`` of an announced
     attempt; by default one that holds chunks for this process's refits."""
 
-    def __init__(self, root: RootRef, workers: int = 8, budget: int | None = None,
+    def __init__(self, root: RootRef, workers: int = IO_WORKERS, budget: int | None = None,
                  start: Callable[[Root, int, str, int], Prefetcher] | None = None):
         self.root, self.workers = root, workers
         self.make = start or (lambda r, step, attempt, workers, trusted: Prefetcher(r, step, attempt, workers=workers,

@@ -104,12 +104,11 @@ class Catalog:
         self.root = root
         self.key = signing.verify_key()  # markers must be signed with it when set
         if self.key is None and signing.require_signed():
-            raise UntrustedError(f"{root.url}: {signing.ENV_REQUIRE_SIGNED} (--require-signed) is set, and this reader has "
-                                 f"no key to verify with: set {signing.ENV_VERIFY_KEY_FILE} (Ed25519) or "
-                                 f"{signing.ENV_KEY} / {signing.ENV_KEY_FILE} (HMAC)")
+            signing.check_verifiable(root.url, signing.ENV_REQUIRE_SIGNED)
         self._markers: dict[int, CommitMarker] = {}
         self._retractions: dict[int, Retraction | None] = {}
-        self._run: run_identity.Run | None | bool = False  # False: not read yet
+        self._run: run_identity.Run | None = None
+        self._run_read = False  # whether _run holds what run.json said
 
     def listed_steps(self) -> list[int]:
         """Every step with a prefix under ``steps/`` (committed or not), ascending. An object named
@@ -230,8 +229,9 @@ class Catalog:
     def root_run(self, fresh: bool = False) -> run_identity.Run | None:
         """The ROOT's run (``storage.run_identity.read``: what this process read seconds ago may answer;
         ``fresh`` reads it again)."""
-        if self._run is False or fresh:
+        if not self._run_read or fresh:
             self._run = run_identity.read(self.root, cached=not fresh)
+            self._run_read = True
         return self._run
 
     def manifest(self, step: int) -> Manifest:

@@ -16,9 +16,10 @@ import json
 import secrets
 import threading
 from collections import deque
-from collections.abc import Callable, Container, Iterable, Iterator
+from collections.abc import Callable, Container, Generator, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import overload
 
 import numpy as np
 
@@ -33,6 +34,10 @@ from storage import layout, zarr_meta
 from storage.held_chunks import PREFETCHED
 from storage.manifest import Manifest, TensorEntry
 from storage.root import Root
+
+# Parallel object reads and writes of one transfer (a pool's threads), unless told otherwise: what
+# --io-workers and the options models (flows.options) default to.
+IO_WORKERS = 8
 
 
 class BoundedPool:
@@ -84,7 +89,9 @@ class _Packer:
         self.root, self.step, self.attempt, self.pack_bytes = root, step, attempt, pack_bytes
         self.tag = secrets.token_hex(4)
         self._lock = threading.Lock()
-        self._seq, self._parts, self._size, self._calls = 0, [], 0, []
+        self._seq, self._size = 0, 0
+        self._parts: list[bytes] = []  # the open pack's chunks
+        self._calls: list[Callable[[int], None]] = []  # told the pack's size once it is written
         self.written = 0  # bytes of the packs written
 
     def _name(self) -> str:
@@ -140,7 +147,7 @@ class StepWriter:
     from the manifest; an auditor opens a packed step with ``dcr_zarr_codec.open_tensor``). 0: one
     object per chunk, and a ``zarr.json`` per array, as steps were written before packs."""
 
-    def __init__(self, root: Root, step: int, attempt: str, codec: CodecSpec, workers: int = 8,
+    def __init__(self, root: Root, step: int, attempt: str, codec: CodecSpec, workers: int = IO_WORKERS,
                  pack_bytes: int = 0):
         self.root, self.step, self.attempt, self.codec = root, step, attempt, codec
         self._store_prefix = layout.store_key(step, attempt, "")
@@ -191,7 +198,7 @@ class StepWriter:
         """Compress, digest and upload one chunk; the future gives its StoredChunk. ``announce(key
         in the store, stored chunk)`` is called once it is stored (streaming, ``storage.stream``).
         ``base``: the chunk's old bits, when ``payload`` is an XOR mask and the codec codes against
-        them (``dcr-cond``, which also needs the tensor's ``dtype``). ``changes``: the payload's
+        them (``dcr.cond``, which also needs the tensor's ``dtype``). ``changes``: the payload's
         non-zero elements (positions, values), if the caller found them (``CodecSpec.encode``)."""
         return self._upload(layout.chunk_key(array, grid.grid_index(index)), grid, index, payload, announce,
                             base, dtype, changes)
@@ -212,10 +219,9 @@ class StepWriter:
             data = self.codec.encode(pad(payload, n), None if base is None else pad(base, n), dtype, changes)
             digest = stored_digest(data) if self.codec.conditional else chunk_digest(payload)
             if self._packer is not None:
-                def stored(pack: str, offset: int, pack_bytes: int) -> None:
-                    announce(key_in_store, StoredChunk(index, digest, len(data), pack, offset, pack_bytes))
-
-                pack, offset = self._packer.add(data, None if announce is None else stored)
+                tell = None if announce is None else functools.partial(
+                    _announce_packed, announce, key_in_store, StoredChunk(index, digest, len(data)))
+                pack, offset = self._packer.add(data, tell)
                 events.reached("chunk.stored", key=key, nbytes=len(data), pack=pack)
                 return StoredChunk(index, digest, len(data), pack, offset)
             self.root.write(key, data)
@@ -297,17 +303,19 @@ def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, che
     key = layout.store_key(manifest.step, manifest.attempt, rel)
     where = chunk_where(key, offset, nbytes)
     grid = entry.grid
-    data = PREFETCHED.take(root.url, layout.range_ident(key, offset),
+    held = PREFETCHED.take(root.url, layout.range_ident(key, offset),
                            verified_as(manifest.codec, entry.dtype, grid, index, digest, nbytes))
-    prefetched = data is not None  # then verified against this very digest, size, dtype, range and codec when it landed
-    if prefetched and fetched is not None:
-        fetched.drop()
-    if not prefetched:
+    prefetched = held is not None  # then verified against this very digest, size, dtype, range and codec when it landed
+    if held is not None:
+        data = held
+        if fetched is not None:
+            fetched.drop()
+    else:
         try:
-            if fetched is not None:
-                data = fetched.take(offset, nbytes)
-            elif offset is None:
+            if offset is None:
                 data = root.read(key, limit=nbytes)  # a larger object is refused without being read
+            elif fetched is not None:  # a coalesced range read of the pack holds it
+                data = fetched.take(offset, nbytes)
             else:
                 data = root.read_range(key, offset, nbytes)
         except FileNotFoundError:
@@ -315,6 +323,7 @@ def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, che
                                  "manifest is missing") from None
     if len(data) != nbytes:
         raise IntegrityError(f"{root.url}/{where}: chunk is {len(data)} bytes, the manifest says {nbytes}")
+    chunk: np.ndarray | HeldCoded | UncheckedChunk
     chunk = UncheckedChunk(root.url, where, data, manifest.codec, entry.dtype, grid, index, digest)
     if checked:  # a prefetched chunk was checked when it landed: decoded only
         chunk = chunk.checked() if not prefetched else decode_chunk(root.url, where, data, manifest.codec,
@@ -326,7 +335,7 @@ def read_chunk(root: Root, manifest: Manifest, entry: TensorEntry, pos: int, che
 def decode_chunk(url: str, key: str, data: bytes, codec: CodecSpec, dtype: str, grid: ChunkGrid, index: int,
                  nbytes: int) -> np.ndarray | HeldCoded:
     """The payload of chunk ``index`` from its stored bytes (size and format checked; not its
-    digest). A ``dcr-cond`` chunk stays coded (``HeldCoded``): it decodes against the held bits."""
+    digest). A ``dcr.cond`` chunk stays coded (``HeldCoded``): it decodes against the held bits."""
     if len(data) != nbytes:
         raise IntegrityError(f"{url}/{key}: chunk is {len(data)} bytes, the manifest says {nbytes}")
     size = grid.chunk_size(index)
@@ -341,9 +350,15 @@ def decode_chunk(url: str, key: str, data: bytes, codec: CodecSpec, dtype: str, 
 
 
 def stored_digest(data: bytes) -> str:
-    """The digest of a chunk's stored bytes: what the manifest records for ``dcr-cond`` chunks,
+    """The digest of a chunk's stored bytes: what the manifest records for ``dcr.cond`` chunks,
     whose payload exists only against the held bits."""
     return chunk_digest(np.frombuffer(data, dtype=np.uint8))
+
+
+def _announce_packed(announce: Callable[[str, StoredChunk], None], key_in_store: str, chunk: StoredChunk,
+                     pack: str, offset: int, pack_bytes: int) -> None:
+    """Tell ``announce`` of a packed chunk once its pack is written: where it lies, and the pack's size."""
+    announce(key_in_store, replace(chunk, pack=pack, offset=offset, pack_bytes=pack_bytes))
 
 
 def payload_digest(payload: np.ndarray | HeldCoded) -> str:
@@ -383,6 +398,8 @@ class _RangeRead:
             self._future = pool.submit(self.root.read_range, self.key, self.start, self.end - self.start)
 
     def take(self, offset: int, nbytes: int) -> bytes:
+        if self._future is None:
+            raise RuntimeError(f"{self.key}: a range read taken before it was submitted")
         data = self._future.result()
         self.drop()
         lo = offset - self.start
@@ -429,9 +446,24 @@ def _plan_ranges(root: Root, jobs: list[ChunkJob]) -> list[_RangeRead | None]:
     return reads
 
 
-def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = 8, window: int | None = None,
+Payload = np.ndarray | HeldCoded  # a verified chunk: its bits, or a HeldCoded chunk to decode against the held bits
+Streamed = Generator[tuple[Manifest, TensorEntry, int, Payload], None, None]
+
+
+@overload
+def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = ..., window: int | None = ...,
+                  unchecked: None = ...) -> Streamed: ...
+
+
+@overload
+def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = ..., window: int | None = ..., *,
+                  unchecked: Callable[[Manifest, TensorEntry], bool]
+                  ) -> Generator[tuple[Manifest, TensorEntry, int, Payload | UncheckedChunk], None, None]: ...
+
+
+def stream_chunks(root: Root, jobs: Iterable[ChunkJob], workers: int = IO_WORKERS, window: int | None = None,
                   unchecked: Callable[[Manifest, TensorEntry], bool] | None = None
-                  ) -> Iterator[tuple[Manifest, TensorEntry, int, np.ndarray | HeldCoded | UncheckedChunk]]:
+                  ) -> Generator[tuple[Manifest, TensorEntry, int, Payload | UncheckedChunk], None, None]:
     """Fetch and verify chunks in the order of ``jobs``, reading ahead across tensors and steps
     with at most ``window`` chunks in flight (default ``2 * workers``): memory stays bounded, and
     many small tensors do not cost one round trip each. Packed chunks are read by coalesced ranged
@@ -473,14 +505,14 @@ def stored_positions(entry: TensorEntry, wanted: Container[int] | None = None) -
     return [p for p, index in enumerate(entry.stored_indices) if index in wanted]
 
 
-def read_chunks(root: Root, manifest: Manifest, entries: dict[str, TensorEntry], workers: int = 8,
-                positions: dict[str, list[int]] | None = None) -> dict[str, list[tuple[int, np.ndarray]]]:
+def read_chunks(root: Root, manifest: Manifest, entries: dict[str, TensorEntry], workers: int = IO_WORKERS,
+                positions: dict[str, list[int]] | None = None) -> dict[str, list[tuple[int, Payload]]]:
     """All stored chunks of ``entries`` (of ``manifest``; ``positions``: only these stored positions
     per tensor), verified, in stored-position order per tensor (main chunks in chunk order, then
     parts: apply position ``pos`` with ``entry.encoding_at(pos)``). Memory: everything read (for
     callers that must hold it all)."""
     names = [n for n in entries if entries[n].n_stored]
-    out: dict[str, list[tuple[int, np.ndarray]]] = {n: [] for n in names}
+    out: dict[str, list[tuple[int, Payload]]] = {n: [] for n in names}
     jobs = ((manifest, entries[n], p) for n in names
             for p in (range(entries[n].n_stored) if positions is None else positions.get(n, range(entries[n].n_stored))))
     for _, e, index, payload in stream_chunks(root, jobs, workers):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from typing import TypeGuard
 
 from dcr_core import events
 from dcr_core.errors import DCRError, StepConflictError
@@ -25,7 +26,8 @@ from storage.root import Root
 log = logging.getLogger("dcr.storage")
 
 
-def _is_own(found: CommitMarker | None, marker: CommitMarker) -> bool:
+def _is_own(found: CommitMarker | None, marker: CommitMarker) -> TypeGuard[CommitMarker]:
+    """Whether the marker ``found`` is ``marker``'s own (this attempt's, this manifest's)."""
     return found is not None and found.attempt == marker.attempt and found.manifest_digest == marker.manifest_digest
 
 

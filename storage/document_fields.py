@@ -10,6 +10,7 @@ import json
 import re
 from typing import Any
 
+from dcr_core.codec import CodecSpec
 from dcr_core.errors import IntegrityError, UnsafeKeyError
 from storage import layout
 
@@ -47,6 +48,27 @@ def document(data: bytes, where: str, fmt: str, what: str) -> dict:
     if not isinstance(d, dict) or d.get("format") != fmt:
         raise fail(where, f"not a {what}")
     return d
+
+
+def parse_columns(d: dict, what: str, table: str, *names: str) -> list[list[Any]]:
+    """The columns ``names`` of table ``d`` (a manifest's chunks, parts, pieces): lists of one length."""
+    columns: list[list[Any]] = []
+    for name in names:
+        column = d.get(name)
+        if not isinstance(column, list) or (columns and len(column) != len(columns[0])):
+            raise fail(what, f"{table}.{'/'.join(names)} must be lists of equal length")
+        columns.append(column)
+    return columns
+
+
+def parse_codec(v: Any, what: str) -> CodecSpec:
+    """A document's ``codec`` block (``dcr_core.codec.CodecSpec``)."""
+    try:
+        if not isinstance(v, dict):
+            raise TypeError(f"expected an object, got {v!r}")
+        return CodecSpec.from_dict(v)
+    except (TypeError, KeyError, ValueError) as e:
+        raise fail(what, f"bad codec ({e})") from None
 
 
 def parse_int(v: Any, what: str, lo: int = 0, hi: int = 1 << 62) -> int:

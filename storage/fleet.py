@@ -21,7 +21,7 @@ object is refused in one line naming it.
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -29,7 +29,7 @@ from storage import layout
 from storage.document_fields import fail
 from storage.root import Root
 
-FORMAT = "dcr-fleet"
+FORMAT: Final = "dcr-fleet"
 MAX_FLEET_BYTES = 1 << 20
 
 MemberOutcome = Literal["switched", "unchanged", "not-switched", "failed", "taken-back"]

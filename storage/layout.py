@@ -72,7 +72,7 @@ def check_attempt(attempt: str) -> str:
     return attempt
 
 
-def check_segment(segment: str, what: str) -> str:
+def check_segment(segment: object, what: str) -> str:
     """A single path segment taken from stored metadata: no separators, no ``.``/``..``."""
     if not isinstance(segment, str) or not _SEGMENT.match(segment) or segment in (".", ".."):
         raise UnsafeKeyError(f"{what} {segment!r} is not a safe path segment")

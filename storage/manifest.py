@@ -44,6 +44,8 @@ from storage.document_fields import (
     all_ints,
     fail,
     parse_attempt,
+    parse_codec,
+    parse_columns,
     parse_digest,
     parse_int,
     parse_shape,
@@ -125,9 +127,7 @@ class ChunkTable:
     def from_dict(cls, d: Any, what: str, n_chunks: int, packs: tuple[str, ...] = ()) -> ChunkTable:
         if not isinstance(d, dict):
             raise fail(what, "chunks must be an object")
-        idx, dig, nb = d.get("indices"), d.get("digests"), d.get("nbytes")
-        if not (type(idx) is list and type(dig) is list and type(nb) is list) or not len(idx) == len(dig) == len(nb):
-            raise fail(what, "chunks.indices/digests/nbytes must be lists of equal length")
+        idx, dig, nb = parse_columns(d, what, "chunks", "indices", "digests", "nbytes")
         if len(idx) > n_chunks:
             raise fail(what, f"{len(idx)} stored chunks but the grid has {n_chunks}")
         # Each column checked whole in C where it is well formed; item by item (naming the bad one) if not.
@@ -142,8 +142,13 @@ class ChunkTable:
 
 
 def _pack_columns(packs: tuple[str, ...], offsets: tuple[int, ...], pack_numbers: dict[str, int] | None) -> dict:
-    """A table's ``pack``/``offset`` columns (none: its chunks are their own objects)."""
-    return {"pack": [pack_numbers[p] for p in packs], "offset": list(offsets)} if packs else {}
+    """A table's ``pack``/``offset`` columns (none: its chunks are their own objects); a packed
+    table's packs are numbered by ``pack_numbers`` (the manifest's list of packs)."""
+    if not packs:
+        return {}
+    if pack_numbers is None:
+        raise ValueError("a packed table is written with the manifest's pack numbers")
+    return {"pack": [pack_numbers[p] for p in packs], "offset": list(offsets)}
 
 
 def _parse_pack_columns(d: dict, what: str, table: str, n: int,
@@ -187,9 +192,7 @@ class PieceTable:
     def from_dict(cls, d: Any, what: str, shape: tuple[int, ...], digest: str) -> PieceTable:
         if not isinstance(d, dict) or d.get("scheme") != PIECES_SCHEME:
             raise fail(what, f"pieces must be an object with scheme {PIECES_SCHEME!r}")
-        st, ex, dg = d.get("starts"), d.get("extents"), d.get("digests")
-        if not all(isinstance(x, list) for x in (st, ex, dg)) or not len(st) == len(ex) == len(dg):
-            raise fail(what, "pieces.starts/extents/digests must be lists of equal length")
+        st, ex, dg = parse_columns(d, what, "pieces", "starts", "extents", "digests")
         if len(st) > MAX_PIECES_PER_TENSOR:  # before parsing them: a hostile manifest must not exhaust memory
             raise fail(what, f"{len(st)} pieces exceeds the limit {MAX_PIECES_PER_TENSOR}")
         starts = tuple(parse_shape(x, what) for x in st)
@@ -259,9 +262,7 @@ class PartTable:
     def from_dict(cls, d: Any, what: str, n_chunks: int, packs: tuple[str, ...] = ()) -> PartTable:
         if not isinstance(d, dict):
             raise fail(what, "parts must be an object")
-        sl, idx, dig, nb = d.get("slot"), d.get("indices"), d.get("digests"), d.get("nbytes")
-        if not all(isinstance(x, list) for x in (sl, idx, dig, nb)) or not len(sl) == len(idx) == len(dig) == len(nb):
-            raise fail(what, "parts.slot/indices/digests/nbytes must be lists of equal length")
+        sl, idx, dig, nb = parse_columns(d, what, "parts", "slot", "indices", "digests", "nbytes")
         slots = parse_int(d.get("slots"), what, 1, MAX_PART_SLOTS)
         if len(idx) > n_chunks * slots:
             raise fail(what, f"{len(idx)} parts but the grid has {n_chunks} chunks of {slots} slots")
@@ -365,6 +366,8 @@ class TensorEntry:
             key = layout.pack_key(c.packs[pos]) if c.packs else layout.chunk_key(self.array, self.grid.grid_index(index))
             return key, index, c.digests[pos], c.nbytes[pos]
         p, q = self.parts, pos - n
+        if p is None:
+            raise IndexError(f"stored position {pos} of a tensor of {n} stored chunks and no parts")
         index = p.indices[q]
         key = layout.pack_key(p.packs[q]) if p.packs else layout.part_key(p.array, p.slot[q], self.grid.grid_index(index))
         return key, index, p.digests[q], p.nbytes[q]
@@ -373,7 +376,10 @@ class TensorEntry:
         """Where position ``pos``'s bytes start in the object ``stored_at`` names: an offset into a
         pack, or None (the chunk or part is the whole object)."""
         n = len(self.chunks)
+        table: ChunkTable | PartTable | None
         table, q = (self.chunks, pos) if pos < n else (self.parts, pos - n)
+        if table is None:
+            raise IndexError(f"stored position {pos} of a tensor of {n} stored chunks and no parts")
         return table.offsets[q] if table.packs else None
 
     @property
@@ -434,7 +440,8 @@ class TensorEntry:
         dtype = d.get("dtype")
         if dtype not in DTYPES:
             raise fail(what, f"unsupported dtype {dtype!r}")
-        encoding = _ENCODINGS.get(d.get("encoding")) if type(d.get("encoding")) is str else None
+        stored = d.get("encoding")
+        encoding = _ENCODINGS.get(stored) if isinstance(stored, str) else None
         if encoding is None:
             raise fail(what, f"unknown encoding {d.get('encoding')!r}")
         shape = parse_shape(d.get("shape"), what)
@@ -555,7 +562,7 @@ class Manifest:
 
     @functools.cached_property
     def _bundles(self) -> dict[str, Members]:
-        return {n: self.tensors[n].members for n in sorted(self.tensors) if self.tensors[n].members is not None}
+        return {n: m for n in sorted(self.tensors) if (m := self.tensors[n].members) is not None}
 
     def policy_entries(self):
         """``(name, dtype, shape, digest)`` of every tensor of the policy: bundles' members included,
@@ -684,10 +691,8 @@ class Manifest:
         arrays += [t.array for t in snapshot.values()]
         if len(set(arrays)) != len(arrays):
             raise fail(where, "two tensors share one array")
-        try:
-            codec = CodecSpec.from_dict(d.get("codec"))
-        except (TypeError, KeyError, ValueError) as e:
-            raise fail(where, f"bad codec ({e})") from None
+        codec = parse_codec(d.get("codec"), where)
+        producer = d.get("producer")
         m = cls(
             step=step,
             kind=kind,
@@ -699,7 +704,7 @@ class Manifest:
             chunk_bytes=parse_int(d.get("chunk_bytes"), where, 1),
             tensors=tensors,
             created_at=str(d.get("created_at", "")),
-            producer=d.get("producer") if isinstance(d.get("producer"), dict) else {},
+            producer=producer if isinstance(producer, dict) else {},
             snapshot=snapshot,
             digest_scheme=scheme,
             source=None if d.get("source") is None else SourceRecord.from_dict(d["source"], where),
@@ -745,7 +750,8 @@ def _parse_members(d: dict, what: str, dtype: str) -> Members:
     names, shapes, digests, changed = d.get("names"), d.get("shapes"), d.get("digests"), d.get("changed")
     if set(d) - {"names", "shapes", "digests", "changed"}:
         raise fail(what, f"unknown member columns {sorted(set(d) - {'names', 'shapes', 'digests', 'changed'})}")
-    if not isinstance(shapes, list) or not isinstance(digests, list) or not len(names) == len(shapes) == len(digests):
+    if not (isinstance(names, list) and isinstance(shapes, list) and isinstance(digests, list)) or not (
+            len(names) == len(shapes) == len(digests)):
         raise fail(what, "members need names, shapes and digests of equal length")
     if not names:
         raise fail(what, "a bundle holds at least one tensor")

@@ -26,7 +26,7 @@ from dcr_core.codec import CodecSpec
 from dcr_core.dtypes import DTYPES
 from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
-from storage.chunk_io import MAX_RANGE_BYTES, BoundedPool, decode_chunk, payload_digest, verified_as
+from storage.chunk_io import IO_WORKERS, MAX_RANGE_BYTES, BoundedPool, decode_chunk, payload_digest, verified_as
 from storage.held_chunks import PREFETCHED, Prefetched
 from storage.marker import MAX_MARKER_BYTES
 from storage.root import Root
@@ -50,7 +50,7 @@ class Prefetcher:
     """``Prefetcher(root, step, attempt).start()``; ``stop()`` ends it, ``close()`` also drops what
     it holds. ``committed`` is set once the step's marker exists (whatever attempt it names)."""
 
-    def __init__(self, root: Root, step: int, attempt: str, store: Prefetched = PREFETCHED, workers: int = 8,
+    def __init__(self, root: Root, step: int, attempt: str, store: Prefetched = PREFETCHED, workers: int = IO_WORKERS,
                  poll: float = 0.02, max_poll: float = 0.2, trusted: Mapping[str, tuple[str, ChunkGrid]] | None = None):
         self.root, self.step, self.attempt, self.store = root, step, attempt, store
         # What a chunk may decode to, from a committed (signed) step: tensor -> (dtype, grid). See
@@ -176,7 +176,8 @@ class Prefetcher:
     def _fetch_run(self, idx: StreamIndex, run: list[StreamedChunk], pool: BoundedPool) -> None:
         """Fetch chunks that lie back to back in one pack with one ranged GET; each is checked and
         held on its own."""
-        key, start = run[0].location(self.step, self.attempt)
+        key = layout.store_key(self.step, self.attempt, layout.pack_key(run[0].pack))  # a run lies in one pack
+        start = run[0].offset
         whole = pool.submit(self._read_range, key, start, run[-1].offset + run[-1].nbytes - start)
         for c in run:
             fut: Future = Future()

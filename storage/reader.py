@@ -35,7 +35,7 @@ from dcr_core.dtypes import DTYPES
 from dcr_core.errors import IntegrityError, RootNotFoundError, StateMismatchError, StepNotFoundError, UsageError
 from storage import layout
 from storage.catalog import Catalog, not_committed, unpublished
-from storage.chunk_io import read_chunks, stored_positions, stream_chunks
+from storage.chunk_io import IO_WORKERS, Payload, read_chunks, stored_positions, stream_chunks
 from storage.manifest import Manifest, TensorEntry
 from storage.root import Root, RootRef, open_root
 
@@ -225,10 +225,13 @@ class MemberChecks:
 
     def __init__(self, step: int):
         self.step = step
-        self._pool = None
+        self._pool: ThreadPoolExecutor | None = None
         self._pending: deque = deque()
 
     def submit(self, entry: TensorEntry, bits: np.ndarray) -> None:
+        """Check the members of ``entry`` (a bundle; any other tensor has none to check)."""
+        if entry.members is None:
+            return
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="dcr-members")
         while len(self._pending) >= self.DEPTH:
@@ -256,7 +259,7 @@ def result_mismatch(step: int, name: str) -> StateMismatchError:
 
 def refit_tensors(
     root: Root, plan: RefitPlan, ms: dict[int, Manifest], held: Callable[[str], np.ndarray] | None,
-    workers: int = 8, where: str = "state", names: Iterable[str] | None = None,
+    workers: int = IO_WORKERS, where: str = "state", names: Iterable[str] | None = None,
 ) -> Iterator[tuple[str, np.ndarray, int]]:
     """Yield ``(name, bits, bytes pulled)`` of every target tensor (or of ``names`` only: a mapped
     task's group), in name order, verified.
@@ -277,7 +280,7 @@ def refit_tensors(
     try:
         for name in names:
             e_target = target.tensors[name]
-            if held_m is not None:
+            if held_m is not None and held is not None:  # (a held step without its bits is refused above)
                 bits = held(name)
                 if not held_m.tensors[name].matches(bits, members=False):
                     raise held_mismatch(where, name, held_m.step)
@@ -292,8 +295,7 @@ def refit_tensors(
                 pulled += e.stored_bytes
             if not e_target.matches(bits, members=False):
                 raise result_mismatch(plan.target_step, name)
-            if e_target.members is not None:
-                members.submit(e_target, bits)
+            members.submit(e_target, bits)
             events.reached("tensor.done", name=name, nbytes=bits.nbytes)
             yield name, bits, pulled
         if next(stream, None) is not None:
@@ -308,12 +310,12 @@ def refit_tensors(
 class Fetched:
     """Verified payloads of every move of a plan, and what fetching them cost."""
 
-    chunks: dict[int, dict[str, list[tuple[int, np.ndarray]]]]
+    chunks: dict[int, dict[str, list[tuple[int, Payload]]]]
     bytes_pulled: int
     seconds: float
 
 
-def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers: int = 8,
+def fetch_payloads(root: Root, plan: RefitPlan, ms: dict[int, Manifest], workers: int = IO_WORKERS,
                    wanted: Callable[[TensorEntry], Container[int] | None] | None = None) -> Fetched:
     """Every payload of every move, verified, in memory: for receivers that must have everything
     before they touch their target (live modules). ``wanted(entry)``: the chunk indices of a

@@ -32,7 +32,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
-from dcr_core.errors import UsageError
+from dcr_core.errors import UntrustedError, UsageError
 from storage.document_fields import fail
 
 HMAC_SHA256 = "hmac-sha256"
@@ -57,10 +57,6 @@ class Key:
     private: Ed25519PrivateKey | None = None
     public: Ed25519PublicKey | None = None
 
-    @property
-    def can_sign(self) -> bool:
-        return self.secret is not None or self.private is not None
-
     def sign(self, body: dict) -> str:
         if self.secret is not None:
             return hmac.new(self.secret, _canonical(body), hashlib.sha256).hexdigest()
@@ -75,12 +71,19 @@ class Key:
             raw = bytes.fromhex(signature)
         except ValueError:
             return False
-        public = self.public if self.public is not None else self.private.public_key()
         try:
-            public.verify(raw, _canonical(body))
+            self.ed25519_public().verify(raw, _canonical(body))
         except InvalidSignature:
             return False
         return True
+
+    def ed25519_public(self) -> Ed25519PublicKey:
+        """The Ed25519 public key: given, or the half of the private key."""
+        if self.public is not None:
+            return self.public
+        if self.private is not None:
+            return self.private.public_key()
+        raise UsageError(f"{self.source} is an HMAC secret: it has no public key")
 
     def verifier(self) -> Key:
         """The key readers need: the same secret, or the public half of a private key."""
@@ -93,7 +96,7 @@ class Key:
         """A short name for the key a reader trusts (Ed25519: SHA-256 of the raw public key)."""
         if self.secret is not None:
             return "hmac:" + hashlib.sha256(b"dcr-hmac-id\0" + self.secret).hexdigest()[:16]
-        return "ed25519:" + hashlib.sha256(_raw_public(self.verifier().public)).hexdigest()[:16]
+        return "ed25519:" + hashlib.sha256(_raw_public(self.ed25519_public())).hexdigest()[:16]
 
 
 def signature_field(d: dict, where: str) -> tuple[str | None, str]:
@@ -221,6 +224,16 @@ def require_signed() -> bool:
     raise UsageError(f"{ENV_REQUIRE_SIGNED}={os.environ[ENV_REQUIRE_SIGNED]!r} must be 1 or 0")
 
 
+def check_verifiable(where: str, required_by: str) -> Key:
+    """The key readers verify markers with, where ``required_by`` (an option, or ``DCR_REQUIRE_SIGNED``)
+    requires one: without it, a one-line ``UntrustedError`` naming ``where`` and what to set."""
+    key = verify_key()
+    if key is None:
+        raise UntrustedError(f"{where}: {required_by} is set, and this reader has no key to verify with: set "
+                             f"{ENV_VERIFY_KEY_FILE} (Ed25519) or {ENV_KEY} / {ENV_KEY_FILE} (HMAC)")
+    return key
+
+
 def keygen(path: str | os.PathLike) -> Key:
     """Write a new Ed25519 private key to ``path`` (mode 0600) and its public key to ``path``.pub;
     both must not exist yet. Returns the key."""
@@ -256,4 +269,4 @@ def _write_new(path: str, data: bytes, mode: int) -> None:
 
 def public_key_b64(key: Key) -> str:
     """The raw Ed25519 public key, base64 (what people compare out of band)."""
-    return base64.b64encode(_raw_public(key.verifier().public)).decode()
+    return base64.b64encode(_raw_public(key.ed25519_public())).decode()

@@ -36,7 +36,16 @@ from dcr_core.errors import DCRError, IntegrityError
 from storage import layout
 from storage.catalog import utc_now
 from storage.chunk_io import StoredChunk
-from storage.document_fields import document, fail, parse_attempt, parse_digest, parse_int, parse_shape
+from storage.document_fields import (
+    document,
+    fail,
+    parse_attempt,
+    parse_codec,
+    parse_columns,
+    parse_digest,
+    parse_int,
+    parse_shape,
+)
 from storage.manifest import MAX_PACK_BYTES
 from storage.root import Root
 
@@ -120,10 +129,7 @@ class StreamIndex:
     @classmethod
     def from_json(cls, data: bytes, where: str) -> StreamIndex:
         d = document(data, where, INDEX_FORMAT, f"{INDEX_FORMAT} document")
-        try:
-            codec = CodecSpec.from_dict(d.get("codec"))
-        except (TypeError, KeyError, ValueError) as e:
-            raise fail(where, f"bad codec ({e})") from None
+        codec = parse_codec(d.get("codec"), where)
         arrays = d.get("arrays")
         if not isinstance(arrays, dict) or not isinstance(d.get("last"), bool):
             raise fail(where, "arrays must be an object and last a boolean")
@@ -143,9 +149,7 @@ def _array_chunks(array: str, a: Any, what: str) -> list[StreamedChunk]:
         grid = grid_of(parse_shape(a.get("shape"), what), parse_shape(a.get("chunk_shape"), what))
     except IntegrityError as e:
         raise fail(what, str(e)) from None
-    indices, digests, nbytes = a.get("indices"), a.get("digests"), a.get("nbytes")
-    if not all(isinstance(x, list) for x in (indices, digests, nbytes)) or not len(indices) == len(digests) == len(nbytes):
-        raise fail(what, "indices, digests and nbytes must be lists of one length")
+    indices, digests, nbytes = parse_columns(a, what, "chunks", "indices", "digests", "nbytes")
     packs, offsets, sizes = a.get("pack"), a.get("offset"), a.get("pack_bytes")
     if packs is None and offsets is None and sizes is None:
         packs, offsets, sizes = [""] * len(indices), [0] * len(indices), [0] * len(indices)

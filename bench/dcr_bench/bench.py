@@ -545,7 +545,7 @@ def _conditional_markdown(sc: list[dict]) -> list[str]:
          "the empirical entropy of the signed ulp step; escapes (sign or exponent class changes, steps beyond "
          "+-127 ulps, non-float dtypes) are coded with their XOR value, their positions at their own rate "
          "over the whole tensor. Bits per changed element; bytes per changed element for the bounds and codecs. "
-         "DCR-cond: the conditional codec (`dcr-cond`, coded against the old bits).\n"),
+         "DCR-cond: the conditional codec (`dcr.cond`, coded against the old bits).\n"),
         ("| source | params | change % | positions plain | positions cond | values XOR | values step | escapes % | "
          "plain bound | cond bound | cond / plain | DCR | DCR / cond bound | DCR-cond | DCR-cond / bound | "
          "DCR-cond / cond bound | DCR-cond exact |"),
@@ -577,7 +577,7 @@ def _threads_markdown(sc: list[dict]) -> list[str]:
          "whatever the thread count: `same bytes`); best of at least 3, the thread counts taking turns. "
          "`machine 2/1`: the same pool running zstd-1 of fixed buffers (no GIL held, nothing allocated per task), "
          "measured right after: what a second thread can gain on this machine at that moment. DCR-cond: the "
-         "conditional codec (`dcr-cond`).\n"),
+         "conditional codec (`dcr.cond`).\n"),
         ("| source | params | change % | DCR encode 1t | 2t | 2t/1t | DCR decode+apply 1t | 2t | 2t/1t | "
          "machine 2/1 | same bytes | DCR-cond encode 1t | 2t | DCR-cond decode+apply 1t | 2t |"),
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|:--:|---:|---:|---:|---:|",

@@ -26,7 +26,7 @@ import uuid
 from safetensors.torch import load_file
 
 from dcr_bench.demo import mismatch
-from dcr_bench.netproxy import ThrottledProxy
+from dcr_bench.netproxy import Proxy
 from flows import Publisher, PublishOptions, ReceiveOptions, run_publish, run_receive
 from storage.root import open_root
 
@@ -246,7 +246,7 @@ def _serve_s3(conn, bandwidth: float) -> None:
     server.start()
     host, port = server.get_host_and_port()
     direct = f"http://{host}:{port}"
-    proxy = ThrottledProxy(direct, bandwidth)
+    proxy = Proxy(direct, bandwidth)
     try:
         conn.send((direct, proxy.url))
         while True:

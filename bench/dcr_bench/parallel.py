@@ -1,4 +1,4 @@
-"""Codec throughput on 1 and 2 threads, and the conditional codec (``dcr-cond``) beside the default.
+"""Codec throughput on 1 and 2 threads, and the conditional codec (``dcr.cond``) beside the default.
 
 Each thread encodes or decodes whole chunks (a ``ThreadPoolExecutor`` over the chunks of every
 tensor, results kept in chunk order): the stored bytes are the same whatever the thread count, and

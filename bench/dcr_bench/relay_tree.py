@@ -2,7 +2,7 @@
 
 ``python -m dcr_bench.relay_tree [--out DIR]`` (``make bench-tree``). Three S3 servers (moto, each
 its own process and store) on 127.0.0.1: the origin and two regions. Each region reaches the origin
-through its own inter-region link, a ``ThrottledProxy`` capped at ``--link-mbytes`` MB/s each way;
+through its own inter-region link, a ``netproxy.Proxy`` capped at ``--link-mbytes`` MB/s each way;
 each region server sits behind an uncapped, counting proxy (the in-region network). An fp32 model
 (``--params``) is published at the origin as a keyframe, then as deltas with ``--change`` of its
 elements changed. Each step is received twice, each time by ``--receivers`` state-file receivers
@@ -38,7 +38,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from dcr_bench.netproxy import ThrottledProxy
+from dcr_bench.netproxy import Proxy
 
 MB = 1_000_000
 
@@ -264,8 +264,8 @@ def run(args) -> dict:
         servers = stack.enter_context(s3_servers(("origin", *regions), tmp))
         origin = f"s3://{servers['origin'].bucket}/run-{tag}"
         oopts = servers["origin"].options
-        wan = {r: stack.enter_context(ThrottledProxy(servers["origin"].url, rate)) for r in regions}
-        lan = {r: stack.enter_context(ThrottledProxy(servers[r].url, None)) for r in regions}
+        wan = {r: stack.enter_context(Proxy(servers["origin"].url, rate)) for r in regions}
+        lan = {r: stack.enter_context(Proxy(servers[r].url, None)) for r in regions}
         links = {f"origin->{r}": wan[r] for r in regions} | {f"{r}-region": lan[r] for r in regions}
 
         def via_wan(r: str) -> dict:

@@ -33,22 +33,19 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import http.client
 import json
 import os
 import platform
 import random
-import socket
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import urlsplit
 
+from dcr_bench.netproxy import Proxy
 from dcr_bench.relay_tree import s3_servers
 from storage import stats
 from storage.retry import NO_RETRY, chain
@@ -78,125 +75,6 @@ POLICY_LABELS = {
     "standard": "(b) botocore standard mode, DCR off",
     "defaults": "(c) s3fs retries=5 + botocore legacy (defaults), DCR off",
 }
-HOP = {"connection", "keep-alive", "proxy-connection", "transfer-encoding", "te", "trailer", "upgrade", "expect"}
-
-
-# -- the fault-injecting proxy (after tests/support/httpproxy.py; the bench does not import tests) --
-
-class _Server(ThreadingHTTPServer):
-    request_queue_size = 128
-    daemon_threads = True
-
-    def handle_error(self, request, client_address) -> None:
-        pass  # a client that timed out and hung up on a stalled answer: expected here
-
-
-class FaultProxy:
-    """A reverse proxy on 127.0.0.1 that counts every request and injects faults by plan:
-    ``plan(method, path, n) -> None | "503" | "500" | "reset" | "truncate" | "stall"`` where ``n``
-    is how many requests with this method and path (query left out) it has seen, this one included."""
-
-    def __init__(self, upstream: str):
-        u = urlsplit(upstream)
-        self.upstream = (u.hostname, u.port)
-        self.lock = threading.Lock()
-        self.plan = None
-        self.seen: Counter = Counter()  # (method, path) -> requests
-        self.outcomes: Counter = Counter()  # "ok" or the fault injected -> requests
-        proxy = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args) -> None:
-                pass
-
-            def _body(self) -> bytes:
-                if self.headers.get("Transfer-Encoding", "").lower() == "chunked":
-                    out = bytearray()
-                    while True:
-                        size = int(self.rfile.readline().split(b";")[0].strip(), 16)
-                        if size == 0:
-                            while self.rfile.readline() not in (b"\r\n", b"\n", b""):
-                                pass
-                            return bytes(out)
-                        out += self.rfile.read(size)
-                        self.rfile.readline()
-                n = int(self.headers.get("Content-Length") or 0)
-                return self.rfile.read(n) if n else b""
-
-            def _handle(self) -> None:
-                if self.headers.get("Expect", "").lower() == "100-continue":
-                    self.send_response_only(100)
-                    self.end_headers()
-                body = self._body()
-                method, path = self.command, self.path
-                with proxy.lock:
-                    key = (method, urlsplit(path).path)
-                    proxy.seen[key] += 1
-                    fault = proxy.plan(method, key[1], proxy.seen[key]) if proxy.plan else None
-                    if fault == "truncate" and method != "GET":
-                        fault = None
-                    proxy.outcomes[fault or "ok"] += 1
-                if fault == "reset":
-                    self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-                    self.connection.close()
-                    self.close_connection = True
-                    return
-                if fault in ("500", "503"):
-                    code = {"500": b"InternalError", "503": b"SlowDown"}[fault]
-                    msg = b"<Error><Code>" + code + b"</Code><Message>injected</Message></Error>"
-                    self.send_response(int(fault))
-                    self.send_header("Content-Type", "application/xml")
-                    self.send_header("Content-Length", str(len(msg)))
-                    self.end_headers()
-                    self.wfile.write(msg)
-                    return
-                headers = {k: v for k, v in self.headers.items() if k.lower() not in HOP}
-                if body or "Content-Length" in self.headers or self.headers.get("Transfer-Encoding"):
-                    headers["Content-Length"] = str(len(body))
-                conn = http.client.HTTPConnection(*proxy.upstream, timeout=60)
-                try:
-                    conn.request(method, path, body=body or None, headers=headers)
-                    resp = conn.getresponse()
-                    data = resp.read()
-                finally:
-                    conn.close()
-                if fault == "stall":
-                    time.sleep(STALL)
-                truncate = fault == "truncate" and len(data) > 1
-                self.send_response(resp.status, resp.reason)
-                for k, v in resp.getheaders():
-                    if k.lower() not in HOP and k.lower() != "content-length":
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                if truncate:
-                    self.wfile.write(data[: len(data) // 2])  # half the promised body, then hang up
-                    self.wfile.flush()
-                    self.connection.shutdown(socket.SHUT_RDWR)
-                    self.close_connection = True
-                elif method != "HEAD":
-                    self.wfile.write(data)
-
-            do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _handle
-
-        self.server = _Server(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-
-    def start(self, plan) -> None:
-        with self.lock:
-            self.plan = plan
-            self.seen.clear()
-            self.outcomes.clear()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 # -- the workload --------------------------------------------------------------------------------
 
 def _content(name: str, size: int, base: bytes) -> bytes:
@@ -241,7 +119,7 @@ def _error_name(e: BaseException) -> str:
     return out
 
 
-def one_run(policy: str, scenario: str, server, proxy: FaultProxy, names: list[tuple[str, int]],
+def one_run(policy: str, scenario: str, server, proxy: Proxy, names: list[tuple[str, int]],
             base: bytes, seed: int) -> dict:
     fault, fraction, tries = SCENARIOS[scenario]
     faulted = _faulted([n for n, _ in names], fraction, seed)
@@ -253,11 +131,14 @@ def one_run(policy: str, scenario: str, server, proxy: FaultProxy, names: list[t
     if s3fs_retries is not None:
         root.fs.retries = s3fs_retries
 
-    def plan(method: str, path: str, n: int) -> str | None:
-        if fault is None or n > tries:
+    seen: Counter = Counter()  # (method, path without the query) -> requests
+
+    def plan(method: str, path: str) -> str | None:
+        key = (method, urlsplit(path).path)
+        seen[key] += 1
+        if fault is None or seen[key] > tries:
             return None
-        name = path.rsplit("/", 1)[-1]
-        return fault if name in faulted else None
+        return fault if key[1].rsplit("/", 1)[-1] in faulted else None
 
     ops = [("PUT", n, s) for n, s in names] + [("GET", n, s) for n, s in names]
     random.Random(seed + 1).shuffle(ops)
@@ -277,13 +158,14 @@ def one_run(policy: str, scenario: str, server, proxy: FaultProxy, names: list[t
             return method, name, size, _error_name(e)
 
     before = stats.io_stats(url)
-    proxy.start(plan)
+    proxy.reset_counts()
+    proxy.fault = plan
     t0 = time.perf_counter()
     with ThreadPoolExecutor(CONCURRENCY) as pool:
         results = list(pool.map(do, ops))
     wall = time.perf_counter() - t0
     with proxy.lock:
-        proxy.plan = None
+        proxy.fault = None
         outcomes = dict(proxy.outcomes)
     dcr = stats.io_stats(url).minus(before)
     failed = Counter(err for *_, err in results if err)
@@ -392,7 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         with tempfile.TemporaryDirectory() as tmp, s3_servers(["retry"], tmp) as servers:
             server = servers["retry"]
             _seed_objects(server, names, base)
-            proxy = FaultProxy(server.url)
+            proxy = Proxy(server.url)
+            proxy.stall_seconds = STALL
             server = type(server)(server.name, proxy.url, server.bucket, {**server.options, "endpoint_url": proxy.url})
             try:
                 for scenario in scenarios:

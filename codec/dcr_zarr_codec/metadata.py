@@ -9,9 +9,22 @@ or ``dcr.cond``. A chunk that is not stored reads as zeros: for an XOR mask, "no
 
 from __future__ import annotations
 
+# The codecs' names, one each: what a manifest's codec block, a stream index and a zarr.json name.
+# The Zarr name is the one that cannot change (stock zarr finds the codec by it, through this
+# package's zarr.codecs entry point, in every zarr.json written so far), so manifests use it too.
+BLOSC_CODEC = "blosc"  # the standard Zarr codec (numcodecs): any zarr reads it
 SPARSE_CODEC = "dcr.sparse"  # registered with zarr by this package (entry point zarr.codecs)
 COND_CODEC = "dcr.cond"  # registered too; its chunks decode only against the held bits (it says so)
-_OWN = {"dcr-sparse": SPARSE_CODEC, "dcr-cond": COND_CODEC}  # a manifest's codec name -> the Zarr codec
+CODECS = (BLOSC_CODEC, SPARSE_CODEC, COND_CODEC)
+# What manifests (and stream indexes, and the simulator's calibrations) named DCR's own codecs before
+# they had one name each: still read, never written.
+FORMER_NAMES = {"dcr-sparse": SPARSE_CODEC, "dcr-cond": COND_CODEC}
+
+
+def codec_name(name: str) -> str:
+    """A codec's name as written today, for any name a manifest was ever written with."""
+    return FORMER_NAMES.get(name, name)
+
 ZARR_DTYPE = {8: "uint8", 16: "uint16", 32: "uint32", 64: "uint64"}
 
 # The element width of each dtype a manifest may name (safetensors names; DCR's dcr_core.dtypes
@@ -25,15 +38,15 @@ DTYPE_BITS = {
 
 
 def compressor(codec: dict, itemsize: int) -> dict:
-    """The Zarr codec after ``bytes`` for a manifest's ``codec`` block (``{"name": "dcr-sparse",
+    """The Zarr codec after ``bytes`` for a manifest's ``codec`` block (``{"name": "dcr.sparse",
     "clevel": 3}``, or Blosc's fields; manifests written before sparse deltas have no name: Blosc)."""
-    name = codec.get("name", "blosc")
-    if name in _OWN:
-        return {"name": _OWN[name], "configuration": {"level": int(codec["clevel"])}}
-    if name != "blosc":
+    name = codec_name(codec.get("name", BLOSC_CODEC))
+    if name in (SPARSE_CODEC, COND_CODEC):
+        return {"name": name, "configuration": {"level": int(codec["clevel"])}}
+    if name != BLOSC_CODEC:
         raise ValueError(f"unknown codec {name!r}")
     return {
-        "name": "blosc",
+        "name": BLOSC_CODEC,
         "configuration": {
             "typesize": itemsize,
             "cname": str(codec["cname"]),

@@ -229,11 +229,6 @@ def encode_sparse(mask: np.ndarray, level: int = 3, changes: tuple[np.ndarray, n
     return head + _section(_planes(gaps), level) + _section(_planes(values), level)
 
 
-def _read_section(data: bytes, offset: int, expect: int) -> tuple[bytes, int]:
-    raw, offset = _read_section_array(data, offset, expect)
-    return raw.tobytes(), offset
-
-
 def _read_section_array(data: bytes, offset: int, expect: int) -> tuple[np.ndarray, int]:
     """One section's ``expect`` decompressed bytes, as a uint8 array (no copy to ``bytes``)."""
     if offset + 8 > len(data):

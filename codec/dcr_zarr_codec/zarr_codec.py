@@ -14,10 +14,8 @@ from zarr.abc.codec import BytesBytesCodec
 from zarr.core.common import parse_named_configuration
 from zarr.registry import register_codec
 
+from dcr_zarr_codec.metadata import COND_CODEC, SPARSE_CODEC
 from dcr_zarr_codec.sparse import decode_sparse, encode_sparse
-
-SPARSE_CODEC = "dcr.sparse"  # the codec's name in zarr.json
-COND_CODEC = "dcr.cond"
 
 
 @dataclass(frozen=True)

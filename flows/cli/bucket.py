@@ -1,7 +1,7 @@
 """The commands that only read the bucket: ``dcr ls``, ``dcr show``, ``dcr status``, ``dcr verify``
 (``--file PATH``: a local file against a step).
-None of them imports torch, Prefect or pydantic (but ``dcr verify --workers``, a Prefect flow; ``dcr gc``, with typed options and an orchestrator,
-is ``flows.cli.gc``)."""
+None of them imports torch or Prefect (but ``dcr verify --workers``, a Prefect flow), nor pydantic but ``dcr status``
+for the fleets' records it shows (``storage.fleet``); ``dcr gc``, with typed options and an orchestrator, is ``flows.cli.gc``."""
 
 from __future__ import annotations
 

@@ -11,6 +11,7 @@ from dcr_core.text import printable
 from flows.cli.values import WORKERS, Number
 from storage import layout
 from storage.backends import registry
+from storage.chunk_io import IO_WORKERS
 from storage.root import parse_storage_options
 
 step_arg = Number(int, 0, layout.MAX_STEP)  # a step number, as ROOT's keys can hold it
@@ -28,9 +29,34 @@ def add_common(p: argparse.ArgumentParser, orchestrated: bool = False) -> None:
             help="run in-process (none, the default; or $DCR_ORCHESTRATOR) or as a Prefect flow run against "
             "PREFECT_API_URL (prefect); auto: prefect when PREFECT_API_URL is set",
         )
-    p.add_argument("--io-workers", type=WORKERS, default=8, help="parallel object reads/writes (default 8)")
+    p.add_argument("--io-workers", type=WORKERS, default=IO_WORKERS,
+                   help=f"parallel object reads/writes (default {IO_WORKERS})")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("-q", "--quiet", action="store_true", help="print nothing on success")
+
+
+def model_default(model: type, field: str):
+    """The default of ``field`` in the typed options model ``model`` (``flows.options``): the one
+    source of the default of the option that sets it (the caller imports the model: this module
+    imports no pydantic, for the bucket commands)."""
+    return model.model_fields[field].get_default(call_default_factory=True)
+
+
+def from_model(model: type, field: str, help: str | None = None) -> dict:
+    """``default`` and ``help`` of the option that sets ``model.field``: the model's default, and the
+    field's description (or ``help``, where the command says more) followed by that default."""
+    default = model_default(model, field)
+    text = help or model.model_fields[field].description
+    return {"default": default, "help": f"{text} (default {default_text(default)})".replace("%", "%%")}
+
+
+def default_text(value) -> str:
+    """A default as help text shows it: whole MiB as such, numbers short (3600, not 3600.0)."""
+    if isinstance(value, bool) or value is None:
+        return str(value).lower()
+    if isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value >> 20} MiB"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def add_workers(p: argparse.ArgumentParser, what: str) -> None:

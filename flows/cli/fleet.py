@@ -7,7 +7,8 @@ from dataclasses import asdict
 
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
 from flows.cli.values import SECONDS
-from flows.receive.fleet import HTTP_TIMEOUT, FleetResult, FleetSwitchError, run_fleet
+from flows.receive.fleet import FleetResult, FleetSwitchError, run_fleet
+from flows.receive.fleet_members import HTTP_TIMEOUT
 
 
 def add_arguments(name: str, p) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import asdict
 
 from dcr_core.errors import UsageError
-from flows.cli.common import add_common, say, storage_options, use_prefect
+from flows.cli.common import add_common, from_model, say, storage_options, use_prefect
 from flows.cli.values import Number
 from flows.maintenance.gc import GcReport, format_report, run_gc
 from flows.options import GcOptions
@@ -23,10 +23,7 @@ def add_arguments(name: str, p) -> None:
         "steps and the deltas they need are always kept (required, except with --dry-run, which then "
         "keeps every committed step and shows only the attempts that would go)",
     )
-    p.add_argument(
-        "--grace-seconds", type=Number(float, 0, unit="seconds"), default=3600.0,
-        help="leave uncommitted attempts younger than this alone: a publisher may still be writing them (default 3600)",
-    )
+    p.add_argument("--grace-seconds", type=Number(float, 0, unit="seconds"), **from_model(GcOptions, "grace_seconds"))
     p.add_argument("--dry-run", action="store_true", help="print what would be deleted; delete nothing")
 
 

@@ -7,7 +7,17 @@ from dataclasses import asdict
 
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
-from flows.cli.common import add_common, add_workers, say, step_arg, storage_options, use_prefect
+from flows.cli.common import (
+    add_common,
+    add_workers,
+    default_text,
+    from_model,
+    model_default,
+    say,
+    step_arg,
+    storage_options,
+    use_prefect,
+)
 from flows.cli.progress import shown
 from flows.cli.values import Number
 from flows.options import DELTA_CODECS, PublishOptions
@@ -27,39 +37,48 @@ def add_arguments(name: str, p) -> None:
         help="CHECKPOINT is a torch.distributed.checkpoint directory: publish only tensors named PREFIX..., "
         "without the prefix (e.g. model.)",
     )
-    p.add_argument("--chunk-bytes", type=Number(int, 1, 1 << 30), default=None,
-                   help="raw bytes per chunk, at most 1 GiB (default 4 MiB)")
-    p.add_argument("--pack-bytes", type=Number(int, 0, 1 << 30), default=None, metavar="B",
-                   help="stored chunks go into shared pack objects of at least B bytes, so a step costs about one "
-                   "object per B stored however many tensors it holds (default 8 MiB); 0: one object per chunk "
-                   "and a zarr.json per array (the layout before packs, which any zarr opens without dcr-zarr-codec)")
-    p.add_argument("--bundle-below", type=Number(int, 0, 1 << 30), default=None, metavar="B",
-                   help="a keyframe stores tensors smaller than B bytes in bundles (one flat tensor per dtype, its "
-                   "members named in the manifest), so a step of tens of thousands of small tensors costs about "
-                   "what its bytes in a few tensors cost; its deltas keep its bundles (default 1 MiB; 0: never)")
-    p.add_argument("--bundle-min-tensors", type=Number(int, 2, 1 << 30), default=None, metavar="N",
-                   help="bundle a dtype's small tensors only when it holds at least N of them (default 256)")
-    p.add_argument("--column-blocks", type=Number(int, 1, 1024), default=1, metavar="N",
-                   help="tile tensors larger than a chunk into N column blocks of their last dim (where N divides "
-                   "it) and at least N row blocks, so tensor-parallel receiver ranks (TP dividing N) pull only their "
-                   "own slices (default 1: contiguous chunks)")
+    p.add_argument("--chunk-bytes", type=Number(int, 1, 1 << 30),
+                   **from_model(PublishOptions, "chunk_bytes", help="raw bytes per chunk, at most 1 GiB"))
+    p.add_argument("--pack-bytes", type=Number(int, 0, 1 << 30), metavar="B", **from_model(
+        PublishOptions, "pack_bytes", help="stored chunks go into shared pack objects of at least B bytes, so a step "
+        "costs about one object per B stored however many tensors it holds; 0: one object per chunk and a zarr.json "
+        "per array (the layout before packs, which any zarr opens without dcr-zarr-codec)"))
+    p.add_argument("--bundle-below", type=Number(int, 0, 1 << 30), metavar="B", **from_model(
+        PublishOptions, "bundle_below", help="a keyframe stores tensors smaller than B bytes in bundles (one flat "
+        "tensor per dtype, its members named in the manifest), so a step of tens of thousands of small tensors costs "
+        "about what its bytes in a few tensors cost; its deltas keep its bundles; 0: never"))
+    p.add_argument("--bundle-min-tensors", type=Number(int, 2, 1 << 30), metavar="N", **from_model(
+        PublishOptions, "bundle_min_tensors", help="bundle a dtype's small tensors only when it holds at least N of them"))
+    p.add_argument("--column-blocks", type=Number(int, 1, 1024), metavar="N", **from_model(
+        PublishOptions, "column_blocks", help="tile tensors larger than a chunk into N column blocks of their last dim "
+        "(where N divides it) and at least N row blocks, so tensor-parallel receiver ranks (TP dividing N) pull only "
+        "their own slices; 1: contiguous chunks"))
     p.add_argument("--no-cache", action="store_true", help="rebuild the baseline from ROOT instead of the local cache")
+    policy = model_default(PublishOptions, "keyframe_policy")
     p.add_argument(
-        "--keyframe-every", type=Number(int, 0), default=0, metavar="K",
-        help="keyframe policy: make this step a restart point once K steps passed since the lineage's keyframe",
+        "--keyframe-every", type=Number(int, 0), default=policy.every, metavar="K",
+        help="keyframe policy: make this step a restart point once K steps passed since the lineage's keyframe "
+        f"(default {policy.every}: never)",
     )
     p.add_argument(
-        "--keyframe-above", type=Number(float, 0), default=0.0, metavar="F",
+        "--keyframe-above", type=Number(float, 0), default=policy.above, metavar="F",
         help="keyframe policy: make this step a restart point once the stored delta bytes since the lineage's "
-        "keyframe exceed F times the full size (e.g. 0.5)",
+        f"keyframe exceed F times the full size, e.g. 0.5 (default {default_text(policy.above)}: never)",
     )
     add_workers(p, "encode (the workers read CHECKPOINT)")
+    codec = default_codec()
     p.add_argument(
-        "--codec", choices=tuple(DELTA_CODECS), default="sparse",
-        help="delta codec: sparse (default, near the entropy bound; stock zarr reads it with this package "
-        "installed), cond (coded against the receiver's old bits: about 0.7x sparse's bytes on optimizer "
-        "steps; receivers decode it, stock zarr cannot) or blosc (standard Zarr codec only, about 1.6x the bytes)",
+        "--codec", choices=tuple(DELTA_CODECS), default=codec,
+        help="delta codec: sparse (near the entropy bound; stock zarr reads it with this package installed), cond "
+        "(coded against the receiver's old bits: about 0.7x sparse's bytes on optimizer steps; receivers decode it, "
+        f"stock zarr cannot) or blosc (standard Zarr codec only, about 1.6x the bytes); default {codec}",
     )
+
+
+def default_codec() -> str:
+    """The ``--codec`` choice of ``PublishOptions``' default delta codec."""
+    default = model_default(PublishOptions, "delta_codec")
+    return next(name for name, spec in DELTA_CODECS.items() if spec == default)
 
 
 def _source(args):
@@ -75,20 +94,18 @@ def _source(args):
     return args.checkpoint
 
 
+def publish_options(args) -> PublishOptions:
+    return PublishOptions(
+        io_workers=args.io_workers, use_cache=not args.no_cache, delta_codec=DELTA_CODECS[args.codec],
+        keyframe_policy=KeyframePolicy(every=args.keyframe_every, above=args.keyframe_above),
+        chunk_bytes=args.chunk_bytes, pack_bytes=args.pack_bytes, bundle_below=args.bundle_below,
+        bundle_min_tensors=args.bundle_min_tensors, column_blocks=args.column_blocks,
+    )
+
+
 def run(name: str, args) -> int:
     so = storage_options(args)
-    kw = {"io_workers": args.io_workers, "use_cache": not args.no_cache, "delta_codec": DELTA_CODECS[args.codec],
-          "keyframe_policy": KeyframePolicy(every=args.keyframe_every, above=args.keyframe_above)}
-    if args.chunk_bytes is not None:
-        kw["chunk_bytes"] = args.chunk_bytes
-    if args.pack_bytes is not None:
-        kw["pack_bytes"] = args.pack_bytes
-    if args.bundle_below is not None:
-        kw["bundle_below"] = args.bundle_below
-    if args.bundle_min_tensors is not None:
-        kw["bundle_min_tensors"] = args.bundle_min_tensors
-    kw["column_blocks"] = args.column_blocks
-    options = PublishOptions(**kw)
+    options = publish_options(args)
     source = _source(args)
     with shown(args, f"publish step {args.step}"):
         res = _publish(args, source, so, options)

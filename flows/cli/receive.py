@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from dcr_core.errors import UsageError
 from dcr_core.text import plural
-from flows.cli.common import add_common, add_workers, say, step_arg, storage_options, use_prefect
+from flows.cli.common import (
+    add_common,
+    add_workers,
+    from_model,
+    model_default,
+    say,
+    step_arg,
+    storage_options,
+    use_prefect,
+)
 from flows.cli.progress import shown
 from flows.cli.values import MIN_POLL_INTERVAL, POLL_INTERVAL, Number
 from flows.options import ReceiveOptions
@@ -17,7 +25,7 @@ from flows.receive.pipeline import run_materialize, run_receive
 from flows.results import as_dict
 from flows.streaming import Streaming
 from flows.workers import parse_workers
-from storage import leases, signing
+from storage import leases
 from storage.root import RootRef, parse_storage_options
 
 
@@ -57,15 +65,14 @@ def add_arguments(name: str, p) -> None:
                    "only after its commit); --interval is then also how soon a new publish is noticed")
     p.add_argument("--stream-memory", type=Number(float, 0, lo_open=True, unit="MiB"), default=2048.0, metavar="MIB",
                    help="with --stream: stored bytes of prefetched chunks held at once, in MiB (default 2048)")
-    p.add_argument("--max-staleness", type=Number(float, 0, lo_open=True, unit="seconds"), default=None, metavar="SECONDS",
+    p.add_argument("--max-staleness", type=Number(float, 0, lo_open=True, unit="seconds"), metavar="SECONDS",
+                   default=model_default(ReceiveOptions, "max_staleness"),
                    help="refuse ROOT (a mirror frozen at an old step, say) when its newest signed heartbeat is older "
                    "than SECONDS (publishers write one per commit; dcr heartbeat renews it between commits)")
-    p.add_argument("--require-signed", action="store_true",
-                   help="refuse to read ROOT without a key to verify its commit markers with (as DCR_REQUIRE_SIGNED=1): "
-                   "never apply a step whose signature was not checked")
-    p.add_argument("--lease-seconds", type=Number(float, 0, leases.MAX_TTL, lo_open=True, unit="seconds"), default=3600.0,
-                   help=f"how long dcr gc keeps the steps a refit reads, at most (default 3600, at most {leases.MAX_TTL:g}; "
-                   "released when done)")
+    p.add_argument("--require-signed", action="store_true", help=ReceiveOptions.model_fields["require_signed"].description)
+    p.add_argument("--lease-seconds", type=Number(float, 0, leases.MAX_TTL, lo_open=True, unit="seconds"),
+                   **from_model(ReceiveOptions, "lease_seconds", help="how long dcr gc keeps the steps a refit reads, "
+                                f"at most {leases.MAX_TTL:g}; released when done"))
     add_workers(p, "rewrite the state file (the workers must see PATH's directory; not with --in-place, --follow)")
     p.add_argument(
         "--in-place", action="store_true",
@@ -74,10 +81,17 @@ def add_arguments(name: str, p) -> None:
     )
 
 
+def receive_options(name: str, args) -> ReceiveOptions:
+    if name == "materialize":
+        return ReceiveOptions(io_workers=args.io_workers, as_state=args.as_state)
+    return ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place, lease_seconds=args.lease_seconds,
+                          max_staleness=args.max_staleness, require_signed=args.require_signed)
+
+
 def run(name: str, args) -> int:
     so = storage_options(args)
+    options = receive_options(name, args)
     if name == "materialize":
-        options = ReceiveOptions(io_workers=args.io_workers, as_state=args.as_state)
         with shown(args, "materialize"):
             if parse_workers(args.workers) is not None:
                 from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
@@ -88,10 +102,6 @@ def run(name: str, args) -> int:
                 res = as_dict(run_materialize(args.root, args.step, args.out, so, options, force=args.force))
         say(args, f"wrote step {res['step']} to {args.out}", res)
         return 0
-    if args.require_signed:  # read by every Catalog of this process (storage.signing.require_signed)
-        os.environ[signing.ENV_REQUIRE_SIGNED] = "1"
-    options = ReceiveOptions(io_workers=args.io_workers, in_place=args.in_place, lease_seconds=args.lease_seconds,
-                             max_staleness=args.max_staleness)
     workers = parse_workers(args.workers)
     if workers is not None and (args.follow or args.in_place):
         raise UsageError("--workers rewrites the state file once (a Prefect flow on a Dask cluster); not with "

@@ -12,7 +12,7 @@ from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
 from storage import layout, reader, source_layout
 from storage.catalog import Catalog
-from storage.chunk_io import stream_chunks
+from storage.chunk_io import IO_WORKERS, stream_chunks
 from storage.root import Root, RootRef, open_root
 
 
@@ -117,7 +117,7 @@ def _replay(root: Root, plan: reader.RefitPlan, workers: int, names=None) -> Non
 
 
 def verify_tensors(root: RootRef, step: int, names: tuple[str, ...] | None = None, deep: bool = False,
-                   io_workers: int = 8) -> dict:
+                   io_workers: int = IO_WORKERS) -> dict:
     """Check committed step ``step``'s stored chunks of ``names`` (default: every tensor): a delta's
     own chunks read and checked against their digests, a restart point rebuilt and checked tensor
     by tensor, and with ``deep`` a delta replayed from its restart point. A task: it returns what
@@ -193,7 +193,7 @@ def _check_source(root: Root, cat: Catalog, step: int, report: VerifyReport) -> 
     return []
 
 
-def verify(root: Root, step: int | None = None, deep: bool = False, workers: int = 8,
+def verify(root: Root, step: int | None = None, deep: bool = False, workers: int = IO_WORKERS,
            runner: Runner | None = None, group_bytes: int | None = None) -> VerifyReport:
     """Re-read every stored chunk of the chosen steps and check it against its manifest.
 

@@ -58,7 +58,7 @@ from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
 from storage import heartbeat, layout, leases, source_layout
 from storage.catalog import Catalog, manifest_digest, not_committed
-from storage.chunk_io import BoundedPool, UncheckedChunk, chunk_where
+from storage.chunk_io import IO_WORKERS, BoundedPool, UncheckedChunk, chunk_where
 from storage.manifest import MAX_MANIFEST_BYTES, Manifest, TensorEntry
 from storage.marker import CommitMarker
 from storage.root import Root, RootRef, open_root
@@ -107,7 +107,7 @@ class MirrorJob:
 
 
 def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None,
-                io_workers: int = 8) -> None:
+                io_workers: int = IO_WORKERS) -> None:
     """Copy committed step ``step`` of ``src`` to ``dst`` (see the module docstring); a step already
     committed downstream is only checked (same attempt). ``as_id``: the mirror is also a receiver
     of ``src`` by that id and leases the step while copying it."""
@@ -124,7 +124,7 @@ def mirror_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: st
 
 
 def open_step(src: Root, dst: Root, step: int, result: MirrorResult, as_id: str | None = None,
-              io_workers: int = 8) -> MirrorJob | None:
+              io_workers: int = IO_WORKERS) -> MirrorJob | None:
     """Check upstream's marker, lease the step for ``as_id``, check the manifest, copy ``run.json``
     if needed and list what to copy (objects already downstream read back ``io_workers`` at a
     time: ``unvouched_copies``); None (and the step noted present) when DST already committed
@@ -260,7 +260,7 @@ def _check_pack(url: str, key: str, m: Manifest, held: list[tuple[int, TensorEnt
         UncheckedChunk(url, where, data[offset:offset + nbytes], m.codec, e.dtype, e.grid, index, digest).checked()
 
 
-def unvouched_copies(src: Root, dst: Root, job: MirrorJob, keys: list[str], io_workers: int = 8) -> list[str]:
+def unvouched_copies(src: Root, dst: Root, job: MirrorJob, keys: list[str], io_workers: int = IO_WORKERS) -> list[str]:
     """Of the objects already downstream (``keys``: a copy cut off earlier, or chunks and packs a
     streaming mirror forwarded before the commit), those to copy again: each that the manifest
     binds is read back and checked (``io_workers`` at a time: a forwarded step's packs are all
@@ -335,7 +335,7 @@ def chunk_digests(m: Manifest) -> dict[str, str]:
     return out
 
 
-def copy_objects(src: Root, dst: Root, keys: list[str], io_workers: int = 8,
+def copy_objects(src: Root, dst: Root, keys: list[str], io_workers: int = IO_WORKERS,
                  checks: dict[str, Expected] | None = None) -> tuple[int, int]:
     """Copy ``keys`` byte for byte, ``io_workers`` at a time: (objects, bytes) copied. ``checks``
     (``expected_objects``): each object is read no further than its limit and checked as read,
@@ -469,7 +469,7 @@ def record_position(src: RootRef, dst: RootRef, as_id: str, step: int) -> bool:
     return True
 
 
-def copy_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = None, io_workers: int = 8) -> dict:
+def copy_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = None, io_workers: int = IO_WORKERS) -> dict:
     """One step (a task): copied, or found already there (checked: the same attempt)."""
     result = MirrorResult()
     mirror_step(open_root(src), open_root(dst), step, result, as_id, io_workers)
@@ -481,7 +481,7 @@ def open_mirror_step(src: RootRef, dst: RootRef, step: int, as_id: str | None = 
     return open_step(open_root(src), open_root(dst), step, MirrorResult(), as_id)
 
 
-def copy_object_batch(src: RootRef, dst: RootRef, keys: tuple[str, ...], job: MirrorJob, io_workers: int = 8) -> dict:
+def copy_object_batch(src: RootRef, dst: RootRef, keys: tuple[str, ...], job: MirrorJob, io_workers: int = IO_WORKERS) -> dict:
     """A mapped task: copy ``keys`` (objects of the job's step, each checked against the manifest
     its verified marker binds as it is read) where it runs; what it copied."""
     s = open_root(src)
@@ -512,7 +512,7 @@ class MirrorSteps(StepTable):
 
 def run_mirror(src: str, dst: str, step: int | None = None, src_options: dict | None = None,
                dst_options: dict | None = None, runner: Runner | None = None, as_id: str | None = None,
-               io_workers: int = 8, group_bytes: int | None = None) -> MirrorResult:
+               io_workers: int = IO_WORKERS, group_bytes: int | None = None) -> MirrorResult:
     """Copy ``step`` (default: every committed step upstream that is newer than the newest ``dst``
     holds; those downstream already has are checked, not copied) from ROOT ``src`` to ``dst``, each
     with its own storage options, ``io_workers`` objects at a time. ``as_id``: register the mirror

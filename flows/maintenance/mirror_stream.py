@@ -27,7 +27,7 @@ from dcr_core.codec import CodecSpec
 from dcr_core.errors import IntegrityError
 from storage import layout
 from storage.catalog import utc_now
-from storage.chunk_io import MAX_RANGE_BYTES, BoundedPool
+from storage.chunk_io import IO_WORKERS, MAX_RANGE_BYTES, BoundedPool
 from storage.prefetch import Prefetcher
 from storage.root import Root
 from storage.stream import MAX_INDEX_CHUNKS, Building, StreamedChunk, StreamIndex
@@ -57,7 +57,7 @@ class _Pack:
 
 
 class Forwarder(Prefetcher):
-    def __init__(self, src: Root, dst: Root, step: int, attempt: str, workers: int = 8, trusted=None):
+    def __init__(self, src: Root, dst: Root, step: int, attempt: str, workers: int = IO_WORKERS, trusted=None):
         super().__init__(src, step, attempt, workers=workers, trusted=trusted)
         self.dst = dst
         self._packs: dict[str, _Pack] = {}  # packs announced in part so far

@@ -15,8 +15,6 @@ from flows.maintenance.inspect import histories
 from storage.catalog import Catalog, utc_epoch, utc_now
 from storage.root import Root
 
-epoch = utc_epoch  # a stamp's epoch seconds (to the millisecond; whole seconds in older ROOTs), or None
-
 
 @dataclass
 class StepPoint:
@@ -104,7 +102,7 @@ def build_report(root: Root) -> RunReport:
             s.get("tensors_changed"), s.get("tensors"), marker.kind == KEYFRAME or snapshot > 0, snapshot,
             retraction is not None, None if retraction is None else retraction.retracted_at,
         ))
-    commits = [Commit(epoch(p.committed_at), p.step, p.committed_at, _retracted_epoch(p)) for p in report.steps]
+    commits = [Commit(utc_epoch(p.committed_at), p.step, p.committed_at, _retracted_epoch(p)) for p in report.steps]
     positions = cat.positions()
     report.positions = {rid: rec["step"] for rid, rec in positions.items()}
     records = histories(root)
@@ -133,7 +131,7 @@ def _retracted_epoch(p: StepPoint) -> float | None:
     """When ``p`` was retracted; a retracted step whose stamp does not parse counts as never live."""
     if not p.retracted:
         return None
-    t = epoch(p.retracted_at)
+    t = utc_epoch(p.retracted_at)
     return float("-inf") if t is None else t
 
 
@@ -144,12 +142,12 @@ def _lag(commits: list[Commit], held: int, t: float) -> int:
 def _extend_to_the_end(receivers: dict[str, list[LagPoint]], commits: list[Commit]) -> None:
     """End every receiver's timeline at the report's last moment (the last commit or refit), at the
     lag it has then: a line that stops at its last refit would hide the commits after it."""
-    moments = [(t, p.at) for points in receivers.values() for p in points if (t := epoch(p.at)) is not None]
+    moments = [(t, p.at) for points in receivers.values() for p in points if (t := utc_epoch(p.at)) is not None]
     if not moments:
         return
     end, at = max(moments)
     for points in receivers.values():
-        last = epoch(points[-1].at) if points else None
+        last = utc_epoch(points[-1].at) if points else None
         if last is not None and last < end:
             points.append(LagPoint(at, points[-1].step, _lag(commits, points[-1].step, end)))
 
@@ -158,7 +156,7 @@ def lag_timeline(commits: list[Commit], records: list[dict]) -> list[LagPoint]:
     """The receiver's lag at every moment it changed: each of its refits, and each commit and
     retraction after its first refit (a new step makes every receiver one step further behind until
     it refits; a retracted one no longer counts)."""
-    refits = [(t, rec["step"], rec["committed_at"]) for rec in records if (t := epoch(rec.get("committed_at"))) is not None]
+    refits = [(t, rec["step"], rec["committed_at"]) for rec in records if (t := utc_epoch(rec.get("committed_at"))) is not None]
     if not refits:
         return []
     first = refits[0][0]

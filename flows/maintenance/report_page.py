@@ -23,7 +23,8 @@ from matplotlib.transforms import offset_copy
 
 from dcr_core.text import plural
 from flows.maintenance.audit import human_bytes
-from flows.maintenance.report import RunReport, epoch
+from flows.maintenance.report import RunReport
+from storage.catalog import utc_epoch
 
 FIGURES = ("bytes.png", "change_rate.png", "lag.png")
 KEYFRAME_COLOR, DELTA_COLOR, SNAPSHOT_COLOR = "#d62728", "#1f77b4", "#ff9896"
@@ -96,8 +97,8 @@ def lag_figure(r: RunReport) -> Figure:
     the y axis, time since the first commit on the x axis; each receiver its own colour, its line
     shifted by a few points from the next so that receivers at the same lag do not hide each other."""
     fig, ax = plt.subplots(figsize=(9, 3.6), dpi=110)
-    t0 = min((t for p in r.steps if (t := epoch(p.committed_at)) is not None), default=0.0)
-    lines = {rid: [(t - t0, p.lag) for p in points if (t := epoch(p.at)) is not None] for rid, points in r.receivers.items()}
+    t0 = min((t for p in r.steps if (t := utc_epoch(p.committed_at)) is not None), default=0.0)
+    lines = {rid: [(t - t0, p.lag) for p in points if (t := utc_epoch(p.at)) is not None] for rid, points in r.receivers.items()}
     lines = {rid: xy for rid, xy in lines.items() if xy}
     span = max((x for xy in lines.values() for x, _ in xy), default=0.0)
     scale, unit = _time_unit(span)

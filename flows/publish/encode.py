@@ -85,7 +85,7 @@ def _chunk_table(futures: list[Future]) -> ChunkTable:
 
 
 def _window(plan: PublishPlan, root) -> int:
-    """Chunks encoded ahead of the uploads (each holds a mask, and its base for ``dcr-cond``).
+    """Chunks encoded ahead of the uploads (each holds a mask, and its base for ``dcr.cond``).
     ROOTs with latency: the pool's own window (uploads wait on the network). Local and memory ROOTs:
     writing is compression, CPU-bound, so a chunk per core and one more keep every core busy;
     more would only touch more memory."""

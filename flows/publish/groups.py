@@ -75,7 +75,7 @@ def plan_groups(plan: PublishPlan, slots: int) -> list[TensorGroup]:
 
 def result_key(params: dict) -> str:
     """A digest of everything an ``encode-group`` result depends on: the ROOT, the step, the
-    attempt (a rerun of a failed flow run keeps its attempt: ``flows.prefect_flows``), the base it
+    attempt (a rerun of a failed flow run keeps its attempt: ``flows.orchestration.task_cache``), the base it
     is a delta of (pinned by manifest digest), the options, DCR's version, the group's tensors and
     arrays, and the source checkpoint as the file system describes it (path, size, modification
     and change times, inode of every file: a checkpoint rewritten since is another input)."""

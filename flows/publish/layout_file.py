@@ -43,7 +43,7 @@ from dcr_core.errors import InvalidCheckpointError, UsageError
 from dcr_core.shard_spec import Piece, fused_qkv, gated_fc1, replicate, split
 from dcr_core.text import plural
 from flows.publish.shards import Shard, ShardedSource, ShardSnapshot
-from flows.publish.sources import LAYOUT_FORMAT, is_layout_file  # noqa: F401 - is_layout_file: its old home
+from flows.publish.sources import LAYOUT_FORMAT
 from storage.local.safetensors import SafetensorsCheckpoint
 
 MAX_LAYOUT_BYTES = 256 << 20

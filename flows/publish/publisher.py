@@ -8,7 +8,7 @@ bit copy whose digests it computed itself) and uses it as the next baseline when
 plan's base: same ROOT, step and policy digest. Otherwise (another publisher committed in between,
 a keyframe started a new lineage, the process restarted) the baseline comes from the file cache or
 is rebuilt from ROOT, as ``run_publish`` does. Its steps run in-process by default; pass
-``runner=flows.prefect_flows.PrefectRunner()`` inside a Prefect flow to run them as tasks.
+``runner=flows.PrefectRunner()`` inside a Prefect flow to run them as tasks.
 """
 
 from __future__ import annotations

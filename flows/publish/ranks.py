@@ -228,8 +228,8 @@ def plan_rank(root: RootRef, snapshot: LocalRef, step: int, keyframe: bool, opti
     """The plan of one rank's part of a sharded publish (the tensors its shards touch)."""
     snap: ShardSnapshot = local_refs.get(snapshot)
     if options.delta_codec.conditional and not keyframe:
-        raise UsageError("the dcr-cond codec codes each chunk against its whole old bits, which no training rank "
-                         "holds: publish from shards with dcr-sparse (the default) or blosc")
+        raise UsageError("the dcr.cond codec codes each chunk against its whole old bits, which no training rank "
+                         "holds: publish from shards with dcr.sparse (the default) or blosc")
     if options.column_blocks > 1:
         raise UsageError("column blocks are not flat ranges of the canonical tensor, which is how training ranks' "
                          "shards are projected onto chunks: publish from shards with column_blocks=1 (the default)")

@@ -12,7 +12,7 @@ read and the second copy):
    (memory-mapped) gives the new bits of the chunk and every change as (position, old value, new
    value), into arrays sized by the manifest's count of changed elements; the new tensor is hashed
    as it streams by (on a hash lane beside the next chunk's pass): no copy of the tensor. A
-   ``dcr-sparse`` chunk comes unchecked (``storage.chunk_io.UncheckedChunk``) and is applied from
+   ``dcr.sparse`` chunk comes unchecked (``storage.chunk_io.UncheckedChunk``) and is applied from
    its stored frame (``sparse.xor_frame``, C: its gap and value planes; no dense mask is built,
    decoded or hashed); its digest covers the decoded mask, so it is checked only when the tensor's
    result fails, to name the bad object. Other chunks are decoded, checked and scanned
@@ -244,11 +244,11 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
             new_leaves: dict[str, np.ndarray] = {}
             hashed = 0
             scratch: np.ndarray | None = None  # one buffer for every copied tensor: no fresh pages per tensor
-            # XOR deltas of dcr-sparse frames come unchecked and are applied from their stored form; the
+            # XOR deltas of dcr.sparse frames come unchecked and are applied from their stored form; the
             # tensor built from them is checked against the step's digest (``chunk_changes``).
             fused = {n for n in names if streamable([t[n] for t in tables], target.tensors[n]) is not None}
             stream = stream_chunks(root, reader.chunk_jobs(names, chosen, tables), workers=options.io_workers,
-                                   unchecked=lambda m, e: e.name in fused and m.codec.name == "dcr-sparse")
+                                   unchecked=lambda m, e: e.name in fused and m.codec.sparse)
             lane = HashLane("dcr-hash", depth=2)  # the new chunks' blocks hashed beside the next chunk's pass
             workers = ChunkWorkers(min(4, os.cpu_count() or 1))  # with trusted block digests: chunks in parallel
             try:
@@ -272,7 +272,7 @@ def stage_patch(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> St
                         changes = None
                     elif (one := streamable(entries, e_target)) is not None:
                         forward = next(f for e, f in zip(entries, forwards) if e is one)
-                        frames = next(m for m, t in zip(chosen, tables) if t[name] is one).codec.name == "dcr-sparse"
+                        frames = next(m for m, t in zip(chosen, tables) if t[name] is one).codec.sparse
                         chunk_bytes = min(math.prod(one.grid.chunk_shape), held_bits.size) * held_bits.dtype.itemsize
                         if before is not None and block and frames and chunk_bytes >= LANE_MIN_BYTES:
                             changes = xor_parallel(held_bits, one, e_target, stream, plan.target_step, before, workers)

@@ -169,7 +169,7 @@ def receive_into_module(
 
 def _dense(plan: RefitPlan) -> bool:
     """Whether the refit loads step N whole: the module's step is unknown, the plan goes through a
-    keyframe, or a move's chunks decode only against the canonical bits (codec ``dcr-cond``: a live
+    keyframe, or a move's chunks decode only against the canonical bits (codec ``dcr.cond``: a live
     module holds its weights in its own layout, fused or sharded, so it loads such steps whole)."""
     if plan.current_step is None or plan.from_keyframe:
         return True

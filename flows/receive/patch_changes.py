@@ -3,7 +3,7 @@ writes into a state file, computed without touching it.
 
 - ``xor_streamed``: one XOR delta, one pass per chunk over the held bits (memory-mapped): the new bits
   of each chunk and every change as (position, old value, new value), the new tensor hashed as it
-  streams by (on a hash lane beside the next chunk's pass); a ``dcr-sparse`` chunk applied from its
+  streams by (on a hash lane beside the next chunk's pass); a ``dcr.sparse`` chunk applied from its
   stored frame, checked only when the tensor's result fails.
 - ``xor_parallel``: the same on worker threads (``ChunkWorkers``: a bounded pool and the chunk buffers
   its threads take in turn) when the held block digests are trusted: each chunk applied and only the
@@ -157,7 +157,7 @@ def chunk_changes(held_bits: np.ndarray, e, stream, forward: bool, step: int | N
     written to ``positions/old/new[k0:k]``. The new bits live in ``ring`` buffers reused in turn (a
     chunk's stay put until ``ring - 1`` more chunks are asked for).
 
-    A chunk that comes unchecked (``UncheckedChunk``: a ``dcr-sparse`` frame) is applied from its
+    A chunk that comes unchecked (``UncheckedChunk``: a ``dcr.sparse`` frame) is applied from its
     stored sections (``sparse.xor_frame``: no dense mask is built, decoded or hashed) and kept in
     ``unchecked``: the caller verifies the tensor it builds, and checks these to name a bad object
     when that fails. A frame that does not parse is checked at once (its error names it)."""
@@ -222,7 +222,7 @@ class ChunkWorkers:
 
 def xor_parallel(held_bits: np.ndarray, e, e_target, stream, step: int | None, held_leaves: np.ndarray,
                   workers: ChunkWorkers):
-    """``xor_streamed`` with held block digests, for chunks that come unchecked (``dcr-sparse``
+    """``xor_streamed`` with held block digests, for chunks that come unchecked (``dcr.sparse``
     frames), chunk by chunk on several threads: each frame's header gives its count of changes, so
     every chunk's place in the outputs is known before it is applied; a thread applies the frame
     (``sparse.xor_frame``) and hashes the blocks of the chunk that hold a change while they are in

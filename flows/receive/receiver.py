@@ -46,7 +46,7 @@ from typing import Any
 from dcr_core.errors import UsageError
 from flows.options import ReceiveOptions
 from flows.results import ReceiveResult, as_dict
-from storage import layout
+from storage import layout, signing
 from storage.root import RootRef
 
 
@@ -73,6 +73,8 @@ def check_arguments(receiver_id: str | None, step: int | None, options: Any) -> 
         layout.check_step(step)
     if options is not None and not isinstance(options, ReceiveOptions):
         raise UsageError(f"options must be a ReceiveOptions, got {type(options).__name__}")
+    if options is not None and options.require_signed:  # before anything is read
+        signing.check_verifiable(f"receiver {receiver_id}" if receiver_id else "receive", "--require-signed")
     return options or ReceiveOptions()
 
 

@@ -117,7 +117,7 @@ class BundledView:
             out[:] = self.bits(name)[start:start + out.size]
             return out
         run_starts, fds, offs = self._file_runs(name)
-        view = memoryview(out.view(np.uint8))
+        view = out.view(np.uint8).data
         a, b = start * it, (start + out.size) * it
         r = int(np.searchsorted(run_starts, a, side="right")) - 1
         at = a

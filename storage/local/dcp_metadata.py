@@ -62,6 +62,11 @@ def _state(o, what: str) -> dict:
     return {}
 
 
+def _byte_count(v: object) -> int | None:
+    """``v`` if it is a count of bytes (an int, not a bool, at least 0), else None."""
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
 def _size(o, what: str) -> tuple[int, ...]:
     if isinstance(o, Obj) and o.cls == Global("torch", "Size") and len(o.args) == 1 and isinstance(o.args[0], tuple):
         dims = o.args[0]
@@ -98,8 +103,8 @@ def read_dcp_metadata(path: str) -> list[DcpChunk]:
         rel = s.get("relative_path")
         if not isinstance(rel, str) or not _FILE.match(rel) or rel in (".", ".."):
             raise InvalidCheckpointError(f"{mpath}: data file {rel!r} is not a plain file name in the directory")
-        off, length = s.get("offset"), s.get("length")
-        if not all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (off, length)):
+        off, length = _byte_count(s.get("offset")), _byte_count(s.get("length"))
+        if off is None or length is None:
             raise InvalidCheckpointError(f"{mpath}: bad byte range for {k.get('fqn')!r}")
         where[(str(k.get("fqn")), _size(k["offset"], mpath))] = (rel, off, length)
     chunks = []

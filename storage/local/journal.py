@@ -44,12 +44,12 @@ import blake3
 import numpy as np
 
 from dcr_core import events
+from dcr_core.dtypes import UINT_BY_SIZE
 from dcr_core.errors import StateMismatchError
 from storage.local.objects import fsync_dir
 
 MAGIC = b"DCRUNDO1"
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-_POS = {"<u4": np.dtype("<u4"), "<i8": np.dtype("<i8")}
+_POS: dict[str, np.dtype] = {"<u4": np.dtype("<u4"), "<i8": np.dtype("<i8")}
 
 
 def journal_path(state_path: str, kind: str = "undo") -> str:
@@ -142,11 +142,11 @@ class Stager:
 
     def _write(self, r: Record) -> None:
         for a in (r.positions, r.old, r.new):
-            self._f.write(memoryview(a).cast("B"))
+            self._f.write(a.data.cast("B"))
 
     def add(self, r: Record) -> None:
         """Append one record (its arrays are kept, and must not change, until the journal is applied)."""
-        if r.positions.dtype.str not in _POS or r.itemsize not in _UINT:
+        if r.positions.dtype.str not in _POS or r.itemsize not in UINT_BY_SIZE:
             raise ValueError("journal records need uint32/int64 positions and 1/2/4/8-byte values")
         if len(self.journal.records) == self.max_records:
             raise ValueError(f"more than the {self.max_records} records room was made for")
@@ -164,7 +164,7 @@ class Stager:
             h = blake3.blake3(prefix)
             for r in self.journal.records:
                 for a in (r.positions, r.old, r.new):
-                    h.update(memoryview(a).cast("B"))
+                    h.update(a.data.cast("B"))
             self._f.write(h.digest())  # trailer: BLAKE3 of everything before it, head included
             self._f.seek(0)
             self._f.write(prefix)
@@ -287,15 +287,15 @@ def read(state_path: str, path: str | None = None) -> Journal | None:
     body = memoryview(data)[start:-32]
     records, at = [], 0
     for offset, size, count, pos_dtype in records_meta:
-        if size not in _UINT or offset < 0 or count < 0:
+        if size not in UINT_BY_SIZE or offset < 0 or count < 0:
             raise bad
         p = pos_dtype.itemsize
         need = count * (p + 2 * size)
         if at + need > len(body):
             raise bad
         pos = np.frombuffer(body, pos_dtype, count, at)
-        old = np.frombuffer(body, _UINT[size], count, at + p * count)
-        new = np.frombuffer(body, _UINT[size], count, at + (p + size) * count)
+        old = np.frombuffer(body, UINT_BY_SIZE[size], count, at + p * count)
+        new = np.frombuffer(body, UINT_BY_SIZE[size], count, at + (p + size) * count)
         records.append(Record(offset, size, pos, old, new))
         at += need
     if at != len(body):
@@ -315,7 +315,7 @@ def put(state_path: str, journal: Journal, which: str, durable: bool = True, dif
                 count = int(r.positions[-1]) + 1
                 if r.offset + count * r.itemsize > size:
                     raise StateMismatchError(f"{state_path}: shorter than its journal says; remove both and receive again")
-                view = np.memmap(f, dtype=_UINT[r.itemsize], mode="r+", offset=r.offset, shape=(count,))
+                view = np.memmap(f, dtype=UINT_BY_SIZE[r.itemsize], mode="r+", offset=r.offset, shape=(count,))
                 values = r.old if which == "old" else r.new
 
                 # Each page written is a fault of the map: a large record is split across threads

@@ -51,7 +51,8 @@ def foreign(out: str, directory: bool) -> list[str]:
     if not directory:
         if not os.path.exists(out) or state.written_by_dcr(out):
             return []
-        return [] if _vouched(out, record, os.path.basename(out)) and record.get("kind") == "file" else [out]
+        vouched = record is not None and _vouched(out, record, os.path.basename(out)) and record.get("kind") == "file"
+        return [] if vouched else [out]
     if record is not None and record.get("kind") != "directory":
         record = None
     return [os.path.join(out, n) for n in checkpoint_files(out) if not _vouched(out, record, n)]

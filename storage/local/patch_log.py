@@ -29,18 +29,18 @@ import os
 import struct
 import uuid
 from collections.abc import Callable, Mapping
+from typing import BinaryIO
 
 import blake3
 import numpy as np
 
-from dcr_core.dtypes import DTYPES
+from dcr_core.dtypes import DTYPES, UINT_BY_SIZE
 from dcr_core.errors import IntegrityError
 from storage.local.safetensors import SafetensorsCheckpoint, read_header
 
 MAGIC = b"DCRPLOG1"
 _RECORD = struct.Struct("<IQBB")
 _END = 0xFFFFFFFF
-_UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 READ_BYTES = 4 << 20  # the trailer check reads the log through one buffer of this size
 MAX_HEAD_BYTES = 1 << 20  # a header longer than this is damage, not a head to parse
 log = logging.getLogger("dcr.publish")
@@ -59,7 +59,7 @@ class PatchLogWriter:
         self.limit_bytes = limit_bytes
         self.nbytes = 0
         self.tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
-        self._f = None
+        self._f: BinaryIO | None = None  # None once dropped
         self._h = blake3.blake3()
         self.elements = 0
         raw = json.dumps(dict(head)).encode()
@@ -81,8 +81,11 @@ class PatchLogWriter:
             log.warning("cannot write the patch log %s (%s); the cache will be copied whole", self.path, error)
         self.abort()
 
-    def _put(self, data) -> None:
-        self._f.write(data)
+    def _put(self, data: bytes | memoryview) -> None:
+        f = self._f
+        if f is None:  # dropped: nothing more is written
+            return
+        f.write(data)
         self._h.update(data)
         self.nbytes += len(data) if isinstance(data, bytes) else data.nbytes
 
@@ -97,8 +100,8 @@ class PatchLogWriter:
         encoded = name.encode()
         try:
             self._put(_RECORD.pack(len(encoded), pos.size, vals.dtype.itemsize, int(wide)) + encoded)
-            self._put(memoryview(pos).cast("B"))
-            self._put(memoryview(vals.view(_UINT[vals.dtype.itemsize])).cast("B"))
+            self._put(pos.data.cast("B"))
+            self._put(vals.view(UINT_BY_SIZE[vals.dtype.itemsize]).data.cast("B"))
         except OSError as e:
             self._drop(e)
             return
@@ -109,12 +112,13 @@ class PatchLogWriter:
     def finish(self) -> str | None:
         """Close the log and put it in place (no fsync: a log lost to a power loss costs one copy of
         the whole checkpoint into the cache, nothing else); None when it was dropped."""
-        if self._f is None:
+        f = self._f
+        if f is None:
             return None
         try:
             self._put(_RECORD.pack(_END, 0, 0, 0))
-            self._f.write(self._h.digest())
-            self._f.close()
+            f.write(self._h.digest())
+            f.close()
             os.replace(self.tmp, self.path)
         except OSError as e:
             self._drop(e)
@@ -204,14 +208,14 @@ def apply(path: str, target: str, metadata: Mapping[str, str],
                 raise IntegrityError(f"{path}: record {i} names {name!r}, which {target} does not hold as logged")
             offset, nbytes, _ = layout[name]
             pos = np.frombuffer(log.read(count * (8 if wide else 4)), "<i8" if wide else "<u4")
-            vals = np.frombuffer(log.read(count * itemsize), _UINT[itemsize])
+            vals = np.frombuffer(log.read(count * itemsize), UINT_BY_SIZE[itemsize])
             if pos.size != count or vals.size != count:
                 raise _damaged(path, "truncated record")
             if count and not 0 <= int(pos[0]) <= int(pos[-1]) < nbytes // itemsize:
                 raise IntegrityError(f"{path}: record {i} for {name!r} falls outside it in {target}")
             if count:  # mapped for this record only: its pages are not kept mapped after it
                 first = int(pos[0])
-                view = np.memmap(f, _UINT[itemsize], "r+", offset + first * itemsize, (int(pos[-1]) - first + 1,))
+                view = np.memmap(f, UINT_BY_SIZE[itemsize], "r+", offset + first * itemsize, (int(pos[-1]) - first + 1,))
                 idx = (pos - first).view(np.uint64) if wide else pos - first  # out of order: huge, refused
                 try:
                     view[idx] = vals

@@ -54,6 +54,11 @@ def load_data(raw: bytes, allowed: set[tuple[str, str]], where: str, max_ops: in
                 return items
         raise fail("pickle MARK missing")
 
+    def memo_index(arg: Any) -> int:
+        if isinstance(arg, bool) or not isinstance(arg, int):
+            raise fail("a memo index that is not an integer")
+        return arg
+
     def glob(module: str, name: str) -> Global:
         if (module, name) not in allowed:
             raise fail(f"refers to {module}.{name}, which is not an allowed metadata type")
@@ -86,9 +91,9 @@ def load_data(raw: bytes, allowed: set[tuple[str, str]], where: str, max_ops: in
                 stack.append(tuple(pop_mark()))
             elif name in ("TUPLE1", "TUPLE2", "TUPLE3"):
                 k = int(name[-1])
-                items = tuple(stack[-k:])
+                top = tuple(stack[-k:])
                 del stack[-k:]
-                stack.append(items)
+                stack.append(top)
             elif name == "LIST":
                 stack.append(list(pop_mark()))
             elif name == "DICT":
@@ -125,10 +130,12 @@ def load_data(raw: bytes, allowed: set[tuple[str, str]], where: str, max_ops: in
             elif name == "MEMOIZE":
                 memo[len(memo)] = stack[-1]
             elif name in ("BINPUT", "LONG_BINPUT"):
-                memo[arg] = stack[-1]
+                memo[memo_index(arg)] = stack[-1]
             elif name in ("BINGET", "LONG_BINGET"):
-                stack.append(memo[arg])
+                stack.append(memo[memo_index(arg)])
             elif name == "GLOBAL":
+                if not isinstance(arg, str):
+                    raise fail("GLOBAL without a name")
                 module, _, qual = arg.partition(" ")
                 stack.append(glob(module, qual))
             elif name == "STACK_GLOBAL":

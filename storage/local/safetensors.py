@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import itertools
 import json
 import math
@@ -18,6 +19,7 @@ import struct
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import numpy as np
 
@@ -146,8 +148,7 @@ def header_entries(raw: bytes) -> tuple[dict[str, TensorInfo], dict[str, str], d
         raise InvalidCheckpointError("safetensors metadata is not an object")
     whole = _entries_whole(header)
     if whole is not None:
-        infos, starts, end_max = whole
-        return infos, {str(k): str(v) for k, v in metadata.items()}, starts, end_max
+        return whole[0], {str(k): str(v) for k, v in metadata.items()}, whole[1], whole[2]
     infos: dict[str, TensorInfo] = {}
     starts: dict[str, int] = {}
     spans: list[tuple[int, int, str]] = []
@@ -243,7 +244,7 @@ class SafetensorsCheckpoint:
         self.sizes: dict[str, int] = {}  # each file's size, as opened
         # Files stay open: a reader keeps seeing the file it validated even if a writer atomically
         # replaces the path meanwhile (the publisher's baseline cache is replaced that way).
-        self._fh: dict[str, object] = {}
+        self._fh: dict[str, io.FileIO] = {}
         for f in self._files:
             try:
                 self._fh[f] = open(f, "rb", buffering=0)
@@ -286,7 +287,7 @@ class SafetensorsCheckpoint:
         dt = DTYPES[info.dtype]
         buf = np.empty(info.nbytes, dtype=np.uint8)
         fd = self._fh[f].fileno()
-        view = memoryview(buf)
+        view = buf.data
         got = 0
         try:
             while got < info.nbytes:
@@ -313,7 +314,7 @@ class SafetensorsCheckpoint:
         first = start * dt.itemsize
         if start < 0 or first + nbytes > info.nbytes:
             raise ValueError(f"tensor {name!r}: elements [{start}, {start + out.size}) out of range")
-        view = memoryview(out.view(np.uint8))
+        view = out.view(np.uint8).data
         fd = self._fh[f].fileno()
         got = 0
         try:
@@ -343,7 +344,7 @@ class SafetensorsCheckpoint:
             fds = np.fromiter(map(fd.__getitem__, map(self._where.__getitem__, names)), np.int64, len(names))
         return fds, offsets
 
-    def file_order(self) -> dict[str, int | tuple[int, int]]:
+    def file_order(self) -> Mapping[str, int | tuple[int, int]]:
         """A sort key per tensor: where its data lies (its byte offset; in a directory, the file's
         index first). Callers must not change it."""
         if len(self._files) == 1:
@@ -389,7 +390,63 @@ class SafetensorsCheckpoint:
             yield name, self.bits(name)
 
 
-class StreamingSafetensorsWriter:
+class _TempFileWriter:
+    """A file written under a temp name beside ``path`` (``_f``), then installed over it: what both
+    writers below share. ``finish`` closes the complete temp file and returns its path."""
+
+    path: str
+    tmp: str
+    durable: bool
+    _f: BinaryIO
+
+    @contextlib.contextmanager
+    def _naming_the_file(self):
+        """An OSError while writing (a full disk, a file-size limit) names the file being written:
+        errors of ``write`` carry no file name of their own. The temp file is removed."""
+        try:
+            yield
+        except OSError as e:
+            if e.filename is not None:
+                raise
+            self.abort()
+            raise OSError(e.errno, f"{e.strerror or e} while writing", self.path) from None
+
+    def finish(self) -> str:
+        raise NotImplementedError
+
+    def _close_temp(self) -> str:
+        """Flush, fsync (when durable) and close the temp file, removed if that fails; its path."""
+        try:
+            with self._naming_the_file():
+                self._f.flush()
+                if self.durable:
+                    os.fsync(self._f.fileno())
+                self._f.close()
+        except BaseException:
+            self.abort()
+            raise
+        return self.tmp
+
+    def commit(self) -> None:
+        """``finish`` then ``install``: the destination now holds the new file."""
+        tmp = self.finish()
+        try:
+            install(tmp, self.path, self.durable)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        if not self._f.closed:
+            try:
+                self._f.close()
+            except OSError:  # its buffer could not be written (the disk is full): closed all the same
+                pass
+        if os.path.exists(self.tmp):
+            os.unlink(self.tmp)
+
+
+class StreamingSafetensorsWriter(_TempFileWriter):
     """Writes a safetensors file tensor by tensor, in a fixed order, with bounded memory.
 
     The header (names, dtypes, shapes, offsets, metadata) is known up front, so tensors are
@@ -419,18 +476,6 @@ class StreamingSafetensorsWriter:
         with self._naming_the_file():
             self._f.write(raw)
         self._next = 0
-
-    @contextlib.contextmanager
-    def _naming_the_file(self):
-        """An OSError while writing (a full disk, a file-size limit) names the file being written:
-        errors of ``write`` carry no file name of their own. The temp file is removed."""
-        try:
-            yield
-        except OSError as e:
-            if e.filename is not None:
-                raise
-            self.abort()
-            raise OSError(e.errno, f"{e.strerror or e} while writing", self.path) from None
 
     def reserve(self) -> dict[str, int]:
         """Give the temp file its full size at once and return every tensor's byte offset in it:
@@ -502,39 +547,9 @@ class StreamingSafetensorsWriter:
             raise ValueError(f"only {self._next} of {len(self._order)} tensors written")
         return self._close_temp()
 
-    def _close_temp(self) -> str:
-        """Flush, fsync (when durable) and close the temp file, removed if that fails; its path."""
-        try:
-            with self._naming_the_file():
-                self._f.flush()
-                if self.durable:
-                    os.fsync(self._f.fileno())
-                self._f.close()
-        except BaseException:
-            self.abort()
-            raise
-        return self.tmp
-
-    def commit(self) -> None:
-        """``finish`` then ``install``: the destination now holds the new file."""
-        tmp = self.finish()
-        try:
-            install(tmp, self.path, self.durable)
-        except BaseException:
-            self.abort()
-            raise
-
-    def abort(self) -> None:
-        if not self._f.closed:
-            try:
-                self._f.close()
-            except OSError:  # its buffer could not be written (the disk is full): closed all the same
-                pass
-        if os.path.exists(self.tmp):
-            os.unlink(self.tmp)
 
 
-class PlacedWriter:
+class PlacedWriter(_TempFileWriter):
     """Writes a file whose header bytes and tensor placement are given, tensors in any order: a
     published safetensors file rebuilt byte for byte (``storage.source_layout``). The temp file
     beside ``path`` gets the header and its full size at once; ``write`` puts each tensor at its
@@ -556,8 +571,6 @@ class PlacedWriter:
             self._f.flush()
             os.ftruncate(self._f.fileno(), size)
 
-    _naming_the_file = StreamingSafetensorsWriter._naming_the_file
-
     def reserve(self) -> dict[str, int]:
         """Every tensor's byte offset; the tensors are then written by others (``write_placed``)."""
         self._left.clear()
@@ -577,10 +590,6 @@ class PlacedWriter:
         if self._left:
             raise ValueError(f"{self.path}: {len(self._left)} tensors not written (first {sorted(self._left)[0]!r})")
         return self._close_temp()
-
-    _close_temp = StreamingSafetensorsWriter._close_temp
-    commit = StreamingSafetensorsWriter.commit
-    abort = StreamingSafetensorsWriter.abort
 
 
 def _pwrite_all(fd: int, view: memoryview, at: int, path: str, name: str) -> int:
@@ -624,7 +633,7 @@ def header_bytes(infos: list[TensorInfo], metadata: Mapping[str, str] | None = N
     return struct.pack("<Q", len(raw)) + raw, {n: start + o for n, o in rel.items()}
 
 
-def write_at(path: str, placed: Mapping[str, int], tensors: Iterator[tuple[str, object]]) -> int:
+def write_at(path: str, placed: Mapping[str, int], tensors: Iterator[tuple[str, np.ndarray]]) -> int:
     """Write each ``(name, bits)`` of ``tensors`` at its offset ``placed[name]`` of the existing
     file ``path`` (a reserved temp file, ``StreamingSafetensorsWriter.reserve``), then fsync it;
     the bytes written. The file must exist: a worker that cannot see it fails here, naming it."""
@@ -632,14 +641,14 @@ def write_at(path: str, placed: Mapping[str, int], tensors: Iterator[tuple[str, 
     written = 0
     try:
         for name, data in tensors:
-            written += _pwrite_all(fd, memoryview(data).cast("B"), placed[name], path, name)
+            written += _pwrite_all(fd, data.data.cast("B"), placed[name], path, name)
         os.fsync(fd)
     finally:
         os.close(fd)
     return written
 
 
-def write_placed(placed: Mapping[str, tuple[str, int]], tensors: Iterator[tuple[str, object]]) -> int:
+def write_placed(placed: Mapping[str, tuple[str, int]], tensors: Iterator[tuple[str, np.ndarray]]) -> int:
     """``write_at`` over several files: each ``(name, bits)`` of ``tensors`` written at
     ``placed[name] = (file, offset)`` (existing files, reserved), then every file written to is
     fsynced; the bytes written."""
@@ -650,7 +659,7 @@ def write_placed(placed: Mapping[str, tuple[str, int]], tensors: Iterator[tuple[
             path, at = placed[name]
             if path not in fds:
                 fds[path] = os.open(path, os.O_WRONLY)
-            written += _pwrite_all(fds[path], memoryview(data).cast("B"), at, path, name)
+            written += _pwrite_all(fds[path], data.data.cast("B"), at, path, name)
         for fd in fds.values():
             os.fsync(fd)
     finally:

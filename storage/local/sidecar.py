@@ -94,7 +94,11 @@ class Sidecar:
         (n,) = struct.unpack_from("<Q", data, len(MAGIC))
         at = len(MAGIC) + 8
         try:
-            head = json.loads(data[at : at + n]) if n <= MAX_HEAD_BYTES else None
+            if n > MAX_HEAD_BYTES:
+                return None
+            head = json.loads(data[at : at + n])
+            if not isinstance(head, dict):
+                return None
             at += n
             leaves = {}
             for name, count in head["tensors"]:

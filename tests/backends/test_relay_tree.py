@@ -2,7 +2,7 @@
 throttled and counted.
 
 Three moto servers, each its own process and store: the origin, region A and region B. Region A
-and region B each reach the origin only through their own link (a ``ThrottledProxy``: capped,
+and region B each reach the origin only through their own link (a ``netproxy.Proxy``: capped,
 counting every body byte each way). Mirror A and mirror B pull from the origin over their link;
 mirror A2 (region A) pulls from mirror A. Four state-file receivers per region, each its own
 process. The same Ed25519-signed steps (a keyframe, then deltas at 3 % changed) are received twice:
@@ -19,7 +19,7 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
-from dcr_bench.netproxy import ThrottledProxy
+from dcr_bench.netproxy import Proxy
 from dcr_bench.relay_tree import Worker, close_all, run_all, s3_servers
 from flows import run_materialize, run_publish
 from flows.maintenance.gc import run_gc
@@ -129,8 +129,8 @@ def world(tmp_path_factory):
     mp.setenv("DCR_CACHE_DIR", str(d / "dcr-cache"))
     w = None
     try:
-        with s3_servers(("origin", *REGIONS), str(d)) as servers, ThrottledProxy(servers["origin"].url, RATE) as la, \
-                ThrottledProxy(servers["origin"].url, RATE) as lb:
+        with s3_servers(("origin", *REGIONS), str(d)) as servers, Proxy(servers["origin"].url, RATE) as la, \
+                Proxy(servers["origin"].url, RATE) as lb:
             w = World(servers, {"a": la, "b": lb}, str(d / "key"), str(d))
             yield w
     finally:

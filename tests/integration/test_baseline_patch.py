@@ -34,11 +34,7 @@ from storage.root import Root
 from tests.support.cli import dcr
 from tests.support.helpers import chain_of_steps, write_safetensors
 from tests.support.kill import kill_at
-
-
-def _cache_file(cache_dir) -> str:
-    (path,) = glob.glob(os.path.join(str(cache_dir), "*", ps.BASELINE_FILE))
-    return path
+from tests.support.publishing import baseline_cache_file
 
 
 def _file_bits(path) -> dict[str, bytes]:
@@ -76,7 +72,7 @@ def test_every_delta_patches_the_cache_in_place_to_the_bits_of_the_step(tmp_path
         kept: list[dict] = []
         with events.listening(lambda p, f, kept=kept: kept.append(f) if p == "publish.baseline-kept" else None):
             res = run_publish(root, files[-1], i, options=opts)
-        path = _cache_file(cache)
+        path = baseline_cache_file(cache)
         inodes.append(os.stat(path).st_ino)
         patched.append(kept[-1].get("patched"))
         assert _file_bits(path) == _file_bits(files[-1]), f"step {i}: the cache is not the published bits"
@@ -115,7 +111,7 @@ def test_a_damaged_log_is_never_applied_and_the_cache_is_copied_whole(tmp_path, 
     root, files, kept = _publish_chain(tmp_path, opts, n=3)
     assert len(seen) == 2
     assert all("patched" not in k for k in kept), "copied whole after the damaged log"
-    assert _file_bits(_cache_file(cache)) == _file_bits(files[-1])
+    assert _file_bits(baseline_cache_file(cache)) == _file_bits(files[-1])
 
 
 def test_a_cache_header_without_room_is_copied_whole(tmp_path):
@@ -128,7 +124,7 @@ def test_a_cache_header_without_room_is_copied_whole(tmp_path):
     for i in range(2):
         run_publish(root, files[i], i, options=opts)
     # Fill the cache header's spare room (as a cache written by an older DCR): step 1 -> 10 does not fit.
-    path = _cache_file(cache)
+    path = baseline_cache_file(cache)
     with open(path, "r+b") as f:
         n = int.from_bytes(f.read(8), "little")
         body = f.read(n).rstrip(b" ")
@@ -144,8 +140,8 @@ def test_a_cache_header_without_room_is_copied_whole(tmp_path):
     with events.listening(lambda p, f: kept.append(f) if p == "publish.baseline-kept" else None):
         run_publish(root, files[2], 10, options=opts)
     assert "patched" not in kept[-1], "no room for the new step: copied whole"
-    assert _file_bits(_cache_file(cache)) == _file_bits(files[2])
-    with SafetensorsCheckpoint(_cache_file(cache)) as ck:
+    assert _file_bits(baseline_cache_file(cache)) == _file_bits(files[2])
+    with SafetensorsCheckpoint(baseline_cache_file(cache)) as ck:
         assert ck.metadata["dcr.step"] == "10"
 
 
@@ -161,7 +157,7 @@ def test_a_publisher_killed_while_patching_its_cache_leaves_no_trusted_wrong_bas
     dcr("publish", root, files[0], "--step", 0, "--chunk-bytes", 128, check=0, env=env)
     kill_at("publish.baseline-patched-record@3", "publish", root, files[1], "--step", 1, "--chunk-bytes", 128,
             env=env)
-    path = _cache_file(cache)
+    path = baseline_cache_file(cache)
     mixed = _file_bits(path)
     assert mixed != _file_bits(files[0]) and mixed != _file_bits(files[1]), "killed halfway through the patch"
     with pytest.raises(OSError):
@@ -170,7 +166,7 @@ def test_a_publisher_killed_while_patching_its_cache_leaves_no_trusted_wrong_bas
     out = tmp_path / "m.safetensors"
     run_materialize(str(root), 2, str(out))
     assert _file_bits(out) == _file_bits(files[2])
-    assert _file_bits(_cache_file(cache)) == _file_bits(files[2])
+    assert _file_bits(baseline_cache_file(cache)) == _file_bits(files[2])
 
 
 # -- the log itself ---------------------------------------------------------------------------------
@@ -243,15 +239,15 @@ def test_a_log_that_cannot_be_written_costs_a_whole_copy_never_the_publish(tmp_p
     root, files, kept = _publish_chain(tmp_path, opts, n=2)
     assert len(calls) >= 5, "the fault landed while logging"
     assert "patched" not in kept[-1]
-    assert _file_bits(_cache_file(cache)) == _file_bits(files[-1])
-    assert not glob.glob(os.path.join(os.path.dirname(_cache_file(cache)), "*patch*")), "the dropped log is removed"
+    assert _file_bits(baseline_cache_file(cache)) == _file_bits(files[-1])
+    assert not glob.glob(os.path.join(os.path.dirname(baseline_cache_file(cache)), "*patch*")), "the dropped log is removed"
 
 
 def test_stale_logs_are_removed_and_a_live_publishers_log_is_left_alone(tmp_path):
     cache = tmp_path / "cache"
     opts = PublishOptions(chunk_bytes=128, cache_dir=str(cache))
     root, files, _ = _publish_chain(tmp_path, opts, n=2)
-    directory = os.path.dirname(_cache_file(cache))
+    directory = os.path.dirname(baseline_cache_file(cache))
     stale = os.path.join(directory, f"{ps.BASELINE_FILE}.dead{ps.PATCH_LOG_SUFFIX}")
     live = os.path.join(directory, f".{ps.BASELINE_FILE}.other{ps.PATCH_LOG_SUFFIX}.tmp-1")
     for p in (stale, live):
@@ -289,7 +285,7 @@ def test_a_step_that_changes_most_elements_copies_the_cache_instead_of_logging_i
     root = str(tmp_path / "root")
     run_publish(root, files[0], 0, options=opts)
     assert "patched" not in _publish_kept(root, files[1], 1, opts), "past the log's limit: a whole copy"
-    assert _file_bits(_cache_file(tmp_path / "cache")) == _file_bits(files[1])
+    assert _file_bits(baseline_cache_file(tmp_path / "cache")) == _file_bits(files[1])
 
 
 def test_a_cache_another_publisher_is_reading_is_replaced_not_patched_under_it(tmp_path):
@@ -297,11 +293,11 @@ def test_a_cache_another_publisher_is_reading_is_replaced_not_patched_under_it(t
     files = _two_steps(tmp_path)
     root = str(tmp_path / "root")
     run_publish(root, files[0], 0, options=opts)
-    with SafetensorsCheckpoint(_cache_file(tmp_path / "cache")) as reading:  # a publisher encoding against it
+    with SafetensorsCheckpoint(baseline_cache_file(tmp_path / "cache")) as reading:  # a publisher encoding against it
         ps.share_cache(reading)
         assert "patched" not in _publish_kept(root, files[1], 1, opts)
         assert {n: reading.bits(n).tobytes() for n in reading.infos} == _file_bits(files[0]), "its bits never moved"
-    assert _file_bits(_cache_file(tmp_path / "cache")) == _file_bits(files[1])
+    assert _file_bits(baseline_cache_file(tmp_path / "cache")) == _file_bits(files[1])
 
 
 def test_a_cache_changed_after_the_encode_is_not_patched(tmp_path, monkeypatch):
@@ -309,7 +305,7 @@ def test_a_cache_changed_after_the_encode_is_not_patched(tmp_path, monkeypatch):
     files = _two_steps(tmp_path)
     root = str(tmp_path / "root")
     run_publish(root, files[0], 0, options=opts)
-    path = _cache_file(tmp_path / "cache")
+    path = baseline_cache_file(tmp_path / "cache")
 
     def touch(point, fields):
         if point == "publish.committed":  # another writer between the encode and the patch
@@ -318,7 +314,7 @@ def test_a_cache_changed_after_the_encode_is_not_patched(tmp_path, monkeypatch):
     with events.listening(touch):
         kept = _publish_kept(root, files[1], 1, opts)
     assert "patched" not in kept
-    assert _file_bits(_cache_file(tmp_path / "cache")) == _file_bits(files[1])
+    assert _file_bits(baseline_cache_file(tmp_path / "cache")) == _file_bits(files[1])
 
 
 def test_a_hash_that_fails_on_a_lane_fails_the_publish_and_commits_nothing(tmp_path, monkeypatch):

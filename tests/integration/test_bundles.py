@@ -29,6 +29,7 @@ from tests.support.helpers import (
     read_state,
     write_safetensors,
 )
+from tests.support.publishing import publish_file
 
 BUNDLE = ("--bundle-min-tensors", 2)
 
@@ -37,12 +38,6 @@ def _manifest(root, step: int) -> Manifest:
     marker = json.loads(open(os.path.join(root, layout.commit_key(step))).read())
     key = layout.manifest_key(step, marker["attempt"])
     return Manifest.from_json(open(os.path.join(root, key), "rb").read(), key)
-
-
-def _publish(tmp_path, root, ck, step, *flags, check=0):
-    p = tmp_path / f"c{step}.safetensors"
-    write_safetensors(p, ck)
-    return dcr("publish", root, p, "--step", step, "--chunk-bytes", 256, "--no-cache", *flags, check=check)
 
 
 def test_a_bundled_chain_refits_exactly_forward_backward_and_from_nothing(tmp_path):
@@ -54,7 +49,7 @@ def test_a_bundled_chain_refits_exactly_forward_backward_and_from_nothing(tmp_pa
     for s in range(1, 4):
         cks.append(next_step(cks[-1], seed=s, fraction=0.2))
     for s, ck in enumerate(cks):
-        _publish(tmp_path, root, ck, s, *BUNDLE, "--pack-bytes", 4096)
+        publish_file(tmp_path, root, ck, s, *BUNDLE, "--pack-bytes", 4096)
     m = _manifest(root, 2)
     assert m.schema_version == 4 and len(m.bundles()) >= 10  # one bundle per dtype
     held = {n for n, *_ in m.policy_entries()}
@@ -79,7 +74,7 @@ def test_the_policy_digest_does_not_depend_on_bundling(tmp_path):
     digests = set()
     for i, flags in enumerate([BUNDLE, ("--bundle-below", 0), BUNDLE + ("--pack-bytes", 0)]):
         root = tmp_path / f"b{i}"
-        _publish(tmp_path, root, ck, 0, *flags)
+        publish_file(tmp_path, root, ck, 0, *flags)
         m = _manifest(root, 0)
         assert bool(m.bundles()) == (i != 1)
         digests.add(m.policy_digest)
@@ -93,10 +88,10 @@ def test_a_delta_keeps_its_keyframes_bundles_and_a_new_keyframe_decides_again(tm
     a = nasty_checkpoint(seed=2)
     b = next_step(a, seed=7, fraction=0.3)
     c = next_step(b, seed=8, fraction=0.3)
-    _publish(tmp_path, root, a, 0, *BUNDLE)
-    _publish(tmp_path, root, b, 1, "--bundle-below", 0)
+    publish_file(tmp_path, root, a, 0, *BUNDLE)
+    publish_file(tmp_path, root, b, 1, "--bundle-below", 0)
     assert _manifest(root, 1).bundles() and _manifest(root, 1).bundles().keys() == _manifest(root, 0).bundles().keys()
-    _publish(tmp_path, root, c, 2, "--keyframe", "--bundle-below", 0)
+    publish_file(tmp_path, root, c, 2, "--keyframe", "--bundle-below", 0)
     assert not _manifest(root, 2).bundles() and _manifest(root, 2).schema_version == 3
     state = tmp_path / "s.safetensors"
     for target, ck in ((1, b), (2, c), (0, a)):
@@ -109,7 +104,7 @@ def test_a_state_file_lays_each_bundle_out_back_to_back(tmp_path):
     order: the bundle is then one read of the held file."""
     root = tmp_path / "bucket"
     ck = nasty_checkpoint(seed=4)
-    _publish(tmp_path, root, ck, 0, *BUNDLE)
+    publish_file(tmp_path, root, ck, 0, *BUNDLE)
     state = tmp_path / "s.safetensors"
     dcr("receive", root, "--receiver", "r", "--state", state, check=0)
     m = _manifest(root, 0)
@@ -164,7 +159,7 @@ def test_member_digests_fed_chunk_by_chunk_equal_each_members_digest(scheme):
 def test_a_member_whose_bits_are_not_its_digest_fails_the_bundle(tmp_path):
     """The bundle's digest matches but one member's digest in the manifest does not: refused."""
     root = tmp_path / "bucket"
-    _publish(tmp_path, root, nasty_checkpoint(seed=6), 0, *BUNDLE)
+    publish_file(tmp_path, root, nasty_checkpoint(seed=6), 0, *BUNDLE)
     m = _manifest(root, 0)
     b, members = next(iter(m.bundles().items()))
     with SafetensorsCheckpoint(tmp_path / "c0.safetensors") as ck:
@@ -194,10 +189,13 @@ def _forged(root, step, change) -> bytes:
     (lambda d: d["bundles"].__setitem__("%bundle.nope.0", d["bundles"][next(iter(d["bundles"]))]), "not one of its tensors"),
     (lambda d: d.__setitem__("schema_version", 3), "schema 4"),
     (lambda d: d["bundles"][next(iter(d["bundles"]))]["shapes"].__setitem__(0, [999]), "flat tensor"),
-], ids=["names-longer", "named-twice", "digest", "shape", "unknown-bundle", "schema", "numel"])
+    (lambda d: d["bundles"][next(iter(d["bundles"]))].__setitem__("names", 7), "names must be a list"),
+    (lambda d: d.pop("codec"), "bad codec"),
+], ids=["names-longer", "named-twice", "digest", "shape", "unknown-bundle", "schema", "numel", "names-not-a-list",
+        "no-codec"])
 def test_a_bad_bundles_table_is_refused_in_one_line(tmp_path, change, said):
     root = tmp_path / "bucket"
-    _publish(tmp_path, root, nasty_checkpoint(seed=6), 0, *BUNDLE)
+    publish_file(tmp_path, root, nasty_checkpoint(seed=6), 0, *BUNDLE)
     with pytest.raises(IntegrityError) as e:
         Manifest.from_json(_forged(root, 0, change), "m")
     assert said in str(e.value) and "\n" not in str(e.value)
@@ -205,7 +203,7 @@ def test_a_bad_bundles_table_is_refused_in_one_line(tmp_path, change, said):
 
 def test_a_member_clashing_with_a_tensor_is_refused(tmp_path):
     root = tmp_path / "bucket"
-    _publish(tmp_path, root, nasty_checkpoint(seed=6), 0, *BUNDLE)
+    publish_file(tmp_path, root, nasty_checkpoint(seed=6), 0, *BUNDLE)
 
     def clash(d):
         b = next(iter(d["bundles"]))
@@ -269,7 +267,7 @@ def _chain(tmp_path, n=3, **kw):
     for s in range(1, n):
         cks.append(next_step(cks[-1], seed=20 + s, fraction=0.25))
     for s, ck in enumerate(cks):
-        _publish(tmp_path, root, ck, s, *BUNDLE, "--pack-bytes", 2048)
+        publish_file(tmp_path, root, ck, s, *BUNDLE, "--pack-bytes", 2048)
     return root, cks
 
 
@@ -365,7 +363,7 @@ def test_kill_9_during_a_bundled_publish_commits_nothing_and_a_rerun_is_exact(tm
     root = tmp_path / "bucket"
     ck0 = nasty_checkpoint(seed=13)
     ck1 = next_step(ck0, seed=14, fraction=0.3)
-    _publish(tmp_path, root, ck0, 0, *BUNDLE)
+    publish_file(tmp_path, root, ck0, 0, *BUNDLE)
     p = tmp_path / "c1.safetensors"
     write_safetensors(p, ck1)
     kill_at(point, "publish", root, p, "--step", 1, "--chunk-bytes", 256, "--pack-bytes", 2048, "--no-cache", *BUNDLE)
@@ -373,7 +371,7 @@ def test_kill_9_during_a_bundled_publish_commits_nothing_and_a_rerun_is_exact(tm
     state = tmp_path / "state.safetensors"
     dcr("receive", root, "--receiver", "r", "--state", state, check=0)
     assert_bits_equal(read_state(state), ck0)
-    _publish(tmp_path, root, ck1, 1, "--pack-bytes", 2048)
+    publish_file(tmp_path, root, ck1, 1, "--pack-bytes", 2048)
     assert _manifest(root, 1).bundles()
     dcr("receive", root, "--receiver", "r", "--state", state, check=0)
     assert_bits_equal(read_state(state), ck1)
@@ -486,7 +484,7 @@ def test_a_member_digest_found_wrong_after_its_bundle_was_yielded_fails_the_refi
     cks = [nasty_checkpoint(seed=31)]
     cks.append(next_step(cks[0], seed=32, fraction=0.3))
     for s, ck in enumerate(cks):
-        _publish(tmp_path, root, ck, s, *BUNDLE)
+        publish_file(tmp_path, root, ck, s, *BUNDLE)
     state = tmp_path / "s.safetensors"
     dcr("receive", root, "--receiver", "r", "--state", state, "--step", 0, check=0)
     before = file_bytes(state)

@@ -1,4 +1,4 @@
-"""The ``dcr-cond`` delta codec (changes coded against the receiver's old bits) on every path that
+"""The ``dcr.cond`` delta codec (changes coded against the receiver's old bits) on every path that
 reads a step: the CLI, ``dcr verify`` (plain and deep), damaged chunks, mirrors, streaming
 followers, live-module receivers. The chain and in-place matrices run it too
 (``test_refit.py``'s ``local-cond`` chain, ``test_in_place.py``). Every comparison is on raw bits
@@ -38,6 +38,7 @@ from tests.support.helpers import (
     chunk_named,
     damage_chunk,
     file_bytes,
+    module_bits,
     stored_chunks,
     write_safetensors,
 )
@@ -61,7 +62,7 @@ def published(tmp_path):
 def test_the_manifest_names_the_codec_and_digests_the_stored_bytes(published):
     root, _ = published
     m = Catalog(Root(root)).manifest(2)
-    assert m.codec.name == "dcr-cond"
+    assert m.codec.name == "dcr.cond"
     report = audit.verify(Root(root), deep=True)
     assert not report.errors, report.errors
     assert report.chunks > 0
@@ -90,7 +91,7 @@ def test_the_cli_publishes_with_cond_and_receives_forward_and_back(tmp_path):
         args = ["publish", root, path, "--step", i, "--codec", "cond", "--chunk-bytes", 512]
         dcr(*args, *(["--keyframe"] if i == 0 else []), check=0)
     m = json.loads(open(glob.glob(os.path.join(root, layout.attempts_dir(2), "*", "manifest.json"))[0]).read())
-    assert m["codec"] == {"name": "dcr-cond", "clevel": 3}
+    assert m["codec"] == {"name": "dcr.cond", "clevel": 3}
     state = tmp_path / "rx.safetensors"
     for step, flags in ((2, []), (1, ["--in-place"]), (2, ["--in-place"]), (0, [])):
         dcr("receive", root, "--receiver", "rx", "--state", state, "--step", step, *flags, check=0)
@@ -166,15 +167,8 @@ def test_cond_chunks_in_column_blocks_refit_forward_and_back(tmp_path, in_place)
         assert_bits_equal(load_file(state), cks[step])
 
 
-def _bits(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer (persistent or not) of a module, by qualified name."""
-    out = {f"p:{n}": p.detach().clone() for n, p in module.named_parameters()}
-    out.update({f"b:{n}": b.detach().clone() for n, b in module.named_buffers()})
-    return out
-
-
 def test_live_module_receivers_load_cond_steps_whole_and_exactly(tmp_path):
-    """A live module holds its weights in its own layout, so ``dcr-cond`` steps are loaded through
+    """A live module holds its weights in its own layout, so ``dcr.cond`` steps are loaded through
     the loader from a verified full checkpoint (mode "dense"); the result is the dense load's."""
     cfg = LlamaConfig()
     root = f"memory://cond-{uuid.uuid4().hex}"
@@ -197,6 +191,6 @@ def test_live_module_receivers_load_cond_steps_whole_and_exactly(tmp_path):
         assert res["mode"] == "dense"
         ref = VllmLlama(cfg)
         ref.load_weights(list(cks[step].items()))
-        assert_bits_equal(_bits(mod), _bits(ref))
+        assert_bits_equal(module_bits(mod), module_bits(ref))
     run_materialize(root, 2, str(tmp_path / "full.safetensors"))
     assert_bits_equal(load_file(tmp_path / "full.safetensors"), cks[2])

@@ -39,10 +39,6 @@ def _ckpt(seed: int) -> dict[str, torch.Tensor]:
     }
 
 
-def _held(path) -> dict[str, torch.Tensor]:
-    return read_state(path)
-
-
 def test_cli_publishes_dcp_directories_bit_exact(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DCR_CACHE_DIR", str(tmp_path / "cache"))
     root, state = str(tmp_path / "bucket"), str(tmp_path / "r.safetensors")
@@ -58,7 +54,7 @@ def test_cli_publishes_dcp_directories_bit_exact(tmp_path, monkeypatch, capsys):
         out = json.loads(capsys.readouterr().out)
         assert out["kind"] == ("keyframe" if step == 0 else "delta")
         run_receive(root, "r", state)
-        assert_bits_equal(_held(state), ck)
+        assert_bits_equal(read_state(state), ck)
 
 
 def test_metadata_is_never_unpickled(tmp_path):
@@ -148,4 +144,4 @@ def test_cli_publishes_per_rank_safetensors_with_a_layout_file(tmp_path, monkeyp
         path, want = write_ranks(m, tmp_path / f"ranks-{step}")
         assert main(["publish", root, str(path), "--step", str(step), "--chunk-bytes", "24", "--orchestrator", "none", "-q"]) == 0
         run_receive(root, "r", state)
-        assert_bits_equal(_held(state), want)
+        assert_bits_equal(read_state(state), want)

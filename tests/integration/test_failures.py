@@ -35,6 +35,7 @@ from storage.catalog import Catalog, manifest_digest
 from storage.root import Root, open_root
 from tests.support.helpers import (
     assert_bits_equal,
+    assert_one_line,
     chain_of_steps,
     chunk_at,
     chunk_named,
@@ -50,10 +51,6 @@ from tests.support.steps import patch_step
 CHUNK_BYTES = 256
 
 pytestmark = pytest.mark.faults(component="bad input or damaged bucket", outcome="a one-line error naming the object; ROOT and the state file unchanged")
-
-
-def one_line(err: BaseException) -> None:
-    assert len(str(err).splitlines()) == 1, str(err)
 
 
 def opts(tmp_path, **kw) -> PublishOptions:
@@ -128,7 +125,7 @@ def test_a_truncated_checkpoint_is_refused_and_root_is_untouched(published):
         open(path, "wb").write(data[: len(data) - cut])
         with pytest.raises(InvalidCheckpointError) as ei:
             run_publish(p.root, path, 3, options=opts(p.tmp))
-        one_line(ei.value)
+        assert_one_line(ei.value)
         assert path in str(ei.value)
     assert snapshot(p) == before
     assert Catalog(Root(p.root)).latest_committed() == 2
@@ -165,7 +162,7 @@ def test_a_garbage_checkpoint_is_refused_and_root_is_untouched(published, conten
     before = snapshot(p)
     with pytest.raises(InvalidCheckpointError) as ei:
         run_publish(p.root, str(path), 3, options=opts(p.tmp))
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert snapshot(p) == before
 
 
@@ -177,7 +174,7 @@ def test_a_missing_checkpoint_is_refused_and_root_is_untouched(published):
             missing.mkdir()
         with pytest.raises(InvalidCheckpointError) as ei:
             run_publish(p.root, str(missing), 3, options=opts(p.tmp))
-        one_line(ei.value)
+        assert_one_line(ei.value)
     assert snapshot(p) == before
 
 
@@ -187,7 +184,7 @@ def test_publishing_a_step_already_committed_is_a_conflict(published):
     for step in (0, 2):
         with pytest.raises(StepConflictError) as ei:
             run_publish(p.root, p.steps[2], step, options=opts(p.tmp))
-        one_line(ei.value)
+        assert_one_line(ei.value)
         assert "already committed" in str(ei.value)
     assert snapshot(p) == before
 
@@ -201,7 +198,7 @@ def test_publishing_a_step_not_after_the_latest_is_a_conflict(tmp_path):
     for step in (0, 11, 19):
         with pytest.raises(StepConflictError) as ei:
             run_publish(root, steps[1], step, options=opts(tmp_path))
-        one_line(ei.value)
+        assert_one_line(ei.value)
         assert "20" in str(ei.value)
     assert tree_snapshot(root) == before
 
@@ -227,7 +224,7 @@ def test_a_schema_change_needs_a_keyframe(published, variant):
     before = snapshot(p)
     with pytest.raises(SchemaMismatchError) as ei:
         run_publish(p.root, changed, 3, options=opts(p.tmp))
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert "keyframe" in str(ei.value)
     assert snapshot(p) == before
     r = run_publish(p.root, changed, 3, keyframe=True, options=opts(p.tmp))
@@ -256,7 +253,7 @@ def test_a_state_file_with_altered_bits_is_refused_and_left_byte_for_byte(publis
         for target in (2, 0, None):
             with pytest.raises(StateMismatchError) as ei:
                 run_receive(p.root, "rx", str(state), target)
-            one_line(ei.value)
+            assert_one_line(ei.value)
             assert str(state) in str(ei.value)
             assert state.read_bytes() == bytes(altered)
 
@@ -279,7 +276,7 @@ def test_a_state_file_whose_special_value_bits_changed_is_refused(published):
         before = state.read_bytes()
         with pytest.raises(StateMismatchError) as ei:
             run_receive(p.root, "rx", str(state), 2)
-        one_line(ei.value)
+        assert_one_line(ei.value)
         assert "BF16.vec" in str(ei.value)
         assert state.read_bytes() == before
 
@@ -293,7 +290,7 @@ def test_a_state_file_claiming_a_step_that_is_not_committed_is_refused(published
     before = state.read_bytes()
     with pytest.raises(StateMismatchError) as ei:
         run_receive(p.root, "rx", str(state), 2)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert state.read_bytes() == before
 
 
@@ -304,7 +301,7 @@ def test_a_state_file_holding_another_steps_bits_is_refused(published):
     before = state.read_bytes()
     with pytest.raises(StateMismatchError) as ei:
         run_receive(p.root, "rx", str(state), 0)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert state.read_bytes() == before
 
 
@@ -315,7 +312,7 @@ def test_a_truncated_state_file_is_refused_and_left_alone(published):
     state.write_bytes(data[:-3])
     with pytest.raises(InvalidCheckpointError) as ei:
         run_receive(p.root, "rx", str(state), 2)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert state.read_bytes() == data[:-3]
 
 
@@ -325,11 +322,11 @@ def test_receiving_a_step_that_is_not_committed_is_step_not_found(published, tmp
     before = state.read_bytes()
     with pytest.raises(StepNotFoundError) as ei:
         run_receive(p.root, "rx", str(state), 7)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert state.read_bytes() == before
     with pytest.raises(RootNotFoundError) as ei:  # a ROOT that does not exist: said as such (exit 2), not a missing step
         run_receive(str(tmp_path / "empty-root"), "rx", str(tmp_path / "x.safetensors"))
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert not (tmp_path / "x.safetensors").exists()
 
 
@@ -363,7 +360,7 @@ def test_a_corrupted_chunk_object_fails_the_refit_naming_it_and_the_state_is_unc
     before = file_bytes(state)
     with pytest.raises(IntegrityError) as ei:
         run_receive(p.root, "rx", str(state), target)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     rel = os.path.relpath(victim, p.root).replace(os.sep, "/")
     assert rel in str(ei.value)
     assert file_bytes(state) == before
@@ -377,7 +374,7 @@ def test_a_missing_chunk_object_fails_the_refit_naming_it(published):
     os.remove(victim)
     with pytest.raises(IntegrityError) as ei:
         run_receive(p.root, "rx", str(state), 2)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert os.path.relpath(victim, p.root) in str(ei.value) and "missing" in str(ei.value)
     assert state.read_bytes() == before
 
@@ -401,7 +398,7 @@ def test_a_chunk_swapped_for_another_valid_chunk_is_caught_by_its_digest(publish
         f.write(stored(b))
     with pytest.raises(IntegrityError) as ei:
         run_materialize(p.root, 0, str(p.tmp / "m.safetensors"))
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert chunk_named(p.root, 0, *a) in str(ei.value) and "digest" in str(ei.value)
     assert not (p.tmp / "m.safetensors").exists()
 
@@ -424,7 +421,7 @@ def test_an_edited_manifest_fails_its_digest_against_the_commit_marker(published
     before = state.read_bytes()
     with pytest.raises(IntegrityError) as ei:
         run_receive(p.root, "rx", str(state), 2)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert "manifest digest" in str(ei.value)
     assert state.read_bytes() == before
 
@@ -457,7 +454,7 @@ def test_a_forged_commit_marker_is_refused(published, changes, error):
     before = state.read_bytes()
     with pytest.raises(error) as ei:
         run_receive(p.root, "rx", str(state), 2)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert isinstance(ei.value, IntegrityError)
     assert state.read_bytes() == before
 
@@ -484,7 +481,7 @@ def test_a_manifest_whose_array_name_leaves_the_store_is_refused(published, arra
     before = state.read_bytes()
     with pytest.raises(UnsafeKeyError) as ei:
         run_receive(p.root, "rx", str(state), 2)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert "BF16.mat" in str(ei.value)
     assert state.read_bytes() == before
     with pytest.raises(UnsafeKeyError):
@@ -515,7 +512,7 @@ def test_a_re_signed_but_inconsistent_manifest_is_refused(published, edit):
     before = state.read_bytes()
     with pytest.raises(IntegrityError) as ei:
         run_receive(p.root, "rx", str(state), 2)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert state.read_bytes() == before
 
 
@@ -552,7 +549,7 @@ def test_a_re_signed_manifest_with_hostile_sizes_fails_cleanly_without_allocatin
     _forge_with_policy(p, 0, edit)
     with pytest.raises(IntegrityError) as ei:
         run_materialize(p.root, 0, str(p.tmp / "m.safetensors"))
-    one_line(ei.value)
+    assert_one_line(ei.value)
 
 
 def test_a_state_file_whose_step_is_a_non_ascii_digit_is_refused(published):
@@ -562,7 +559,7 @@ def test_a_state_file_whose_step_is_a_non_ascii_digit_is_refused(published):
     before = state.read_bytes()
     with pytest.raises(StateMismatchError) as ei:
         run_receive(p.root, "rx", str(state), 2)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert state.read_bytes() == before
 
 
@@ -579,7 +576,7 @@ def test_a_long_non_ascii_tensor_name_is_refused_before_commit_or_round_trips(tm
     try:
         run_publish(root, tensors, 0, options=opts(tmp_path))
     except DCRError as e:
-        one_line(e)
+        assert_one_line(e)
         assert Catalog(Root(root)).latest_committed() is None
         return
     run_materialize(root, 0, str(tmp_path / "m.safetensors"))
@@ -591,7 +588,7 @@ def test_a_missing_manifest_is_an_integrity_error(published):
     os.remove(_manifest_path(p, 2))
     with pytest.raises(IntegrityError) as ei:
         run_materialize(p.root, 2, str(p.tmp / "m.safetensors"))
-    one_line(ei.value)
+    assert_one_line(ei.value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -630,7 +627,7 @@ def test_a_publish_that_crashes_before_commit_is_invisible_and_a_retry_is_exact(
     assert cat.latest_committed() == 1 and cat.committed_steps() == [0, 1]
     with pytest.raises(StepNotFoundError) as ei:
         run_receive(root, "rx", str(tmp_path / "s.safetensors"), 2)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert not (tmp_path / "s.safetensors").exists()
     r = run_receive(root, "rx", str(tmp_path / "s.safetensors"))
     assert r.step == 1
@@ -680,7 +677,7 @@ def test_two_publishers_racing_for_one_step_one_wins_and_the_other_conflicts(tmp
     w, lo = winners[0], losers[0]
     err = results[lo]
     assert isinstance(err, StepConflictError), repr(err)
-    one_line(err)
+    assert_one_line(err)
 
     cat = Catalog(Root(root))
     marker = cat.marker(1)

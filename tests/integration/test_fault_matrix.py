@@ -16,6 +16,7 @@ import uuid
 import pytest
 from safetensors.torch import load_file
 
+from dcr_bench.netproxy import Proxy
 from dcr_core import events
 from dcr_core.errors import IntegrityError, StepConflictError
 from flows import PublishOptions, ReceiveOptions, run_materialize, run_publish, run_receive
@@ -27,7 +28,6 @@ from storage.local.safetensors import StreamingSafetensorsWriter
 from storage.root import Root
 from tests.support.fault_report import FaultCase
 from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes
-from tests.support.httpproxy import Proxy
 from tests.support.servers import S3_BUCKET
 
 CHUNK_BYTES = 256

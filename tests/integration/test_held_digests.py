@@ -17,20 +17,14 @@ from flows import receive_into_module, run_publish
 from flows.options import PublishOptions
 from flows.receive import held_digests, module, placement
 from flows.receive.module_pipeline import ModuleSteps
-from tests.support.helpers import assert_bits_equal
+from tests.support.helpers import assert_bits_equal, module_bits
 from tests.support.steps import patch_step
-
-
-def _bits(m: torch.nn.Module) -> dict[str, torch.Tensor]:
-    out = {f"p:{n}": p.detach().clone() for n, p in m.named_parameters()}
-    out.update({f"b:{n}": b.detach().clone() for n, b in m.named_buffers()})
-    return out
 
 
 def _dense(cfg, ck):
     m = VllmLlama(cfg)
     m.load_weights(list(ck.items()))
-    return _bits(m)
+    return module_bits(m)
 
 
 @pytest.fixture()
@@ -85,13 +79,13 @@ def test_a_delta_checks_every_module_once_and_hashes_again_only_those_it_writes(
     assert 0 < len(written) < len(holding) / 4
     # the check before the refit, the check right before the write, the record after it
     assert hashed == Counter({n: 3 if n in written else 1 for n in holding})
-    assert_bits_equal(_bits(mod), _dense(cfg, cks[1]))
+    assert_bits_equal(module_bits(mod), _dense(cfg, cks[1]))
     assert module.held_by(mod)["fingerprint"] == held_digests.fingerprint(mod), "kept digests are exact"
     hashed.clear()
     assert receive_into_module(root, "r", mod, 1)["mode"] == "current"
     assert hashed == Counter(dict.fromkeys(holding, 1)), "a receive with nothing to apply checks, records nothing"
     assert receive_into_module(root, "r", mod, 0)["mode"] == "delta"
-    assert_bits_equal(_bits(mod), _dense(cfg, cks[0]))
+    assert_bits_equal(module_bits(mod), _dense(cfg, cks[0]))
 
 
 @pytest.mark.faults(component="live module receiver", outcome="a module rewritten behind DCR's back through .data or a numpy view (no version bump, one element or all), an in-place op or a new tensor: the digests of every module, taken before the refit, see it; the refit loads densely, bit-exact")
@@ -119,7 +113,7 @@ def test_a_module_changed_behind_dcrs_back_is_reloaded_densely(two_steps, how):
         next(mod.buffers()).data.view(-1)[0] += 1
     res = receive_into_module(root, "r", mod, 1)
     assert res["mode"] == "dense", how
-    assert_bits_equal(_bits(mod), _dense(cfg, cks[1]))
+    assert_bits_equal(module_bits(mod), _dense(cfg, cks[1]))
 
 
 @pytest.mark.faults(component="live module receiver", outcome="a module the delta writes, rewritten while the step is fetched: the check right before the write sees it, nothing is applied (StateMismatchError), the module unknown; the next receive loads densely, bit-exact")
@@ -133,17 +127,17 @@ def test_a_write_while_the_step_is_fetched_stops_the_delta_before_anything_chang
     def fetch_then_write(real, *args, **kwargs):
         fetched = real(*args, **kwargs)
         slot.get().view(-1)[3] = 5.0  # through .data: no version bump
-        seen.update(_bits(mod))
+        seen.update(module_bits(mod))
         return fetched
 
     patch_step(monkeypatch, ModuleSteps, "fetch_module_payloads", fetch_then_write)
     with pytest.raises(StateMismatchError, match="nothing was applied"):
         receive_into_module(root, "r", mod, 1)
-    assert_bits_equal(_bits(mod), seen)
+    assert_bits_equal(module_bits(mod), seen)
     assert module.held_by(mod) is None
     monkeypatch.undo()
     assert receive_into_module(root, "r", mod, 1)["mode"] == "dense"
-    assert_bits_equal(_bits(mod), _dense(cfg, cks[1]))
+    assert_bits_equal(module_bits(mod), _dense(cfg, cks[1]))
 
 
 def test_a_module_the_delta_does_not_write_rewritten_meanwhile_is_found_by_the_next_receive(two_steps, monkeypatch):
@@ -162,7 +156,7 @@ def test_a_module_the_delta_does_not_write_rewritten_meanwhile_is_found_by_the_n
     assert receive_into_module(root, "r", mod, 1)["mode"] == "delta"  # nothing was applied onto the edit
     monkeypatch.undo()
     assert receive_into_module(root, "r", mod, 1)["mode"] == "dense"
-    assert_bits_equal(_bits(mod), _dense(cfg, cks[1]))
+    assert_bits_equal(module_bits(mod), _dense(cfg, cks[1]))
 
 
 def test_tensors_off_the_cpu_or_not_contiguous_hash_through_bounded_copies_as_their_bytes(monkeypatch):

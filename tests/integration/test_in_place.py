@@ -459,7 +459,7 @@ def test_overwrite_encoded_tensors_are_patched_through_the_copy_path(tmp_path):
 
 
 def test_cond_coded_deltas_patch_in_place_forward_and_backward_exactly(tmp_path):
-    """``dcr-cond`` chunks decode against the state file's own bits: one step streamed (forward and
+    """``dcr.cond`` chunks decode against the state file's own bits: one step streamed (forward and
     back), several combined on the copy path, each equal to the rewrite and the checkpoints."""
     root = str(tmp_path / "root")
     steps = chain_of_steps(5, seed=8, big=40, ulps=0.5)

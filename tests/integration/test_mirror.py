@@ -31,6 +31,7 @@ from tests.support.helpers import (
     tree_snapshot,
 )
 from tests.support.kill import kill_at, sweep
+from tests.support.publishing import publish_steps
 
 
 def _chain(n: int) -> list[dict]:
@@ -38,11 +39,6 @@ def _chain(n: int) -> list[dict]:
     for s in range(1, n):
         cks.append(next_step(cks[-1], seed=s))
     return cks
-
-
-def _publish(root: str, cks: list[dict], tmp_path) -> None:
-    for s, ck in enumerate(cks):
-        run_publish(root, ck, s, options=PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path / "pub")))
 
 
 def _attempt_files(root: str, step: int) -> dict[str, bytes]:
@@ -54,7 +50,7 @@ def _attempt_files(root: str, step: int) -> dict[str, bytes]:
 def origin(tmp_path):
     root = str(tmp_path / "origin")
     cks = _chain(3)
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "pub", chunk_bytes=4096)
     return root, cks
 
 
@@ -117,7 +113,7 @@ def test_a_mirror_killed_mid_copy_shows_nothing_and_a_rerun_completes(origin, tm
 def test_a_downstream_root_of_another_run_or_another_attempt_is_refused(origin, tmp_path):
     root, cks = origin
     other = str(tmp_path / "other")
-    _publish(other, cks[:1], tmp_path)  # another run (its own run.json), step 0 of another attempt
+    publish_steps(other, cks[:1], cache_dir=tmp_path / "pub", chunk_bytes=4096)  # another run (its own run.json), step 0 of another attempt
     before = tree_snapshot(other)
     with pytest.raises(StepConflictError) as ei:
         run_mirror(root, other)
@@ -135,7 +131,7 @@ def signed_origin(tmp_path, monkeypatch):
     monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
     root = str(tmp_path / "origin")
     cks = _chain(2)
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "pub", chunk_bytes=4096)
     monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
     monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
     return root, cks

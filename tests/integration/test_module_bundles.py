@@ -18,8 +18,8 @@ from flows.options import PublishOptions
 from flows.receive import held_digests, module, placement
 from storage import reader
 from storage.root import open_root
-from tests.integration.test_module_refit import _bits, _dense, _evolve
-from tests.support.helpers import assert_bits_equal, nasty_checkpoint, next_step
+from tests.integration.test_module_refit import _dense, _evolve
+from tests.support.helpers import assert_bits_equal, module_bits, nasty_checkpoint, next_step
 from tests.support.module_faults import fail_mid_apply
 from tests.support.receivers.quantized import OffsetNorm, is_norm
 
@@ -93,7 +93,7 @@ def test_a_bundled_chain_refits_a_live_module_exactly_forward_backward_and_from_
         res = receive_into_module(root, "r", mod, step, state_path=mirror)
         modes.append(res["mode"])
         assert res["step"] == step
-        assert_bits_equal(_bits(mod), _dense(factory, cks[step]))
+        assert_bits_equal(module_bits(mod), _dense(factory, cks[step]))
         assert module.held_by(mod)["fingerprint"] == held_digests.fingerprint(mod)  # members tracked exactly
     assert modes[1] == modes[2] == "delta" and "current" in modes
     table = mod._dcr_probe
@@ -103,10 +103,10 @@ def test_a_bundled_chain_refits_a_live_module_exactly_forward_backward_and_from_
     fresh = factory()
     res = receive_into_module(root, "f", fresh, state_path=str(tmp_path / "fresh.safetensors"))
     assert res["mode"] == "dense" and res["tensors_loaded"] == len(cks[3])
-    assert_bits_equal(_bits(fresh), _dense(factory, cks[3]))
+    assert_bits_equal(module_bits(fresh), _dense(factory, cks[3]))
     res = receive_into_module(root, "f", fresh, 1, state_path=str(tmp_path / "fresh.safetensors"))
     assert res["mode"] == "delta" and res["moves"] == ["backward:3", "backward:2"]
-    assert_bits_equal(_bits(fresh), _dense(factory, cks[1]))
+    assert_bits_equal(module_bits(fresh), _dense(factory, cks[1]))
 
 
 @pytest.mark.faults(component="live module", outcome="a bundled refit is rolled back to the base bits; a retry refits it exactly")
@@ -122,16 +122,16 @@ def test_a_failure_mid_apply_of_a_bundled_step_rolls_the_module_back(tmp_path, m
     mod = factory()
     mirror = str(tmp_path / "mirror.safetensors")
     receive_into_module(root, "r", mod, 0, state_path=mirror)
-    base = _bits(mod)
+    base = module_bits(mod)
     calls = fail_mid_apply(monkeypatch, kind, fail_at, Nasty, lambda n: n in inverted)
     with pytest.raises(RuntimeError):
         receive_into_module(root, "r", mod, 2, state_path=mirror)
     assert calls["n"] >= fail_at
-    assert_bits_equal(_bits(mod), base)  # rolled back to step 0, bit for bit
+    assert_bits_equal(module_bits(mod), base)  # rolled back to step 0, bit for bit
     monkeypatch.undo()
     res = receive_into_module(root, "r", mod, 2, state_path=mirror)
     assert res["mode"] == "delta" and res["overwrite"] > 0 and res["direct"] > 0
-    assert_bits_equal(_bits(mod), _dense(factory, cks[2]))
+    assert_bits_equal(module_bits(mod), _dense(factory, cks[2]))
 
 
 def _flip_member_byte(path: str, name: str) -> None:
@@ -154,7 +154,7 @@ def test_a_bundle_whose_mirrored_member_is_wrong_is_refused_before_the_module_ch
     mod = factory()
     mirror = str(tmp_path / "mirror.safetensors")
     receive_into_module(root, "r", mod, 0, state_path=mirror)
-    base = _bits(mod)
+    base = module_bits(mod)
     m = _manifest(root, 1)
     bundle, members = next((b, ms) for b, ms in m.bundles().items() if ms.dtype == "F32")
     victim = next(n for n, s in zip(members.names, members.shapes) if s and all(s))
@@ -162,7 +162,7 @@ def test_a_bundle_whose_mirrored_member_is_wrong_is_refused_before_the_module_ch
     with pytest.raises(StateMismatchError) as e:
         receive_into_module(root, "r", mod, 1, state_path=mirror)
     assert bundle in str(e.value) and "\n" not in str(e.value)
-    assert_bits_equal(_bits(mod), base)
+    assert_bits_equal(module_bits(mod), base)
 
 
 def _llama_chain(root, first, tmp_path, steps):
@@ -194,7 +194,7 @@ def test_tp_ranks_and_overwrite_loaders_refit_a_bundled_llama_exactly(kind, tmp_
     for step in [0, 2, 3, 1, 3]:
         for r, (mod, factory) in enumerate(zip(mods, factories)):
             res = receive_into_module(root, f"r{r}", mod, step, state_path=str(tmp_path / f"m{r}.safetensors"))
-            assert_bits_equal(_bits(mod), _dense(factory, cks[step]))
+            assert_bits_equal(module_bits(mod), _dense(factory, cks[step]))
     assert res["mode"] == "delta"
     if kind == "offset":
         over = set(mods[0]._dcr_probe.names(placement.OVERWRITE))

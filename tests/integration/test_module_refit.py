@@ -13,18 +13,11 @@ from dcr_core.chunking import ChunkGrid
 from flows import receive_into_module, run_publish
 from flows.options import PublishOptions
 from flows.receive import placement
-from tests.support.helpers import assert_bits_equal
+from tests.support.helpers import assert_bits_equal, module_bits
 from tests.support.module_faults import fail_mid_apply
 from tests.support.receivers.hf import HFReceiver, greedy_tokens
 from tests.support.receivers.hf import canonical_checkpoint as hf_checkpoint
 from tests.support.receivers.quantized import Fp8BlockQuantized, OffsetNorm, RechunkedExperts, is_norm
-
-
-def _bits(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter and buffer (persistent or not) of a module, by qualified name."""
-    out = {f"p:{n}": p.detach().clone() for n, p in module.named_parameters()}
-    out.update({f"b:{n}": b.detach().clone() for n, b in module.named_buffers()})
-    return out
 
 
 def _evolve(ck: dict[str, torch.Tensor], seed: int) -> dict[str, torch.Tensor]:
@@ -56,7 +49,7 @@ def _publish_chain(root, first, steps, tmp_path):
 def _dense(factory, ck):
     m = factory()
     m.load_weights(list(ck.items()))
-    return _bits(m)
+    return module_bits(m)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -73,7 +66,7 @@ def test_vllm_style_tp_ranks_refit_exactly_forward_and_backward(tp, tie, tmp_pat
         for r, mod in enumerate(ranks):
             res = receive_into_module(root, f"rank{r}", mod, step, state_path=str(tmp_path / f"m{r}.safetensors"))
             assert res["step"] == step
-            assert_bits_equal(_bits(mod), _dense(lambda r=r: VllmLlama(cfg, r, tp), cks[step]))
+            assert_bits_equal(module_bits(mod), _dense(lambda r=r: VllmLlama(cfg, r, tp), cks[step]))
     table = ranks[0]._dcr_probe
     assert table.names(placement.OVERWRITE) == []
     assert res["mode"] in ("delta", "dense")
@@ -90,7 +83,7 @@ def test_refits_after_the_first_take_the_direct_xor_path_and_report_the_pause(tm
     assert res["mode"] == "delta" and res["moves"] == ["forward:1", "forward:2"]
     assert res["direct"] > 0 and res["overwrite"] == 0
     assert 0 <= res["pause_seconds"] <= res["modify_wall_seconds"] + 1e-6
-    assert_bits_equal(_bits(mod), _dense(lambda: VllmLlama(cfg, 0, 2), cks[2]))
+    assert_bits_equal(module_bits(mod), _dense(lambda: VllmLlama(cfg, 0, 2), cks[2]))
 
 
 def test_a_module_changed_behind_dcrs_back_is_reloaded_densely(tmp_path):
@@ -103,7 +96,7 @@ def test_a_module_changed_behind_dcrs_back_is_reloaded_densely(tmp_path):
         next(mod.parameters()).view(-1)[0] += 1  # drift
     res = receive_into_module(root, "r", mod, 1)
     assert res["mode"] == "dense"
-    assert_bits_equal(_bits(mod), _dense(lambda: VllmLlama(cfg), cks[1]))
+    assert_bits_equal(module_bits(mod), _dense(lambda: VllmLlama(cfg), cks[1]))
 
 
 def test_the_probe_classifies_placing_quantizing_offsetting_and_rechunking_loaders(tmp_path):
@@ -141,7 +134,7 @@ def test_non_preserving_and_rechunking_loaders_refit_exactly(kind, tmp_path):
     mod = factory()
     for step in [0, 1, 3, 2, 3]:
         res = receive_into_module(root, "r", mod, step, state_path=str(tmp_path / "mirror.safetensors"))
-        assert_bits_equal(_bits(mod), _dense(factory, cks[step]))
+        assert_bits_equal(module_bits(mod), _dense(factory, cks[step]))
     if kind != "rechunk":
         assert res["overwrite"] > 0 and res["direct"] > 0
 
@@ -155,7 +148,7 @@ def test_greedy_generation_after_a_dcr_refit_matches_a_dense_refit(tmp_path):
         receive_into_module(root, "hf", live, step)
     dense = HFReceiver(seed=7)
     dense.load_weights(list(cks[2].items()))
-    assert_bits_equal(_bits(live), _bits(dense))
+    assert_bits_equal(module_bits(live), module_bits(dense))
     prompt = [1, 5, 9, 3]
     assert greedy_tokens(live, prompt, 8) == greedy_tokens(dense, prompt, 8)
 
@@ -178,19 +171,19 @@ def test_a_failure_mid_apply_rolls_the_live_module_back_to_its_base_bits(tmp_pat
     cks = _publish_chain(root, first, 3, tmp_path)
     mod = factory()
     receive_into_module(root, "r", mod, 0, state_path=str(tmp_path / "mirror.safetensors"))
-    base = _bits(mod)
+    base = module_bits(mod)
     real_budget = placement.xor_into_module.__defaults__
     calls = fail_mid_apply(monkeypatch, kind, fail_at, type(mod), is_norm)  # overwrite path: norms reloaded
     with pytest.raises(RuntimeError):
         receive_into_module(root, "r", mod, 2, state_path=str(tmp_path / "mirror.safetensors"))
     assert calls["n"] >= fail_at
-    assert_bits_equal(_bits(mod), base)  # rolled back to step 0, bit for bit
+    assert_bits_equal(module_bits(mod), base)  # rolled back to step 0, bit for bit
     monkeypatch.undo()
     if kind == "direct":
         assert placement.xor_into_module.__defaults__ != (1,) and real_budget
     res = receive_into_module(root, "r", mod, 2, state_path=str(tmp_path / "mirror.safetensors"))
     assert res["mode"] == "delta"  # still known to hold step 0: no dense reload needed
-    assert_bits_equal(_bits(mod), _dense(factory, cks[2]))
+    assert_bits_equal(module_bits(mod), _dense(factory, cks[2]))
 
 
 def _rank_pulls(cfg, tp, column_blocks, tmp_path):
@@ -207,7 +200,7 @@ def _rank_pulls(cfg, tp, column_blocks, tmp_path):
         assert receive_into_module(root, f"r{r}", mod, 0, state_path=state)["mode"] == "dense"
         res = receive_into_module(root, f"r{r}", mod, 1, state_path=state)
         assert res["mode"] == "delta"
-        assert_bits_equal(_bits(mod), _dense(lambda r=r: VllmLlama(cfg, r, tp), cks[1]))
+        assert_bits_equal(module_bits(mod), _dense(lambda r=r: VllmLlama(cfg, r, tp), cks[1]))
         pulls.append(res["bytes_pulled"])
     return pulls, results[1].summary["bytes_stored"]
 

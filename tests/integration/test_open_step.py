@@ -38,7 +38,7 @@ def test_open_tensor_reads_every_tensor_of_steps_with_one_object_per_chunk(tmp_p
     root = str(tmp_path / "bucket")
     a, b = publish_two(root, tmp_path, pack_bytes=(0, 0))
     m = manifest_of(root, 1)
-    assert m["snapshot"] and m["codec"]["name"] == "dcr-sparse" and "packs" not in m
+    assert m["snapshot"] and m["codec"]["name"] == "dcr.sparse" and "packs" not in m
     group = check_step_reads(root, a, b)
     arrays = {e["array"] for e in m["tensors"].values()} | {e["array"] for e in m["snapshot"].values()}
     assert set(group.array_keys()) == arrays

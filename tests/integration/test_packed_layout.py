@@ -25,6 +25,7 @@ from tests.support.helpers import (
     write_safetensors,
 )
 from tests.support.kill import kill_at
+from tests.support.publishing import publish_file
 
 MIB = 1 << 20
 
@@ -38,12 +39,6 @@ def _manifest(root, step: int) -> tuple[Manifest, str]:
 def _objects(root, step: int) -> list[str]:
     d = os.path.join(root, layout.step_dir(step))
     return sorted(os.path.relpath(os.path.join(p, f), d) for p, _, fs in os.walk(d) for f in fs)
-
-
-def _publish(tmp_path, root, ck, step, *flags, check=0):
-    p = tmp_path / f"c{step}.safetensors"
-    write_safetensors(p, ck)
-    return dcr("publish", root, p, "--step", step, "--chunk-bytes", 256, "--no-cache", *flags, check=check)
 
 
 def _many_small(seed: int, n: int) -> dict[str, torch.Tensor]:
@@ -64,7 +59,7 @@ def test_a_packed_chain_refits_exactly_forward_backward_and_from_nothing(tmp_pat
     for s in range(1, 4):
         cks.append(next_step(cks[-1], seed=s, fraction=0.2))
     for s, ck in enumerate(cks):
-        _publish(tmp_path, root, ck, s, "--pack-bytes", 4096)
+        publish_file(tmp_path, root, ck, s, "--pack-bytes", 4096)
     m, _ = _manifest(root, 2)
     assert m.schema_version == 3 and len(m.packs()) > 1
     assert not any(o.endswith("zarr.json") for o in _objects(root, 2))  # no per-array metadata in a packed store
@@ -89,7 +84,7 @@ def test_a_chain_mixing_steps_of_both_layouts_refits_exactly(tmp_path):
     for s in range(1, 4):
         cks.append(next_step(cks[-1], seed=10 + s))
     for s, ck in enumerate(cks):
-        _publish(tmp_path, root, ck, s, *(("--pack-bytes", 0) if s < 2 else ()))
+        publish_file(tmp_path, root, ck, s, *(("--pack-bytes", 0) if s < 2 else ()))
     assert _manifest(root, 1)[0].schema_version == 2 and _manifest(root, 3)[0].schema_version == 3
     assert any(o.endswith("/zarr.json") for o in _objects(root, 1))
     state = tmp_path / "state.safetensors"
@@ -107,10 +102,10 @@ def test_objects_per_delta_and_gets_per_receive_follow_the_bytes(tmp_path, n):
     root = tmp_path / "bucket"
     ck0 = _many_small(0, n) if n > 8 else {f"w.{i}": torch.randn(300, 64).to(torch.bfloat16) for i in range(n)}
     ck1 = next_step(ck0, seed=1, fraction=0.03, unchanged=0.0)
-    _publish(tmp_path, root, ck0, 0)
+    publish_file(tmp_path, root, ck0, 0)
     state = tmp_path / "state.safetensors"
     dcr("receive", root, "--receiver", "r", "--state", state, check=0)
-    _publish(tmp_path, root, ck1, 1)
+    publish_file(tmp_path, root, ck1, 1)
     m, _ = _manifest(root, 1)
     stored = m.summary()["bytes_stored"]
     assert len(_objects(root, 1)) <= 16 + stored / (8 * MIB), _objects(root, 1)
@@ -126,10 +121,10 @@ def test_a_damaged_or_truncated_pack_is_refused_naming_it_and_the_state_is_uncha
     root = tmp_path / "bucket"
     ck0 = nasty_checkpoint(seed=7)
     ck1 = next_step(ck0, seed=8, fraction=0.3)
-    _publish(tmp_path, root, ck0, 0)
+    publish_file(tmp_path, root, ck0, 0)
     state = tmp_path / "state.safetensors"
     dcr("receive", root, "--receiver", "r", "--state", state, check=0)
-    _publish(tmp_path, root, ck1, 1)
+    publish_file(tmp_path, root, ck1, 1)
     m, attempt = _manifest(root, 1)
     (pack,) = m.packs()
     path = os.path.join(root, layout.store_key(1, attempt, layout.pack_key(pack)))
@@ -158,7 +153,7 @@ def test_a_damaged_or_truncated_pack_is_refused_naming_it_and_the_state_is_uncha
 ])
 def test_a_manifest_whose_packs_do_not_add_up_is_refused(tmp_path, edit, says):
     root = tmp_path / "bucket"
-    _publish(tmp_path, root, nasty_checkpoint(seed=9), 0)
+    publish_file(tmp_path, root, nasty_checkpoint(seed=9), 0)
     m, _ = _manifest(root, 0)
     d = json.loads(m.to_json())
     t = next(t for t in d["tensors"].values() if t["chunks"]["indices"])
@@ -211,7 +206,7 @@ def test_kill_9_while_packs_are_written_commits_nothing_and_a_rerun_is_exact(tmp
     root = tmp_path / "bucket"
     ck0 = nasty_checkpoint(seed=11)
     ck1 = next_step(ck0, seed=12, fraction=0.3)
-    _publish(tmp_path, root, ck0, 0)
+    publish_file(tmp_path, root, ck0, 0)
     p = tmp_path / "c1.safetensors"
     write_safetensors(p, ck1)
     kill_at(point, "publish", root, p, "--step", 1, "--chunk-bytes", 256, "--pack-bytes", 2048, "--no-cache")
@@ -219,6 +214,6 @@ def test_kill_9_while_packs_are_written_commits_nothing_and_a_rerun_is_exact(tmp
     state = tmp_path / "state.safetensors"
     dcr("receive", root, "--receiver", "r", "--state", state, check=0)
     assert_bits_equal(read_state(state), ck0)  # the half-written step is invisible
-    _publish(tmp_path, root, ck1, 1, "--pack-bytes", 2048)
+    publish_file(tmp_path, root, ck1, 1, "--pack-bytes", 2048)
     dcr("receive", root, "--receiver", "r", "--state", state, check=0)
     assert_bits_equal(read_state(state), ck1)

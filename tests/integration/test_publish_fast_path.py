@@ -29,6 +29,7 @@ from storage.root import Root
 from tests.integration.test_read_only_imports import _loaded
 from tests.support.cli import evolve, small_checkpoint
 from tests.support.helpers import chain_of_steps, write_safetensors
+from tests.support.publishing import baseline_cache_file
 from tests.support.steps import patch_step
 
 
@@ -50,11 +51,6 @@ def test_publishing_a_safetensors_file_does_not_import_torch(tmp_path):
     assert Catalog(Root(str(root))).committed_steps() == [0, 1, 2]
 
 
-def _cache_file(cache_dir) -> str:
-    (path,) = glob.glob(os.path.join(str(cache_dir), "*", ps.BASELINE_FILE))
-    return path
-
-
 @pytest.mark.parametrize("codec,lanes", [("sparse", False), ("cond", False), ("sparse", True), ("cond", True)])
 def test_a_cache_damaged_behind_a_matching_stamp_is_caught_while_encoding_and_rebuilt(tmp_path, monkeypatch, codec, lanes):
     if lanes:  # every chunk hashed on the hash lanes, beside the encoding (as large chunks are)
@@ -72,7 +68,7 @@ def test_a_cache_damaged_behind_a_matching_stamp_is_caught_while_encoding_and_re
 
     # Flip one bit of the cached baseline in place, then stamp the damaged file as if its
     # timestamps had not moved: only the check made while encoding can tell now.
-    path = _cache_file(cache)
+    path = baseline_cache_file(cache)
     with SafetensorsCheckpoint(path) as ck:
         name = max(ck.infos, key=lambda n: ck.infos[n].nbytes)
         offset = ck.data_offset(name)

@@ -27,7 +27,7 @@ from flows.publish.shards import Shard, ShardedSource
 from flows.publish.sources import MemorySource
 from storage.catalog import Catalog
 from storage.root import Root
-from tests.support.helpers import assert_bits_equal, chain_of_steps, nasty_checkpoint, next_step
+from tests.support.helpers import assert_bits_equal, assert_one_line, chain_of_steps, nasty_checkpoint, next_step
 from tests.support.steps import patch_step
 
 CHUNK_BYTES = 256
@@ -50,10 +50,6 @@ def received(root, tmp_path, step=None) -> dict[str, torch.Tensor]:
     state = tmp_path / "state.safetensors"
     run_receive(root, "rx", str(state), step)
     return load_file(str(state))
-
-
-def one_line(err: BaseException) -> None:
-    assert len(str(err).splitlines()) == 1, str(err)
 
 
 @pytest.fixture
@@ -314,7 +310,7 @@ def test_sharded_sources_pass_through_without_a_held_baseline(tmp_path):
         assert_bits_equal(received(root, tmp_path), steps[i])
     with pytest.raises(UsageError) as ei:
         run_publish(root, sharded(next_step(steps[2], 3)), 3, held=BaselineSlot())
-    one_line(ei.value)
+    assert_one_line(ei.value)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -337,7 +333,7 @@ def test_sharded_sources_pass_through_without_a_held_baseline(tmp_path):
 def test_bad_arguments_are_a_one_line_usage_error(tmp_path, make):
     with pytest.raises(UsageError) as ei:
         make(tmp_path)
-    one_line(ei.value)
+    assert_one_line(ei.value)
     assert not (tmp_path / "r").exists()
 
 
@@ -351,7 +347,7 @@ def test_a_step_conflict_keeps_the_held_baseline(tmp_path):
     for step in (1, 0):
         with pytest.raises(StepConflictError) as ei:
             pub.publish(steps[2], step)
-        one_line(ei.value)
+        assert_one_line(ei.value)
         assert pub._slot.baseline is held
     pub.publish(steps[2], 2)
     assert_bits_equal(received(root, tmp_path), steps[2])

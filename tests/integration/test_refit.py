@@ -81,7 +81,7 @@ def materialized(root, step, path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module", params=["local", pytest.param("memory", marks=pytest.mark.backend), "local-cond", pytest.param("local-blocks", marks=pytest.mark.slow)])
 def chain(request, tmp_path_factory):
     """A ROOT with a keyframe and 6 deltas of nasty data, and each step's state file. ``-cond``:
-    deltas coded against the old bits (``dcr-cond``), half of the changes ulp steps. ``-blocks``:
+    deltas coded against the old bits (``dcr.cond``), half of the changes ulp steps. ``-blocks``:
     wide tensors too, stored in 4 column blocks (``column_blocks=4``: chunks that are not flat ranges)."""
     kind, _, flavour = request.param.partition("-")
     codec = flavour if flavour in DELTA_CODECS else ""
@@ -198,7 +198,7 @@ def test_backward_refit_restores_every_bit_of_every_earlier_step(chain, tmp_path
         r = run_receive(chain["root"], "rx-back", str(state), n)
         if chain["flavour"] == "":
             assert r.moves == [f"backward:{s}" for s in range(m, n, -1)], (m, n)
-        # dcr-cond frames carry more fixed overhead on these tiny chunks, and the wide tensors of the
+        # dcr.cond frames carry more fixed overhead on these tiny chunks, and the wide tensors of the
         # column-block chain change a lot per step: the planner may find the keyframe cheaper for
         # long walks back, but the short ones go backward
         backward += r.moves == [f"backward:{s}" for s in range(m, n, -1)]

@@ -25,30 +25,22 @@ from storage.catalog import Catalog
 from storage.root import Root
 from tests.support.cli import dcr
 from tests.support.fused_module import TinyFused
-from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes
+from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes, module_bits
+from tests.support.publishing import publish_steps
 
 pytestmark = pytest.mark.faults(component="retraction", outcome="every receiver back at the newest live step, bit-exact")
-
-
-def _bits(module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in module.state_dict().items()}
 
 
 def _dense(ck) -> dict[str, torch.Tensor]:
     m = TinyFused()
     m.load_weights(ck.items())
-    return _bits(m)
-
-
-def _publish(root, cks, tmp_path, first=0):
-    for i, ck in enumerate(cks):
-        run_publish(root, ck, first + i, options=PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache")))
+    return module_bits(m)
 
 
 def test_every_receiver_of_a_retracted_step_moves_back_exactly_and_the_number_is_never_reused(tmp_path):
     root, region = str(tmp_path / "origin"), str(tmp_path / "region")
     cks = chain_of_steps(5, seed=41)
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "cache", chunk_bytes=256)
     rewrite, in_place, downstream = (tmp_path / n for n in ("rewrite.safetensors", "inplace.safetensors", "down.safetensors"))
     run_receive(root, "rewrite", str(rewrite))
     run_receive(root, "in-place", str(in_place), options=ReceiveOptions(in_place=True))
@@ -85,10 +77,10 @@ def test_every_receiver_of_a_retracted_step_moves_back_exactly_and_the_number_is
     # the next publish builds on step 2, under a number never committed
     with pytest.raises(StepConflictError, match="step 4 was committed and retracted; a step number is never used twice: "
                                                  "publish step 5"):
-        _publish(root, [cks[4]], tmp_path, first=4)
+        publish_steps(root, [cks[4]], 4, cache_dir=tmp_path / "cache", chunk_bytes=256)
     new = chain_of_steps(7, seed=43)[6]
     new = {n: new[n] if n in new and new[n].shape == t.shape and new[n].dtype == t.dtype else t for n, t in cks[2].items()}
-    _publish(root, [new], tmp_path, first=5)
+    publish_steps(root, [new], 5, cache_dir=tmp_path / "cache", chunk_bytes=256)
     assert Catalog(Root(root)).manifest(5).base_step == 2
     for rid, path, opts in (("rewrite", rewrite, None), ("in-place", in_place, ReceiveOptions(in_place=True))):
         run_receive(root, rid, str(path), options=opts)
@@ -105,28 +97,28 @@ def test_a_live_module_moves_back_exactly(tmp_path):
 
     root = str(tmp_path / "bucket")
     cks = [TinyFused.checkpoint(s) for s in range(3)]
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "cache", chunk_bytes=256)
     live = TinyFused()
     receive_into_module(root, "m", live, state_path=str(tmp_path / "mirror.safetensors"))
-    assert_bits_equal(_bits(live), _dense(cks[2]))
+    assert_bits_equal(module_bits(live), _dense(cks[2]))
     run_retract(root, 2)
     res = receive_into_module(root, "m", live, state_path=str(tmp_path / "mirror.safetensors"))
     assert res["step"] == 1
-    assert_bits_equal(_bits(live), _dense(cks[1]))
+    assert_bits_equal(module_bits(live), _dense(cks[1]))
 
 
 def test_a_typod_step_is_taken_back_and_the_run_goes_on(tmp_path):
     """``--step 999999999999`` by mistake: retract it, and the next publish takes the next number."""
     root = str(tmp_path / "bucket")
     cks = chain_of_steps(3, seed=45)
-    _publish(root, cks[:2], tmp_path)
-    _publish(root, [cks[2]], tmp_path, first=999999999999)
+    publish_steps(root, cks[:2], cache_dir=tmp_path / "cache", chunk_bytes=256)
+    publish_steps(root, [cks[2]], 999999999999, cache_dir=tmp_path / "cache", chunk_bytes=256)
     with pytest.raises(StepConflictError, match="not after the latest committed step 999999999999"):
-        _publish(root, [cks[2]], tmp_path, first=2)
+        publish_steps(root, [cks[2]], 2, cache_dir=tmp_path / "cache", chunk_bytes=256)
     res = run_retract(root, 999999999999, reason="typo")
     assert res.retracted == [999999999999] and res.latest == 1
     assert run_retract(root, 999999999999).already == [999999999999]  # a rerun: the same result
-    _publish(root, [cks[2]], tmp_path, first=2)
+    publish_steps(root, [cks[2]], 2, cache_dir=tmp_path / "cache", chunk_bytes=256)
     state = tmp_path / "s.safetensors"
     run_receive(root, "r", str(state))
     assert_bits_equal(load_file(state), cks[2])
@@ -141,7 +133,7 @@ def test_a_signed_root_takes_signed_retractions_only(tmp_path, monkeypatch):
     monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
     root = str(tmp_path / "bucket")
     cks = chain_of_steps(3, seed=47)
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "cache", chunk_bytes=256)
     monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
     with pytest.raises(UsageError, match="its steps are signed, so a retraction must be too"):
         run_retract(root, 2)
@@ -179,7 +171,7 @@ def test_a_retracted_step_gc_deleted_stays_a_tombstone_its_receivers_restart_and
 
     root, region = str(tmp_path / "origin"), str(tmp_path / "region")
     cks = chain_of_steps(5, seed=47)
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "cache", chunk_bytes=256)
     state = tmp_path / "s.safetensors"
     run_receive(root, "r", str(state))
     run_mirror(root, region)
@@ -190,7 +182,7 @@ def test_a_retracted_step_gc_deleted_stays_a_tombstone_its_receivers_restart_and
     cat = Catalog(Root(root))
     assert cat.marker(4) is None and cat.retraction(4) is not None and 4 in cat.used_steps()
     with pytest.raises(StepConflictError, match="step 4 was committed and retracted; a step number is never used twice"):
-        _publish(root, [cks[4]], tmp_path, first=4)
+        publish_steps(root, [cks[4]], 4, cache_dir=tmp_path / "cache", chunk_bytes=256)
     res = run_receive(root, "r", str(state))
     assert res.step == 3
     assert_bits_equal(load_file(state), cks[3])
@@ -212,7 +204,7 @@ def test_a_publish_racing_a_retraction_of_its_base_leaves_no_live_step_on_a_retr
 
     root = str(tmp_path / "origin")
     cks = chain_of_steps(6, seed=49)
-    _publish(root, cks[:5], tmp_path)
+    publish_steps(root, cks[:5], cache_dir=tmp_path / "cache", chunk_bytes=256)
     state = tmp_path / "s.safetensors"
     run_receive(root, "r", str(state))
     point = "publish.manifest-written" if when == "before-the-commit" else "publish.base-checked"
@@ -224,7 +216,7 @@ def test_a_publish_racing_a_retraction_of_its_base_leaves_no_live_step_on_a_retr
             run_retract(root, 4, reason="bad")
 
     with events.listening(retract_now), pytest.raises(StepConflictError) as e:
-        _publish(root, [cks[5]], tmp_path, first=5)
+        publish_steps(root, [cks[5]], 5, cache_dir=tmp_path / "cache", chunk_bytes=256)
     assert fired == [point]
     cat = Catalog(Root(root))
     if when == "before-the-commit":
@@ -237,7 +229,7 @@ def test_a_publish_racing_a_retraction_of_its_base_leaves_no_live_step_on_a_retr
     run_gc(root, GcOptions(keep_last=2, grace_seconds=0))
     assert run_receive(root, "r", str(state)).step == 3
     assert_bits_equal(load_file(state), cks[3])
-    _publish(root, [cks[3]], tmp_path, first=6)  # the run goes on, on step 3
+    publish_steps(root, [cks[3]], 6, cache_dir=tmp_path / "cache", chunk_bytes=256)  # the run goes on, on step 3
 
 
 def test_a_mirror_copies_a_retraction_of_a_step_older_than_upstreams_newest(tmp_path):
@@ -245,11 +237,11 @@ def test_a_mirror_copies_a_retraction_of_a_step_older_than_upstreams_newest(tmp_
     it retracted although it is older than upstream's newest step."""
     root, region = str(tmp_path / "origin"), str(tmp_path / "region")
     cks = chain_of_steps(6, seed=51)
-    _publish(root, cks[:5], tmp_path)
+    publish_steps(root, cks[:5], cache_dir=tmp_path / "cache", chunk_bytes=256)
     run_mirror(root, region)
     run_retract(root, 4)
     new = {n: t for n, t in cks[3].items()}
-    _publish(root, [new], tmp_path, first=5)
+    publish_steps(root, [new], 5, cache_dir=tmp_path / "cache", chunk_bytes=256)
     res = run_mirror(root, region)
     assert res.retracted_steps == [4]
     assert Catalog(Root(region)).committed_steps()[-2:] == [3, 5]
@@ -266,7 +258,7 @@ def test_a_retraction_takes_back_the_step_and_what_builds_on_it_not_a_later_step
 
     root = str(tmp_path / "origin")
     cks = chain_of_steps(8, seed=53)
-    _publish(root, cks[:6], tmp_path)
+    publish_steps(root, cks[:6], cache_dir=tmp_path / "cache", chunk_bytes=256)
     fired = []
 
     def publish_six(p, fields):
@@ -275,7 +267,7 @@ def test_a_retraction_takes_back_the_step_and_what_builds_on_it_not_a_later_step
             run_publish(root, cks[6], 6, options=PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "other")))
 
     with events.listening(publish_six):
-        _publish(root, [cks[7]], tmp_path, first=7)
+        publish_steps(root, [cks[7]], 7, cache_dir=tmp_path / "cache", chunk_bytes=256)
     cat = Catalog(Root(root))
     assert fired and cat.marker(7).base_step == 5 and cat.marker(6).base_step == 5 and cat.latest_committed() == 7
     state = tmp_path / "s.safetensors"
@@ -294,7 +286,7 @@ def test_a_retraction_takes_back_every_step_built_on_the_retracted_one(tmp_path)
     newest first, and leaves the keyframe live."""
     root = str(tmp_path / "origin")
     cks = chain_of_steps(7, seed=55)
-    _publish(root, cks[:6], tmp_path)
+    publish_steps(root, cks[:6], cache_dir=tmp_path / "cache", chunk_bytes=256)
     run_publish(root, cks[6], 6, keyframe=True, options=PublishOptions(chunk_bytes=256, cache_dir=str(tmp_path / "cache")))
     out = dcr("retract", root, "--step", 4, check=0).stdout
     assert out.startswith("retracted steps 4, 5; the newest live step is 6"), out
@@ -314,7 +306,7 @@ def test_a_retraction_seen_in_any_root_is_honoured_and_a_mirror_hiding_it_is_ref
     monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
     origin, region = str(tmp_path / "origin"), str(tmp_path / "region")
     cks = chain_of_steps(4, seed=57)
-    _publish(origin, cks, tmp_path)
+    publish_steps(origin, cks, cache_dir=tmp_path / "cache", chunk_bytes=256)
     monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
     monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))
     run_mirror(origin, region)

@@ -97,10 +97,6 @@ def sources(ckpt: dict[str, torch.Tensor]) -> list[ShardedSource]:
     return out
 
 
-def held(path) -> dict[str, torch.Tensor]:
-    return read_state(path)
-
-
 @pytest.fixture
 def opts(tmp_path):
     return PublishOptions(chunk_bytes=32, cache_dir=str(tmp_path / "cache"))
@@ -116,18 +112,18 @@ def test_sharded_steps_reach_receivers_bit_exact(tmp_path, opts):
         res = run_publish(root, sources(ck), n, options=opts)
         assert res.kind == ("keyframe" if n == 0 else "delta")
         run_receive(root, "r0", state)
-        assert_bits_equal(held(state), ck)
+        assert_bits_equal(read_state(state), ck)
     m = Catalog(Root(root)).manifest(3)
     assert any(e.parts is not None for e in m.tensors.values())  # shared chunks were stored as parts
     assert all(e.pieces is not None for e in m.tensors.values())
     # a receiver that starts late, then steps backward (XOR masks are self-inverse)
     late = str(tmp_path / "late.safetensors")
     run_receive(root, "late", late, step=3)
-    assert_bits_equal(held(late), steps[3])
+    assert_bits_equal(read_state(late), steps[3])
     run_receive(root, "late", late, step=1)
-    assert_bits_equal(held(late), steps[1])
+    assert_bits_equal(read_state(late), steps[1])
     run_materialize(root, 2, str(tmp_path / "full2.safetensors"))
-    assert_bits_equal(held(tmp_path / "full2.safetensors"), steps[2])
+    assert_bits_equal(read_state(tmp_path / "full2.safetensors"), steps[2])
     report = audit.verify(Root(root), deep=True)
     assert not report.errors, report.errors
 
@@ -214,7 +210,7 @@ def test_lost_shard_baselines_are_rebuilt_from_root_chunk_by_chunk(tmp_path, opt
     assert res.kind == "delta"
     for n in (2, 3):
         run_receive(root, "r", state, step=n)
-        assert_bits_equal(held(state), steps[n])
+        assert_bits_equal(read_state(state), steps[n])
     no_cache = PublishOptions(chunk_bytes=32, cache_dir=str(tmp_path / "elsewhere"), use_cache=False)
     for src in sources(steps[3]):
         snap = src.snapshot()
@@ -276,7 +272,7 @@ def test_ranks_in_threads_agree_through_storage(tmp_path, opts):
         assert {r.attempt for r in results.values()} == {attempt}
         state = str(tmp_path / "s.safetensors")
         run_receive(root, "r", state)
-        assert_bits_equal(held(state), ck)
+        assert_bits_equal(read_state(state), ck)
 
 
 def test_a_failing_rank_stops_the_commit(tmp_path, opts):
@@ -375,16 +371,16 @@ def test_a_sharded_delta_on_top_of_an_unsharded_keyframe(tmp_path, opts):
     assert run_publish(root, sources(b), 1, options=opts).kind == "delta"
     run_receive(root, "r", state, step=0)
     run_receive(root, "r", state)
-    assert_bits_equal(held(state), b)
+    assert_bits_equal(read_state(state), b)
 
 
 def test_training_ranks_refuse_the_cond_codec_with_one_line_and_commit_nothing(tmp_path, opts):
-    """``dcr-cond`` codes each chunk against its whole old bits, which no rank holds."""
+    """``dcr.cond`` codes each chunk against its whole old bits, which no rank holds."""
     root = str(tmp_path / "bucket")
     first = canonical(1)
     run_publish(root, sources(first), 0, options=opts)
     cond = opts.model_copy(update={"delta_codec": DELTA_CODECS["cond"]})
-    with pytest.raises(DCRError, match="dcr-cond") as err:
+    with pytest.raises(DCRError, match="dcr.cond") as err:
         run_publish(root, sources(next_step(first, 7)), 1, options=cond)
     assert "\n" not in str(err.value)
     assert Catalog(Root(root)).marker(1) is None
@@ -455,16 +451,16 @@ def test_a_sharded_delta_of_many_small_tensors_writes_objects_by_its_bytes(tmp_p
     assert len(objects) - len(partials) <= 16 + stored / (8 << 20), objects
     assert not any(o.endswith("zarr.json") for o in objects)
     run_receive(root, "r", state)
-    assert_bits_equal(held(state), ck1)
+    assert_bits_equal(read_state(state), ck1)
     fresh = str(tmp_path / "fresh.safetensors")
     run_receive(root, "f", fresh, step=1)
-    assert_bits_equal(held(fresh), ck1)
+    assert_bits_equal(read_state(fresh), ck1)
     assert not audit.verify(Root(root), deep=True).errors
     mirror = str(tmp_path / "mirror")
     run_mirror(root, mirror)  # each pack checked whole against the chunks and parts it holds
     far = str(tmp_path / "far.safetensors")
     run_receive(mirror, "far", far)
-    assert_bits_equal(held(far), ck1)
+    assert_bits_equal(read_state(far), ck1)
 
 
 def test_a_sharded_delta_with_pack_bytes_0_stores_one_object_per_chunk_and_part(tmp_path):
@@ -482,7 +478,7 @@ def test_a_sharded_delta_with_pack_bytes_0_stores_one_object_per_chunk_and_part(
     assert len(stored) == sum(e.n_stored for e in m.tensors.values()) > 0
     assert any("%parts/c/" in o for o in stored) and any(o.endswith("zarr.json") for o in objects)
     run_receive(root, "r", state)
-    assert_bits_equal(held(state), ck1)
+    assert_bits_equal(read_state(state), ck1)
 
 
 @pytest.mark.faults(component="rank partial manifest", outcome="an old (unpacked) one still reads; one whose "

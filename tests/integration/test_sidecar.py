@@ -18,9 +18,9 @@ from safetensors.torch import load_file
 from dcr_core import events
 from dcr_core.digest import block_leaves
 from dcr_core.errors import StateMismatchError
-from flows import run_publish, run_receive
+from flows import run_receive
 from flows.cli import main
-from flows.options import PublishOptions, ReceiveOptions
+from flows.options import ReceiveOptions
 from flows.receive.verify_state import verify_state
 from storage import layout
 from storage.local import journal, sidecar
@@ -28,6 +28,7 @@ from storage.local.safetensors import SafetensorsCheckpoint
 from storage.manifest import Manifest
 from storage.root import open_root
 from tests.support.helpers import assert_bits_equal, chain_of_steps, file_bytes, from_bits, raw_bytes
+from tests.support.publishing import publish_steps
 
 IN_PLACE = ReceiveOptions(in_place=True, io_workers=2)
 BLOCK = 4096
@@ -45,13 +46,6 @@ def _steps(n, seed):
             bits[r * 128 : r * 128 + 5] ^= np.uint16(1 + r)
         s["clustered"] = from_bits(bits, "BF16", (300, 128))
     return steps
-
-
-def _publish(root, steps, first=0, **opts):
-    o = PublishOptions(chunk_bytes=opts.pop("chunk_bytes", 1024), digest_block_bytes=opts.pop("block", BLOCK),
-                       use_cache=False, **opts)
-    for i, s in enumerate(steps[first:], first):
-        run_publish(root, s, i, keyframe=(i == 0), options=o)
 
 
 def _receive_counted(root, state, step, in_place=True):
@@ -91,7 +85,7 @@ def chain(tmp_path_factory):
     base = tmp_path_factory.mktemp("sidecar")
     root = str(base / "root")
     steps = _steps(5, 11)
-    _publish(root, steps)
+    publish_steps(root, steps, chunk_bytes=1024, digest_block_bytes=BLOCK)
     return root, steps
 
 
@@ -99,7 +93,7 @@ def chain(tmp_path_factory):
 def test_in_place_refits_hash_only_changed_blocks_and_stay_exact(tmp_path, chunk):
     root = str(tmp_path / "root")
     steps = _steps(5, 3)
-    _publish(root, steps, chunk_bytes=chunk)
+    publish_steps(root, steps, chunk_bytes=chunk, digest_block_bytes=BLOCK)
     a, b = tmp_path / "a.safetensors", tmp_path / "b.safetensors"
     run_receive(root, "rx", str(a), 0, options=IN_PLACE)  # fresh: written whole, no block digests kept
     assert sidecar.read(str(a)) is None
@@ -135,8 +129,8 @@ def test_flat_and_block_manifests_mix_in_one_chain(tmp_path):
     two schemes is exact, and the sidecar is used only where both sides have block digests."""
     root = str(tmp_path / "root")
     steps = _steps(6, 5)
-    _publish(root, steps[:3], block=None, pack_bytes=0)  # as written before block digests (and packs)
-    _publish(root, steps, first=3)
+    publish_steps(root, steps[:3], chunk_bytes=1024, digest_block_bytes=None, pack_bytes=0)  # as written before block digests (and packs)
+    publish_steps(root, steps[3:], 3, chunk_bytes=1024, digest_block_bytes=BLOCK)
     r = open_root(root)
     for s, version in [(0, 1), (2, 1), (3, 3), (5, 3)]:
         m = _manifest(root, s)

@@ -10,10 +10,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dcr_core.errors import IntegrityError, StateMismatchError
-from flows import run_publish, run_receive
-from flows.options import PublishOptions
+from dcr_core.errors import IntegrityError, StateMismatchError, UntrustedError
+from flows import run_receive
+from flows.options import ReceiveOptions
 from tests.support.helpers import assert_bits_equal, file_bytes
+from tests.support.publishing import publish_steps
 
 pytestmark = pytest.mark.faults(component="security", outcome="refused with a one-line error; the held state unchanged")
 
@@ -29,11 +30,6 @@ def _chain(n):
     return out
 
 
-def _publish(root, cks, tmp_path):
-    for s, ck in enumerate(cks):
-        run_publish(root, ck, s, options=PublishOptions(cache_dir=str(tmp_path / "c")))
-
-
 def _marker(root, step):
     return os.path.join(root, "steps", f"{step:012d}", "commit.json")
 
@@ -43,7 +39,7 @@ def signed(tmp_path, monkeypatch):
     monkeypatch.setenv("DCR_SIGNING_KEY", "correct horse battery staple")
     root = str(tmp_path / "bucket")
     cks = _chain(3)
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "c")
     return root, cks
 
 
@@ -57,7 +53,7 @@ def test_signed_steps_refit_exactly_and_carry_a_signature(signed, tmp_path):
 
 def test_a_receiver_with_the_key_refuses_unsigned_markers(tmp_path, monkeypatch):
     root = str(tmp_path / "bucket")
-    _publish(root, _chain(2), tmp_path)  # no key: unsigned
+    publish_steps(root, _chain(2), cache_dir=tmp_path / "c")  # no key: unsigned
     monkeypatch.setenv("DCR_SIGNING_KEY", "k")
     with pytest.raises(IntegrityError, match="not signed"):
         run_receive(root, "r", str(tmp_path / "s.safetensors"))
@@ -119,7 +115,7 @@ def ed25519(tmp_path, monkeypatch):
     monkeypatch.setenv("DCR_SIGNING_KEY_FILE", str(tmp_path / "key"))
     root = str(tmp_path / "bucket")
     cks = _chain(3)
-    _publish(root, cks, tmp_path)
+    publish_steps(root, cks, cache_dir=tmp_path / "c")
     monkeypatch.delenv("DCR_SIGNING_KEY_FILE")
     monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))  # from here on: a receiver
     return root, cks
@@ -223,10 +219,16 @@ def test_a_signed_root_says_so_and_a_reader_without_a_key_warns_once_or_refuses(
     warning = out.stderr.strip().splitlines()
     assert len(warning) == 1 and "signatures are not checked" in warning[0] and "DCR_VERIFY_KEY_FILE" in warning[0], out.stderr
     before = file_bytes(state)
-    for args, env in ((("--require-signed",), {}), ((), {"DCR_REQUIRE_SIGNED": "1"})):
+    for args, env, said in ((("--require-signed",), {}, "receiver r: --require-signed is set"),
+                            ((), {"DCR_REQUIRE_SIGNED": "1"}, "DCR_REQUIRE_SIGNED is set")):
         out = dcr("receive", root, "--receiver", "r", "--state", state, *args, env=env, check=5)
-        assert len(out.stderr.strip().splitlines()) == 1 and "DCR_REQUIRE_SIGNED (--require-signed) is set" in out.stderr
+        assert len(out.stderr.strip().splitlines()) == 1 and said in out.stderr, out.stderr
+        assert "no key to verify with: set DCR_VERIFY_KEY_FILE" in out.stderr
         assert file_bytes(state) == before
+    # the option is the receive's own, not the process's: nothing else of it changes
+    with pytest.raises(UntrustedError, match="--require-signed is set"):
+        run_receive(root, "r", str(state), options=ReceiveOptions(require_signed=True))
+    assert "DCR_REQUIRE_SIGNED" not in os.environ and file_bytes(state) == before
     dcr("receive", root, "--receiver", "r", "--state", state, "--require-signed",
         env={"DCR_VERIFY_KEY_FILE": str(tmp_path / "key.pub")}, check=0)
     assert_bits_equal(load_file(state), cks[2])
@@ -240,7 +242,7 @@ def test_an_unsigned_root_refused_by_a_verify_key_names_that_variable(tmp_path, 
     from storage import signing
 
     root = str(tmp_path / "bucket")
-    _publish(root, _chain(2), tmp_path)
+    publish_steps(root, _chain(2), cache_dir=tmp_path / "c")
     assert "signed" not in json.load(open(os.path.join(root, "run.json")))
     signing.keygen(tmp_path / "key")
     monkeypatch.setenv("DCR_VERIFY_KEY_FILE", str(tmp_path / "key.pub"))

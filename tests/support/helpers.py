@@ -392,3 +392,16 @@ def chunk_named(root: str | os.PathLike, step: int, tensor: str, pos: int = 0, s
     path, offset, nbytes = chunk_at(root, step, tensor, pos, snapshot)
     key = os.path.relpath(path, root).replace(os.sep, "/")
     return f"{key} bytes {offset}..{offset + nbytes}" if f"/{layout.PACKS}/" in key else key
+
+
+def module_bits(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter (``p:NAME``) and buffer (``b:NAME``, persistent or not) of a module, copied:
+    what a refit of a live module must leave bit for bit as a dense load does."""
+    out = {f"p:{n}": p.detach().clone() for n, p in module.named_parameters()}
+    out.update({f"b:{n}": b.detach().clone() for n, b in module.named_buffers()})
+    return out
+
+
+def assert_one_line(err: BaseException) -> None:
+    """An error's message is one line (the contract's one-line errors)."""
+    assert len(str(err).splitlines()) == 1, str(err)

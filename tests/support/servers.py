@@ -34,7 +34,8 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 BACKENDS = ("local", "memory", "s3", "gcs", "azure")
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A port on 127.0.0.1 free a moment ago (nothing listens there: connections are refused)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -104,7 +105,7 @@ def pytest_sessionfinish(session) -> None:
 
 
 def _moto(d: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     exe = shutil.which("moto_server", path=os.path.dirname(sys.executable)) or "moto_server"
     pid = _start_detached([exe, "-H", "127.0.0.1", "-p", str(port)], f"http://127.0.0.1:{port}/", d / "moto.log")
     return {"url": f"http://127.0.0.1:{port}", "pid": pid}
@@ -137,7 +138,7 @@ def s3_server(tmp_path_factory):
 
 
 def _gcs(d: Path) -> dict:
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, str(REPO / "infra" / "gcs_emulator.py"), "start", "--host", "127.0.0.1", "--port", str(port),
            "--in-memory", "--default-bucket", GCS_BUCKET]
@@ -166,7 +167,7 @@ def azurite_connection_string(blob_url: str) -> str:
 def _azurite(d: Path) -> dict:
     """infra/start-azurite.sh (Azurite from npm, installed on its first use, and the container), in a
     process group of its own: the script exits once Azurite answers, and the group's id stops it."""
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "TMPDIR": str(d), "DCR_PYTHON": sys.executable}
     proc = subprocess.Popen(["bash", str(REPO / "infra" / "start-azurite.sh"), str(port), AZURE_CONTAINER], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True, cwd=REPO)
@@ -191,7 +192,7 @@ def azure_server(tmp_path_factory):
 def _prefect(d: Path) -> dict:
     home = d / "prefect-home"
     home.mkdir(exist_ok=True)
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "PREFECT_HOME": str(home),
@@ -220,6 +221,15 @@ def prefect_api(tmp_path_factory):
     finally:
         drain_prefect_workers()
         mp.undo()
+
+
+@pytest.fixture
+def prefect_settings(prefect_api):
+    """Prefect's client settings pointed at the run's API server for one test."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: prefect_api}):
+        yield prefect_api
 
 
 def drain_prefect_workers() -> None:

@@ -57,7 +57,7 @@ def test_stock_zarr_reads_delta_arrays_with_only_the_codec_package(tmp_path):
     run_publish(root, old, 0)
     run_publish(root, new, 1, options=PublishOptions(chunk_bytes=4096, pack_bytes=0))  # a Zarr store stock zarr opens
     manifest = json.loads(next((tmp_path / "bucket" / layout.attempts_dir(1)).rglob("manifest.json")).read_text())
-    assert manifest["codec"]["name"] == "dcr-sparse"
+    assert manifest["codec"]["name"] == "dcr.sparse"
     store = str(next((tmp_path / "bucket" / layout.attempts_dir(1)).glob("*/data.zarr")))
     newer = {n: t.clone() for n, t in new.items()}
     newer["w"].view(-1).view(torch.int16)[::5] ^= 0x0001

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from safetensors.torch import load_file
 from tests.support.cli import REPO, evolve, small_checkpoint
 from tests.support.helpers import assert_bits_equal, write_safetensors
 from tests.support.procs import stop, stop_from_file
+from tests.support.servers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.prefect]
 
@@ -32,12 +32,6 @@ def readme_block() -> str:
     text = Path(REPO, "README.md").read_text()
     section = text.split("### Deployments", 1)[1]
     return section.split("```bash\n", 1)[1].split("```", 1)[0]
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_the_readme_deployment_section_works_as_written(tmp_path):
@@ -59,7 +53,7 @@ def test_the_readme_deployment_section_works_as_written(tmp_path):
     write_safetensors(ckpts / "ckpt-5.safetensors", c5)
     write_safetensors(ckpts / "ckpt-6.safetensors", c6)
 
-    port = _port()
+    port = free_port()
     env = {
         "PATH": f"{os.path.dirname(sys.executable)}:/usr/bin:/bin", "HOME": str(tmp_path), "TMPDIR": str(tmp_path),
         "PREFECT_HOME": str(tmp_path / "prefect"), "DCR_PREFECT_PORT": str(port), "DCR_CACHE_DIR": str(tmp_path / "cache"),

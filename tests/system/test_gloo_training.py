@@ -4,7 +4,6 @@ step from their shards, and a receiver equals the independently gathered canonic
 from __future__ import annotations
 
 import json
-import socket
 
 import torch.multiprocessing as mp
 
@@ -14,12 +13,7 @@ from storage.catalog import Catalog
 from storage.root import Root
 from tests.support import gloo_trainer
 from tests.support.helpers import assert_bits_equal, read_state
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.support.servers import free_port
 
 
 def test_tp_and_fsdp2_ranks_publish_every_step_bit_exact(tmp_path, monkeypatch):
@@ -28,7 +22,7 @@ def test_tp_and_fsdp2_ranks_publish_every_step_bit_exact(tmp_path, monkeypatch):
     steps = 5
     mp.start_processes(
         gloo_trainer.worker,
-        args=(2, _free_port(), str(tmp_path / "bucket"), str(tmp_path / "cache"), str(out), steps, (1, 3)),
+        args=(2, free_port(), str(tmp_path / "bucket"), str(tmp_path / "cache"), str(out), steps, (1, 3)),
         nprocs=2, start_method="spawn", join=True,
     )
     report = json.loads(out.read_text())

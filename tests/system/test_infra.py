@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +16,9 @@ import pytest
 
 from tests.support.cli import REPO, dcr
 from tests.support.procs import stop_from_file
+from tests.support.servers import free_port
 
 VENV_PYTHON = os.path.join(REPO, ".venv", "bin", "python")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env(tmp_path, **extra) -> dict:
@@ -56,7 +50,7 @@ def _azurite_install() -> dict:
     pytest.param("start-azurite.sh", "az", "dcr-azurite", marks=pytest.mark.backend),  # Node.js and Azurite from npm
 ])
 def test_object_store_scripts_start_from_a_clean_path_and_print_what_works(name, scheme, pid_name, tmp_path):
-    port = _port()
+    port = free_port()
     script_env = _clean_env(tmp_path, **(_azurite_install() if scheme == "az" else {}))
     out = _script(name, port, "ops-bucket", env=script_env, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -81,7 +75,7 @@ def test_scripts_fail_at_once_without_an_environment_that_has_the_server(tmp_pat
     for name, module in (("start-s3.sh", "moto.server"), ("start-gcs.sh", "gcp_storage_emulator"),
                          ("start-azurite.sh", "azure.storage.blob"), ("start-prefect.sh", "prefect")):
         t0 = time.monotonic()
-        out = _script(name, _port(), env={**_clean_env(tmp_path), "DCR_PYTHON": bare}, cwd=tmp_path, timeout=30)
+        out = _script(name, free_port(), env={**_clean_env(tmp_path), "DCR_PYTHON": bare}, cwd=tmp_path, timeout=30)
         assert out.returncode == 1 and f"DCR_PYTHON={bare} cannot import {module}" in out.stderr, out
         assert time.monotonic() - t0 < 10
 
@@ -89,10 +83,10 @@ def test_scripts_fail_at_once_without_an_environment_that_has_the_server(tmp_pat
 @pytest.mark.prefect
 @pytest.mark.slow  # a Prefect server start: about 10 s
 def test_prefect_script_starts_a_server_from_a_clean_path_and_its_ui_calls_that_server(tmp_path):
-    port = _port()
+    port = free_port()
     # DCR_PREFECT_PORT names the port; a PREFECT_API_URL left in the shell from a server started
     # earlier names another one: the UI must call neither 4200 nor that one, but this server
-    stale = f"http://127.0.0.1:{_port()}/api"
+    stale = f"http://127.0.0.1:{free_port()}/api"
     env = _clean_env(tmp_path, PREFECT_HOME=str(tmp_path / "ph"), DCR_PREFECT_PORT=str(port), PREFECT_API_URL=stale)
     out = _script("start-prefect.sh", env=env, cwd=tmp_path, timeout=150)
     assert out.returncode == 0, out.stderr

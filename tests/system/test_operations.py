@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import uuid
@@ -19,6 +18,7 @@ from flows.results import PublishResult
 from storage import layout
 from tests.support.cli import copy_tree, dcr, one_line_error, publish_chain
 from tests.support.helpers import chunk_at, chunk_named, damage_chunk, stored_chunks, write_safetensors
+from tests.support.servers import free_port
 
 
 @pytest.fixture(scope="module")
@@ -33,15 +33,9 @@ def made(_made, tmp_path):
     return copy_tree(_made, tmp_path)
 
 
-def _dead_port() -> int:
-    with socket.socket() as s:  # bound, never listening: connections are refused
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("scheme", ["s3", "gs"])
 def test_an_endpoint_that_is_down_fails_within_seconds_naming_it_and_the_setting(scheme, tmp_path):
-    url = f"http://127.0.0.1:{_dead_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     var = "AWS_ENDPOINT_URL" if scheme == "s3" else "STORAGE_EMULATOR_HOST"
     env = {var: url, "AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_DEFAULT_REGION": "us-east-1",
            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"}
@@ -290,7 +284,7 @@ def test_a_follower_started_while_the_endpoint_is_down_keeps_trying(tmp_path, mo
     from flows.receive.follow import follow
     from storage.root import RootRef
 
-    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{_dead_port()}")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{free_port()}")
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
     warned = []

@@ -14,23 +14,11 @@ import torch
 
 from dcr_core.errors import UsageError
 from tests.support.fused_module import TinyFused
-from tests.support.helpers import assert_bits_equal
+from tests.support.helpers import assert_bits_equal, module_bits
 
 pytestmark = pytest.mark.prefect
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository
-
-
-@pytest.fixture
-def prefect_settings(prefect_api):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: prefect_api}):
-        yield prefect_api
-
-
-def _bits_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: t.detach().clone() for n, t in module.state_dict().items()}
 
 
 def _next(ck: dict[str, torch.Tensor], step: int) -> dict[str, torch.Tensor]:
@@ -85,7 +73,7 @@ def test_receive_refit_into_a_module_equals_a_dense_load_after_every_step(prefec
         res = receive_refit(root, "rollout-m", live, state_path=str(tmp_path / "mirror.safetensors"))
         dense = TinyFused()
         dense.load_weights(ck.items())
-        assert_bits_equal(_bits_state(live), _bits_state(dense))
+        assert_bits_equal(module_bits(live), module_bits(dense))
         if step:
             assert res["tensors_loaded"] < len(ck), "only changed tensors go through the loader"
         ck = _next(ck, step + 1)
@@ -98,7 +86,7 @@ def test_the_prefect_publish_tasks_use_and_keep_a_held_baseline(prefect_settings
     from safetensors.torch import load_file
 
     from flows import Publisher, PublishOptions, run_receive
-    from flows.prefect_flows import PrefectRunner
+    from flows.orchestration.runner import PrefectRunner
 
     root = str(tmp_path / "bucket")
     opts = PublishOptions(cache_dir=str(tmp_path / "cache"))
@@ -129,7 +117,7 @@ def test_task_results_are_serializable_references_and_nothing_is_persisted(prefe
     from prefect.settings import PREFECT_LOCAL_STORAGE_PATH, PREFECT_RESULTS_PERSIST_BY_DEFAULT, temporary_settings
 
     from flows import publish_refit, receive_refit, run_publish, run_receive
-    from flows.prefect_flows import PrefectRunner
+    from flows.orchestration.runner import PrefectRunner
 
     seen: list[str] = []
     serializer = JSONSerializer()

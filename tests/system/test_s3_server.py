@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from dcr_bench.netproxy import Proxy
 from flows import run_publish, run_receive
 from flows.options import PublishOptions, ReceiveOptions
 from storage import layout
@@ -19,7 +20,6 @@ from storage.catalog import Catalog
 from storage.chunk_io import MAX_GAP_BYTES
 from storage.root import Root
 from tests.support.helpers import assert_bits_equal, write_safetensors
-from tests.support.httpproxy import Proxy
 from tests.support.procs import Lines, reported
 from tests.support.servers import S3_BUCKET
 

@@ -4,18 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.integration.test_sharded_publish import canonical, held, sources
-from tests.support.helpers import assert_bits_equal, next_step
+from tests.integration.test_sharded_publish import canonical, sources
+from tests.support.helpers import assert_bits_equal, next_step, read_state
 
 pytestmark = pytest.mark.prefect
-
-
-@pytest.fixture
-def prefect_settings(prefect_api):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: prefect_api}):
-        yield prefect_api
 
 
 def test_publish_refit_from_all_ranks_shards_is_bit_exact(prefect_settings, tmp_path):
@@ -30,5 +22,5 @@ def test_publish_refit_from_all_ranks_shards_is_bit_exact(prefect_settings, tmp_
         assert res["kind"] == ("keyframe" if step == 0 else "delta")
         assert {"plan-rank", "encode-rank", "commit-ranks"} <= set(res["timings"])
         receive_refit(root, "r", state)
-        assert_bits_equal(held(state), ck)
+        assert_bits_equal(read_state(state), ck)
         ck = next_step(ck, 30 + step)

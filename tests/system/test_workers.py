@@ -64,14 +64,6 @@ def event_log(client, tmp_path):
         client.unregister_worker_plugin(EventLog.name)
 
 
-@pytest.fixture
-def prefect_settings(prefect_api):
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: prefect_api}):
-        yield prefect_api
-
-
 def _address(cluster) -> str:
     return "dask://" + cluster.scheduler_address.removeprefix("tcp://")
 

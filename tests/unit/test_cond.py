@@ -26,7 +26,7 @@ from dcr_core.sparse import encode_sparse
 from storage.chunk_io import decode_chunk
 from tests.support.helpers import SPECIALS
 
-COND = CodecSpec(name="dcr-cond", clevel=3)
+COND = CodecSpec(name="dcr.cond", clevel=3)
 
 
 def _step(bits: np.ndarray, pos: np.ndarray, d: np.ndarray) -> np.ndarray:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import subprocess
 import sys
@@ -9,6 +10,7 @@ import sys
 import numpy as np
 import pytest
 import torch
+from dcr_zarr_codec import metadata, zarr_codec
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -89,12 +91,29 @@ def test_codec_spec_reads_manifests_written_before_the_sparse_codec():
 
 
 def test_sparse_codec_block_lists_only_what_the_codec_uses():
-    spec = CodecSpec(name="dcr-sparse", clevel=2)
-    assert spec.to_dict() == {"name": "dcr-sparse", "clevel": 2}
+    spec = CodecSpec(name="dcr.sparse", clevel=2)
+    assert spec.to_dict() == {"name": "dcr.sparse", "clevel": 2}
     assert CodecSpec.from_dict(spec.to_dict()) == spec
     # manifests written before listed Blosc's fields too: they still read
-    old = {"name": "dcr-sparse", "cname": "zstd", "clevel": 2, "shuffle": "shuffle", "blocksize": 0}
+    old = {"name": "dcr.sparse", "cname": "zstd", "clevel": 2, "shuffle": "shuffle", "blocksize": 0}
     assert CodecSpec.from_dict(old) == spec
+
+
+@pytest.mark.parametrize("former,name", [("dcr-sparse", "dcr.sparse"), ("dcr-cond", "dcr.cond")])
+def test_a_codec_block_with_the_former_name_reads_as_the_codec_and_is_written_with_its_one_name(former, name):
+    """Manifests written before the codecs had one name each said ``dcr-sparse`` / ``dcr-cond``:
+    they read as the same codec, for DCR and for the step reader's Zarr documents alike."""
+    spec = CodecSpec.from_dict({"name": former, "clevel": 2})
+    assert spec == CodecSpec(name=name, clevel=2) == CodecSpec(name=former, clevel=2)
+    assert spec.to_dict() == {"name": name, "clevel": 2}
+    assert metadata.compressor({"name": former, "clevel": 2}, 2) == {"name": name, "configuration": {"level": 2}}
+
+
+def test_the_zarr_codecs_are_registered_under_the_names_dcr_writes():
+    entry_points = {e.name for e in importlib.metadata.entry_points(group="zarr.codecs")}
+    assert {metadata.SPARSE_CODEC, metadata.COND_CODEC} <= entry_points
+    assert (zarr_codec.DcrSparseCodec().to_dict()["name"], zarr_codec.DcrCondCodec().to_dict()["name"]) == (
+        metadata.SPARSE_CODEC, metadata.COND_CODEC)
 
 
 def test_stock_zarr_reads_sparse_delta_arrays_through_the_installed_entry_point(tmp_path):
@@ -109,7 +128,7 @@ def test_stock_zarr_reads_sparse_delta_arrays_through_the_installed_entry_point(
     run_publish(root, old, 0, options=opts)
     run_publish(root, new, 1, options=opts)
     m = Catalog(Root(root)).manifest(1)
-    assert m.codec.name == "dcr-sparse"
+    assert m.codec.name == "dcr.sparse"
     store = tmp_path / "bucket" / "steps" / "000000000001" / "attempts" / m.attempt / "data.zarr"
     # a fresh interpreter that imports nothing of this project: zarr finds the codec by entry point
     code = (

@@ -1,6 +1,6 @@
 """``dcr simulate --calibrate``: this machine's per-byte CPU costs, measured with DCR's own code.
 
-For each dtype (BF16, FP32) and codec (the publisher's default ``dcr-sparse`` and the standard Blosc
+For each dtype (BF16, FP32) and codec (the publisher's default ``dcr.sparse`` and the standard Blosc
 chain), a realistic update (Gaussian weights, ``rate`` of them moved by a small step) is encoded the
 way the publisher does it (XOR per chunk, compress) and decoded and applied the way a receiver does
 (``dcr_bench.bench.measure_codec``: one thread, best of 3-5), and BLAKE3 digests one pass over the

@@ -12,6 +12,7 @@ import os
 import tomllib
 from typing import Literal
 
+from dcr_zarr_codec.metadata import SPARSE_CODEC, codec_name
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 MODES = ("full", "direct", "tree")
@@ -85,7 +86,7 @@ class CpuSpec(_Strict):
     seconds; or ``from_calibration``."""
 
     from_calibration: str | None = Field(None, description="a calibration JSON, relative to the scenario file")
-    codec: str = Field("dcr-sparse", description="which codec's costs to take from the calibration")
+    codec: str = Field(SPARSE_CODEC, description="which codec's costs to take from the calibration")
     encode_gb_per_s: float | None = Field(None, gt=0, description="publisher: XOR + compress (+ chunk digest)")
     decode_apply_gb_per_s: float | None = Field(None, gt=0, description="receiver: decompress + apply")
     digest_gb_per_s: float | None = Field(None, gt=0, description="one BLAKE3 pass over raw bytes")
@@ -218,9 +219,10 @@ def _with_calibration(sc: Scenario, source: str, base_dir: str) -> Scenario:
     except (OSError, json.JSONDecodeError) as e:
         raise ScenarioError(f"{source}: cpu.from_calibration: cannot read {path}: {e}") from None
     dtype = DTYPE_OF_WIDTH[sc.model.bytes_per_param]
-    entry = cal.get("costs", {}).get(sc.cpu.codec, {}).get(dtype)
+    costs = {codec_name(c): d for c, d in cal.get("costs", {}).items()}  # calibrations of former names too
+    entry = costs.get(codec_name(sc.cpu.codec), {}).get(dtype)
     if entry is None:
-        have = {c: sorted(d) for c, d in cal.get("costs", {}).items()}
+        have = {c: sorted(d) for c, d in costs.items()}
         raise ScenarioError(f"{source}: cpu.from_calibration: {path} has no {sc.cpu.codec}/{dtype} costs (has {have})")
     per_tensor = cal.get(PER_TENSOR_SECTION[sc.model.layout], {})
     fill = {k: getattr(sc.cpu, k) if getattr(sc.cpu, k) is not None else entry[k] for k in COSTS}
