@@ -142,7 +142,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tensor-count-bytes", type=lambda s: parse_size(s, "bytes"),
                    help=f"checkpoint bytes of that section (default {tensor_counts.DEFAULT_BYTES / 1e6:g}M; --quick "
                    f"{tensor_counts.QUICK_BYTES / 1e6:g}M)")
-    p.add_argument("--tensor-count-bundle-below", type=lambda s: 0 if s.strip() == "0" else parse_size(s, "bytes"), default=None,
+    p.add_argument("--tensor-count-bundle-below", type=Number(int, 0, unit="bytes"), default=None,
                    metavar="BYTES", help="--bundle-below of that section's publishes (default: dcr publish's; 0: no "
                    "bundles, every tensor stored alone: the per-tensor costs of tensors too large to bundle)")
     p.add_argument("--seed", type=Number(int, 0, 2**32 - 1), default=0, help="seed of the synthetic updates (default 0)")

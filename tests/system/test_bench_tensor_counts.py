@@ -57,7 +57,7 @@ def test_tensor_counts_option_and_defaults():
     assert a.tensor_counts == [0] and a.tensor_count_bytes == tensor_counts.QUICK_BYTES
     assert a.tensor_count_bundle_below is None
     assert build_parser().parse_args(["--tensor-count-bundle-below", "0"]).tensor_count_bundle_below == 0
-    assert build_parser().parse_args(["--tensor-count-bundle-below", "1M"]).tensor_count_bundle_below == 1_000_000
+    assert build_parser().parse_args(["--tensor-count-bundle-below", "1048576"]).tensor_count_bundle_below == 1 << 20
 
 
 def _check(res: dict, counts: list[int], backends: list[str]) -> None:

@@ -263,6 +263,7 @@ def test_serve_selects_deployments_by_their_file_names(tmp_path, monkeypatch):
 
 def test_an_unreadable_position_only_costs_a_write(made, tmp_path, monkeypatch):
     from flows.receive import state_file
+    from flows.receive.records import ReceiverCommit
     from storage.access import StoreUnreachableError
     from storage.catalog import Catalog
     from storage.root import RootRef
@@ -276,7 +277,8 @@ def test_an_unreadable_position_only_costs_a_write(made, tmp_path, monkeypatch):
     monkeypatch.setattr(Catalog, "position", denied)  # a role that may write its position, not read it
     key = root / layout.position_key("r")
     key.unlink()
-    assert state_file.record_receiver_commit(RootRef(str(root)), "r", 2, {"moves": [], "policy_digest": "x"})
+    record = ReceiverCommit(from_step=2, moves=[], policy_digest="x")
+    assert state_file.record_receiver_commit(RootRef(str(root)), "r", 2, record)
     assert json.loads(key.read_text())["step"] == 2
 
 
