@@ -25,7 +25,7 @@ pytestmark = pytest.mark.vllm
 
 def test_the_guides_two_servers_start_as_written_and_switch_as_one_fleet(tmp_path):
     blocks, _ = parse((REPO / GUIDE).read_text(encoding="utf-8"), GUIDE)
-    write = next(b for b in blocks if "dcr_bench.models.servable" in b.code)
+    write = next(b for b in blocks if b.language == "bash" and "python -m dcr_bench.models.servable" in b.code)
     serve = next(b for b in blocks if SERVER in b.code and "dcr fleet" in b.code)
     ports = [str(free_port()), str(free_port())]
     code = serve.code.replace("8000", ports[0]).replace("8001", ports[1])
