@@ -70,3 +70,8 @@ class UsageError(DCRError, ValueError):
 class RootNotFoundError(UsageError):
     """ROOT is a local directory that does not exist, or holds nothing a publisher wrote: a misspelt
     ROOT, said as such by every command (never as a missing step)."""
+
+
+class BusyError(DCRError, TimeoutError):
+    """What this process must hold alone (a state file's lock) is held by another, and did not come
+    free within the time allowed. Nothing was changed; retry later, or allow longer."""

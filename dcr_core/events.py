@@ -65,8 +65,9 @@ POINTS = frozenset({
     "receive.recorded",
     # receiver (an engine): each tensor handed to the engine's reload, then the reload done
     "receive.engine-tensor", "receive.engine-reloaded",
-    # a fleet member (flows.receive.fleet): its update, once paused, before anything changes
-    "fleet.member-update",
+    # a fleet member (flows.receive.fleet): before what it holds alone is taken (in the one order of
+    # every coordinator); its update, once paused, before anything changes
+    "fleet.member-hold", "fleet.member-update",
     # a mirror: each object copied downstream, a step's payload complete, its marker copied
     "mirror.object-copied", "mirror.payload-copied", "mirror.committed",
     # a streaming mirror: a pack forwarded whole (its announced chunks tile it, each checked); an

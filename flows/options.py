@@ -18,7 +18,7 @@ from dcr_core.codec import CodecSpec
 from dcr_core.digest import DEFAULT_BLOCK_BYTES
 from dcr_core.errors import UsageError
 from dcr_core.retention import KeyframePolicy
-from storage import leases
+from storage import credentials, leases
 from storage.chunk_io import IO_WORKERS
 
 DEFAULT_CHUNK_BYTES = 4 << 20
@@ -145,29 +145,16 @@ class GcOptions(_Options):
     dry_run: bool = Field(False, description="report what would be deleted; delete nothing")
 
 
-# Option names fsspec backends take credentials under (s3fs, gcsfs, adlfs), at any depth (client_kwargs).
-CREDENTIAL_OPTIONS = frozenset({
-    "key", "secret", "session_token", "password", "passwd", "account_key", "sas_token", "connection_string",
-    "client_secret", "aws_access_key_id", "aws_secret_access_key", "aws_session_token", "private_key",
-})
 
 
 def refuse_credentials(storage_options: dict | None, name: str = "storage_options") -> None:
     """A flow's parameters are stored in Prefect's database (and shown in its UI): refuse a
-    credential among them, in one line naming it. Credentials come from the environment of the
-    process or work pool that runs the flow (``AWS_ACCESS_KEY_ID``, ``GOOGLE_APPLICATION_CREDENTIALS``,
-    ...) or from a Prefect block the flow loads there; a gcsfs ``token`` is refused only inline (a
-    mapping of credentials), not as a mode or a file path."""
-    def walk(where: str, value) -> None:
-        if not isinstance(value, dict):
-            return
-        for k, v in value.items():
-            here = f"{where}[{k!r}]"
-            if isinstance(k, str) and v not in (None, "") and (
-                    k.lower() in CREDENTIAL_OPTIONS or (k.lower() == "token" and isinstance(v, dict))):
-                raise UsageError(f"{here}: a credential in a flow parameter is stored in Prefect's database; "
-                                 "give it through the environment of the work pool (AWS_ACCESS_KEY_ID, ...) or a "
-                                 "Prefect block instead")
-            walk(here, v)
-
-    walk(name, storage_options)
+    credential among them (``storage.credentials``: the rule), in one line naming it. Credentials
+    come from the environment of the process or work pool that runs the flow (``AWS_ACCESS_KEY_ID``,
+    ``GOOGLE_APPLICATION_CREDENTIALS``, ...) or from a Prefect block the flow loads there."""
+    found = credentials.find_credential(storage_options)
+    if found is not None:
+        here = name + "".join(f"[{k!r}]" for k in found)
+        raise UsageError(f"{here}: a credential in a flow parameter is stored in Prefect's database; "
+                         "give it through the environment of the work pool (AWS_ACCESS_KEY_ID, ...) or a "
+                         "Prefect block instead")

@@ -15,14 +15,16 @@ def add_arguments(name: str, p) -> None:
     add_common(p, orchestrated=True)
     p.add_argument("--engine", action="append", default=[], required=True, metavar="URL|ID=URL",
                    help="a member (repeatable): http://HOST:PORT, an OpenAI-compatible vLLM server started with "
-                   "--weight-transfer-config '{\"backend\": \"dcr\"}' and VLLM_SERVER_DEV_MODE=1; or state:PATH, a DCR "
-                   "state file this command refits; ID=URL names its receiver id (default NAME-HOST-PORT, "
-                   "NAME-state-FILENAME)")
+                   "--weight-transfer-config '{\"backend\": \"dcr\"}' and VLLM_SERVER_DEV_MODE=1 (it reads ROOT "
+                   "with the credentials of its own environment: a credential in --storage-option is refused); or "
+                   "state:PATH, a DCR state file this command refits; ID=URL names its receiver id (default "
+                   "NAME-HOST-PORT, NAME-state-FILENAME)")
     p.add_argument("--step", type=step_arg, default=None, metavar="N",
                    help="the step every member serves afterwards (default: the newest live step; lower moves the fleet back)")
     p.add_argument("--name", default="default", metavar="NAME", help="the fleet (its record: fleets/NAME.json; default: default)")
     p.add_argument("--timeout", type=SECONDS, default=HTTP_TIMEOUT, metavar="S",
-                   help=f"seconds to wait for one member's answer (default {HTTP_TIMEOUT:.0f})")
+                   help="seconds any one wait may take: a member's answer, or the state files' locks held by "
+                   f"another receive or fleet switch (default {HTTP_TIMEOUT:.0f})")
 
 
 def format_result(r: FleetResult) -> str:

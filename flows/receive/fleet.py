@@ -32,6 +32,16 @@ A coordinator that dies is safe to rerun: a member left with an update open (aft
 finished without an update first (what it staged is dropped); a member left paused (inside phase
 2) serves again once the rerun (or any `/resume`) resumes it.
 
+Before anything is read or changed, a member named twice (a state file by two paths, a link and
+its target) is refused, and so is a server member that would be sent a credential: a server opens
+ROOT with the credentials of its own environment (``storage.credentials``: the rule; a local ROOT
+is sent as an absolute path, which must name the same directory on the server's machine). Then
+what each member holds alone for the switch (a state file's lock, until its apply is over) is
+taken one member at a time in the order of their identities (``Receiver.identity``: a state file's
+real path), the same order in every coordinator: two switches over the same state files wait for
+each other, never in a cycle. ``timeout`` bounds every wait: all the holds together, and each
+member's answer.
+
 A member's previous step is what the fleet's record says it served, else its receiver position in
 ROOT. A member DCR never refitted (started from a checkpoint directory) has none: if it must be
 taken back, the outcome is ``mixed`` and its entry says so. Rerunning the same switch converges:
@@ -56,7 +66,7 @@ from dataclasses import dataclass, field
 from typing import cast
 
 from dcr_core import events
-from dcr_core.errors import DCRError, StepNotFoundError, UsageError
+from dcr_core.errors import BusyError, DCRError, StepNotFoundError, UsageError
 from flows import local_refs
 from flows.receive import receiver as receivers
 from flows.receive.fleet_members import HTTP_TIMEOUT, MemberError
@@ -103,8 +113,12 @@ def parse_members(name: str, engines: list[str]) -> list[MemberRef]:
             raise UsageError(f"--engine {spec!r}: expected {receivers.url_forms()} (each optionally ID=...)") from None
         rid = rid or re.sub(r"[^A-Za-z0-9._-]", "-", f"{name}-{suffix}")
         out.append(MemberRef(url, layout.check_receiver(rid)))
-    if len({m.url for m in out}) != len(out) or len({m.receiver for m in out}) != len(out):
-        raise UsageError("every --engine must be a different member with a different receiver id")
+    for what in ("url", "receiver"):
+        seen = [getattr(m, what) for m in out]
+        twice = next((v for i, v in enumerate(seen) if v in seen[:i]), None)
+        if twice is not None:
+            raise UsageError(f"--engine: {twice} named twice; every --engine must be a different member with a "
+                             "different receiver id")
     return out
 
 
@@ -305,10 +319,40 @@ def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = No
         members = [{"url": m.url, "receiver": m.receiver,
                     "ref": held.enter_context(local_refs.holding(receivers.member(m.url, timeout=timeout), "member"))}
                    for m in parsed]
+        admit_members(ref, name, members)
         try:
+            hold_members(name, members, timeout)
             return _switch_fleet(tasks, ref, name, members, step)
         finally:  # whatever a failure left prepared or locked (nothing, when the switch ran its course)
             _each(members, lambda m: _receiver(m).release())
+
+
+def admit_members(root: RootRef, name: str, members: list[dict]) -> None:
+    """Before anything is read or changed: one target named twice (a state file by two paths, a link
+    and its target) is refused, and so is a switch a member would refuse (``Receiver.admit``: a
+    server is sent no credentials), each in one line naming the member."""
+    seen: dict[str, str] = {}
+    for m in members:
+        r = _receiver(m)
+        first = seen.setdefault(r.identity, m["url"])
+        if first != m["url"]:
+            raise UsageError(f"--engine {first} and --engine {m['url']} are one member ({r.identity}); name each once")
+        r.admit(Binding(root, m["receiver"], coordinator=name))
+
+
+def hold_members(name: str, members: list[dict], timeout: float) -> None:
+    """What each member holds alone for the switch (a state file's lock), taken one member at a time
+    in the order of their identities (the one order every coordinator takes them in, whatever order
+    its ``--engine`` options came in: two switches over the same members never wait on each other in
+    a cycle), all within ``timeout`` (``BusyError`` past it, before anything changed)."""
+    deadline = time.monotonic() + timeout
+    for m in sorted(members, key=lambda m: _receiver(m).identity):
+        events.reached("fleet.member-hold", fleet=name, member=m["url"])
+        try:
+            _receiver(m).hold(max(0.0, deadline - time.monotonic()))
+        except BusyError:
+            raise BusyError(f"fleet {name}: nobody switched: {m['url']} is held by another writer (a receive, a "
+                            f"materialize or a fleet switch) and did not come free in {timeout:g} s (the timeout)") from None
 
 
 def _switch_fleet(tasks: FleetSteps, ref: RootRef, name: str, members: list[dict], step: int | None) -> FleetResult:

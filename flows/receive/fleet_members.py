@@ -36,8 +36,8 @@ from abc import abstractmethod
 from typing import Any
 
 from dcr_core.errors import UsageError
-from flows.receive.receiver import Receiver
-from storage import layout
+from flows.receive.receiver import Binding, Receiver
+from storage import credentials, layout
 from storage.catalog import Catalog
 from storage.root import RootRef, open_root
 
@@ -157,7 +157,12 @@ class HttpServer(_WeightTransfer):
     """An OpenAI-compatible vLLM server with the ``dcr`` weight-transfer backend, over HTTP (see the
     module docstring). Its prepare runs in the server while it serves: the coordinator waits for
     the server's report in ROOT (``await_prepared``) before the start call, which would otherwise
-    wait in the server's engine loop, where it generates nothing."""
+    wait in the server's engine loop, where it generates nothing.
+
+    A server opens ROOT itself, with credentials from its own environment: its ``init_info`` holds
+    the ROOT (a local path made absolute: the server must see the same directory under that path)
+    and the storage options, and ``admit`` refuses a binding whose options hold a credential
+    (``storage.credentials``) or whose ROOT only this process sees."""
 
     def __init__(self, url: str, timeout: float = HTTP_TIMEOUT):
         super().__init__(url)
@@ -183,8 +188,13 @@ class HttpServer(_WeightTransfer):
     def _init(self, init_info: dict) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
+    def admit(self, binding: Binding) -> None:
+        credentials.for_another_process(binding.root, self.url)  # refused: a credential, a ROOT of this process
+
     def _init_info(self, step: int | None) -> dict:
-        return {**super()._init_info(step), "prepare_id": uuid.uuid4().hex}
+        sent = credentials.for_another_process(self.binding.root, self.url)  # a local ROOT as an absolute path
+        return {**super()._init_info(step), "root": sent.url, "storage_options": dict(sent.storage_options),
+                "prepare_id": uuid.uuid4().hex}
 
     def _prepared(self, init_info: dict) -> None:
         await_prepared(self.binding.root, {"url": self.url, "receiver": init_info["receiver_id"]},

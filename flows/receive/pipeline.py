@@ -161,14 +161,16 @@ class StateFile(Receiver):
     ``fresh``, ``exact`` and ``record=False`` are ``run_materialize``'s: a fresh output, the step's
     published files byte for byte, no receiver record. Under a fleet (a binding's ``coordinator``)
     the record says ``mode: "fleet"``, and a failure to write it is logged, not raised: the file
-    holds the step, and the next refit records it."""
+    holds the step, and the next refit records it. ``lock_timeout``: how long a refit waits for the
+    file's lock (None: as long as it takes; a fleet member waits the fleet's ``--timeout``)."""
 
     def __init__(self, path: str | os.PathLike, runner: Runner | None = None, *, fresh: bool = False,
-                 exact: str | None = None, record: bool = True):
+                 exact: str | None = None, record: bool = True, lock_timeout: float | None = None):
         if exact is not None and (record or not fresh):
             raise UsageError("an exact materialization writes a fresh output and records no receiver")
         super().__init__(os.fspath(path))
         self.given, self.fresh, self.exact, self.recording = os.fspath(path), fresh, exact, record
+        self.lock_timeout = lock_timeout
         self.tasks = StateSteps(runner or InProcess())
         self._lock: contextlib.ExitStack | None = None
         self._leases: Leases | None = None
@@ -178,8 +180,8 @@ class StateFile(Receiver):
         self._pulled = 0
 
     @classmethod
-    def from_url(cls, url: str, **how) -> StateFile:
-        return cls(url[len("state:"):])
+    def from_url(cls, url: str, timeout: float | None = None, **how) -> StateFile:
+        return cls(url[len("state:"):], lock_timeout=timeout)
 
     @classmethod
     def from_target(cls, target, runner: Runner | None = None, **how) -> StateFile:
@@ -200,13 +202,23 @@ class StateFile(Receiver):
             return exact_files.check_directory(self.given)
         return state_file.check_path(self.given)
 
+    @property
+    def identity(self) -> str:
+        return f"state:{self.path}"  # the real path: a link and its target are one file, one lock
+
+    def hold(self, timeout: float | None = None) -> None:
+        if self._lock is None:
+            lock = contextlib.ExitStack()
+            lock.enter_context(state.exclusive(self.path, timeout=timeout))
+            self._lock = lock  # held until release
+
     def version(self) -> int | None:
         path = self.path
         return state.peek_step(path) if os.path.exists(path) else None
 
     def stage(self, step: int | None) -> None:
         b, tasks = self.binding, self.tasks
-        self.release()
+        self._drop_staged()  # a lock already held (``hold``) stays held
         ref, options = b.root, b.options
         if options.max_staleness is not None:  # before anything is read or written: a stale ROOT changes nothing
             r = open_root(ref)
@@ -216,9 +228,8 @@ class StateFile(Receiver):
         named = state.absolute_root(ref.url)  # what the state's header records, as in one process (workers' cwd differs)
         if mapped:
             ref, path = portable_root(ref), os.path.abspath(path)
-        self._lock = contextlib.ExitStack()
         try:
-            self._lock.enter_context(state.exclusive(path))  # held until release
+            self.hold(self.lock_timeout)
             self._settle(path)
             leases = self._leases = Leases(ref, b.receiver_id, options.lease_seconds, tasks.take_leases,
                                            tasks.release_leases)
@@ -279,6 +290,15 @@ class StateFile(Receiver):
                         p.target_step, type(e).__name__, e)  # the file holds the step; the next refit records it
 
     def release(self) -> None:
+        try:
+            self._drop_staged()
+        finally:
+            lock, self._lock = self._lock, None
+            if lock is not None:
+                lock.close()
+
+    def _drop_staged(self) -> None:
+        """The leases let go, and a refit staged but never applied removed (the lock stays)."""
         staged, self._staged = self._staged, None
         try:
             if staged is not None and not self._installing:  # staged, never applied (a fleet's "nobody switches")
@@ -289,9 +309,6 @@ class StateFile(Receiver):
                 self._leases.release()
         finally:
             self._leases, self._installing = None, False
-            lock, self._lock = self._lock, None
-            if lock is not None:
-                lock.close()
 
     def result(self) -> ReceiveResult:
         p = self._plan

@@ -23,7 +23,12 @@ implements ``version``, ``stage``, ``install``, ``record`` and ``release`` (``pa
 if it serves; ``result`` if it refits on its own). ``admit`` is the one check every request passes,
 whatever the kind: ``bind``, ``prepare`` and ``apply`` call it before anything is planned or
 changed, so a receiver that must refuse a caller (a coordinator that is no longer the one in
-charge, say) refuses there, once for every kind.
+charge, say, or a server that must not be sent the ROOT's credentials) refuses there, once for
+every kind. A coordinator of many receivers (``dcr fleet``) also asks each for its ``identity``
+(what names the target itself, whatever spelling named it: the same target twice is refused) and
+has each ``hold`` what it must hold alone (a state file's lock) before the refit starts, in the
+order of their identities: two coordinators over the same targets then never wait on each other
+in a cycle, and each wait is bounded.
 
 The registry (``KINDS``, extended by ``register``) says which kind a target is, and imports the
 kind's module only then (a kind's module may import torch or vLLM; the state file's imports
@@ -102,8 +107,21 @@ class Receiver(ABC):
     def admit(self, binding: Binding) -> None:
         """Accept requests made under ``binding``, or raise: the one check every request passes
         before anything is planned or changed (``bind``, ``prepare``, ``apply``), whatever the
-        kind. Every binding is accepted so far."""
-        return None  # nothing is refused yet: the place where a receiver refuses a caller
+        kind (a server refuses a ROOT whose storage options hold a credential). The base accepts
+        every binding."""
+        return None  # the place where a receiver refuses a caller
+
+    @property
+    def identity(self) -> str:
+        """What names the target itself, whatever URL or path named it (a state file: its real
+        path): a fleet refuses one target named twice, and holds its members in this order."""
+        return self.name
+
+    def hold(self, timeout: float | None = None) -> None:
+        """Take what a refit of this receiver holds alone (a state file's lock) until ``release``,
+        waiting at most ``timeout`` seconds (None: as long as it takes; ``BusyError`` past it).
+        ``prepare`` takes it too, if not held yet; a kind that holds nothing does nothing."""
+        return None  # a kind with nothing to hold here (a server keeps its own update exclusive)
 
     def prepare(self, step: int | None = None) -> None:
         """Phase 1: plan, lease and stage ``step`` (default: the latest), verified; the target is untouched."""

@@ -17,9 +17,10 @@ import contextlib
 import fcntl
 import glob
 import os
+import time
 from collections.abc import Iterator
 
-from dcr_core.errors import InvalidCheckpointError, StateMismatchError, UsageError
+from dcr_core.errors import BusyError, InvalidCheckpointError, StateMismatchError, UsageError
 from storage import layout
 from storage.local import journal, output_record
 from storage.local.safetensors import SafetensorsCheckpoint
@@ -123,7 +124,7 @@ def check_path(path: str | os.PathLike) -> str:
 
 
 @contextlib.contextmanager
-def exclusive(path: str | os.PathLike, wait: bool = True) -> Iterator[None]:
+def exclusive(path: str | os.PathLike, wait: bool = True, timeout: float | None = None) -> Iterator[None]:
     """Hold the lock of the file at ``path`` (``.<name>.lock`` beside it, there only while held) for
     one writer at a time, and remove temp files that a writer of ``path`` killed earlier
     (``kill -9``) left behind. The file's directory must exist.
@@ -133,16 +134,25 @@ def exclusive(path: str | os.PathLike, wait: bool = True) -> Iterator[None]:
     left beside a user's file: a waiter that then gets the lock of the removed file sees that the
     name no longer leads to it and takes the lock again (the lock file of a writer killed while
     holding it stays until the next writer, which reuses and removes it). ``wait=False``: raise
-    ``BlockingIOError`` at once if another process holds it.
+    ``BlockingIOError`` at once if another holds it; ``timeout``: wait at most that many seconds,
+    then raise ``BusyError`` naming the file (``flock`` has no timed wait: the lock is tried every
+    few milliseconds, up to 50 ms apart).
     """
     path = os.path.realpath(os.fspath(path))  # one lock per file, whatever path names it
     directory, name = os.path.split(path)
     lock_path = os.path.join(directory, f".{name}.lock")
+    deadline = None if timeout is None or not wait else time.monotonic() + max(0.0, timeout)
     while True:
         lock = open(lock_path, "a+b")
         try:
-            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+            _flock(lock, wait, deadline)
         except BlockingIOError:
+            lock.close()
+            if deadline is None:
+                raise
+            raise BusyError(f"{path}: held by another writer (a receive, a materialize or a fleet switch); "
+                            f"it did not come free in {timeout:g} s") from None
+        except BaseException:
             lock.close()
             raise
         try:
@@ -161,6 +171,25 @@ def exclusive(path: str | os.PathLike, wait: bool = True) -> Iterator[None]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(lock_path)  # while held: a waiter on this file retries on the new one
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+
+
+def _flock(lock, wait: bool, deadline: float | None) -> None:
+    """Take the lock on ``lock``'s file: at once (``wait=False``), as long as it takes, or until
+    ``deadline`` (``BlockingIOError`` then)."""
+    if deadline is None:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        return
+    pause = 0.002
+    while True:
+        try:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise
+            time.sleep(min(pause, left))
+            pause = min(pause * 2, 0.05)
 
 
 @contextlib.contextmanager

@@ -121,11 +121,23 @@ def test_every_block_is_run_or_marked_not_run():
     assert "README.md" in RUN_PAGES and "docs/getting-started/quickstart.md" in RUN_PAGES
 
 
+def _left_behind(page: str):
+    """What a page's run blocks leave, checked after them: a check of the working directory, or None."""
+    if page == "docs/guides/vllm-fleets.md":  # the model directory its servers start on
+        from tests.docs.test_server_command import check_model_directory
+
+        return lambda workdir: check_model_directory(str(workdir / "serve"))
+    return None
+
+
 @pytest.mark.parametrize("page", RUN_PAGES)
 def test_run_blocks_of_page(page, tmp_path):
     namespace = {"__name__": "__doc_snippet__"}
     for block in (b for b in BLOCKS if b.page == page and b.marker == "run"):
         run_block(block, tmp_path, namespace)
+    check = _left_behind(page)
+    if check is not None:
+        check(tmp_path)
 
 
 def test_the_checks_fail_on_an_unmarked_block_and_on_a_failing_block(tmp_path):

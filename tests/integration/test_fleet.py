@@ -12,7 +12,7 @@ import pytest
 from dcr_core.errors import IntegrityError, StepNotFoundError, UsageError
 from flows import run_publish, run_retract
 from flows.options import PublishOptions
-from flows.receive.fleet import FleetSwitchError, parse_members, run_fleet
+from flows.receive.fleet import FleetResult, FleetSwitchError, parse_members, run_fleet
 from storage import fleet, layout
 from storage.root import Root
 from tests.support.cli import dcr
@@ -171,3 +171,128 @@ def test_phase_one_waits_for_each_members_prepare_report_in_root(root):
         await_prepared(ref, tp, "p", timeout=5)
     cat.record_prepared("f-gen-1-8000-rank1", {"prepare_id": "p", "step": 2, "ok": True, "ranks": 2})
     assert await_prepared(ref, tp, "p", timeout=5) is True
+
+
+def _state_members(root, tmp_path, step=0):
+    """Two state files holding ``step``, before any fleet switched them."""
+    from flows import run_receive
+
+    a, b = str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors")
+    run_receive(root, "ra", a, step=step)
+    run_receive(root, "rb", b, step=step)
+    return a, b
+
+
+def test_one_state_file_named_twice_is_refused_before_anything_changes(root, tmp_path, monkeypatch):
+    """By a link and its target, or by a relative and an absolute path: one line naming both,
+    before any file, lock or record is touched (two holds of one file would wait for each other)."""
+    from tests.support.helpers import tree_snapshot
+
+    a, _ = _state_members(root, tmp_path)
+    os.symlink(a, tmp_path / "link.safetensors")
+    monkeypatch.chdir(tmp_path)
+    before = tree_snapshot(tmp_path)
+    with pytest.raises(UsageError, match=rf"^--engine state:{tmp_path}/a\.safetensors and --engine "
+                       rf"state:{tmp_path}/link\.safetensors are one member \(state:{tmp_path}/a\.safetensors\)"):
+        run_fleet(root, [f"state:{a}", "state:link.safetensors"], step=1, name="f")
+    with pytest.raises(UsageError, match=rf"^--engine: state:{tmp_path}/a\.safetensors named twice"):
+        run_fleet(root, ["state:a.safetensors", f"ra=state:{a}"], step=1, name="f")
+    assert tree_snapshot(tmp_path) == before  # no file, lock or record changed (ROOT lies under tmp_path)
+
+
+def test_two_switches_over_the_same_state_files_in_opposite_order_both_finish(root, tmp_path):
+    """Coordinator 1 names a then b, coordinator 2 b then a; 2 starts while 1 holds its first member
+    and is about to take its second, and gets half a second to take one of its own first. Taken in
+    each coordinator's order, 1 would wait for b and 2 for a: a deadlock (each then gives up at its
+    timeout). Taken in the one order of every coordinator, 2 waits for 1's switch, then makes its own."""
+    import threading
+    import time
+
+    from dcr_core import events
+    from tests.support.helpers import assert_bits_equal, read_state
+
+    steps = chain_of_steps(3, seed=61)
+    a, b = _state_members(root, tmp_path)
+    results: dict[str, object] = {}
+    second_started, second_holds_one = threading.Event(), threading.Event()
+    holds = {"f1": 0, "f2": 0}
+
+    def switch(name, members, step):
+        try:
+            results[name] = run_fleet(root, members, step=step, name=name, timeout=5)
+        except Exception as e:  # noqa: BLE001 - reported by the assertions below
+            results[name] = e
+
+    second = threading.Thread(target=switch, args=("f2", [f"state:{b}", f"state:{a}"], 2))
+
+    def listener(point, fields):
+        if point != "fleet.member-hold":
+            return
+        holds[fields["fleet"]] += 1
+        if fields["fleet"] == "f2":
+            (second_holds_one if holds["f2"] == 2 else second_started).set()
+        elif holds["f1"] == 2:  # coordinator 1 holds its first member
+            second.start()
+            assert second_started.wait(5)
+            second_holds_one.wait(0.5)  # set only if coordinator 2 got a first member of its own
+
+    t0 = time.monotonic()
+    with events.listening(listener):
+        switch("f1", [f"state:{a}", f"state:{b}"], 1)
+        second.join(10)
+    assert not second.is_alive() and time.monotonic() - t0 < 5
+    for name, step in (("f1", 1), ("f2", 2)):
+        assert isinstance(results[name], FleetResult), results[name]
+        assert (results[name].outcome, results[name].version) == ("switched", step)
+    for p in (a, b):
+        assert_bits_equal(read_state(p), steps[2])  # the switch that waited came last
+
+
+def test_a_state_file_locked_elsewhere_bounds_dcr_fleet_by_its_timeout(root, tmp_path):
+    """Another writer holds b's lock: ``dcr fleet --timeout 2`` gives up after 2 s in one line naming
+    the member, and nothing changed: the files, their locks, no fleet record."""
+    import time
+
+    from storage.local import state
+    from tests.support.helpers import file_bytes
+
+    a, b = _state_members(root, tmp_path)
+    before = (file_bytes(a), file_bytes(b))
+    with state.exclusive(b):
+        t0 = time.monotonic()
+        out = dcr("fleet", root, "--engine", f"state:{a}", "--engine", f"state:{b}", "--step", "2", "--timeout", "2")
+        took = time.monotonic() - t0
+    assert out.returncode == 1 and 2 <= took < 3.5, (out.returncode, took, out.stderr)
+    assert out.stderr.count("\n") == 1 and out.stderr.startswith(
+        f"dcr: error: fleet default: nobody switched: state:{b} is held by another writer")
+    assert out.stderr.endswith("did not come free in 2 s (the timeout)\n")
+    assert (file_bytes(a), file_bytes(b)) == before and fleet.read(Root(root), "default") is None
+    assert not [f for f in os.listdir(tmp_path) if f.endswith(".lock")]
+
+
+def test_a_server_member_is_sent_no_credentials_and_an_absolute_root(root, tmp_path, monkeypatch):
+    """A credential among the storage options is refused in one line naming it, before any member is
+    asked anything (no record); a relative local ROOT travels as an absolute path, the other
+    options as they are."""
+    from flows.receive.fleet_members import HttpServer
+    from flows.receive.receiver import Binding
+    from storage.root import RootRef
+
+    dead = _dead_url()
+    for options, named in (({"secret": "s3cr3t", "endpoint_url": "http://s3:9000"}, "secret"),
+                           ({"client_kwargs": {"aws_session_token": "t"}}, "client_kwargs.aws_session_token")):
+        with pytest.raises(UsageError, match=rf"^{dead}: storage option '{named}' is a credential, and none is sent"):
+            run_fleet(root, [dead], name="f", storage_options=options)
+    out = dcr("fleet", root, "--engine", dead, "--storage-option", "account_key=abc", check=2)
+    assert out.stderr.count("\n") == 1 and "storage option 'account_key' is a credential" in out.stderr
+    assert "abc" not in out.stderr
+    assert fleet.read(Root(root), "f") is None and fleet.read(Root(root), "default") is None
+
+    monkeypatch.chdir(os.path.dirname(root))
+    server = HttpServer(dead)
+    server.bind(Binding(RootRef("bucket", {"anon": False, "endpoint_url": "http://s3:9000"}), "f-gen"))
+    sent = server._init_info(2)
+    assert (sent["root"], sent["storage_options"], sent["receiver_id"]) == (
+        root, {"anon": False, "endpoint_url": "http://s3:9000"}, "f-gen")
+    with pytest.raises(UsageError, match="lives in this process only"):
+        server.bind(Binding(RootRef("memory://bucket"), "f-gen"))
