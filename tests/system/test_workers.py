@@ -318,7 +318,13 @@ def test_what_cannot_travel_is_refused_in_one_line(cluster, prefect_settings, tm
         publish_refit("memory://dask-test", path, 0, workers=_address(cluster))
     with pytest.raises(UsageError, match="memory:// ROOT lives in one process"):
         materialize_refit("memory://dask-test", None, str(tmp_path / "m.safetensors"), workers=_address(cluster))
+    class Live(torch.nn.Linear):  # a live module (a receiver kind): it loads weights by name
+        def load_weights(self, weights):
+            return set()
+
     with pytest.raises(UsageError, match="a live module or an engine receives in its own process"):
+        receive_refit(str(tmp_path / "r"), "x", Live(2, 2), workers=_address(cluster))
+    with pytest.raises(UsageError, match="Linear is not a receiver"):
         receive_refit(str(tmp_path / "r"), "x", torch.nn.Linear(2, 2), workers=_address(cluster))
     for bad in ("tcp://h:1", "dask://h", "dask://h:0", "-1", "two", True, 5000):
         with pytest.raises(UsageError, match="workers must be"):
