@@ -11,6 +11,12 @@ import re
 from typing import Any
 
 from dcr_core.codec import CodecSpec
+
+try:
+    import orjson as _orjson
+except ImportError:  # the standard library's json alone: slower, the same documents
+    _orjson = None  # type: ignore[assignment]
+
 from dcr_core.errors import IntegrityError, UnsafeKeyError
 from storage import layout
 
@@ -38,11 +44,25 @@ def fail(what: str, msg: str) -> IntegrityError:
     return IntegrityError(f"{what}: {msg}")
 
 
+def loads(data: bytes | str) -> Any:
+    """``json.loads``, through orjson where it takes the text (2-3x faster on the large documents DCR
+    reads: a manifest, a safetensors header of tens of thousands of tensors). What orjson refuses
+    (it is strict: no NaN, no lone surrogate) goes to ``json.loads``, so what is accepted, and every
+    error, is ``json``'s. One difference: an integer beyond 64 bits reads as a float, which every
+    field DCR reads as an integer refuses as it refuses that integer (all are bounded far below)."""
+    if _orjson is not None:
+        try:
+            return _orjson.loads(data)
+        except _orjson.JSONDecodeError:
+            pass
+    return json.loads(data)
+
+
 def document(data: bytes, where: str, fmt: str, what: str) -> dict:
     """The JSON object ``data`` holds, whose ``format`` is ``fmt``; else a one-line error naming
     ``where`` (not JSON, or "not a <what>")."""
     try:
-        d = json.loads(data)
+        d = loads(data)
     except (ValueError, UnicodeDecodeError, RecursionError) as e:
         raise fail(where, f"not valid JSON ({e})") from None
     if not isinstance(d, dict) or d.get("format") != fmt:

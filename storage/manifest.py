@@ -43,6 +43,7 @@ from storage.document_fields import (
     all_digests,
     all_ints,
     fail,
+    loads,
     parse_attempt,
     parse_codec,
     parse_columns,
@@ -633,7 +634,7 @@ class Manifest:
         if len(data) > MAX_MANIFEST_BYTES:
             raise fail(where, f"{len(data)} bytes exceeds the manifest limit {MAX_MANIFEST_BYTES}")
         try:
-            d = json.loads(data)
+            d = loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as e:
             raise fail(where, f"not valid JSON ({e})") from None
         return cls.from_dict(d, where)

@@ -25,6 +25,7 @@ import numpy as np
 
 from dcr_core.dtypes import DTYPES, TensorInfo, dtype_named
 from dcr_core.errors import InvalidCheckpointError
+from storage.document_fields import loads
 from storage.local.objects import fsync_dir
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -130,7 +131,7 @@ def _file_offsets(raw: bytes) -> dict[str, int]:
 def header_doc(text: bytes):
     """A header's JSON text parsed, kept for the few headers in use (a publish opens its checkpoint
     several times, and the header of 70,000 tensors is 6 MB of JSON): callers must not change it."""
-    return json.loads(text)
+    return loads(text)
 
 
 _INTS = frozenset({int})  # a shape's dimensions are JSON integers: their types, checked in one pass in C
