@@ -31,14 +31,19 @@ from dcr_bench.scaling import same_tensors
 COMMANDS = ("publish", "receive")
 
 
-def _dcr(*args: str, env: dict) -> float:
-    """Run ``dcr ARGS`` (this interpreter's), its seconds; raises with its stderr if it fails."""
+def dcr_seconds(args: list[str], env: dict) -> float:
+    """Run ``dcr ARGS`` as a command (this interpreter's, a process of its own), its seconds; raises
+    with the end of its stderr if it fails."""
     t = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True)
     took = time.perf_counter() - t
     if done.returncode:
-        raise RuntimeError(f"dcr {' '.join(args)} exited {done.returncode}: {done.stderr.strip()}")
+        raise RuntimeError(f"dcr {' '.join(args)} exited {done.returncode}: {done.stderr.strip()[-800:]}")
     return took
+
+
+def _dcr(*args: str, env: dict) -> float:
+    return dcr_seconds(list(args), env)
 
 
 def _restore(saved: str, work: str) -> None:

@@ -25,6 +25,7 @@ import uuid
 
 from safetensors.torch import load_file
 
+from dcr_bench.command_times import dcr_seconds
 from dcr_bench.demo import mismatch
 from dcr_bench.netproxy import Proxy
 from flows import Publisher, PublishOptions, ReceiveOptions, run_publish, run_receive
@@ -101,12 +102,7 @@ def dcr_in_process(root: str, old, new, tmp: str, setup_opts: dict, timed_opts: 
 
 
 def _dcr(args: list[str], env: dict) -> float:
-    t0 = time.perf_counter()
-    out = subprocess.run([sys.executable, "-m", "flows.cli", *args], env=env, capture_output=True, text=True)
-    elapsed = time.perf_counter() - t0
-    if out.returncode:
-        raise RuntimeError(f"dcr {args[0]} failed: {out.stderr.strip()[-800:]}")
-    return elapsed
+    return dcr_seconds(args, env)
 
 
 def dcr_cli(root: str, old, new, new_file: str, tmp: str, setup_opts: dict, timed_opts: dict) -> dict:

@@ -99,6 +99,16 @@ class Backend:
         rather than silently racing."""
         raise UsageError(f"no atomic create-if-absent for {self.protocol}:// ROOTs")
 
+    def create_by_condition(self, path: str, data: bytes) -> bool:
+        """``create_if_absent`` by one conditional write, fsspec's ``mode="create"`` (the server
+        refuses the write if the object exists, and the filesystem raises ``FileExistsError``): for
+        stores that decide it atomically (S3's ``If-None-Match: *``, Azure's the same)."""
+        try:
+            self.fs.pipe_file(path, data, mode="create")
+        except FileExistsError:
+            return False
+        return True
+
     def exists(self, path: str) -> bool:
         self.fs.invalidate_cache(path)
         return self.fs.exists(path)

@@ -54,11 +54,7 @@ class S3Backend(Backend):
         return cls(fsspec.utils.get_protocol(url), fs, path, RetryPolicy(), endpoint)
 
     def create_if_absent(self, path: str, data: bytes) -> bool:
-        try:
-            self.fs.pipe_file(path, data, mode="create")
-        except FileExistsError:
-            return False
-        return True
+        return self.create_by_condition(path, data)
 
     def bucket_exists(self, bucket: str, prefix: str) -> bool | None:
         try:
