@@ -29,6 +29,8 @@ from storage.prefetch import Prefetcher, marker_exists
 from storage.root import Root, RootRef, open_root
 from storage.stream import read_building
 
+FOLLOW_INTERVAL = 5.0  # seconds a follower (dcr receive --follow, dcr mirror --follow) waits between looks
+
 T = TypeVar("T")
 
 

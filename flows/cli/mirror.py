@@ -14,7 +14,7 @@ from flows.cli.values import MIN_POLL_INTERVAL, POLL_INTERVAL
 from flows.maintenance.mirror import MirrorResult, run_mirror
 from flows.maintenance.mirror_stream import Forwarder
 from flows.receive.follow import worth_retrying
-from flows.streaming import Streaming
+from flows.streaming import FOLLOW_INTERVAL, Streaming
 from flows.workers import parse_workers
 from storage.catalog import Catalog
 from storage.root import RootRef, open_root, parse_storage_options
@@ -31,8 +31,9 @@ def add_arguments(name: str, p) -> None:
                    help="register the mirror in SRC as receiver ID (leases while copying, its position after): "
                    "gc in SRC then keeps what the mirror still needs; needs write access to SRC's receivers/ and leases/")
     p.add_argument("--follow", action="store_true", help="keep mirroring steps as they are committed upstream")
-    p.add_argument("--interval", type=POLL_INTERVAL, default=5.0,
-                   help=f"with --follow: seconds between looks upstream (default 5, at least {MIN_POLL_INTERVAL:g})")
+    p.add_argument("--interval", type=POLL_INTERVAL, default=FOLLOW_INTERVAL,
+                   help=f"with --follow: seconds between looks upstream (default {FOLLOW_INTERVAL:g}, at least "
+                   f"{MIN_POLL_INTERVAL:g})")
     p.add_argument("--stream", action="store_true",
                    help="with --follow: forward each step's chunks downstream while it is published upstream (and "
                    "its stream indexes, so DST's followers stream too); the marker still follows the upstream commit")

@@ -23,10 +23,13 @@ from flows.receive.follow import follow
 from flows.receive.nearest import receive_nearest
 from flows.receive.pipeline import run_materialize, run_receive
 from flows.results import as_dict
-from flows.streaming import Streaming
+from flows.streaming import FOLLOW_INTERVAL, Streaming
 from flows.workers import parse_workers
 from storage import leases
+from storage.held_chunks import DEFAULT_BUDGET
 from storage.root import RootRef, parse_storage_options
+
+STREAM_MIB = DEFAULT_BUDGET / (1 << 20)  # --stream-memory's default: the prefetch budget's, in MiB
 
 
 def add_arguments(name: str, p) -> None:
@@ -57,14 +60,14 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--fallback-storage-option", action="append", default=[], metavar="KEY=VALUE",
                    help="fsspec option for the fallback ROOTs (repeatable; --storage-option applies to ROOT only)")
     p.add_argument("--follow", action="store_true", help="keep polling ROOT and apply every newly committed step")
-    p.add_argument("--interval", type=POLL_INTERVAL, default=5.0,
-                   help=f"seconds between polls with --follow (default 5, at least {MIN_POLL_INTERVAL:g})")
+    p.add_argument("--interval", type=POLL_INTERVAL, default=FOLLOW_INTERVAL,
+                   help=f"seconds between polls with --follow (default {FOLLOW_INTERVAL:g}, at least {MIN_POLL_INTERVAL:g})")
     p.add_argument("--until-step", type=step_arg, default=None, help="with --follow: exit once at this step or later")
     p.add_argument("--stream", action="store_true",
                    help="with --follow: fetch and verify each step's chunks while it is being published (applied "
                    "only after its commit); --interval is then also how soon a new publish is noticed")
-    p.add_argument("--stream-memory", type=Number(float, 0, lo_open=True, unit="MiB"), default=2048.0, metavar="MIB",
-                   help="with --stream: stored bytes of prefetched chunks held at once, in MiB (default 2048)")
+    p.add_argument("--stream-memory", type=Number(float, 0, lo_open=True, unit="MiB"), default=STREAM_MIB, metavar="MIB",
+                   help=f"with --stream: stored bytes of prefetched chunks held at once, in MiB (default {STREAM_MIB:g})")
     p.add_argument("--max-staleness", type=Number(float, 0, lo_open=True, unit="seconds"), metavar="SECONDS",
                    default=model_default(ReceiveOptions, "max_staleness"),
                    help="refuse ROOT (a mirror frozen at an old step, say) when its newest signed heartbeat is older "

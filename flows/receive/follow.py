@@ -20,7 +20,7 @@ from dcr_core.errors import IntegrityError, StateMismatchError, StepNotFoundErro
 from flows.options import ReceiveOptions
 from flows.receive.pipeline import run_receive
 from flows.results import ReceiveResult
-from flows.streaming import Streaming, poll
+from flows.streaming import FOLLOW_INTERVAL, Streaming, poll
 from storage import heartbeat
 from storage.access import StoreUnreachableError
 from storage.catalog import Catalog
@@ -42,7 +42,7 @@ def worth_retrying(e: BaseException) -> bool:
 
 
 def follow(
-    root: RootRef, state_path: str, receive: Callable[[int], object], interval: float = 5.0,
+    root: RootRef, state_path: str, receive: Callable[[int], object], interval: float = FOLLOW_INTERVAL,
     until_step: int | None = None, warn: Callable[[str], None] | None = None, stream: Streaming | None = None,
     max_staleness: float | None = None,
 ) -> Iterator:
@@ -95,7 +95,7 @@ def follow(
 
 def follow_receive(
     root: str, receiver_id: str, state_path: str, storage_options: dict | None = None,
-    options: ReceiveOptions | None = None, stream: bool = False, interval: float = 5.0,
+    options: ReceiveOptions | None = None, stream: bool = False, interval: float = FOLLOW_INTERVAL,
     until_step: int | None = None, warn: Callable[[str], None] | None = None,
 ) -> Iterator[ReceiveResult]:
     """``dcr receive --follow [--stream]`` in Python: yield the result of every refit of the state
