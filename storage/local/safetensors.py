@@ -200,7 +200,7 @@ def _entries_whole(header: dict) -> tuple[dict[str, TensorInfo], dict[str, int],
         return None
     if not names:
         return {}, {}, 0
-    if not DTYPES.keys() >= set(dtypes) or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} \
+    if set(map(type, dtypes)) != {str} or not DTYPES.keys() >= set(dtypes) or set(map(type, shapes)) != {list} or set(map(type, offsets)) != {list} \
             or set(map(len, offsets)) != {2}:
         return None
     dims = list(itertools.chain.from_iterable(shapes))

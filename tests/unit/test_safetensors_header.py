@@ -44,6 +44,7 @@ def test_well_formed_headers_read_the_same_either_way(monkeypatch):
 
 @pytest.mark.parametrize("bad, why", [
     ({"dtype": "BF17", "shape": [2], "data_offsets": [0, 4]}, "unsupported dtype"),
+    ({"dtype": ["BF16"], "shape": [2], "data_offsets": [4, 8]}, "unsupported dtype"),
     ({"dtype": "BF16", "shape": [2], "data_offsets": [0, 5]}, "inconsistent shape/offsets"),
     ({"dtype": "BF16", "shape": [-2], "data_offsets": [4, 0]}, "inconsistent shape/offsets"),
     ({"dtype": "BF16", "shape": [2**40, 2**40], "data_offsets": [0, 4]}, "inconsistent shape/offsets"),
