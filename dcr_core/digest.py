@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import blake3
 import numpy as np
+from dcr_zarr_codec._b3runs import rows_hex
 from numpy.lib.stride_tricks import as_strided
 
 from dcr_core.shard_spec import Piece, c_strides
@@ -150,6 +151,9 @@ def chunk_digest(payload: np.ndarray) -> str:
 def policy_digest(entries: Iterable[tuple[str, str, tuple[int, ...], str]]) -> str:
     """One digest over (name, dtype, shape, tensor digest) of every tensor, in name order."""
     rows = sorted(entries)
+    known = rows_hex(rows)  # the text built and hashed in C, for rows of plain values (all of DCR's)
+    if known is not None:
+        return known
     shapes = list(map(tuple, map(operator.itemgetter(2), rows)))
     text_of = {s: ",".join(map(str, s)) for s in set(shapes)}  # few distinct shapes in a model: each written once
     text = "".join([f"{name}\0{dtype}\0{text_of[shape]}\0{digest}\n"

@@ -24,7 +24,7 @@ MAX_NDIM = 16
 MAX_DIM = 1 << 48
 
 _HEX = re.compile(r"^[0-9a-f]{64}$")
-_HEX_DIGITS = "0123456789abcdef"  # a string of only these strips to nothing (one pass in C)
+_HEX_DIGITS = b"0123456789abcdef"  # ASCII text of only these translates to nothing (one table pass in C)
 _INTS = frozenset({int})
 
 
@@ -37,7 +37,12 @@ def all_ints(v: list, lo: int = 0, hi: int = 1 << 62) -> bool:
 
 def all_digests(v: list) -> bool:
     """Whether every item of the list ``v`` is a digest (64 lowercase hex digits), in a few passes in C."""
-    return not v or (set(map(type, v)) == {str} and set(map(len, v)) == {64} and not "".join(v).strip(_HEX_DIGITS))
+    if not v:
+        return True
+    if set(map(type, v)) != {str} or set(map(len, v)) != {64}:
+        return False
+    text = "".join(v)
+    return text.isascii() and not text.encode("ascii").translate(None, _HEX_DIGITS)
 
 
 def fail(what: str, msg: str) -> IntegrityError:
@@ -56,6 +61,27 @@ def loads(data: bytes | str) -> Any:
         except _orjson.JSONDecodeError:
             pass
     return json.loads(data)
+
+
+def dumps_line(obj: Any) -> str:
+    """``obj`` as one line of compact JSON text, through orjson where it takes it (a table of
+    70,000 tensors renders in milliseconds); ``json`` writes the same text otherwise."""
+    if _orjson is not None:
+        try:
+            return _orjson.dumps(obj).decode()
+        except _orjson.JSONEncodeError:  # a lone surrogate in a name: json writes it escaped
+            pass
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def dumps_indented(obj: Any) -> bytes:
+    """``obj`` as indented JSON text (two spaces), UTF-8, through orjson where it takes it."""
+    if _orjson is not None:
+        try:
+            return _orjson.dumps(obj, option=_orjson.OPT_INDENT_2) + b"\n"
+        except _orjson.JSONEncodeError:
+            pass
+    return json.dumps(obj, indent=2, ensure_ascii=False).encode("utf-8") + b"\n"
 
 
 def document(data: bytes, where: str, fmt: str, what: str) -> dict:

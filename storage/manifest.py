@@ -42,6 +42,7 @@ from storage.document_fields import (
     MAX_NDIM,
     all_digests,
     all_ints,
+    dumps_line,
     fail,
     loads,
     parse_attempt,
@@ -618,13 +619,13 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The manifest as people read it: its fields indented, then one line per tensor (a step of
-        70,000 tensors renders in a fraction of a second: ``json``'s indenting encoder is pure Python)."""
+        70,000 tensors renders in a fraction of a second: ``json``'s indenting encoder is pure Python;
+        each tensor's line is compact JSON, ``document_fields.dumps_line``)."""
         d = self.to_dict()
         tables = {k: d.pop(k) for k in ("bundles", "tensors", "snapshot") if k in d}
         head = json.dumps(d, indent=1)
         rendered = [
-            f' {json.dumps(k)}: {{\n' + ",\n".join(f"  {json.dumps(n)}: {json.dumps(e, separators=(', ', ': '))}"
-                                                for n, e in table.items()) + "\n }"
+            f' {json.dumps(k)}: {{\n' + ",\n".join(f"  {dumps_line(n)}: {dumps_line(e)}" for n, e in table.items()) + "\n }"
             for k, table in tables.items()
         ]
         return (head[:-2] + ",\n" + ",\n".join(rendered) + "\n}\n").encode()

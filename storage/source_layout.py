@@ -18,7 +18,6 @@ DCR's own format, as steps published from tensors or shards do).
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 import struct
@@ -29,7 +28,7 @@ import blake3
 from dcr_core.dtypes import DTYPES, TensorInfo
 from dcr_core.errors import IntegrityError
 from storage import layout
-from storage.document_fields import MAX_DIM, MAX_NDIM, document, fail, parse_int
+from storage.document_fields import MAX_DIM, MAX_NDIM, document, dumps_indented, fail, parse_int
 from storage.local.safetensors import INDEX_NAME, MAX_HEADER_BYTES, SafetensorsCheckpoint, header_doc, header_entries
 from storage.manifest import MAX_SOURCE_BYTES, Manifest, SourceRecord
 from storage.root import Root
@@ -79,7 +78,7 @@ class SourceLayout:
         publish asks for its digest, its bytes and its record)."""
         doc = {"format": FORMAT, "version": VERSION, "kind": self.kind, "files": [f.to_dict() for f in self.files],
                "index": None if self.index is None else {"name": INDEX_NAME, "text": self.index.decode("utf-8")}}
-        return json.dumps(doc, indent=1, ensure_ascii=False).encode("utf-8") + b"\n"
+        return dumps_indented(doc)
 
     def digest(self) -> str:
         return digest(self.to_json())
@@ -245,17 +244,28 @@ def _placed(raw: bytes, size: int) -> tuple[dict[str, TensorInfo], dict[str, tup
 
 def capture(ck: SafetensorsCheckpoint) -> SourceLayout:
     """The layout of an opened checkpoint (a file, or a sharded directory and its index), as read
-    when it was opened; ``Unkept`` says why its files cannot be rebuilt byte for byte."""
+    when it was opened; ``Unkept`` says why its files cannot be rebuilt byte for byte. A publish
+    captures its checkpoint when it plans and again before it commits (to see that nothing
+    changed): the same files give the same layout object, rendered once."""
     kind = DIRECTORY if os.path.isdir(ck.path) else FILE
+    index = None
+    if kind == DIRECTORY and os.path.exists(os.path.join(ck.path, INDEX_NAME)):
+        with open(os.path.join(ck.path, INDEX_NAME), "rb") as f:
+            index = f.read()
+    return _layout(kind, ck.path, tuple((path, head.raw, ck.sizes[path]) for path, head in ck.headers.items()), index)
+
+
+@functools.lru_cache(maxsize=2)
+def _layout(kind: str, where: str, files_read: tuple[tuple[str, bytes, int], ...], index: bytes | None) -> SourceLayout:
+    """``capture`` of the files ``files_read`` (path, header bytes, size) and ``index``."""
     files = []
-    for path, head in ck.headers.items():
+    for path, raw, size in files_read:
         name = os.path.basename(path)
         try:
             if kind == DIRECTORY:
                 _check_name(name, path)
-            text = head.raw[8:]
-            text.decode("utf-8")
-            infos, placed = _placed(head.raw, ck.sizes[path])
+            raw[8:].decode("utf-8")
+            infos, placed = _placed(raw, size)
         except UnicodeDecodeError:
             raise Unkept(f"{path}: its header is not UTF-8 text") from None
         except IntegrityError:
@@ -267,15 +277,12 @@ def capture(ck: SafetensorsCheckpoint) -> SourceLayout:
                 _check_name(name, path)
             except IntegrityError:
                 name = "model" + SUFFIX
-        files.append(SourceFile(name, head.raw, ck.sizes[path], infos, placed))
-    index = None
-    if kind == DIRECTORY and os.path.exists(os.path.join(ck.path, INDEX_NAME)):
-        with open(os.path.join(ck.path, INDEX_NAME), "rb") as f:
-            index = f.read()
+        files.append(SourceFile(name, raw, size, infos, placed))
+    if index is not None:
         try:
             index.decode("utf-8")
         except UnicodeDecodeError:
-            raise Unkept(f"{os.path.join(ck.path, INDEX_NAME)}: not UTF-8 text") from None
+            raise Unkept(f"{os.path.join(where, INDEX_NAME)}: not UTF-8 text") from None
     return SourceLayout(kind, tuple(files), index)
 
 

@@ -8,6 +8,7 @@
  * built after.
  *
  *   runs_hex(buffer, starts, prefix=None) -> tuple of str
+ *   rows_hex(rows) -> str or None (a policy digest's text hashed in one pass: see rows_hex below)
  *
  * `buffer`: any contiguous buffer; `starts`: a contiguous buffer of n + 1 int64 byte offsets,
  * non-decreasing, the last at most the buffer's length; run i is buffer[starts[i]:starts[i+1]].
@@ -226,9 +227,131 @@ done:
     return out;
 }
 
+/* The policy digest's text (dcr_core.digest.policy_digest) hashed in one pass: for each row
+ * (name, dtype, shape, digest), "name\0dtype\0d1,d2,...\0digest\n", UTF-8, in the order given.
+ * Returns the BLAKE3 hex digest, or None for a row this does not take as it is (not a 4-tuple of
+ * exact str, str, tuple or list of exact ints within 64 bits, str; or text that is not UTF-8): the
+ * caller then builds the text in Python, which says what is wrong. */
+typedef struct {
+    blake3_hasher h;
+    char buf[1 << 16];
+    size_t used;
+} text_hasher;
+
+static void text_put(text_hasher *t, const char *s, size_t n) {
+    if (n > sizeof t->buf - t->used) {
+        blake3_hasher_update(&t->h, t->buf, t->used);
+        t->used = 0;
+        if (n > sizeof t->buf) {
+            blake3_hasher_update(&t->h, s, n);
+            return;
+        }
+    }
+    memcpy(t->buf + t->used, s, n);
+    t->used += n;
+}
+
+static int put_str(text_hasher *t, PyObject *o) {
+    if (!PyUnicode_CheckExact(o))
+        return 0;
+    Py_ssize_t n;
+    const char *s = PyUnicode_AsUTF8AndSize(o, &n);
+    if (s == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    text_put(t, s, (size_t)n);
+    return 1;
+}
+
+static int put_shape(text_hasher *t, PyObject *o) {
+    if (!PyTuple_CheckExact(o) && !PyList_CheckExact(o))
+        return 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject **dims = PySequence_Fast_ITEMS(o);
+    char num[32];
+    for (Py_ssize_t k = 0; k < n; k++) {
+        if (!PyLong_CheckExact(dims[k]))
+            return 0;
+        int overflow;
+        long long v = PyLong_AsLongLongAndOverflow(dims[k], &overflow);
+        if (overflow || (v == -1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            return 0;
+        }
+        char *end = num + sizeof num, *at = end; /* decimal, as str(int) writes it */
+        unsigned long long u = v < 0 ? 0ULL - (unsigned long long)v : (unsigned long long)v;
+        do {
+            *--at = (char)('0' + u % 10);
+            u /= 10;
+        } while (u);
+        if (v < 0)
+            *--at = '-';
+        if (k)
+            *--at = ',';
+        text_put(t, at, (size_t)(end - at));
+    }
+    return 1;
+}
+
+static PyObject *rows_hex(PyObject *self, PyObject *arg) {
+    PyObject *seq = PySequence_Fast(arg, "rows must be a sequence");
+    if (seq == NULL)
+        return NULL;
+    text_hasher *t = PyMem_RawMalloc(sizeof *t);
+    if (t == NULL) {
+        Py_DECREF(seq);
+        return PyErr_NoMemory();
+    }
+    blake3_hasher_init(&t->h);
+    t->used = 0;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+    PyObject **rows = PySequence_Fast_ITEMS(seq);
+    int ok = 1;
+    for (Py_ssize_t i = 0; ok && i < n; i++) {
+        PyObject *row = rows[i];
+        if (!PyTuple_CheckExact(row) || PyTuple_GET_SIZE(row) != 4) {
+            ok = 0;
+            break;
+        }
+        ok = put_str(t, PyTuple_GET_ITEM(row, 0));
+        if (ok) {
+            text_put(t, "\0", 1);
+            ok = put_str(t, PyTuple_GET_ITEM(row, 1));
+        }
+        if (ok) {
+            text_put(t, "\0", 1);
+            ok = put_shape(t, PyTuple_GET_ITEM(row, 2));
+        }
+        if (ok) {
+            text_put(t, "\0", 1);
+            ok = put_str(t, PyTuple_GET_ITEM(row, 3));
+        }
+        if (ok)
+            text_put(t, "\n", 1);
+    }
+    Py_DECREF(seq);
+    if (!ok) {
+        PyMem_RawFree(t);
+        Py_RETURN_NONE;
+    }
+    uint8_t d[BLAKE3_OUT_LEN];
+    char hex[2 * BLAKE3_OUT_LEN];
+    blake3_hasher_update(&t->h, t->buf, t->used);
+    blake3_hasher_finalize(&t->h, d, BLAKE3_OUT_LEN);
+    PyMem_RawFree(t);
+    for (int k = 0; k < BLAKE3_OUT_LEN; k++) {
+        hex[2 * k] = HEX[d[k] >> 4];
+        hex[2 * k + 1] = HEX[d[k] & 15];
+    }
+    return PyUnicode_FromStringAndSize(hex, sizeof hex);
+}
+
 static PyMethodDef methods[] = {
     {"runs_hex", (PyCFunction)(void (*)(void))runs_hex, METH_VARARGS | METH_KEYWORDS,
      "runs_hex(buffer, starts, prefix=None): BLAKE3 hex digests of buffer[starts[i]:starts[i+1]]"},
+    {"rows_hex", (PyCFunction)rows_hex, METH_O,
+     "rows_hex(rows): BLAKE3 hex digest of the policy digest's text of (name, dtype, shape, digest) rows, or None"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -1,13 +1,14 @@
-"""The C kernel behind members' digests (dcr_zarr_codec._b3runs): BLAKE3 of many runs of one buffer,
-byte for byte the ``blake3`` package's, in both digest schemes; bad offsets refused, nothing read."""
+"""The C kernels of dcr_zarr_codec._b3runs: members' digests (BLAKE3 of many runs of one buffer,
+byte for byte the ``blake3`` package's, in both digest schemes; bad offsets refused, nothing read)
+and the policy digest's text hashed in one pass."""
 
 import blake3
 import numpy as np
 import pytest
-from dcr_zarr_codec._b3runs import runs_hex
+from dcr_zarr_codec._b3runs import rows_hex, runs_hex
 
 from dcr_core.bundles import member_digests
-from dcr_core.digest import BLOCKS_SCHEME, DigestScheme
+from dcr_core.digest import BLOCKS_SCHEME, DigestScheme, policy_digest
 
 # around BLAKE3's block (64) and chunk (1024) sizes, and its SIMD degrees' multiples of chunks
 SIZES = [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 3000, 4096, 8191, 16384, 16385, 65536 + 7, 0, 5]
@@ -56,3 +57,27 @@ def test_member_digests_are_each_members_digest_in_its_scheme(scheme):
     assert member_digests(raw, st, scheme) == want
     if scheme.blocked:  # an empty member: the digest of no block (the scheme's head alone)
         assert want[0] == blake3.blake3(f"{BLOCKS_SCHEME}\n{scheme.block_bytes}\n".encode()).hexdigest()
+
+
+def _policy_text_digest(rows) -> str:
+    """The policy digest's definition, written out: the text of the sorted rows, hashed."""
+    return blake3.blake3("".join(f"{n}\0{d}\0{','.join(map(str, s))}\0{g}\n" for n, d, s, g in sorted(rows)).encode()
+                         ).hexdigest()
+
+
+def test_policy_digest_in_c_is_the_digest_of_its_text_and_odd_rows_go_the_python_way():
+    """``rows_hex`` (the policy digest's C path) hashes the text ``policy_digest`` defines; rows it
+    does not take as they are (a bool or an int beyond 64 bits in a shape, a list for a row) give
+    None, and ``policy_digest`` builds the text in Python; text that is not UTF-8 fails the same way."""
+    rng = np.random.default_rng(5)
+    rows = [(f"model.layers.{i}.experts.{rng.integers(1000)}.w\u00e9", str(rng.choice(["BF16", "F32", "I8"])),
+             tuple(int(x) for x in rng.integers(0, 10**12, int(rng.integers(0, 5)))), f"{i:064x}") for i in range(3000)]
+    rows += [("\u4e2d\U0001f600", "F32", (), "0" * 64), ("neg", "I64", [-1, -(2**63), 2**63 - 1], "")]
+    assert rows_hex(sorted(rows)) == _policy_text_digest(rows) == policy_digest(rows)
+    assert rows_hex([]) == blake3.blake3(b"").hexdigest() == policy_digest([])
+    for odd in ([("a", "F32", (True,), "d")], [("a", "F32", (2**64,), "d")], [["a", "F32", (1,), "d"]],
+                [("a", "F32", (1,), b"d")], [("a", "F32", (1, 2.0), "d")]):
+        assert rows_hex(odd) is None
+    assert policy_digest([("a", "F32", (True, 2**64), "d")]) == _policy_text_digest([("a", "F32", (True, 2**64), "d")])
+    with pytest.raises(UnicodeEncodeError):
+        policy_digest([("\ud800", "F32", (), "d")])
