@@ -732,7 +732,7 @@ def _parse_bundles(d: Any, version: int, tensors_d: dict, where: str) -> dict[st
         if b not in tensors_d:
             raise fail(where, f"bundle {b!r} is not one of its tensors")
         names = cols.get("names") if isinstance(cols, dict) else None
-        if not isinstance(names, list) or not all(type(n) is str for n in names):
+        if not isinstance(names, list) or not {str}.issuperset(map(type, names)):
             raise fail(where, f"bundle {b!r}: names must be a list of strings")
         total += len(names)
         if total > MAX_TENSORS:
