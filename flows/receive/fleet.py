@@ -356,7 +356,7 @@ def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = No
               storage_options: dict | None = None, runner: Runner | None = None,
               timeout: float = HTTP_TIMEOUT, wait: float = 0.0, *, lease_seconds: float = fleet_lease.DEFAULT_TTL,
               clock: Clock = SYSTEM, connect: Callable[[str], Receiver] | None = None,
-              renew_in_background: bool = True) -> FleetResult:
+              renew_in_background: bool = True, holder: fleet_lease.Holder | None = None) -> FleetResult:
     """Switch every engine of fleet ``name`` to ``step`` (default: the newest live step) of
     ``root``, all or nothing (see the module docstring). Raises ``FleetSwitchError`` (after writing
     the record) unless every member serves the target step; ``BusyError`` if another coordinator
@@ -365,7 +365,8 @@ def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = No
     The seams a test or a simulation drives it by: ``clock`` (every time read and wait of the lease
     and the holds), ``connect`` (a member's receiver from its URL; default the registry's kind,
     ``receivers.member``), ``renew_in_background`` (False: the lease is renewed only between the
-    phases, in this thread) and ``lease_seconds``."""
+    phases, in this thread), ``lease_seconds`` and ``holder`` (who the lease names; default this
+    process, with a random id)."""
     layout.fleet_key(name)
     wait, ttl = fleet_lease.check_wait(wait), fleet_lease.check_ttl(lease_seconds)
     ref = RootRef(os.fspath(root), dict(storage_options or {}))
@@ -377,7 +378,7 @@ def run_fleet(root: str | os.PathLike, engines: list[str], step: int | None = No
                    for m in parsed]
         admit_members(ref, name, members)
         target_step(ref, step)  # a ROOT or step that cannot be switched to: refused before the lease is written
-        lease = held.enter_context(fleet_lease.held(open_root(ref), name, ttl, wait, clock, renew_in_background))
+        lease = held.enter_context(fleet_lease.held(open_root(ref), name, ttl, wait, clock, renew_in_background, holder))
         try:
             hold_members(name, members, timeout, clock)
             return _switch_fleet(tasks, ref, name, members, step, lease, clock)
