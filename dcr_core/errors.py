@@ -75,3 +75,8 @@ class RootNotFoundError(UsageError):
 class BusyError(DCRError, TimeoutError):
     """What this process must hold alone (a state file's lock) is held by another, and did not come
     free within the time allowed. Nothing was changed; retry later, or allow longer."""
+
+
+class FencedError(BusyError):
+    """A request made for a fleet under an epoch older than one the receiver has already seen: the
+    coordinator that sent it lost its lease to another (``storage.fleet_lease``). Nothing was changed."""

@@ -68,6 +68,10 @@ POINTS = frozenset({
     # a fleet member (flows.receive.fleet): before what it holds alone is taken (in the one order of
     # every coordinator); its update, once paused, before anything changes
     "fleet.member-hold", "fleet.member-update",
+    # a fleet's coordinator lease (storage.fleet_lease): taken (at its epoch), waited for (held by
+    # another), renewed; the members asked their step after a switch; the fleet's record created
+    # (before fleets/NAME.json is pointed at it)
+    "fleet.lease-taken", "fleet.lease-waiting", "fleet.lease-renewed", "fleet.read-back", "fleet.record-written",
     # a mirror: each object copied downstream, a step's payload complete, its marker copied
     "mirror.object-copied", "mirror.payload-copied", "mirror.committed",
     # a streaming mirror: a pack forwarded whole (its announced chunks tile it, each checked); an

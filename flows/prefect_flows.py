@@ -239,16 +239,19 @@ def mirror_refit(src: str, dst: str, step: int | None = None, src_storage_option
 
 @dcr_flow("dcr-fleet", runs.fleet_name, runs.fleet_tags)
 def fleet_refit(root: str, engines: list[str], step: int | None = None, name: str = "default",
-                storage_options: dict | None = None, timeout: float = 600.0) -> dict:
+                storage_options: dict | None = None, timeout: float = 600.0, wait: float = 0.0) -> dict:
     """Switch every vLLM server of fleet ``name`` to ``step`` (default: the newest live step), all or
-    nothing (``dcr fleet``; ``flows.receive.fleet``): prepare-members, apply-members (and
-    take-back-members when one fails), record-fleet as tasks; a table artifact of the members."""
+    nothing (``dcr fleet``; ``flows.receive.fleet``), once it holds the fleet's lease (waiting up
+    to ``wait`` seconds for another coordinator): prepare-members, apply-members (and
+    take-back-members when one fails), read-back-members, record-fleet as tasks; a table artifact
+    of the members."""
     refuse_credentials(storage_options)
     with tags(*runs.fleet_tags(root, name)):
         try:
-            result = run_fleet(str(root), list(engines), step, name, storage_options, PrefectRunner(), timeout)
+            result = run_fleet(str(root), list(engines), step, name, storage_options, PrefectRunner(), timeout, wait)
         except FleetSwitchError as e:
-            reports.best_effort(reports.report_fleet, e.result)
+            if e.result is not None:
+                reports.best_effort(reports.report_fleet, e.result)
             raise
     reports.best_effort(reports.report_fleet, result)
     return asdict(result)

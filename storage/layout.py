@@ -19,6 +19,8 @@
     ROOT/receivers/<receiver-id>.json                       where each receiver is now (its latest commit record)
     ROOT/prepared/<receiver-id>.json                        a vLLM receiver's last background prepare: done or failed
     ROOT/fleets/<name>.json                                 the version a fleet of engines serves (storage.fleet)
+    ROOT/fleets/<name>/records/<generation:012d>.json       each record of the fleet, created only if absent
+    ROOT/fleets/<name>/lease/<epoch:012d>.json              its coordinators' leases (storage.fleet_lease)
 
 Every publish writes into a fresh attempt prefix, so a crashed or losing publisher never
 overwrites what another attempt wrote; only the attempt named by ``commit.json`` is real.
@@ -227,6 +229,35 @@ def fleet_key(name: str) -> str:
     if not isinstance(name, str) or not _RECEIVER.match(name):
         raise UsageError(f"fleet name {name!r} must be 1-128 characters of [A-Za-z0-9._-], starting with a letter or digit")
     return f"{FLEETS_DIR}/{name}.json"
+
+
+def fleet_dir(name: str) -> str:
+    """``fleets/<name>``: the fleet's records by generation and its coordinators' leases by epoch."""
+    fleet_key(name)
+    return f"{FLEETS_DIR}/{name}"
+
+
+def fleet_records_dir(name: str) -> str:
+    return f"{fleet_dir(name)}/records"
+
+
+def fleet_leases_dir(name: str) -> str:
+    return f"{fleet_dir(name)}/lease"
+
+
+def numbered_key(directory: str, number: int) -> str:
+    """``<directory>/<number:012d>.json``: a fleet's record generation or lease epoch."""
+    if isinstance(number, bool) or not isinstance(number, int) or not 0 <= number <= MAX_STEP:
+        raise UsageError(f"{directory}: {number!r} is not a number in 0..{MAX_STEP}")
+    return f"{directory}/{number:0{STEP_WIDTH}d}.json"
+
+
+def parse_numbered(name: str) -> int | None:
+    """The number of a ``numbered_key`` object's name (``000000000007.json``: 7); None for any other name."""
+    stem, _, ext = name.partition(".")
+    if ext != "json" or len(stem) != STEP_WIDTH or not stem.isascii() or not stem.isdigit():
+        return None
+    return int(stem)
 
 
 def array_segment(name: str) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from dataclasses import asdict
 
 from dcr_core.errors import IntegrityError, UsageError
@@ -76,10 +77,14 @@ def run(name: str, args) -> int:
         latest, rows = receiver_status(root)
         from storage import fleet  # noqa: PLC0415 - pydantic: ls and verify start without it
 
-        fleets = [f for f in (fleet.read(root, n) for n in fleet.names(root)) if f is not None]
-        text = "\n".join(filter(None, [format_status(latest, rows), format_fleets(fleets)]))
+        names = fleet.names(root)
+        fleets = [f for f in (fleet.read(root, n) for n in names) if f is not None]
+        switching = {n: lease for n in names if (lease := fleet.lease_holder(root, n)) is not None}
+        now = time.time()
+        text = "\n".join(filter(None, [format_status(latest, rows, now), format_fleets(fleets, switching, now)]))
         say(args, text, {"latest": latest, "receivers": [asdict(r) for r in rows],
-                         "fleets": [f.model_dump() for f in fleets]})
+                         "fleets": [{**f.model_dump(), "age_seconds": max(0.0, now - f.at)} for f in fleets],
+                         "switching": {n: lease.model_dump() for n, lease in switching.items()}})
         return 0
     if name == "verify" and args.file is not None:
         if args.step is None or args.deep or args.workers is not None:

@@ -1,12 +1,13 @@
-"""``dcr fleet ROOT --engine URL [--engine URL ...] [--step N] [--name NAME]``: switch a fleet of
-vLLM servers (and state files) to one step, all or nothing (``flows.receive.fleet``)."""
+"""``dcr fleet ROOT --engine URL [--engine URL ...] [--step N] [--name NAME] [--wait S] [--timeout S]``:
+switch a fleet of vLLM servers (and state files) to one step, all or nothing, one coordinator per
+fleet at a time (``flows.receive.fleet``)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict
 
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
-from flows.cli.values import SECONDS
+from flows.cli.values import SECONDS, WAIT
 from flows.receive.fleet import FleetResult, FleetSwitchError, run_fleet
 from flows.receive.fleet_members import HTTP_TIMEOUT
 
@@ -22,13 +23,17 @@ def add_arguments(name: str, p) -> None:
     p.add_argument("--step", type=step_arg, default=None, metavar="N",
                    help="the step every member serves afterwards (default: the newest live step; lower moves the fleet back)")
     p.add_argument("--name", default="default", metavar="NAME", help="the fleet (its record: fleets/NAME.json; default: default)")
+    p.add_argument("--wait", type=WAIT, default=0.0, metavar="S",
+                   help="seconds to wait for another coordinator of the fleet (its lease, fleets/NAME/lease/) to "
+                   "finish; default 0: refuse at once, naming it and when its lease ends")
     p.add_argument("--timeout", type=SECONDS, default=HTTP_TIMEOUT, metavar="S",
-                   help="seconds any one wait may take: a member's answer, or the state files' locks held by "
+                   help="seconds any other wait may take: a member's answer, or the state files' locks held by "
                    f"another receive or fleet switch (default {HTTP_TIMEOUT:.0f})")
 
 
 def format_result(r: FleetResult) -> str:
-    lines = [f"fleet {r.fleet}: {r.outcome}; version {r.version if r.version is not None else 'mixed'} "
+    version = r.version if r.version is not None else "mixed" if r.outcome == "mixed" else "unknown"
+    lines = [f"fleet {r.fleet}: {r.outcome}; version {version} "
              f"(target {r.target}, previous {r.previous if r.previous is not None else 'none'}) in {r.seconds:.1f} s"]
     for m in r.members:
         step = m["step"] if m["step"] is not None else "unknown"
@@ -43,9 +48,10 @@ def run(name: str, args) -> int:
         if use_prefect(args):
             from flows.cli.orchestrated import run_flow  # noqa: PLC0415 - Prefect only when asked for
 
-            r = FleetResult(**run_flow(args, "fleet_refit", args.root, args.engine, args.step, args.name, so, args.timeout))
+            r = FleetResult(**run_flow(args, "fleet_refit", args.root, args.engine, args.step, args.name, so, args.timeout,
+                                       args.wait))
         else:
-            r = run_fleet(args.root, args.engine, args.step, args.name, so, timeout=args.timeout)
+            r = run_fleet(args.root, args.engine, args.step, args.name, so, timeout=args.timeout, wait=args.wait)
     except FleetSwitchError as e:
         if getattr(e, "result", None) is not None:  # where every member is, then the one-line error
             say(args, format_result(e.result), asdict(e.result))

@@ -57,4 +57,5 @@ class Number:
 
 POLL_INTERVAL = Number(float, MIN_POLL_INTERVAL, MAX_WAIT, unit="seconds")
 SECONDS = Number(float, 0, MAX_WAIT, lo_open=True, unit="seconds")
+WAIT = Number(float, 0, MAX_WAIT, unit="seconds")  # 0: not at all
 WORKERS = Number(int, 1, 1024)

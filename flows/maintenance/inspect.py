@@ -183,14 +183,34 @@ def _moves(moves: list[str] | None) -> str:
     return printable(", ".join(moves or [])) or "no move"
 
 
-def format_fleets(records: list) -> str:
-    """One line per fleet (``storage.fleet``): its version, the last switch's outcome, its members."""
+def format_fleets(records: list, switching: dict | None = None, now: float | None = None) -> str:
+    """Each fleet's record (``storage.fleet``): its version (``mixed`` only when members serve
+    different steps; ``unknown`` when not every member's step is known), the last switch's outcome
+    and target, when it was recorded and how long ago; then each member's step as it said after
+    the switch, and a coordinator switching the fleet now (``switching``: its lease, by fleet)."""
+    now = time.time() if now is None else now
+    switching = switching or {}
     lines = []
+    for name in sorted(set(switching) - {r.fleet for r in records}):
+        lines.append(printable(f"fleet {name}: no switch recorded yet"))
+        lines.append(_switching(switching[name]))
     for r in records:
-        version = "mixed" if r.version is None else r.version
-        members = ", ".join(f"{m.receiver}@{'?' if m.step is None else m.step}" for m in r.members)
-        lines.append(printable(f"fleet {r.fleet}: version {version} ({r.outcome}, target {r.target}, {r.at_utc}): {members}"))
+        version = r.version if r.version is not None else "mixed" if r.outcome == "mixed" else "unknown"
+        epoch = "" if r.epoch is None else f", epoch {r.epoch}"
+        lines.append(printable(f"fleet {r.fleet}: version {version} ({r.outcome}, target {r.target}{epoch}; "
+                               f"recorded {r.at_utc}, {_age(r.at_utc, now)})"))
+        for m in r.members:
+            err = f": {m.error}" if m.error else ""
+            lines.append(printable(f"  {m.receiver} ({m.url}): step {'unknown' if m.step is None else m.step}, "
+                                   f"{m.outcome}{err}"))
+        if r.fleet in switching:
+            lines.append(_switching(switching[r.fleet]))
     return "\n".join(lines)
+
+
+def _switching(lease) -> str:
+    return printable(f"  switching now: {lease.holder.describe()}, epoch {lease.epoch}, its lease until "
+                     f"{time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime(lease.expires_at))}")
 
 
 def histories(root: Root, only: str | None = None, damaged: bool = False) -> dict[str, list[dict]]:

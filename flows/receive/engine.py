@@ -60,10 +60,12 @@ class EngineReceiver(Receiver):
     # -- the lifecycle ---------------------------------------------------------------------------
 
     def bind(self, binding: Binding) -> None:
-        """Bind to a ROOT; what an earlier binding prepared is dropped first."""
-        self.abort()
+        """Bind to a ROOT; what an earlier binding prepared is dropped first (once the binding is
+        admitted: a fleet coordinator that lost its lease drops nothing)."""
         if binding.options.in_place:
             raise UsageError("an engine worker's mirror is staged whole (in_place=False): the old one is its undo")
+        self.admit(binding)
+        self.abort()
         super().bind(binding)
 
     def version(self) -> int | None:

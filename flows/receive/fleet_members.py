@@ -18,7 +18,11 @@ two receiver kinds here speak it and nothing else:
   Python only (``flows.run_fleet``): a command line has no ``LLM`` to register.
 
 A failed call raises ``MemberError`` naming the member and the call; ``status`` is what the member
-answered (None: no answer).
+answered (None: no answer). Under ``dcr fleet`` the ``init_info`` and the ``update_info`` carry the
+fleet's name and the coordinator's lease epoch (``"fleet"``, ``"epoch"``): the member's backend
+keeps the highest and refuses older ones (``flows.receive.vllm_transfer``). A server's requests go
+through ``call`` (``http_call``: one JSON request), a seam where a test or a simulation puts a
+transport of its own.
 """
 
 from __future__ import annotations
@@ -27,16 +31,17 @@ import contextlib
 import json
 import logging
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
 from abc import abstractmethod
+from collections.abc import Callable
 from typing import Any
 
+from dcr_core.clock import SYSTEM, Clock
 from dcr_core.errors import UsageError
-from flows.receive.receiver import Binding, Receiver
+from flows.receive.receiver import TOOK_OVER, Binding, Receiver
 from storage import credentials, layout
 from storage.catalog import Catalog
 from storage.root import RootRef, open_root
@@ -100,15 +105,20 @@ class _WeightTransfer(Receiver):
     def _start(self) -> None: ...
 
     @abstractmethod
-    def _update(self, step: int | None) -> None: ...
+    def _update(self, update_info: dict) -> None: ...
 
     @abstractmethod
     def _finish(self, version: str | None) -> None: ...
 
+    def _fence(self) -> dict:
+        """The fleet's name and the coordinator's epoch, for every request that changes the member."""
+        b = self.binding
+        return {} if b.epoch is None else {"fleet": b.coordinator, "epoch": b.epoch}
+
     def _init_info(self, step: int | None) -> dict:
         b = self.binding
         return {"root": b.root.url, "receiver_id": b.receiver_id, "storage_options": dict(b.root.storage_options),
-                "prepare": True, "step": step}
+                "prepare": True, "step": step, **self._fence()}
 
     def _prepared(self, init_info: dict) -> None:
         """Between the init and the start: a server's prepare report awaited."""
@@ -140,7 +150,12 @@ class _WeightTransfer(Receiver):
         if not self._open:  # taken back (nothing prepared): the update pulls the step in the pause
             self._start()
             self._open = True
-        self._update(step)
+        try:
+            self._update({"step": step, **self._fence()})
+        except MemberError as e:
+            if TOOK_OVER in str(e):  # fenced: the update session is a newer coordinator's now; leave it alone
+                self._open = False
+            raise
         self._applied = step
 
     def record(self) -> None:
@@ -164,13 +179,17 @@ class HttpServer(_WeightTransfer):
     and the storage options, and ``admit`` refuses a binding whose options hold a credential
     (``storage.credentials``) or whose ROOT only this process sees."""
 
-    def __init__(self, url: str, timeout: float = HTTP_TIMEOUT):
+    def __init__(self, url: str, timeout: float = HTTP_TIMEOUT, call: Callable[..., dict] | None = None,
+                 clock: Clock = SYSTEM):
         super().__init__(url)
         self.timeout = timeout
+        self.call = call or http_call  # (url, route, body, method=, timeout=) -> dict; raises MemberError
+        self.clock = clock  # the prepare report's wait
 
     @classmethod
-    def from_url(cls, url: str, timeout: float = HTTP_TIMEOUT, **how) -> HttpServer:
-        return cls(url, timeout)
+    def from_url(cls, url: str, timeout: float = HTTP_TIMEOUT, call: Callable[..., dict] | None = None,
+                 clock: Clock = SYSTEM, **how) -> HttpServer:
+        return cls(url, timeout, call, clock)
 
     @classmethod
     def canonical(cls, url: str) -> tuple[str, str]:
@@ -180,15 +199,17 @@ class HttpServer(_WeightTransfer):
         return url.rstrip("/"), f"{u.hostname}-{u.port or 80}"
 
     def _post(self, route: str, body: dict | None = None) -> dict:
-        return http_call(self.url, route, body, timeout=self.timeout)
+        return self.call(self.url, route, body, timeout=self.timeout)
 
     def _weight_version(self) -> Any:
-        return http_call(self.url, "/weight_info", method="GET", timeout=VERSION_TIMEOUT).get("weight_version")
+        return self.call(self.url, "/weight_info", method="GET", timeout=min(VERSION_TIMEOUT, self.timeout)
+                         ).get("weight_version")
 
     def _init(self, init_info: dict) -> None:
         self._post("/init_weight_transfer_engine", {"init_info": init_info})
 
     def admit(self, binding: Binding) -> None:
+        super().admit(binding)
         credentials.for_another_process(binding.root, self.url)  # refused: a credential, a ROOT of this process
 
     def _init_info(self, step: int | None) -> dict:
@@ -198,13 +219,13 @@ class HttpServer(_WeightTransfer):
 
     def _prepared(self, init_info: dict) -> None:
         await_prepared(self.binding.root, {"url": self.url, "receiver": init_info["receiver_id"]},
-                       init_info["prepare_id"], self.timeout)
+                       init_info["prepare_id"], self.timeout, clock=self.clock)
 
     def _start(self) -> None:
         self._post("/start_weight_update")
 
-    def _update(self, step: int | None) -> None:
-        self._post("/update_weights", {"update_info": {"step": step}})
+    def _update(self, update_info: dict) -> None:
+        self._post("/update_weights", {"update_info": update_info})
 
     def _finish(self, version: str | None) -> None:
         self._post("/finish_weight_update", {} if version is None else {"weight_version": version})
@@ -216,7 +237,8 @@ class HttpServer(_WeightTransfer):
         self._post("/resume")
 
 
-def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.02) -> bool:
+def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.02,
+                   clock: Clock = SYSTEM) -> bool:
     """Wait until every worker of member ``m`` (``url``, ``receiver``) reported the prepare
     ``prepare_id`` done (``prepared/<receiver>.json``, one per TP rank as ``<receiver>-rankK``);
     raise ``MemberError`` with what one reported failing. False when no report came within
@@ -224,7 +246,7 @@ def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll
     its engine loop)."""
     cat = Catalog(open_root(root))
     rid = m["receiver"]
-    deadline = time.monotonic() + timeout
+    deadline = clock.monotonic() + timeout
     while True:
         docs = [d for d in (cat.prepared(rid),) if d and d.get("prepare_id") == prepare_id]
         if not docs:
@@ -240,10 +262,10 @@ def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll
             raise MemberError(f"{m['url']}: preparing step {failed[0].get('step')} failed: {failed[0].get('error')}", 500)
         if docs:
             return True
-        if time.monotonic() > deadline:
+        if clock.monotonic() > deadline:
             log.warning("%s: no prepare report within %.0f s; its start call waits for the prepare", m["url"], timeout)
             return False
-        time.sleep(poll)
+        clock.sleep(poll)
         poll = min(poll * 1.5, 0.5)
 
 
@@ -297,8 +319,8 @@ class LocalEngine(_WeightTransfer):
     def _start(self) -> None:
         self._llm("start_weight_update")
 
-    def _update(self, step: int | None) -> None:
-        self._llm("update_weights", {"update_info": {"step": step}})
+    def _update(self, update_info: dict) -> None:
+        self._llm("update_weights", {"update_info": update_info})
 
     def _finish(self, version: str | None) -> None:
         self._llm("finish_weight_update", version)

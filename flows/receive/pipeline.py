@@ -24,7 +24,7 @@ from dcr_core.errors import IntegrityError, StateMismatchError, StepVanishedErro
 from flows.options import ReceiveOptions
 from flows.receive import exact as exact_files
 from flows.receive import on_workers, state_file
-from flows.receive.receiver import Binding, Receiver, check_arguments
+from flows.receive.receiver import Binding, Receiver, check_arguments, fenced
 from flows.receive.records import ReceiverCommit
 from flows.receive.state_file import Staged
 from flows.results import ReceiveResult
@@ -32,7 +32,7 @@ from flows.steps import InProcess, Runner, Step, StepTable
 from flows.workers import portable_root
 from storage import heartbeat, reader
 from storage.catalog import Catalog
-from storage.local import dir_swap, journal, materialized, sidecar, state
+from storage.local import dir_swap, fleet_epochs, journal, materialized, sidecar, state
 from storage.reader import RefitPlan, manifests
 from storage.root import RootRef, open_root
 from storage.source_layout import DIRECTORY
@@ -158,6 +158,9 @@ class StateFile(Receiver):
     drops the leases, the lock, and a staged refit never applied. Nothing to pause: a reader sees
     one whole step or the next. Its version is the step its header says.
 
+    Under a fleet coordinator's epoch, the file refuses an older epoch than one it has seen
+    (``fence``: kept beside the file, under its lock).
+
     ``fresh``, ``exact`` and ``record=False`` are ``run_materialize``'s: a fresh output, the step's
     published files byte for byte, no receiver record. Under a fleet (a binding's ``coordinator``)
     the record says ``mode: "fleet"``, and a failure to write it is logged, not raised: the file
@@ -212,6 +215,15 @@ class StateFile(Receiver):
             lock.enter_context(state.exclusive(self.path, timeout=timeout))
             self._lock = lock  # held until release
 
+    def fence(self, fleet: str, epoch: int) -> None:
+        """The fleet epochs this file has seen are kept beside it (``storage.local.fleet_epochs``):
+        checked, and raised under the file's lock (a coordinator's look before it holds the file
+        only checks), so a coordinator that lost its lease cannot move the file from any process."""
+        path = self.path
+        newer = fenced(fleet_epochs.read(path), fleet, epoch)
+        if newer is not None and self._lock is not None:
+            fleet_epochs.write(path, newer)
+
     def version(self) -> int | None:
         path = self.path
         return state.peek_step(path) if os.path.exists(path) else None
@@ -230,6 +242,7 @@ class StateFile(Receiver):
             ref, path = portable_root(ref), os.path.abspath(path)
         try:
             self.hold(self.lock_timeout)
+            self.admit(b)  # again under the lock: a fleet's epoch checked and kept atomically
             self._settle(path)
             leases = self._leases = Leases(ref, b.receiver_id, options.lease_seconds, tasks.take_leases,
                                            tasks.release_leases)

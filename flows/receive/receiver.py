@@ -30,6 +30,18 @@ has each ``hold`` what it must hold alone (a state file's lock) before the refit
 order of their identities: two coordinators over the same targets then never wait on each other
 in a cycle, and each wait is bounded.
 
+Fencing, the same for every kind: a coordinator's binding carries its fleet's name
+(``coordinator``) and the epoch of its lease (``epoch``, ``storage.fleet_lease``), and ``admit``
+refuses a binding whose epoch is older than the highest this receiver has seen for that fleet
+(``FencedError``: "fleet NAME epoch E is older than epoch F this member has seen: another
+coordinator took over"), and otherwise remembers it (``fence``). So once a newer coordinator
+reached a member, one that lost its lease (paused, partitioned, slow) can no longer change it.
+Where the highest epochs are kept is the kind's (``fence``): by default in the receiver object
+(``Epochs``), which suits a receiver that lives as long as its target (the ``dcr`` backend inside
+a vLLM server or an in-process ``LLM``: a restarted server forgets, which is safe because it starts
+over from its checkpoint directory and is reloaded whole); a state file keeps them beside the file,
+under its lock (``flows.receive.pipeline.StateFile``), so a fence holds across processes.
+
 The registry (``KINDS``, extended by ``register``) says which kind a target is, and imports the
 kind's module only then (a kind's module may import torch or vLLM; the state file's imports
 neither): by the scheme of a URL (``state:PATH``, ``http(s)://HOST:PORT``, ``local:NAME``), a
@@ -43,12 +55,13 @@ from __future__ import annotations
 import importlib
 import os
 import re
+import threading
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcr_core.errors import UsageError
+from dcr_core.errors import FencedError, UsageError
 from flows.options import ReceiveOptions
 from flows.results import ReceiveResult, as_dict
 from storage import layout, signing
@@ -61,13 +74,60 @@ class Binding:
     (the receiver's records, leases and reports in ROOT), ``options``, ``mirror`` (where a live
     target keeps the canonical copy of what it holds; None: DCR's cache directory) and
     ``coordinator`` (who drives the refit: None for the receiver itself, the fleet's name under
-    ``dcr fleet``)."""
+    ``dcr fleet``) and ``epoch`` (the fleet coordinator's lease epoch, which fences: see the
+    module docstring; None: not fenced)."""
 
     root: RootRef
     receiver_id: str
     options: ReceiveOptions = field(default_factory=ReceiveOptions)
     mirror: str | None = None
     coordinator: str | None = None
+    epoch: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.epoch is not None:
+            check_fence(self.coordinator, self.epoch)
+
+
+TOOK_OVER = "another coordinator took over"
+
+
+def check_fence(fleet: str | None, epoch: int) -> None:
+    """A fleet's name and a lease epoch, as a fence takes them (else a one-line ``UsageError``)."""
+    if fleet is None:
+        raise UsageError(f"epoch {epoch!r} given without the fleet it belongs to")
+    layout.fleet_key(fleet)
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 1 <= epoch <= layout.MAX_STEP:
+        raise UsageError(f"fleet {fleet}: epoch must be an integer in 1..{layout.MAX_STEP}, got {epoch!r}")
+
+
+def fenced(seen: Mapping[str, int], fleet: str, epoch: int) -> dict[str, int] | None:
+    """The fencing rule, once for every kind: ``seen`` (the highest epoch seen per fleet) with
+    ``epoch`` recorded for ``fleet`` if it is newer (None: nothing newer to record), or
+    ``FencedError`` if it is older than the one seen."""
+    highest = seen.get(fleet)
+    if highest is not None and epoch < highest:
+        raise FencedError(f"fleet {fleet} epoch {epoch} is older than epoch {highest} this member has seen: {TOOK_OVER}")
+    return None if highest == epoch else {**seen, fleet: epoch}
+
+
+class Epochs:
+    """The highest fleet epoch a receiver has seen, per fleet, in memory (thread-safe): what
+    ``Receiver.fence`` keeps by default."""
+
+    def __init__(self) -> None:
+        self._seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def admit(self, fleet: str, epoch: int) -> None:
+        with self._lock:
+            newer = fenced(self._seen, fleet, epoch)
+            if newer is not None:
+                self._seen = newer
+
+    def highest(self, fleet: str) -> int | None:
+        with self._lock:
+            return self._seen.get(fleet)
 
 
 def check_arguments(receiver_id: str | None, step: int | None, options: Any) -> ReceiveOptions:
@@ -90,6 +150,7 @@ class Receiver(ABC):
     def __init__(self, name: str):
         self.name = name
         self._binding: Binding | None = None
+        self.epochs = Epochs()
 
     # -- the lifecycle, the same for every kind ------------------------------------------------------
 
@@ -107,9 +168,17 @@ class Receiver(ABC):
     def admit(self, binding: Binding) -> None:
         """Accept requests made under ``binding``, or raise: the one check every request passes
         before anything is planned or changed (``bind``, ``prepare``, ``apply``), whatever the
-        kind (a server refuses a ROOT whose storage options hold a credential). The base accepts
-        every binding."""
-        return None  # the place where a receiver refuses a caller
+        kind (a server refuses a ROOT whose storage options hold a credential). The base refuses
+        a fleet epoch older than one seen (``fence``); a kind that refuses more calls it too."""
+        if binding.epoch is not None and binding.coordinator is not None:
+            self.fence(binding.coordinator, binding.epoch)
+
+    def fence(self, fleet: str, epoch: int) -> None:
+        """Refuse (``FencedError``) a request of fleet ``fleet`` made at ``epoch`` if it is older
+        than the highest epoch this receiver has seen for that fleet; remember it if newer. The
+        base keeps them in this object (``epochs``); a kind whose target outlives the process
+        keeps them with the target (see the module docstring)."""
+        self.epochs.admit(fleet, epoch)
 
     @property
     def identity(self) -> str:

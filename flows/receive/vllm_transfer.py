@@ -16,18 +16,26 @@ extension (``flows.receive.engine.EngineReceiver``: prepare in ``engine_prepare`
   ``"prepare_id": ID`` each worker writes the outcome (done or failed, with that id) to
   ``prepared/<receiver>.json`` in ROOT when its prepare is over: a coordinator polls that instead
   of calling ``start_weight_update`` early (which waits in vLLM's engine loop, where the server
-  generates nothing). Calling it again re-binds (and prepares again).
+  generates nothing). Calling it again re-binds (and prepares again). Under ``dcr fleet`` it also
+  holds ``"fleet": NAME`` and ``"epoch": E`` (the coordinator's lease epoch, both or neither):
+  an epoch older than the highest this engine has seen for that fleet is refused before anything
+  is dropped or bound (``FencedError``, "... another coordinator took over"), a newer one is
+  remembered (the receivers' fencing, ``flows.receive.receiver``; in this engine's memory: a
+  restarted server forgets, and is safe to, since it starts over from its checkpoint directory and
+  the next switch reloads it whole).
 - ``start_weight_update``: waits for a prepare still pulling (the engine serves nothing while it
   waits: call it once the prepare is done, or accept that) and raises what it failed with;
   nothing in the engine has changed yet. A fleet calls it on every member before pausing any.
 - ``update_info`` (``POST /update_weights``): ``{"step": N}`` (omitted: the step prepared, else the
-  latest). The pause window: the layers the change touches are reloaded through vLLM's own
+  latest), with ``"fleet"`` and ``"epoch"`` under ``dcr fleet``, fenced as the ``init_info``'s. The pause window: the layers the change touches are reloaded through vLLM's own
   layerwise reload (``vllm.model_executor.model_loader.reload``); a step other than the one
   prepared is pulled now. A reload that fails puts the engine back to its previous step, bit for
   bit, before the error is raised (``EngineRefitError`` if even that failed).
 - ``finish_weight_update``: the commit record and lease release are written in a thread once the
   engine serves again; after a ``start`` with no update it drops what was prepared (a fleet's
-  "nobody switches").
+  "nobody switches"). vLLM's ``start_weight_update`` and ``finish_weight_update`` carry nothing
+  to fence with: a stale coordinator's finish can end a newer one's update session (vLLM then
+  refuses that one's update or finish, so its switch fails and says so), never change the weights.
 
 The engine result of the last update (``records.WorkerResult``: step, mode, bytes pulled, pause)
 is logged, kept as ``last_result`` and in the bucket's receiver record (``receivers/ID.json``),
@@ -53,7 +61,7 @@ from flows.options import ReceiveOptions
 from flows.receive import vllm_fixups
 from flows.receive.engine import EngineReceiver
 from flows.receive.engine_model import Weights
-from flows.receive.receiver import Binding, check_arguments
+from flows.receive.receiver import Binding, check_arguments, check_fence
 from flows.receive.records import WorkerResult
 from storage import layout
 from storage.root import RootRef
@@ -71,6 +79,8 @@ class DCRInitInfo(WeightTransferInitInfo):
     prepare: bool = False
     step: int | None = None
     prepare_id: str | None = None  # written with the prepare's outcome to prepared/<receiver>.json
+    fleet: str | None = None  # with epoch: the fleet coordinator's lease, which fences (see the module docstring)
+    epoch: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.root, str) or not self.root:
@@ -78,15 +88,26 @@ class DCRInitInfo(WeightTransferInitInfo):
         layout.check_receiver(self.receiver_id)
         if self.step is not None:
             layout.check_step(self.step)
+        _check_fence("init_info", self.fleet, self.epoch)
 
 
 @dataclass
 class DCRUpdateInfo(WeightTransferUpdateInfo):
     step: int | None = None
+    fleet: str | None = None
+    epoch: int | None = None
 
     def __post_init__(self) -> None:
         if self.step is not None:
             layout.check_step(self.step)
+        _check_fence("update_info", self.fleet, self.epoch)
+
+
+def _check_fence(what: str, fleet: str | None, epoch: int | None) -> None:
+    if (fleet is None) != (epoch is None):
+        raise UsageError(f"{what}: fleet and epoch come together (a fleet coordinator's lease), got {fleet!r}, {epoch!r}")
+    if epoch is not None:
+        check_fence(fleet, epoch)
 
 
 class VllmEngineModel:
@@ -153,11 +174,13 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
 
     def init_transfer_engine(self, init_info: DCRInitInfo) -> None:
         r = self._receiver
+        options = check_arguments(init_info.receiver_id, init_info.step, ReceiveOptions(**init_info.options))
+        binding = Binding(RootRef(os.fspath(init_info.root), dict(init_info.storage_options)), init_info.receiver_id,
+                          options, mirror=init_info.state_path, coordinator=init_info.fleet, epoch=init_info.epoch)
+        r.admit(binding)  # a fleet epoch older than one seen: refused before anything is dropped
         r.abort()  # a re-init drops what an earlier one prepared
         self._bound = init_info
-        options = check_arguments(init_info.receiver_id, init_info.step, ReceiveOptions(**init_info.options))
-        r.bind(Binding(RootRef(os.fspath(init_info.root), dict(init_info.storage_options)), init_info.receiver_id,
-                       options, mirror=init_info.state_path))
+        r.bind(binding)
         if init_info.prepare:
             r.prepare_in_background(init_info.step, init_info.prepare_id)
 
@@ -172,6 +195,8 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
     def receive_weights(self, update_info: DCRUpdateInfo) -> None:
         self._require_bound()
         r = self._receiver
+        if update_info.epoch is not None and update_info.fleet is not None:
+            r.fence(update_info.fleet, update_info.epoch)  # before anything changes
         prepared = r.prepared_step()
         step = update_info.step if update_info.step is not None else prepared
         if prepared is None or step != prepared:

@@ -60,12 +60,14 @@ def test_the_cli_prints_every_member_then_one_error_line_and_status_shows_the_fl
     out = dcr("fleet", root, "--engine", f"m0={dead}", "--step", "1", "--name", "gen")
     assert out.returncode == 6
     assert out.stderr.count("\n") == 1 and out.stderr.startswith("dcr: error: fleet gen: nobody switched:")
-    assert "fleet gen: aborted; version mixed (target 1, previous none)" in out.stdout
+    assert "fleet gen: aborted; version unknown (target 1, previous none)" in out.stdout  # unknown: not "mixed"
     assert f"{dead} (m0): step unknown, failed" in out.stdout
     status = dcr("status", root, check=0)
-    assert "fleet gen: version mixed (aborted, target 1," in status.stdout and "m0@?" in status.stdout
+    assert "fleet gen: version unknown (aborted, target 1, epoch 1; recorded " in status.stdout
+    assert f"  m0 ({dead}): step unknown, failed: {dead}/init_weight_transfer_engine:" in status.stdout
     data = json.loads(dcr("status", root, "--json", check=0).stdout)
     assert [f["fleet"] for f in data["fleets"]] == ["gen"]
+    assert data["fleets"][0]["epoch"] == 1 and data["switching"] == {}
 
 
 def test_a_fleet_switches_only_to_a_live_step(root):
@@ -122,7 +124,8 @@ def test_state_file_members_switch_all_or_nothing_through_the_same_calls(root, t
     assert sorted(m["outcome"] for m in res.members) == ["failed", "taken-back"]
     for p in (a, b):
         assert_bits_equal(read_state(p), steps[1])
-    assert not [f for f in os.listdir(tmp_path) if f.startswith((".a", ".b")) or ".tmp" in f]  # nothing staged is left
+    beside = {f for f in os.listdir(tmp_path) if f.startswith((".a", ".b")) or ".tmp" in f}
+    assert beside == {".a.safetensors.fleet-epochs", ".b.safetensors.fleet-epochs"}  # their fences; nothing staged
 
     with open(b, "r+b") as f:  # a damaged member: its held bits no longer verify, so its prepare fails
         f.seek(-1, os.SEEK_END)

@@ -316,10 +316,19 @@ def test_the_fleet_flow_is_a_named_tagged_run_whose_members_table_says_who_faile
         assert run.name == "fleet-gen-to-0" and run.state.is_failed()
         assert {"dcr", "dcr-fleet", "fleet:gen"} <= set(run.tags)
         tasks = {t.name.rsplit("-", 1)[0] for t in client.read_task_runs() if t.flow_run_id == run.id}
-        assert {"resolve-fleet", "prepare-members", "drop-prepared", "record-fleet"} <= tasks, tasks
+        assert {"resolve-fleet", "prepare-members", "drop-prepared", "read-back-members", "record-fleet"} <= tasks, tasks
         (art,) = [a for a in client.read_artifacts() if a.flow_run_id == run.id and a.key == "dcr-fleet-gen"]
         (row,) = json.loads(art.data)
         assert (row["member"], row["receiver"], row["outcome"]) == (dead, "m0", "failed")
+    # another coordinator holds the fleet's lease: the flow waits as long as it is told (wait), then gives up
+    from dcr_core.errors import BusyError
+    from storage import fleet_lease
+    from storage.root import Root
+
+    other = fleet_lease.take(Root(root), "gen")
+    with pytest.raises(BusyError, match=r"holds its lease \(epoch 2\) .*did not come free in 0\.5 s \(--wait\)$"):
+        fleet_refit(root, [f"m0={dead}"], 0, "gen", None, 600.0, 0.5)
+    other.release()
     # a credential in a flow parameter would be stored in Prefect's database: refused before anything runs
     with pytest.raises(UsageError, match=r"storage_options\['client_kwargs'\]\['aws_secret_access_key'\]: a credential"):
         fleet_refit(root, [f"m0={dead}"], 0, "gen", {"client_kwargs": {"aws_secret_access_key": "x"}})

@@ -1,0 +1,119 @@
+"""Fencing on the member side, without vLLM: the ``dcr`` weight-transfer backend (the code a vLLM
+server runs, its vLLM base class stood in for) and a server member's requests (its transport
+stood in for) carry the fleet's epoch and refuse an older one, before anything changes."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import pytest
+import torch
+
+from dcr_core.errors import FencedError, UsageError
+from flows.receive.fleet_members import HttpServer, MemberError
+from flows.receive.receiver import Binding, Epochs
+from storage.root import RootRef
+
+TOOK_OVER = "fleet f epoch 1 is older than epoch 2 this member has seen: another coordinator took over"
+
+
+@pytest.fixture
+def vllm_transfer(monkeypatch):
+    """``flows.receive.vllm_transfer`` imported against a stand-in for the one vLLM module it
+    imports (``vllm.distributed.weight_transfer.base``: the engine's base class and info types)."""
+    init, update = TypeVar("init"), TypeVar("update")
+
+    class WeightTransferEngine(Generic[init, update]):
+        init_info_cls: type
+        update_info_cls: type
+
+        def __init__(self, config, vllm_config, device, model):
+            self.model = model
+
+        def parse_init_info(self, d):
+            return self.init_info_cls(**d)
+
+        def parse_update_info(self, d):
+            return self.update_info_cls(**d)
+
+    @dataclass
+    class WeightTransferInitInfo:
+        pass
+
+    @dataclass
+    class WeightTransferUpdateInfo:
+        pass
+
+    base = types.ModuleType("vllm.distributed.weight_transfer.base")
+    base.WeightTransferEngine, base.WeightTransferInitInfo = WeightTransferEngine, WeightTransferInitInfo
+    base.WeightTransferUpdateInfo = WeightTransferUpdateInfo
+    for name in ("vllm", "vllm.distributed", "vllm.distributed.weight_transfer"):
+        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
+    monkeypatch.setitem(sys.modules, base.__name__, base)
+    sys.modules.pop("flows.receive.vllm_transfer", None)
+    try:
+        yield importlib.import_module("flows.receive.vllm_transfer")
+    finally:
+        sys.modules.pop("flows.receive.vllm_transfer", None)
+
+
+def test_the_dcr_backend_refuses_an_older_epoch_before_it_drops_or_binds_anything(vllm_transfer, tmp_path):
+    eng = vllm_transfer.DCRWeightTransferEngine(None, None, torch.device("cpu"), torch.nn.Linear(2, 2))
+    root, other = str(tmp_path / "bucket"), str(tmp_path / "elsewhere")
+    eng.init_transfer_engine(eng.parse_init_info({"root": root, "receiver_id": "f-a", "fleet": "f", "epoch": 2}))
+    with pytest.raises(FencedError, match=f"^{TOOK_OVER}$"):
+        eng.init_transfer_engine(eng.parse_init_info({"root": other, "receiver_id": "f-a", "fleet": "f", "epoch": 1}))
+    assert (eng._bound.root, eng._bound.epoch) == (root, 2)  # still bound as the newer coordinator left it
+    with pytest.raises(FencedError, match=f"^{TOOK_OVER}$"):
+        eng.update_weights({"step": 1, "fleet": "f", "epoch": 1})  # before anything is pulled or reloaded
+    eng.init_transfer_engine(eng.parse_init_info({"root": root, "receiver_id": "f-a", "fleet": "g", "epoch": 1}))
+    eng.init_transfer_engine(eng.parse_init_info({"root": root, "receiver_id": "vllm"}))  # no fleet: not fenced
+    eng.init_transfer_engine(eng.parse_init_info({"root": root, "receiver_id": "f-a", "fleet": "f", "epoch": 3}))
+    assert eng._receiver.epochs.highest("f") == 3 and eng._receiver.epochs.highest("g") == 1
+    for bad in ({"fleet": "f"}, {"epoch": 4}, {"fleet": "f", "epoch": 0}, {"fleet": "../f", "epoch": 4}):
+        with pytest.raises(UsageError):
+            eng.parse_init_info({"root": root, **bad})
+        with pytest.raises(UsageError):
+            eng.parse_update_info({"step": 1, **bad})
+
+
+def test_a_server_member_sends_its_epoch_and_leaves_a_newer_coordinators_update_alone(tmp_path):
+    calls = []
+
+    def transport(url, route, body=None, method="POST", timeout=None):
+        calls.append(route)
+        if route == "/update_weights" and body["update_info"].get("epoch", 0) < 2:
+            raise MemberError(f"{url}{route}: HTTP 500: {TOOK_OVER}", 500)
+        return {"weight_version": "1"} if route == "/weight_info" else {}
+
+    server = HttpServer("http://gen-0:8000", timeout=5, call=transport)
+    server.bind(Binding(RootRef(str(tmp_path / "bucket")), "f-gen-0", coordinator="f", epoch=1))
+    assert {k: server._init_info(2)[k] for k in ("fleet", "epoch", "step")} == {"fleet": "f", "epoch": 1, "step": 2}
+    with pytest.raises(MemberError, match="another coordinator took over"):
+        server.install(2)  # start (its own session), then the update, refused by the member
+    server.release()
+    assert calls == ["/start_weight_update", "/update_weights"]  # no finish: the session is the newer coordinator's
+    assert server.version() == 1
+
+    server.bind(Binding(RootRef(str(tmp_path / "bucket")), "f-gen-0", coordinator="f", epoch=2))
+    server.install(2)
+    server.record()
+    assert calls[-2:] == ["/update_weights", "/finish_weight_update"]
+
+
+def test_fencing_is_one_rule_for_every_kind():
+    seen = Epochs()
+    seen.admit("f", 2)
+    seen.admit("f", 2)  # the same coordinator again
+    with pytest.raises(FencedError, match=f"^{TOOK_OVER}$"):
+        seen.admit("f", 1)
+    seen.admit("g", 1)
+    assert (seen.highest("f"), seen.highest("g"), seen.highest("h")) == (2, 1, None)
+    with pytest.raises(UsageError, match="without the fleet"):
+        Binding(RootRef("x"), "r", epoch=3)
+    with pytest.raises(UsageError, match="epoch must be an integer"):
+        Binding(RootRef("x"), "r", coordinator="f", epoch=True)
