@@ -17,6 +17,8 @@ from dcr_core.errors import FencedError, UsageError
 from flows.receive.fleet_members import HttpServer, MemberError
 from flows.receive.receiver import Binding, Epochs
 from storage.root import RootRef
+from tests.support.clock import ManualClock
+from tests.support.vllm_answers import VllmAnswers
 
 TOOK_OVER = "fleet f epoch 1 is older than epoch 2 this member has seen: another coordinator took over"
 
@@ -117,3 +119,52 @@ def test_fencing_is_one_rule_for_every_kind():
         Binding(RootRef("x"), "r", epoch=3)
     with pytest.raises(UsageError, match="epoch must be an integer"):
         Binding(RootRef("x"), "r", coordinator="f", epoch=True)
+
+
+def _member(server: VllmAnswers, tmp_path) -> HttpServer:
+    m = HttpServer("http://gen-0:8000", timeout=5, call=server, clock=ManualClock())  # no prepare report: no wait
+    m.bind(Binding(RootRef(str(tmp_path / "bucket")), "f-gen-0", coordinator="f", epoch=1))
+    return m
+
+
+def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tmp_path):
+    """vLLM's weight version lags the weights until a finish names it, and any finish sets it:
+    the member's step is unknown (None) when an update went unanswered, when another finish ended
+    the session or set another version, and before this switch's own finish named its step."""
+    server = VllmAnswers("1")
+    m = _member(server, tmp_path)
+    assert (m.version(), m.vouched) == (1, True)
+    server.unanswered = {"/update_weights"}  # applied, its answer lost
+    with pytest.raises(MemberError, match="timed out"):
+        m.install(2)
+    m.release()
+    assert (server.weights, server.version) == (2, "1") and (m.version(), m.vouched) == (None, False)
+
+    server = VllmAnswers("1")
+    m = _member(server, tmp_path)
+    assert m.version() == 1
+    m.install(2)
+    assert m.version() is None  # the weights are at 2, the version still says 1
+    m.record()
+    assert (m.version(), m.vouched) == (2, True)
+    server.session, server.version = True, "3"  # a finish of another coordinator, later
+    server.session = False
+    assert m.version() is None
+
+    server = VllmAnswers("1")
+    m = _member(server, tmp_path)
+    assert m.version() == 1
+    m._open = server.session = True  # its prepare's session, which another finish (naming 3) ends
+    server.session, server.version = False, "3"
+    with pytest.raises(MemberError, match="must be called before update_weights"):
+        m.install(2)
+    assert server.weights == 1 and m.version() is None  # it says 3, and serves 1
+
+    server = VllmAnswers("1")
+    server.session = True  # left open by a coordinator that died after its update (the version lags)
+    m = _member(server, tmp_path)
+    m.stage(2)  # refused once: the open session is finished, then it prepares again
+    assert not m.vouched
+    m.install(2)
+    m.record()
+    assert (m.version(), m.vouched) == (2, True)
