@@ -96,8 +96,10 @@ class _WeightTransfer(Receiver):
     ``version`` says is believed only where this switch can vouch for it (``_unsure`` otherwise: the
     step unknown): after an update, only once this switch's own finish named its step; when an
     update or finish of this switch went unanswered, or a finish of it was refused, or the member
-    had an update session left open, never; and the version must still be the one this switch set,
-    or the one it found when it first asked."""
+    had an update session left open, or its prepare reported holding another step than its version
+    said (a server's ``prepared/<receiver>.json``, ``held``: None when DCR does not know what its
+    engine holds, as after a restart), never; and the version must still be the one this switch
+    set, or the one it found when it first asked."""
 
     def __init__(self, url: str):
         super().__init__(url)
@@ -252,8 +254,11 @@ class HttpServer(_WeightTransfer):
                 "prepare_id": uuid.uuid4().hex}
 
     def _prepared(self, init_info: dict) -> None:
-        await_prepared(self.binding.root, {"url": self.url, "receiver": init_info["receiver_id"]},
-                       init_info["prepare_id"], self.timeout, clock=self.clock)
+        reports = await_prepared(self.binding.root, {"url": self.url, "receiver": init_info["receiver_id"]},
+                                 init_info["prepare_id"], self.timeout, clock=self.clock)
+        held = [r["held"] for r in reports or () if "held" in r]  # (a DCR before reports said none)
+        if held and (len(set(held)) > 1 or self._expected is _UNSEEN or held[0] != _step(self._expected)):
+            self._unsure = True  # its version is not what its engine holds, as DCR knows it (a restart, a stray finish)
 
     def _start(self) -> None:
         self._post("/start_weight_update")
@@ -272,12 +277,12 @@ class HttpServer(_WeightTransfer):
 
 
 def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.02,
-                   clock: Clock = SYSTEM) -> bool:
+                   clock: Clock = SYSTEM) -> list[dict] | None:
     """Wait until every worker of member ``m`` (``url``, ``receiver``) reported the prepare
-    ``prepare_id`` done (``prepared/<receiver>.json``, one per TP rank as ``<receiver>-rankK``);
-    raise ``MemberError`` with what one reported failing. False when no report came within
-    ``timeout`` (a member whose DCR does not report: the start call then waits for the prepare, in
-    its engine loop)."""
+    ``prepare_id`` done (``prepared/<receiver>.json``, one per TP rank as ``<receiver>-rankK``), and
+    return their reports; raise ``MemberError`` with what one reported failing. None when no report
+    came within ``timeout`` (a member whose DCR does not report: the start call then waits for the
+    prepare, in its engine loop)."""
     cat = Catalog(open_root(root))
     rid = m["receiver"]
     deadline = clock.monotonic() + timeout
@@ -295,10 +300,10 @@ def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll
         if failed:
             raise MemberError(f"{m['url']}: preparing step {failed[0].get('step')} failed: {failed[0].get('error')}", 500)
         if docs:
-            return True
+            return docs
         if clock.monotonic() > deadline:
             log.warning("%s: no prepare report within %.0f s; its start call waits for the prepare", m["url"], timeout)
-            return False
+            return None
         clock.sleep(poll)
         poll = min(poll * 1.5, 0.5)
 

@@ -130,7 +130,8 @@ def _member(server: VllmAnswers, tmp_path) -> HttpServer:
 def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tmp_path):
     """vLLM's weight version lags the weights until a finish names it, and any finish sets it:
     the member's step is unknown (None) when an update went unanswered, when another finish ended
-    the session or set another version, and before this switch's own finish named its step."""
+    the session or set another version, when its prepare reports its engine holding another step,
+    and before this switch's own finish named its step."""
     server = VllmAnswers("1")
     m = _member(server, tmp_path)
     assert (m.version(), m.vouched) == (1, True)
@@ -159,6 +160,16 @@ def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tm
     with pytest.raises(MemberError, match="must be called before update_weights"):
         m.install(2)
     assert server.weights == 1 and m.version() is None  # it says 3, and serves 1
+
+    server = VllmAnswers("3")
+    server.held = None  # restarted (its engine DCR does not know), then a stray finish named step 3
+    m = _member(server, tmp_path)
+    assert m.version() == 3
+    m.stage(2)
+    assert not m.vouched and m.version() is None
+    m.install(2)
+    m.record()
+    assert (m.version(), m.vouched) == (2, True)
 
     server = VllmAnswers("1")
     server.session = True  # left open by a coordinator that died after its update (the version lags)
