@@ -6,12 +6,13 @@ its checkpoint directory until a switch reaches it (a restart is outside any coo
 what a coordinator or a record said before it does not cover that member).
 
 1. **A switch that exited 0 holds.** Once a coordinator returned ``switched`` or ``unchanged`` for
-   step T at epoch E, every member serves T (each member whose life began before that return) until
-   another switch starts: until a coordinator takes the fleet's lease at an epoch above E.
+   step T at epoch E, every member serves T (each member that has not restarted since it last told
+   that coordinator its step) until another switch starts: until a coordinator takes the fleet's
+   lease at an epoch above E.
 2. **The record never names a step a member does not serve.** The fleet's record
    (``storage.fleet.read``, what a router reads) names, for each member, the step it serves or
    none; and its version, unless it is None (``mixed`` has none); every member named with a step
-   serves it (each member whose life began before the record's coordinator took its lease).
+   serves it (each member that has not restarted since it last told the record's writer its step).
 3. **Only committed, unretracted steps are served.** Every step a member serves is committed (its
    marker in ROOT), and no switch that began applying (its first record written: from then on it
    changes members) after a step's retraction was recorded puts a member on that step. A switch
@@ -62,8 +63,8 @@ class Invariants:
                 continue
             target = c.result.target
             for m in s.members:
-                if m.server is None or m.life_started > (c.returned_at or 0):
-                    continue
+                if m.server is None or m.life_started > c.asked.get(m.url, c.returned_at or 0):
+                    continue  # restarted since it last told this coordinator its step
                 checks += 1
                 if m.server.weights.step != target:
                     raise Violation(f"invariant 1: coordinator c{c.n} exited 0 ({c.result.outcome}, step {target}, "
@@ -77,15 +78,17 @@ class Invariants:
         if rec is None:
             return 0
         writer = next((c for c in s.coordinators if c.epoch == rec.epoch and c.lease_at is not None), None)
-        since = writer.lease_at if writer is not None else s.record_written_at.get(rec.generation or 0, 0)
+        written = s.record_written_at.get(rec.generation or 0, 0)
         by_name = {m.name: m for m in s.members}
         for entry in rec.members:
             m = by_name.get(entry.receiver)
             named = entry.step if entry.step is not None else None
             if rec.version is not None and named is None:
                 named = rec.version
-            if named is None or m is None or m.server is None or m.life_started > since:
+            if named is None or m is None or m.server is None:
                 continue
+            if m.life_started > (writer.asked.get(m.url, written) if writer is not None else written):
+                continue  # restarted since it last told the record's writer its step
             checks += 1
             if m.server.weights.step != named:
                 raise Violation(f"invariant 2: the record (generation {rec.generation}, epoch {rec.epoch}, "

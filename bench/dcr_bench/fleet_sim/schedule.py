@@ -111,6 +111,7 @@ class Coordinator:
     epoch: int | None = None  # the lease epoch it took
     lease_at: int | None = None  # the event it took the lease at
     announced_at: int | None = None  # the event its first record was written at (before it changes any member)
+    asked: dict[str, int] = field(default_factory=dict)  # member URL -> the event it last said its step to it
     result: FleetResult | None = None
     error: str | None = None
     returned_at: int | None = None
@@ -157,7 +158,7 @@ class Schedule:
         self.by_url = {m.url: m for m in self.members}
         self.backend_cls = backend_cls
         self.network = Network(self.sched, lambda url: self.by_url[url].server, config.net, self.counts,
-                               lambda: self.max_epoch)
+                               lambda: self.max_epoch, self._answered)
         self.data_path = SimDataPath(config.engine, self._applied)
         self.coordinators: list[Coordinator] = []
         self.plan = [(rng.choice([*self.steps[1:], None]), rng.choice((0.0, 60.0, 60.0)))
@@ -193,6 +194,12 @@ class Schedule:
             c = self._coordinator_of(current().thread.process)
             if c is not None and c.announced_at is None:
                 c.announced_at = self.sched.events
+
+    def _answered(self, url: str, route: str) -> None:
+        if route == "/weight_info":
+            c = self._coordinator_of(current().thread.process)
+            if c is not None:
+                c.asked[url] = self.sched.events
 
     def _coordinator_of(self, process: Process) -> Coordinator | None:
         return next((c for c in self.coordinators if c.process is process), None)

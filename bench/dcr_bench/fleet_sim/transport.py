@@ -39,9 +39,11 @@ class Network:
     """Requests to the members by URL: ``server(url)`` is the member's current life (None: down)."""
 
     def __init__(self, scheduler: Scheduler, server: Callable[[str], VllmServer | None], faults: NetFaults,
-                 counts: Counter, newest_epoch: Callable[[], int] = lambda: 0):
+                 counts: Counter, newest_epoch: Callable[[], int] = lambda: 0,
+                 answered: Callable[[str, str], None] = lambda url, route: None):
         self.scheduler, self.server, self.faults, self.counts = scheduler, server, faults, counts
         self.newest_epoch = newest_epoch  # the newest lease epoch taken: a request of an older one is stale
+        self.answered = answered  # (url, route) of each answer its caller got, in the caller's thread
 
     def _fault(self) -> str | None:
         f, x = self.faults, self.scheduler.rng.random()
@@ -104,6 +106,7 @@ class Network:
             raise MemberError(f"{url}{route}: HTTP {handler.error.status}: {handler.error}", handler.error.status)
         if handler.error is not None:
             raise handler.error
+        self.answered(url, route)
         return handler.result
 
 
