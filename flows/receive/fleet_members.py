@@ -221,6 +221,7 @@ class HttpServer(_WeightTransfer):
         self.timeout = timeout
         self.call = call or http_call  # (url, route, body, method=, timeout=) -> dict; raises MemberError
         self.clock = clock  # the prepare report's wait
+        self._reported: str | None = None  # the prepare id of this switch's report, once it came
 
     @classmethod
     def from_url(cls, url: str, timeout: float = HTTP_TIMEOUT, call: Callable[..., dict] | None = None,
@@ -256,9 +257,26 @@ class HttpServer(_WeightTransfer):
     def _prepared(self, init_info: dict) -> None:
         reports = await_prepared(self.binding.root, {"url": self.url, "receiver": init_info["receiver_id"]},
                                  init_info["prepare_id"], self.timeout, clock=self.clock)
+        if reports:
+            self._reported = init_info["prepare_id"]
         held = [r["held"] for r in reports or () if "held" in r]  # (a DCR before reports said none)
         if held and (len(set(held)) > 1 or self._expected is _UNSEEN or held[0] != _step(self._expected)):
             self._unsure = True  # its version is not what its engine holds, as DCR knows it (a restart, a stray finish)
+
+    def version(self) -> int | None:
+        """As ``_WeightTransfer.version``; and once this switch prepared the member, only while the
+        member's last prepare report is still this switch's: another coordinator that prepared it
+        since (its session is where a finish of someone else's lands, on a member restarted
+        meanwhile too) takes away what this switch can vouch for."""
+        said = super().version()
+        if said is not None and self._reported is not None:
+            rid = self.binding.receiver_id
+            cat = Catalog(open_root(self.binding.root))
+            last = cat.prepared(rid) or cat.prepared(f"{rid}-rank0") or {}
+            if last.get("prepare_id") != self._reported:
+                self._unsure = True
+                return None
+        return said
 
     def _start(self) -> None:
         self._post("/start_weight_update")

@@ -16,7 +16,8 @@ import torch
 from dcr_core.errors import FencedError, UsageError
 from flows.receive.fleet_members import HttpServer, MemberError
 from flows.receive.receiver import Binding, Epochs
-from storage.root import RootRef
+from storage.catalog import Catalog
+from storage.root import RootRef, open_root
 from tests.support.clock import ManualClock
 from tests.support.vllm_answers import VllmAnswers
 
@@ -131,7 +132,7 @@ def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tm
     """vLLM's weight version lags the weights until a finish names it, and any finish sets it:
     the member's step is unknown (None) when an update went unanswered, when another finish ended
     the session or set another version, when its prepare reports its engine holding another step,
-    and before this switch's own finish named its step."""
+    when another coordinator prepared it since, and before this switch's own finish named its step."""
     server = VllmAnswers("1")
     m = _member(server, tmp_path)
     assert (m.version(), m.vouched) == (1, True)
@@ -170,6 +171,16 @@ def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tm
     m.install(2)
     m.record()
     assert (m.version(), m.vouched) == (2, True)
+
+    server = VllmAnswers("1")
+    m = _member(server, tmp_path)
+    assert m.version() == 1
+    m.stage(2)
+    m.install(2)
+    m.record()
+    assert m.version() == 2
+    Catalog(open_root(m.binding.root)).record_prepared("f-gen-0", {"prepare_id": "another", "step": 3, "ok": True})
+    assert m.version() is None  # prepared by another coordinator since: a finish of its own may have named 2
 
     server = VllmAnswers("1")
     server.session = True  # left open by a coordinator that died after its update (the version lags)
