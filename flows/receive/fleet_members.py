@@ -96,8 +96,9 @@ class _WeightTransfer(Receiver):
     ``version`` says is believed only where this switch can vouch for it (``_unsure`` otherwise: the
     step unknown): after an update, only once this switch's own finish named its step; when an
     update or finish of this switch went unanswered, or a finish of it was refused, or the member
-    had an update session left open, or its prepare reported holding another step than its version
-    said (a server's ``prepared/<receiver>.json``, ``held``: None when DCR does not know what its
+    had an update session left open, or it did not answer this switch's init (so it may not have
+    seen its epoch: a coordinator that lost its lease can still move it), or its prepare reported
+    holding another step than its version said (a server's ``prepared/<receiver>.json``, ``held``: None when DCR does not know what its
     engine holds, as after a restart), never; and the version must still be the one this switch
     set, or the one it found when it first asked."""
 
@@ -107,6 +108,7 @@ class _WeightTransfer(Receiver):
         self._open = False  # an update session is open (started, not finished)
         self._applied: int | None = None
         self._unsure = False  # its version may not be the step it serves (see the class docstring)
+        self._admitted = False  # it answered this switch's init: it has seen (and keeps) its epoch
         self._expected: Any = _UNSEEN  # the version it should say: as first asked, then as this switch set it
 
     # -- the calls -------------------------------------------------------------------------------
@@ -148,6 +150,8 @@ class _WeightTransfer(Receiver):
             self._expected = said
         if self._unsure or said != self._expected:
             return None  # set by someone else since this switch first asked, or behind the weights
+        if self._binding is not None and self._binding.epoch is not None and not self._admitted:
+            return None  # it may not have seen this switch's epoch: an older coordinator can still move it
         return _step(said)
 
     @property
@@ -158,6 +162,7 @@ class _WeightTransfer(Receiver):
         init = self._init_info(step)
         for attempt in (1, 2):
             self._init(init)
+            self._admitted = True
             self._prepared(init)
             try:
                 self._start()  # returns once staged and verified

@@ -100,7 +100,7 @@ def test_a_server_member_sends_its_epoch_and_leaves_a_newer_coordinators_update_
         server.install(2)  # start (its own session), then the update, refused by the member
     server.release()
     assert calls == ["/start_weight_update", "/update_weights"]  # no finish: the session is the newer coordinator's
-    assert server.version() == 1
+    assert server.version() is None  # it never answered this coordinator's init: it may not keep its epoch
 
     server.bind(Binding(RootRef(str(tmp_path / "bucket")), "f-gen-0", coordinator="f", epoch=2))
     server.install(2)
@@ -122,9 +122,13 @@ def test_fencing_is_one_rule_for_every_kind():
         Binding(RootRef("x"), "r", coordinator="f", epoch=True)
 
 
-def _member(server: VllmAnswers, tmp_path) -> HttpServer:
-    m = HttpServer("http://gen-0:8000", timeout=5, call=server, clock=ManualClock())  # no prepare report: no wait
+def _member(server: VllmAnswers, tmp_path, asked: int | None = 1) -> HttpServer:
+    """A server member as a switch has it: asked its version (the resolve), bound under epoch 1, and
+    prepared to step 2 (its init answered: it has seen the epoch)."""
+    m = HttpServer("http://gen-0:8000", timeout=5, call=server, clock=ManualClock())  # a missing report: no wait
+    assert m.version() == asked
     m.bind(Binding(RootRef(str(tmp_path / "bucket")), "f-gen-0", coordinator="f", epoch=1))
+    m.stage(2)
     return m
 
 
@@ -132,10 +136,11 @@ def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tm
     """vLLM's weight version lags the weights until a finish names it, and any finish sets it:
     the member's step is unknown (None) when an update went unanswered, when another finish ended
     the session or set another version, when its prepare reports its engine holding another step,
-    when another coordinator prepared it since, and before this switch's own finish named its step."""
+    when another coordinator prepared it since, when it did not answer this switch's init, and
+    before this switch's own finish named its step."""
     server = VllmAnswers("1")
     m = _member(server, tmp_path)
-    assert (m.version(), m.vouched) == (1, True)
+    assert m.vouched and m.version() == 1
     server.unanswered = {"/update_weights"}  # applied, its answer lost
     with pytest.raises(MemberError, match="timed out"):
         m.install(2)
@@ -144,7 +149,6 @@ def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tm
 
     server = VllmAnswers("1")
     m = _member(server, tmp_path)
-    assert m.version() == 1
     m.install(2)
     assert m.version() is None  # the weights are at 2, the version still says 1
     m.record()
@@ -155,18 +159,14 @@ def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tm
 
     server = VllmAnswers("1")
     m = _member(server, tmp_path)
-    assert m.version() == 1
-    m._open = server.session = True  # its prepare's session, which another finish (naming 3) ends
-    server.session, server.version = False, "3"
+    server.session, server.version = False, "3"  # another's finish (naming 3) ends this switch's session
     with pytest.raises(MemberError, match="must be called before update_weights"):
         m.install(2)
     assert server.weights == 1 and m.version() is None  # it says 3, and serves 1
 
     server = VllmAnswers("3")
     server.held = None  # restarted (its engine DCR does not know), then a stray finish named step 3
-    m = _member(server, tmp_path)
-    assert m.version() == 3
-    m.stage(2)
+    m = _member(server, tmp_path, asked=3)
     assert not m.vouched and m.version() is None
     m.install(2)
     m.record()
@@ -174,8 +174,6 @@ def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tm
 
     server = VllmAnswers("1")
     m = _member(server, tmp_path)
-    assert m.version() == 1
-    m.stage(2)
     m.install(2)
     m.record()
     assert m.version() == 2
@@ -184,9 +182,17 @@ def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tm
 
     server = VllmAnswers("1")
     server.session = True  # left open by a coordinator that died after its update (the version lags)
-    m = _member(server, tmp_path)
-    m.stage(2)  # refused once: the open session is finished, then it prepares again
+    m = _member(server, tmp_path)  # its start refused once: the open session finished, prepared again
     assert not m.vouched
     m.install(2)
     m.record()
     assert (m.version(), m.vouched) == (2, True)
+
+    server = VllmAnswers("1")
+    server.unanswered = {"/init_weight_transfer_engine"}  # it may not have seen epoch 1
+    m = HttpServer("http://gen-0:8000", timeout=5, call=server, clock=ManualClock())
+    assert m.version() == 1
+    m.bind(Binding(RootRef(str(tmp_path / "bucket")), "f-gen-0", coordinator="f", epoch=1))
+    with pytest.raises(MemberError, match="timed out"):
+        m.stage(2)
+    assert (server.version, m.version()) == ("1", None)  # a coordinator that lost its lease can still move it
