@@ -33,6 +33,7 @@ from flows.receive.fleet import FleetResult, run_fleet
 from flows.receive.fleet_members import HttpServer
 from storage import fleet, fleet_lease, layout
 from storage.fleet_lease import Holder
+from storage.root import open_root
 
 FLEET = "f"
 BOOT_STEP = 0  # the step in every member's checkpoint directory (what a restarted server serves)
@@ -354,16 +355,11 @@ class Schedule:
                             f"{last.error or (last.result.outcome if last.result else 'no result')}")
         target = last.result.target
         off = {m.name: m.server.weights.step for m in self.members if m.server.weights.step != target}
-        rec = fleet.read(self.store_root(), FLEET)
+        rec = fleet.read(open_root(world.ROOT_URL), FLEET)
         if off or rec is None or rec.version != target:
             raise Violation(f"the last coordinator exited 0 for step {target}, but members {off or 'all at it'}; "
                             f"the record says version {rec.version if rec else None}")
         self.outcome.converged = True
-
-    def store_root(self):
-        from storage.root import open_root
-
-        return open_root(world.ROOT_URL)
 
     def describe(self) -> str:
         return (f"{len(self.members)} members, coordinators "
@@ -399,7 +395,3 @@ def run_schedule(seed: int, config: Config, published: dict[str, bytes], backend
         raise Violation(f"seed {seed} ({shape}): {e}\n  after event {s.sched.events} "
                         f"(simulated t={s.sched.now:.3f} s); the last events:\n{trace}\n"
                         f"replay: python -m dcr_bench.fleet_sim --seed {seed}") from None
-
-
-def in_thread() -> SimThread:
-    return current().thread

@@ -36,7 +36,7 @@ import types
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any, Generic, TypeVar
+from typing import Generic, TypeVar
 
 import torch
 
@@ -283,7 +283,3 @@ def engine_seams(data_path: SimDataPath, start) -> Iterator[None]:
     finally:
         for k, v in old.items():
             setattr(engine, k, v)
-
-
-def weights_of(engine: Any) -> SimWeights:
-    return engine.model
