@@ -4,9 +4,12 @@
 What a seed decides: the number of members and coordinators, each coordinator's target (a step,
 or the newest live one) and ``--wait``, each party's clock skew, the interleaving of every thread
 (``scheduler``), the network's faults (``transport``), the engines' (``vllm_server.Faults``),
-and, between any two events: a coordinator crashing (then, maybe, rerun as a new process), a
-member crashing (restarted a while later), the newest steps retracted (the real ``dcr retract``),
-and the clock jumping ahead (a pause long enough for leases to expire).
+the rates of all of them (times 0.2, 1 or 2: ``Config.intensities``), and, between any two
+events: a coordinator crashing (then, maybe, rerun as a new process) or pausing (a GC pause,
+SIGSTOP: half the time just long enough for its lease to be taken, with a retry started beside
+it), both likelier right before it sends a request that changes a member; a member crashing
+(restarted a while later) or pausing; the newest steps retracted (the real ``dcr retract``); and
+the clock jumping ahead.
 
 When no thread can run any more, the last phase: every member that is down is restarted, faults
 stop, and one more coordinator switches the fleet to the newest live step; it must succeed and
