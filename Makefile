@@ -12,7 +12,7 @@ PYTEST := $(PY) -m pytest -q -p no:cacheprovider
 PYTEST_WORKERS ?= 2
 XDIST = $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadscope)
 
-.PHONY: install demo test test-backends test-slow test-more test-vllm example-rl coverage lint docs fault-matrix race bench bench-vllm bench-stream clean
+.PHONY: install demo test test-backends test-slow test-more test-vllm example-rl coverage lint docs fault-matrix race sim-fleet bench bench-vllm bench-stream clean
 
 # $(1): the virtualenv, $(2): the extras of dcr to install with it
 define make_venv
@@ -119,6 +119,13 @@ bench-stream: install
 # the long gc race: 300 publishes (gc after each) against 6 followers killed at random points
 race: install
 	DCR_RACE_STEPS=300 DCR_RACE_FOLLOWERS=6 $(PYTEST) -s tests/system/test_gc_race.py
+
+# The fleet switch's deterministic simulation: 10,000 seeded schedules of the real coordinator and member
+# code (2-3 coordinators, crashes, pauses, lost and late requests), every invariant checked after every
+# event; a failure prints its seed (python -m dcr_bench.fleet_sim --seed N replays it). docs/testing.md.
+SIM_SCHEDULES ?= 10000
+sim-fleet: install
+	$(PY) -m dcr_bench.fleet_sim --schedules $(SIM_SCHEDULES) --out docs/fleet-sim
 
 bench: install
 	$(DCR) bench --quick

@@ -13,7 +13,9 @@ know which step the fleet's rollouts come from:
   ``target``), ``unchanged`` (they already did), ``unconfirmed`` (every member applied the target,
   but not every one said so when asked), ``aborted`` (a member failed to prepare: nobody
   switched), ``taken-back`` (a member failed to apply: the others were taken back to their
-  previous step; see each member's);
+  previous step; see each member's); ``switching``: written before the first member changes, a
+  switch to ``target`` is under way (or its coordinator died in it): each member it updates is
+  ``switching``, its step unknown, and there is no version, until the switch's own record;
 - ``target`` and ``previous``: the step this switch aimed at and the version before it;
 - ``epoch`` (the lease's epoch of the coordinator that wrote it, ``storage.fleet_lease``),
   ``generation`` (1, 2, ...: one per record) and ``coordinator`` (the lease holder's id);
@@ -59,8 +61,8 @@ MAX_FLEET_BYTES = 1 << 20
 KEEP = 8  # record generations kept (the newest included)
 POINTER_TRIES = 5  # copies of a newer generation to fleets/NAME.json before leaving it to that one's writer
 
-MemberOutcome = Literal["switched", "unchanged", "not-switched", "failed", "taken-back"]
-Outcome = Literal["switched", "unchanged", "unconfirmed", "aborted", "taken-back", "mixed"]
+MemberOutcome = Literal["switched", "unchanged", "not-switched", "failed", "taken-back", "switching"]
+Outcome = Literal["switched", "unchanged", "unconfirmed", "aborted", "taken-back", "mixed", "switching"]
 
 
 class Member(BaseModel):

@@ -82,14 +82,15 @@ class EngineReceiver(Receiver):
         wait in its engine loop)."""
         self.admit(self.binding)
         begun = self._begin()  # here, not in the thread: it reads the whole model
+        held = self.version() if begun.known else None  # what the engine holds, as DCR knows it (None: it does not)
 
         def staged() -> Prepared:
             try:
                 p = engine_prepare.stage(self.engine, begun, step, self.binding.options)
             except BaseException as e:
-                self._report(begun, report, step, e)
+                self._report(begun, report, step, held, e)
                 raise
-            self._report(begun, report, p.plan.target_step, None)
+            self._report(begun, report, p.plan.target_step, held, None)
             return p
 
         self._background = _start("dcr-prepare", staged)
@@ -213,12 +214,15 @@ class EngineReceiver(Receiver):
             raise UsageError("nothing prepared: call dcr_prepare first")
         return p
 
-    def _report(self, b: Begun, report: str | None, step: int | None, error: BaseException | None) -> None:
-        """Write the outcome of a background prepare to ``prepared/<receiver>.json`` (if asked for);
-        a failure to write it is logged (the coordinator then learns it from the start call)."""
+    def _report(self, b: Begun, report: str | None, step: int | None, held: int | None,
+                error: BaseException | None) -> None:
+        """Write the outcome of a background prepare to ``prepared/<receiver>.json`` (if asked for),
+        with the step the engine held when it began (``held``: None when DCR does not know it, as
+        after a restart: a coordinator believes an engine's version only if it agrees); a failure to
+        write it is logged (the coordinator then learns it from the start call)."""
         if report is None:
             return
-        doc = {"prepare_id": report, "step": -1 if step is None else step, "ok": error is None,
+        doc = {"prepare_id": report, "step": -1 if step is None else step, "ok": error is None, "held": held,
                "ranks": self.engine.ranks, **({} if error is None else {"error": f"{type(error).__name__}: {error}"})}
         try:
             Catalog(open_root(b.ref)).record_prepared(b.receiver_id, doc)

@@ -30,7 +30,11 @@ A switch to step N (default: the newest live step):
    of the prepare is not built yet). If any member fails (down, unreachable, a step that does not
    verify), every member that started gets ``/finish_weight_update`` with no update (what it
    staged is dropped), nobody switches, and the switch fails naming the member.
-2. **apply** (every member, at once; the pause window): ``/pause`` (vLLM's default mode, ``abort``:
+2. **apply** (every member, at once; the pause window). First the record says the switch is under
+   way (``switching``: no version, the members' steps unknown; not when every member already
+   serves N), so that it never names a step a member has left, whenever this coordinator dies.
+   Then the step is checked live once more (a step retracted while the members prepared it: nobody
+   switches, ``aborted``), then ``/pause`` (vLLM's default mode, ``abort``:
    requests in flight are aborted rather than finished on the new weights, and the KV and prefix
    caches are cleared), ``/update_weights {"step": N, "fleet": NAME, "epoch": E}``,
    ``/finish_weight_update {"weight_version": "N"}``, ``/resume`` (always asked; a member left
@@ -39,7 +43,11 @@ A switch to step N (default: the newest live step):
    **taken back** to its previous step by the same calls (``update_weights {"step": prev}``: the
    inverse delta, exact) and its version set back: the fleet ends all at N or all where it was.
 3. **read back**: every member is asked which step it serves (``/weight_info``; a state file's
-   header); a member that does not answer is unknown.
+   header); a member that does not answer is unknown, and so is one whose answer this switch cannot
+   vouch for (``Receiver.vouched``; vLLM's version lags the weights until a finish names it, and any
+   finish sets it: ``flows.receive.fleet_members``), or whose version disagreed with its own record
+   in ROOT before the switch and was not set by it (``doubted``). A member not vouched for gets the
+   step in phase 2 even where it says it has it.
 4. **record**: ``fleets/NAME.json`` (``storage.fleet``) says what the members said: each member's
    step and outcome, the version every member serves (None unless they all serve one known step),
    ``mixed`` only when members serve different steps; written only if no newer epoch wrote one;
@@ -218,7 +226,11 @@ def resolve_fleet(root: RootRef, name: str, members: list[dict], step: int | Non
         if prev is None:
             pos = cat.position(m["receiver"])
             prev = pos.get("step") if pos else None
-        out.append({**m, "previous": prev if prev is not None and version == prev else None})
+        # a version that disagrees with what was recorded of it: an update whose finish never came (its
+        # coordinator died, or another finish ended its session) left the version behind the weights
+        doubted = isinstance(version, int) and prev is not None and version != prev
+        out.append({**m, "previous": prev if prev is not None and version == prev else None,
+                    **({"doubted": version} if doubted else {})})
     return {"target": target, "previous": held.version if held else None, "members": out}
 
 
@@ -282,11 +294,17 @@ def _switch(m: dict, step: int) -> dict:
     return {"pause_seconds": time.perf_counter() - t0}
 
 
+def _unchanged(m: dict, target: int) -> bool:
+    """A member this switch leaves alone: it serves ``target`` already, and can be believed
+    (``Receiver.vouched``: a member whose version may lag its weights gets the step again)."""
+    return m["previous"] == target and _receiver(m).vouched
+
+
 def apply_members(members: list[dict], target: int) -> list[dict]:
     """Phase 2 on every member at once; each result says ``ok`` (with its pause) or the error. A
     member already serving ``target`` is not paused: what it prepared is released."""
     def apply(m):
-        if m["previous"] == target:
+        if _unchanged(m, target):
             _receiver(m).release()
             return {"pause_seconds": 0.0}
         return _switch(m, target)
@@ -313,8 +331,9 @@ def take_back_members(members: list[dict]) -> list[dict]:
 def read_back_members(members: list[dict]) -> list[dict]:
     """After the switch, every member asked at once which step it serves (``Receiver.version``):
     its entry's ``step`` is what it says (None: no answer, or a version DCR did not set), except a
-    member the switch lost track of (``lost``: gone, or its engine must be reloaded), which is
-    unknown whatever its version says."""
+    member the switch lost track of (``lost``: gone, or its engine must be reloaded), and a member
+    whose version disagreed with its recorded step before the switch (``doubted``, by
+    ``resolve_fleet``) and that this switch did not set, which are unknown whatever they say."""
     def ask(m):
         return None if m.get("lost") else _receiver(m).version()
 
@@ -322,6 +341,9 @@ def read_back_members(members: list[dict]) -> list[dict]:
     for m, said in zip(members, _each(members, ask)):
         if isinstance(said, BaseException):
             out.append({**m, "step": None, "error": m.get("error") or f"asked its version after the switch: {_error(said)}"})
+        elif "doubted" in m and m["outcome"] not in ("switched", "taken-back") and said == m["doubted"]:
+            out.append({**m, "step": None, "error": m.get("error") or (
+                f"says step {said}, which disagrees with its last recorded refit: unknown until a switch sets it")})
         else:
             out.append({**m, "step": said})
     return out
@@ -437,9 +459,17 @@ def _switch_fleet(tasks: FleetSteps, ref: RootRef, name: str, members: list[dict
                        f"nobody switched: {failed[0]['url']} could not prepare step {target} ({failed[0]['error']})")
     try:
         _keep(lease, "applying (what the members prepared was dropped)")
+        _announce(tasks, ref, name, target, previous, members, lease, clock)
     except FleetSwitchError:
         tasks.drop_prepared(prepared)
         raise
+    try:  # still live, now that the record says the switch is under way: a retraction before this stops it
+        target_step(ref, target)
+    except StepNotFoundError:
+        tasks.drop_prepared(prepared)
+        done = [{**m, "outcome": "not-switched"} for m in prepared]
+        return _finish(tasks, ref, name, target, previous, "aborted", done, t0, lease, clock,
+                       f"nobody switched: step {target} was retracted while the members prepared it")
     applied = tasks.apply_members(members, target)
     failed = [m for m in applied if not m["ok"]]
     if not failed:
@@ -463,6 +493,22 @@ def _switch_fleet(tasks: FleetSteps, ref: RootRef, name: str, members: list[dict
             lost = not m["answered"] or "must be reloaded" in m["error"] or m.get("applied")
             done.append({**m, "outcome": "failed", "lost": bool(lost)})
     return _finish(tasks, ref, name, target, previous, "taken-back", done, t0, lease, clock, why)
+
+
+def _announce(tasks: FleetSteps, ref: RootRef, name: str, target: int, previous: int | None, members: list[dict],
+              lease: fleet_lease.FleetLease, clock: Clock) -> None:
+    """Before the first member changes (none will: nothing): the record says that a switch to
+    ``target`` is under way (``switching``, no version, every member's step unknown), so that from
+    now until this switch's own record, whatever happens to this coordinator, the record names no
+    step a member may have left. Written, as every record, only if no newer epoch wrote one."""
+    if all(_unchanged(m, target) for m in members):
+        return
+    entries = [{**m, "step": None, "outcome": "unchanged" if _unchanged(m, target) else "switching"} for m in members]
+    try:
+        tasks.record_fleet(ref, name, target, previous, "switching", entries, lease.epoch, lease.holder.id,
+                           clock.time())
+    except FencedError as e:
+        raise FleetSwitchError(f"{e}; it stopped before applying (what the members prepared was dropped)") from None
 
 
 def _finish(tasks: FleetSteps, ref: RootRef, name: str, target: int, previous: int | None, outcome: str,

@@ -41,7 +41,7 @@ from typing import Any
 
 from dcr_core.clock import SYSTEM, Clock
 from dcr_core.errors import UsageError
-from flows.receive.receiver import TOOK_OVER, Binding, Receiver
+from flows.receive.receiver import Binding, Receiver
 from storage import credentials, layout
 from storage.catalog import Catalog
 from storage.root import RootRef, open_root
@@ -76,6 +76,9 @@ def http_call(url: str, route: str, body: dict | None = None, method: str = "POS
     return json.loads(raw) if raw else {}
 
 
+_UNSEEN = object()
+
+
 def _step(version: Any) -> int | None:
     """A weight version as a step (None: not one DCR set, such as vLLM's default)."""
     return int(version) if isinstance(version, str) and version.isdigit() else None
@@ -85,13 +88,28 @@ class _WeightTransfer(Receiver):
     """The lifecycle over vLLM's weight-transfer calls, which each kind makes its own way (the
     methods ``_init`` to ``_resume``). An update session is opened by the prepare's start (or, to
     take a member back, by the apply itself) and closed by ``record`` (finished with the version)
-    or ``release`` (without one)."""
+    or ``release`` (without one).
+
+    vLLM's weight version is what a member says it serves, and it is set only by a finish that
+    names one: after an update it lags the weights until then, and a finish from elsewhere (a
+    coordinator that lost its lease, a request that arrived late) sets its own, unchecked. So what
+    ``version`` says is believed only where this switch can vouch for it (``_unsure`` otherwise: the
+    step unknown): after an update, only once this switch's own finish named its step; when an
+    update or finish of this switch went unanswered, or a finish of it was refused, or the member
+    had an update session left open, or it did not answer this switch's init (so it may not have
+    seen its epoch: a coordinator that lost its lease can still move it), or its prepare reported
+    holding another step than its version said (a server's ``prepared/<receiver>.json``, ``held``: None when DCR does not know what its
+    engine holds, as after a restart), never; and the version must still be the one this switch
+    set, or the one it found when it first asked."""
 
     def __init__(self, url: str):
         super().__init__(url)
         self.url = url
         self._open = False  # an update session is open (started, not finished)
         self._applied: int | None = None
+        self._unsure = False  # its version may not be the step it serves (see the class docstring)
+        self._admitted = False  # it answered this switch's init: it has seen (and keeps) its epoch
+        self._expected: Any = _UNSEEN  # the version it should say: as first asked, then as this switch set it
 
     # -- the calls -------------------------------------------------------------------------------
 
@@ -127,12 +145,24 @@ class _WeightTransfer(Receiver):
     # -- the lifecycle ---------------------------------------------------------------------------
 
     def version(self) -> int | None:
-        return _step(self._weight_version())
+        said = self._weight_version()
+        if self._expected is _UNSEEN:
+            self._expected = said
+        if self._unsure or said != self._expected:
+            return None  # set by someone else since this switch first asked, or behind the weights
+        if self._binding is not None and self._binding.epoch is not None and not self._admitted:
+            return None  # it may not have seen this switch's epoch: an older coordinator can still move it
+        return _step(said)
+
+    @property
+    def vouched(self) -> bool:
+        return not self._unsure
 
     def stage(self, step: int | None) -> None:
         init = self._init_info(step)
         for attempt in (1, 2):
             self._init(init)
+            self._admitted = True
             self._prepared(init)
             try:
                 self._start()  # returns once staged and verified
@@ -143,8 +173,11 @@ class _WeightTransfer(Receiver):
                     raise
             # vLLM refuses a start while an update is open: a coordinator that died after its prepare
             # left one. Finishing it without an update drops what it held; then prepare again, once.
+            # If there was one (the finish is taken), an update may have run in it, its finish never
+            # sent: the version may lag the weights.
             with contextlib.suppress(MemberError):
                 self._finish(None)
+                self._unsure = True
 
     def install(self, step: int | None) -> None:
         if not self._open:  # taken back (nothing prepared): the update pulls the step in the pause
@@ -153,19 +186,27 @@ class _WeightTransfer(Receiver):
         try:
             self._update({"step": step, **self._fence()})
         except MemberError as e:
-            if TOOK_OVER in str(e):  # fenced: the update session is a newer coordinator's now; leave it alone
-                self._open = False
+            if e.status is None:
+                self._unsure = True  # no answer: it may have applied, with its version as it was
+            else:  # refused or failed (the engine put itself back): vLLM ended the session (a fenced
+                self._open = False  # one is a newer coordinator's now: left alone)
             raise
+        self._unsure = True  # the weights are at the step; the version, once record() names it
         self._applied = step
 
     def record(self) -> None:
         self._open = False  # finished with the version: the member records its commit itself
-        self._finish(str(self._applied))
+        self._finish(str(self._applied))  # refused (another finish ended the session) or unanswered: still unsure
+        self._expected, self._unsure = str(self._applied), False
 
     def release(self) -> None:
         if self._open:  # started, never updated: what it staged is dropped
             self._open = False
-            self._finish(None)
+            try:
+                self._finish(None)
+            except MemberError:
+                self._unsure = True  # another finish may have ended the session first, naming its own version
+                raise
 
 
 class HttpServer(_WeightTransfer):
@@ -185,6 +226,7 @@ class HttpServer(_WeightTransfer):
         self.timeout = timeout
         self.call = call or http_call  # (url, route, body, method=, timeout=) -> dict; raises MemberError
         self.clock = clock  # the prepare report's wait
+        self._reported: str | None = None  # the prepare id of this switch's report, once it came
 
     @classmethod
     def from_url(cls, url: str, timeout: float = HTTP_TIMEOUT, call: Callable[..., dict] | None = None,
@@ -218,8 +260,28 @@ class HttpServer(_WeightTransfer):
                 "prepare_id": uuid.uuid4().hex}
 
     def _prepared(self, init_info: dict) -> None:
-        await_prepared(self.binding.root, {"url": self.url, "receiver": init_info["receiver_id"]},
-                       init_info["prepare_id"], self.timeout, clock=self.clock)
+        reports = await_prepared(self.binding.root, {"url": self.url, "receiver": init_info["receiver_id"]},
+                                 init_info["prepare_id"], self.timeout, clock=self.clock)
+        if reports:
+            self._reported = init_info["prepare_id"]
+        held = [r["held"] for r in reports or () if "held" in r]  # (a DCR before reports said none)
+        if held and (len(set(held)) > 1 or self._expected is _UNSEEN or held[0] != _step(self._expected)):
+            self._unsure = True  # its version is not what its engine holds, as DCR knows it (a restart, a stray finish)
+
+    def version(self) -> int | None:
+        """As ``_WeightTransfer.version``; and once this switch prepared the member, only while the
+        member's last prepare report is still this switch's: another coordinator that prepared it
+        since (its session is where a finish of someone else's lands, on a member restarted
+        meanwhile too) takes away what this switch can vouch for."""
+        said = super().version()
+        if said is not None and self._reported is not None:
+            rid = self.binding.receiver_id
+            cat = Catalog(open_root(self.binding.root))
+            last = cat.prepared(rid) or cat.prepared(f"{rid}-rank0") or {}
+            if last.get("prepare_id") != self._reported:
+                self._unsure = True
+                return None
+        return said
 
     def _start(self) -> None:
         self._post("/start_weight_update")
@@ -238,12 +300,12 @@ class HttpServer(_WeightTransfer):
 
 
 def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.02,
-                   clock: Clock = SYSTEM) -> bool:
+                   clock: Clock = SYSTEM) -> list[dict] | None:
     """Wait until every worker of member ``m`` (``url``, ``receiver``) reported the prepare
-    ``prepare_id`` done (``prepared/<receiver>.json``, one per TP rank as ``<receiver>-rankK``);
-    raise ``MemberError`` with what one reported failing. False when no report came within
-    ``timeout`` (a member whose DCR does not report: the start call then waits for the prepare, in
-    its engine loop)."""
+    ``prepare_id`` done (``prepared/<receiver>.json``, one per TP rank as ``<receiver>-rankK``), and
+    return their reports; raise ``MemberError`` with what one reported failing. None when no report
+    came within ``timeout`` (a member whose DCR does not report: the start call then waits for the
+    prepare, in its engine loop)."""
     cat = Catalog(open_root(root))
     rid = m["receiver"]
     deadline = clock.monotonic() + timeout
@@ -261,10 +323,10 @@ def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll
         if failed:
             raise MemberError(f"{m['url']}: preparing step {failed[0].get('step')} failed: {failed[0].get('error')}", 500)
         if docs:
-            return True
+            return docs
         if clock.monotonic() > deadline:
             log.warning("%s: no prepare report within %.0f s; its start call waits for the prepare", m["url"], timeout)
-            return False
+            return None
         clock.sleep(poll)
         poll = min(poll * 1.5, 0.5)
 

@@ -232,6 +232,13 @@ class Receiver(ABC):
     def version(self) -> int | None:
         """The step the target holds now (None: unknown, or none)."""
 
+    @property
+    def vouched(self) -> bool:
+        """Whether what ``version`` says can be believed now; False (a kind whose version can lag
+        its target: ``flows.receive.fleet_members``): a fleet applies the step to it even where it
+        says it holds it, so that it says so again with certainty."""
+        return True
+
     @abstractmethod
     def stage(self, step: int | None) -> None:
         """Phase 1's work (see ``prepare``)."""

@@ -13,7 +13,8 @@ extension (``flows.receive.engine.EngineReceiver``: prepare in ``engine_prepare`
   (``ReceiveOptions`` fields), ``"state_path"`` (the worker's mirror) and ``"prepare": true`` with
   ``"step": N`` (omitted: the latest): every worker then pulls and verifies that step into a
   staged mirror in a thread and the call returns at once; the engine keeps serving. With
-  ``"prepare_id": ID`` each worker writes the outcome (done or failed, with that id) to
+  ``"prepare_id": ID`` each worker writes the outcome (done or failed, with that id, and the step
+  the engine held as DCR knows it: ``held``, None after a restart) to
   ``prepared/<receiver>.json`` in ROOT when its prepare is over: a coordinator polls that instead
   of calling ``start_weight_update`` early (which waits in vLLM's engine loop, where the server
   generates nothing). Calling it again re-binds (and prepares again). Under ``dcr fleet`` it also

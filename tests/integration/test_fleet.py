@@ -152,7 +152,7 @@ def test_an_unknown_member_url_is_refused_naming_it(root):
 def test_phase_one_waits_for_each_members_prepare_report_in_root(root):
     """A server member reports its background prepare in ``prepared/<receiver>.json`` (one per TP
     rank): the coordinator waits for the report with its prepare id, stops at the first failure,
-    ignores an older prepare's report, and gives up after its timeout (False: the start call waits)."""
+    ignores an older prepare's report, and gives up after its timeout (None: the start call waits)."""
     from flows.receive.fleet_members import MemberError, await_prepared
     from storage.catalog import Catalog
     from storage.root import RootRef, open_root
@@ -161,19 +161,19 @@ def test_phase_one_waits_for_each_members_prepare_report_in_root(root):
     cat = Catalog(open_root(ref))
     m = {"url": "http://gen-0:8000", "receiver": "f-gen-0-8000"}
     cat.record_prepared("f-gen-0-8000", {"prepare_id": "old", "step": 2, "ok": True, "ranks": 1})
-    assert await_prepared(ref, m, "new", timeout=0.3) is False  # an older prepare's report is not this one
-    cat.record_prepared("f-gen-0-8000", {"prepare_id": "new", "step": 2, "ok": True, "ranks": 1})
-    assert await_prepared(ref, m, "new", timeout=5) is True
+    assert await_prepared(ref, m, "new", timeout=0.3) is None  # an older prepare's report is not this one
+    cat.record_prepared("f-gen-0-8000", {"prepare_id": "new", "step": 2, "ok": True, "ranks": 1, "held": 1})
+    assert [r["held"] for r in await_prepared(ref, m, "new", timeout=5)] == [1]
 
     tp = {"url": "http://gen-1:8000", "receiver": "f-gen-1-8000"}
     cat.record_prepared("f-gen-1-8000-rank0", {"prepare_id": "p", "step": 2, "ok": True, "ranks": 2})
-    assert await_prepared(ref, tp, "p", timeout=0.3) is False  # rank 1 has not reported yet
+    assert await_prepared(ref, tp, "p", timeout=0.3) is None  # rank 1 has not reported yet
     cat.record_prepared("f-gen-1-8000-rank1", {"prepare_id": "p", "step": 2, "ok": False, "ranks": 2,
                                                "error": "IntegrityError: step 2: chunk digest mismatch"})
     with pytest.raises(MemberError, match="gen-1:8000: preparing step 2 failed: IntegrityError"):
         await_prepared(ref, tp, "p", timeout=5)
     cat.record_prepared("f-gen-1-8000-rank1", {"prepare_id": "p", "step": 2, "ok": True, "ranks": 2})
-    assert await_prepared(ref, tp, "p", timeout=5) is True
+    assert len(await_prepared(ref, tp, "p", timeout=5)) == 2
 
 
 def _state_members(root, tmp_path, step=0):

@@ -174,7 +174,7 @@ def test_two_coordinator_processes_at_once_end_on_one_step(root, members):
     outs = [p.communicate(timeout=120) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     rec = fleet.read(Root(root), "f")
-    assert rec.epoch == 2 and rec.generation == 2
+    assert rec.epoch == 2 and rec.generation == 4  # each switch: its "switching" record, then its own
     _assert_fleet_at(root, members, rec.version)
 
 
@@ -192,7 +192,7 @@ def test_a_coordinator_that_lost_its_lease_moves_no_member_and_writes_no_record(
         monkeypatch.setattr(fleet_lease.FleetLease, "renew", lambda self: None)  # A notices nothing
 
     with events.listening(_on("fleet.lease-taken", "f", overtaken)):
-        with pytest.raises(FleetSwitchError, match=r"^fleet f: its record \(generation 1\) was written at epoch 2, newer "
+        with pytest.raises(FleetSwitchError, match=r"^fleet f: its record \(generation 2\) was written at epoch 2, newer "
                            r"than this coordinator's epoch 1: another coordinator took over; nothing recorded$"):
             run_fleet(root, _engines(members), step=1, name="f", clock=clock, renew_in_background=False)
     _assert_fleet_at(root, members, 2)
@@ -290,3 +290,64 @@ def test_a_switch_is_done_only_when_every_member_says_it_serves_the_step(root, m
     r = run_fleet(root, _engines(members), step=2, name="f")  # b's step was unknown: it is refitted (to where it is)
     assert (r.outcome, r.version) == ("switched", 2)
     _assert_fleet_at(root, members, 2)
+
+
+def test_the_record_says_a_switch_is_under_way_before_any_member_changes(root, members):
+    """From before the first member changes until the switch's own record, the record names no step
+    (``switching``): a coordinator killed in between leaves no record naming a step a member left."""
+    seen = []
+
+    def at_update(fields):  # the first member about to be updated
+        rec = fleet.read(Root(root), "f")
+        seen.append((rec.outcome, rec.version, rec.target, [(m.step, m.outcome) for m in rec.members]))
+
+    with events.listening(_on("fleet.member-update", "f", at_update)):
+        r = run_fleet(root, _engines(members), step=2, name="f")
+    assert seen == [("switching", None, 2, [(None, "switching"), (None, "switching")])]
+    assert (r.outcome, r.version) == ("switched", 2)
+    _assert_fleet_at(root, members, 2)
+    assert fleet.read(Root(root), "f").generation == 2
+    unchanged = run_fleet(root, _engines(members), step=2, name="f")  # nobody changes: no "switching" record
+    assert (unchanged.outcome, fleet.read(Root(root), "f").generation) == ("unchanged", 3)
+
+
+def test_a_step_retracted_while_the_members_prepared_it_switches_nobody(root, members):
+    from flows import run_retract
+
+    with events.listening(_on("fleet.record-written", "f", lambda fields: run_retract(root, 2))):
+        with pytest.raises(FleetSwitchError, match="^fleet f: nobody switched: step 2 was retracted while the members "
+                           "prepared it$") as e:
+            run_fleet(root, _engines(members), step=2, name="f")
+    assert (e.value.result.outcome, e.value.result.version) == ("aborted", 0)
+    for p in members:
+        assert_bits_equal(read_state(p), STEPS[0])
+    r = run_fleet(root, _engines(members), name="f")  # the newest live step
+    assert (r.outcome, r.version) == ("switched", 1)
+
+
+def test_a_version_that_disagrees_with_the_members_own_record_is_unknown_until_a_switch_sets_it(root):
+    """A server whose version lags its weights (a coordinator died after updating it, and its open
+    session was then finished without a version) says step 1 while it serves 2, as its own record
+    in ROOT says: a switch that does not set it records its step as unknown, one that does, as set."""
+    from flows.receive.fleet_members import HttpServer
+    from storage.catalog import Catalog
+    from tests.support.vllm_answers import VllmAnswers
+
+    lagging, other = VllmAnswers("1"), VllmAnswers("1")
+    lagging.weights = 2
+    Catalog(Root(root)).record_receiver(2, "m0", {"from_step": 1, "moves": ["delta:2"], "policy_digest": "x"})
+    servers = {"http://m0:8000": lagging, "http://m1:8000": other}
+
+    def connect(url):
+        return HttpServer(url, timeout=5, call=servers[url], clock=ManualClock())
+
+    engines = ["m0=http://m0:8000", "m1=http://m1:8000"]
+    other.failing = {"/start_weight_update": "RuntimeError: preparing step 1 failed"}
+    with pytest.raises(FleetSwitchError, match="nobody switched"):
+        run_fleet(root, engines, step=1, name="f", connect=connect)
+    rec = fleet.read(Root(root), "f")
+    assert [(m.receiver, m.step) for m in rec.members] == [("m0", None), ("m1", 1)]
+    assert "says step 1, which disagrees with its last recorded refit" in rec.members[0].error
+    other.failing = {}
+    r = run_fleet(root, engines, step=1, name="f", connect=connect)  # m0 is applied, not left alone as "at 1"
+    assert (r.outcome, r.version, lagging.weights, lagging.version) == ("switched", 1, 1, "1")

@@ -16,7 +16,10 @@ import torch
 from dcr_core.errors import FencedError, UsageError
 from flows.receive.fleet_members import HttpServer, MemberError
 from flows.receive.receiver import Binding, Epochs
-from storage.root import RootRef
+from storage.catalog import Catalog
+from storage.root import RootRef, open_root
+from tests.support.clock import ManualClock
+from tests.support.vllm_answers import VllmAnswers
 
 TOOK_OVER = "fleet f epoch 1 is older than epoch 2 this member has seen: another coordinator took over"
 
@@ -97,7 +100,7 @@ def test_a_server_member_sends_its_epoch_and_leaves_a_newer_coordinators_update_
         server.install(2)  # start (its own session), then the update, refused by the member
     server.release()
     assert calls == ["/start_weight_update", "/update_weights"]  # no finish: the session is the newer coordinator's
-    assert server.version() == 1
+    assert server.version() is None  # it never answered this coordinator's init: it may not keep its epoch
 
     server.bind(Binding(RootRef(str(tmp_path / "bucket")), "f-gen-0", coordinator="f", epoch=2))
     server.install(2)
@@ -117,3 +120,79 @@ def test_fencing_is_one_rule_for_every_kind():
         Binding(RootRef("x"), "r", epoch=3)
     with pytest.raises(UsageError, match="epoch must be an integer"):
         Binding(RootRef("x"), "r", coordinator="f", epoch=True)
+
+
+def _member(server: VllmAnswers, tmp_path, asked: int | None = 1) -> HttpServer:
+    """A server member as a switch has it: asked its version (the resolve), bound under epoch 1, and
+    prepared to step 2 (its init answered: it has seen the epoch)."""
+    m = HttpServer("http://gen-0:8000", timeout=5, call=server, clock=ManualClock())  # a missing report: no wait
+    assert m.version() == asked
+    m.bind(Binding(RootRef(str(tmp_path / "bucket")), "f-gen-0", coordinator="f", epoch=1))
+    m.stage(2)
+    return m
+
+
+def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tmp_path):
+    """vLLM's weight version lags the weights until a finish names it, and any finish sets it:
+    the member's step is unknown (None) when an update went unanswered, when another finish ended
+    the session or set another version, when its prepare reports its engine holding another step,
+    when another coordinator prepared it since, when it did not answer this switch's init, and
+    before this switch's own finish named its step."""
+    server = VllmAnswers("1")
+    m = _member(server, tmp_path)
+    assert m.vouched and m.version() == 1
+    server.unanswered = {"/update_weights"}  # applied, its answer lost
+    with pytest.raises(MemberError, match="timed out"):
+        m.install(2)
+    m.release()
+    assert (server.weights, server.version) == (2, "1") and (m.version(), m.vouched) == (None, False)
+
+    server = VllmAnswers("1")
+    m = _member(server, tmp_path)
+    m.install(2)
+    assert m.version() is None  # the weights are at 2, the version still says 1
+    m.record()
+    assert (m.version(), m.vouched) == (2, True)
+    server.session, server.version = True, "3"  # a finish of another coordinator, later
+    server.session = False
+    assert m.version() is None
+
+    server = VllmAnswers("1")
+    m = _member(server, tmp_path)
+    server.session, server.version = False, "3"  # another's finish (naming 3) ends this switch's session
+    with pytest.raises(MemberError, match="must be called before update_weights"):
+        m.install(2)
+    assert server.weights == 1 and m.version() is None  # it says 3, and serves 1
+
+    server = VllmAnswers("3")
+    server.held = None  # restarted (its engine DCR does not know), then a stray finish named step 3
+    m = _member(server, tmp_path, asked=3)
+    assert not m.vouched and m.version() is None
+    m.install(2)
+    m.record()
+    assert (m.version(), m.vouched) == (2, True)
+
+    server = VllmAnswers("1")
+    m = _member(server, tmp_path)
+    m.install(2)
+    m.record()
+    assert m.version() == 2
+    Catalog(open_root(m.binding.root)).record_prepared("f-gen-0", {"prepare_id": "another", "step": 3, "ok": True})
+    assert m.version() is None  # prepared by another coordinator since: a finish of its own may have named 2
+
+    server = VllmAnswers("1")
+    server.session = True  # left open by a coordinator that died after its update (the version lags)
+    m = _member(server, tmp_path)  # its start refused once: the open session finished, prepared again
+    assert not m.vouched
+    m.install(2)
+    m.record()
+    assert (m.version(), m.vouched) == (2, True)
+
+    server = VllmAnswers("1")
+    server.unanswered = {"/init_weight_transfer_engine"}  # it may not have seen epoch 1
+    m = HttpServer("http://gen-0:8000", timeout=5, call=server, clock=ManualClock())
+    assert m.version() == 1
+    m.bind(Binding(RootRef(str(tmp_path / "bucket")), "f-gen-0", coordinator="f", epoch=1))
+    with pytest.raises(MemberError, match="timed out"):
+        m.stage(2)
+    assert (server.version, m.version()) == ("1", None)  # a coordinator that lost its lease can still move it
