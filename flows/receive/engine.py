@@ -10,9 +10,11 @@ A refit is two phases:
    worker's mirror, digest the engine, plan, lease, stage and verify the next step, and choose
    what to reload or patch (``flows.receive.engine_prepare``). Nothing in the engine changes.
 2. ``apply`` (the pause window): check and write the touched modules through the engine's own
-   reload, or in place, install the staged mirror (``flows.receive.engine_apply``). ``record``
-   then writes the receiver's commit and releases the leases in a thread, once the engine serves
-   again (``wait`` waits for it; so does the next prepare).
+   reload, or in place, install the staged mirror (``flows.receive.engine_apply``). Once the
+   engine serves again, a thread settles what the pause left (``engine_apply.settle``: the
+   touched modules' digests, the mirror's directory synced), and ``record`` then writes the
+   receiver's commit and releases the leases in another (``wait`` waits for both; so does the
+   next prepare).
 
 A worker's engine is *known* when its module digests (``flows.receive.held_digests``, the check a
 live torch module receiver makes too) are those recorded after DCR last refitted it and its mirror
@@ -55,6 +57,7 @@ class EngineReceiver(Receiver):
         self._prepared: Prepared | None = None
         self._applied: Prepared | None = None  # applied, its record not yet started
         self._background: _Job | None = None  # a prepare in a thread
+        self._settling: _Job | None = None  # the last apply's digests (engine_apply.settle), in a thread
         self._finishing: _Job | None = None  # the last apply's record, in a thread
 
     # -- the lifecycle ---------------------------------------------------------------------------
@@ -81,16 +84,18 @@ class EngineReceiver(Receiver):
         thread is done, so that a coordinator knows without calling into the engine (a call would
         wait in its engine loop)."""
         self.admit(self.binding)
-        begun = self._begin()  # here, not in the thread: it reads the whole model
-        held = self.version() if begun.known else None  # what the engine holds, as DCR knows it (None: it does not)
+        begun = self._begin()  # here, not in the thread: it runs the engine's kernels (the rest is read there)
 
         def staged() -> Prepared:
+            held = None
             try:
+                engine_prepare.digest(self.engine, begun)
+                held = self.version() if begun.known else None  # what the engine holds, as DCR knows it
                 p = engine_prepare.stage(self.engine, begun, step, self.binding.options)
             except BaseException as e:
                 self._report(begun, report, step, held, e)
                 raise
-            self._report(begun, report, p.plan.target_step, held, None)
+            self._report(begun, report, p.plan.target_step, held, None, p.staged.bytes_pulled if p.staged else 0)
             return p
 
         self._background = _start("dcr-prepare", staged)
@@ -109,6 +114,8 @@ class EngineReceiver(Receiver):
             engine_prepare.release(p)
             raise
         self._applied = p
+        if p.after is not None:
+            self._settling = _start("dcr-settle", p.after)
 
     def record(self) -> None:
         """Write the receiver's commit record and release the leases in a thread (object-store
@@ -118,8 +125,14 @@ class EngineReceiver(Receiver):
             return
         record = p.record
 
+        settling = self._settling
+
         def finish() -> None:
             try:
+                if settling is not None:
+                    settling[0].join()  # the mirror's directory synced before the record says so
+                    if "error" in settling[1]:
+                        raise settling[1]["error"]
                 state_file.record_receiver_commit(p.ref, p.receiver_id, p.plan.target_step, record)
             except BaseException as e:  # reported by wait(); the next refit records again
                 log.warning("receiver %s: recording its commit of step %s failed (%s: %s); the next refit records it",
@@ -135,6 +148,7 @@ class EngineReceiver(Receiver):
 
     def abort(self) -> bool:
         """Drop a prepared refit (its staged mirror and leases); True if there was one."""
+        self._settled()
         _join(self, "_finishing")  # the last refit's record: done before anything else locks the mirror
         staged = _join(self, "_background")
         if staged is not None and "result" in staged:
@@ -174,6 +188,7 @@ class EngineReceiver(Receiver):
     def wait(self) -> dict | None:
         """Wait for the work a refit left in the background (a prepare, the commit record); raise
         what the record failed with. Returns what DCR knows the engine holds (``public_held``)."""
+        self._settled()
         done = _join(self, "_finishing")
         if done is not None and "error" in done:
             raise done["error"]
@@ -190,6 +205,7 @@ class EngineReceiver(Receiver):
         return None if held is None else {k: v for k, v in held.items() if k != "digests"}
 
     def status(self) -> dict:
+        self._settled()
         held = self.known.held
         known = held is not None and held_digests.unchanged(self.engine.model, held["digests"])
         return {"held": self.public_held(), "known": known, "prepared": self._prepared is not None}
@@ -203,7 +219,17 @@ class EngineReceiver(Receiver):
 
     # -- internals ---------------------------------------------------------------------------------
 
+    def _settled(self) -> None:
+        """Wait for the last apply's digests (``engine_apply.settle``); one that failed left the
+        engine unknown (its error is logged: the next refit reloads the engine whole)."""
+        done = _join(self, "_settling")
+        if done is not None and "error" in done:
+            e = done["error"]
+            log.warning("%s: the digests after the last refit failed (%s: %s); the next refit reloads the engine whole",
+                        self.name, type(e).__name__, e)
+
     def _begin(self) -> Begun:
+        self._settled()  # what DCR knows the engine holds: the last apply's digests
         b = self.binding
         return engine_prepare.begin(self.engine, self.known, b.root, b.receiver_id, b.mirror)
 
@@ -215,15 +241,17 @@ class EngineReceiver(Receiver):
         return p
 
     def _report(self, b: Begun, report: str | None, step: int | None, held: int | None,
-                error: BaseException | None) -> None:
+                error: BaseException | None, pulled: int | None = None) -> None:
         """Write the outcome of a background prepare to ``prepared/<receiver>.json`` (if asked for),
         with the step the engine held when it began (``held``: None when DCR does not know it, as
-        after a restart: a coordinator believes an engine's version only if it agrees); a failure to
-        write it is logged (the coordinator then learns it from the start call)."""
+        after a restart: a coordinator believes an engine's version only if it agrees) and the
+        bytes it pulled (``bytes_pulled``, when it succeeded); a failure to write it is logged (the
+        coordinator then learns it from the start call)."""
         if report is None:
             return
         doc = {"prepare_id": report, "step": -1 if step is None else step, "ok": error is None, "held": held,
-               "ranks": self.engine.ranks, **({} if error is None else {"error": f"{type(error).__name__}: {error}"})}
+               "ranks": self.engine.ranks, **({} if error is None else {"error": f"{type(error).__name__}: {error}"}),
+               **({} if pulled is None else {"bytes_pulled": pulled})}
         try:
             Catalog(open_root(b.ref)).record_prepared(b.receiver_id, doc)
         except Exception as e:  # noqa: BLE001 - advisory

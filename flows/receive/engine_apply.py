@@ -4,10 +4,22 @@ layers through the engine's own in-place reload from the staged mirror (``reload
 layerwise reload), put the staged mirror in place, and record what the engine now holds. Any
 engine: it is reached through its ``EngineModel`` (``flows.receive.engine_model``).
 
-Only the modules the apply may change (``Prepared.touched``) are hashed here (``held_digests``):
-before, to check they are what the prepare saw; after, for the record (``EngineState.held``: root,
-step, policy digest, mirror and module digests). The rest of the engine was hashed by the prepare,
-while it served: the pause's cost follows the change.
+The pause holds no full read of the engine (``held_digests``, "An engine's pause window"):
+
+- before anything changes, the modules patched in place are hashed in full and compared with the
+  prepare's digests (a patch writes some elements, so the others must be what the prepare saw),
+  and every module's stamps (sampled blocks) with the prepare's: another reload of the engine
+  since the prepare is refused (``StateMismatchError``, nothing applied). A layer reloaded whole
+  does not depend on what it held.
+- after the reload, the kernels of the modules the apply may change (``Prepared.touched``) are
+  read back (``probes_of``: in the engine's thread) and those modules stamped; ``known.held``
+  (root, step, policy digest, mirror) is set, its digests still pending;
+- once the engine serves again, ``settle`` (in a thread, ``EngineReceiver``) hashes those modules'
+  bytes with the read-backs, for the record (``EngineState.held``: module digests and their
+  fingerprint), and compares their stamps again: a write by anyone else in between leaves the
+  engine unknown (the next refit reloads it whole). Every other module keeps the digest the
+  prepare took while the engine served. The mirror's directory is synced and the old mirror's
+  pages freed there too (``Prepared.settle``).
 
 A failed reload is rolled back (``roll_back``): the same layers reloaded with the old step's values
 from the current mirror (a known engine), or every weight from the engine's own model path (an
@@ -59,7 +71,8 @@ def apply(engine: EngineModel, known: EngineState, p: Prepared) -> WorkerResult:
         return WorkerResult(**out.model_dump(), pause_seconds=0.0, reload_seconds=0.0, reloaded_tensors=0,
                             patched_tensors=0, patched_elements=0, check_seconds=0.0, digest_seconds=0.0,
                             hashed_modules=0)
-    if not held_digests.unchanged(model, p.digests, p.touched):
+    if not held_digests.unchanged(model, p.digests, patched_modules(model, p)) \
+            or held_digests.stamps_of(model) != p.stamps:
         raise StateMismatchError("the engine's weights changed since dcr_prepare (reloaded outside DCR?); "
                                  "nothing was applied: prepare again")
     check_s = time.perf_counter() - t_apply
@@ -67,11 +80,11 @@ def apply(engine: EngineModel, known: EngineState, p: Prepared) -> WorkerResult:
     names = sorted(infos) if p.reload is None else p.reload
     source = p.staged.path if p.staged else p.mirror
     t0 = time.perf_counter()
-    patched = 0
+    patched, readbacks = 0, None
     try:
         patched = param_patch.apply(p.patches)
         if names or not p.patches:
-            reload(engine, source, infos, names, p.layers)
+            readbacks = reload(engine, source, infos, names, p.layers)
     except BaseException as e:
         param_patch.undo(p.patches)
         roll_back(engine, known, p, names, e)
@@ -79,31 +92,66 @@ def apply(engine: EngineModel, known: EngineState, p: Prepared) -> WorkerResult:
     reload_s = time.perf_counter() - t0
     known.held = None  # unknown until the mirror is in place
     if p.staged is not None:
-        state_file.install_state(p.staged)
+        state_file.install_state(p.staged, later=p.settle)  # its directory synced after the pause
         p.staged = None
     t1 = time.perf_counter()
-    digests = held_digests.after(model, p.digests, p.touched)
+    probes = held_digests.probes_of(model, p.touched, readbacks)  # kernels run here, in the engine's thread
+    stamps = held_digests.stamps_of(model, p.touched)
     digest_s = time.perf_counter() - t1
-    known.held = {"root": p.ref.url, "step": p.plan.target_step, "policy_digest": target.policy_digest,
-                  "mirror": p.mirror, "fingerprint": held_digests.combine(digests), "digests": digests}
+    held = {"root": p.ref.url, "step": p.plan.target_step, "policy_digest": target.policy_digest,
+            "mirror": p.mirror, "fingerprint": None, "digests": None}  # the digests: once settled
+    known.held = held
+    p.after = lambda: settle(known, model, held, p, probes, stamps)
     pause = time.perf_counter() - t_apply  # the engine serves nothing while this RPC runs
     events.reached("receive.engine-reloaded", step=p.plan.target_step)
+    hashed = len(stamps) if p.touched is None else len(p.touched & (set(stamps) | set(probes)))
     timing = {"pause_seconds": pause, "reload_seconds": reload_s, "check_seconds": check_s,
               "digest_seconds": digest_s, "reloaded_tensors": len(names), "patched_tensors": len(p.patches),
-              "patched_elements": patched, "hashed_modules": len(digests if p.touched is None else p.touched & set(digests))}
+              "patched_elements": patched, "hashed_modules": hashed}
     p.record = ReceiverCommit(from_step=p.plan.current_step, moves=p.plan.describe(), bytes_pulled=out.bytes_pulled,
                               policy_digest=target.policy_digest, engine=engine.kind, mode=p.mode, **timing)
     return WorkerResult(**out.model_dump(), **timing)
 
 
+def settle(known: EngineState, model, held: dict, p: Prepared, probes: dict, stamps: dict[str, str]) -> float:
+    """After the pause, while the engine serves (see the module docstring): the touched modules'
+    digests for ``held`` (what ``known.held`` was set to in the pause), checked against the stamps
+    taken at its end; then the mirror's directory synced and the old mirror freed. Returns the
+    seconds it took. Reads only: safe beside the engine's forward passes (no kernel runs)."""
+    t0 = time.perf_counter()
+    try:
+        digests = held_digests.after(model, p.digests, p.touched, probes)
+        still = held_digests.stamps_of(model, p.touched) == stamps
+        p.settle.close()
+    except BaseException:
+        if known.held is held:
+            known.held = None
+        raise
+    if known.held is held:
+        if still:
+            held.update(digests=digests, fingerprint=held_digests.combine(digests))
+        else:
+            known.held = None
+            log.warning("the engine's weights changed right after DCR applied step %s (another reload?): "
+                        "the next refit reloads it whole", p.plan.target_step)
+    return time.perf_counter() - t0
+
+
+def patched_modules(model, p: Prepared) -> set[str]:
+    """The modules that hold a tensor patched in place (tied twins included)."""
+    if not p.patches:
+        return set()
+    return {pt.module for pt in p.patches} | held_digests.holders(model, [pt.param for pt in p.patches])
+
+
 def reload(engine: EngineModel, path: str | None, infos: dict[str, TensorInfo] | None, names: list[str],
-           layers: set[str] | None) -> None:
+           layers: set[str] | None) -> dict | None:
     """The engine's in-place reload of ``names`` read from the state file at ``path`` (None: every
     weight from the engine's own checkpoint), each viewed with its dtype and shape in ``infos``
-    (the step's tensors, bundles' members by name; None: the file's own header)."""
+    (the step's tensors, bundles' members by name; None: the file's own header). Returns what the
+    engine's reload returns (kernels read back as they were rebuilt, or None)."""
     if path is None:
-        engine.reload(None, layers)  # from where the engine was loaded
-        return
+        return engine.reload(None, layers)  # from where the engine was loaded
     with SafetensorsCheckpoint(path) as ck:
         held = ck.infos if infos is None else infos
 
@@ -114,7 +162,7 @@ def reload(engine: EngineModel, path: str | None, infos: dict[str, TensorInfo] |
                 events.reached("receive.engine-tensor", name=n)
                 yield n, t
 
-        engine.reload(weights(), layers)
+        return engine.reload(weights(), layers)
 
 
 def roll_back(engine: EngineModel, known: EngineState, p: Prepared, names: list[str], error: BaseException) -> None:

@@ -2,16 +2,18 @@
 staged beside it, and what the pause will reload or patch. Nothing in the engine changes. Any
 engine: it is reached through its ``EngineModel`` (``flows.receive.engine_model``).
 
-``begin`` runs in the calling thread (it reads the model, never beside a forward pass): it locks the
-worker's *mirror* (a DCR state file holding the canonical checkpoint of the step the engine serves,
-one per ROOT and receiver), digests every module of the engine (``held_digests``, step 1) and
-decides whether DCR knows the engine: its digests are those recorded after DCR's last apply
+``begin`` runs in the calling thread (the engine's: it runs the engine's kernels, never beside a
+forward pass): it locks the worker's *mirror* (a DCR state file holding the canonical checkpoint of
+the step the engine serves, one per ROOT and receiver) and reads back every module's kernel and
+stamps (``held_digests``); ``digest``, at the start of ``stage`` (which may run in a thread,
+beside forward passes: it only reads), hashes every module of the engine with those read-backs
+(step 1) and decides whether DCR knows the engine: its digests are those recorded after DCR's last apply
 (``EngineState.held``) and the mirror holds that step. ``stage`` only reads the bucket and the
 mirror (it may run in a thread): plan from the mirror's step, lease the steps read, stage the next
 mirror (only the changed chunks pulled, every tensor verified against the step's digest), and, for
 a known engine, split the changed tensors into those patched in place (``param_patch``: their
 changed elements found now) and the layers reloaded whole (``layer_probe``), and name every module
-the apply may change (``Prepared.touched``: checked and hashed again in the pause).
+the apply may change (``Prepared.touched``: hashed again after the pause, see ``engine_apply``).
 
 Bundled steps (manifest schema 4, ``dcr_core.bundles``): the mirror holds a bundle's members by
 name, as the engine's loader knows them, so everything after the staging works on members: the
@@ -25,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dcr_core.bits import tensor_from_bits
@@ -54,6 +57,9 @@ class Begun:
     layer_map: layer_probe.LayerMap | None
     patchable: dict[str, str]  # names that can be patched in place (param_patch.candidates)
     lock: contextlib.ExitStack = field(repr=False)
+    stamps: dict[str, str] = field(default_factory=dict)  # the engine's module stamps, when prepared
+    probes: dict | None = field(default=None, repr=False)  # its kernels' read-backs, until ``digest``
+    expected: dict[str, str] | None = field(default=None, repr=False)  # the digests DCR recorded, if plausible
 
 
 @dataclass
@@ -66,14 +72,17 @@ class Prepared:
     reload: list[str] | None  # None: every tensor
     layers: set[str] | None  # the layers those feed (None: all)
     patches: list[param_patch.Patch]  # changed elements written in place, not reloaded
-    touched: set[str] | None  # the modules the apply may change (None: all): checked and re-hashed in the pause
+    touched: set[str] | None  # the modules the apply may change (None: all): re-hashed for the record
     changed: int
     known: bool
     digests: dict[str, str]  # the engine's module digests, when prepared
     leases: Leases
     fetch_seconds: float
     lock: contextlib.ExitStack = field(repr=False)
+    stamps: dict[str, str] = field(default_factory=dict)  # the engine's module stamps, when prepared
     record: ReceiverCommit | None = None  # the receiver's commit record, once applied
+    settle: contextlib.ExitStack = field(default_factory=contextlib.ExitStack, repr=False)  # after the pause
+    after: Callable[[], float] | None = field(default=None, repr=False)  # engine_apply.settle, once applied
 
     @property
     def mode(self) -> str:
@@ -89,7 +98,9 @@ def receiver_of(engine: EngineModel, receiver_id: str) -> str:
 
 def begin(engine: EngineModel, known_state: EngineState, ref: RootRef, receiver_id: str,
           state_path: str | None) -> Begun:
-    """Lock the mirror, digest the engine, and say whether DCR knows it (see the module docstring)."""
+    """Lock the mirror and read what only the engine's own thread may (its kernels' read-backs, and
+    the stamps); ``digest`` then hashes the rest and says whether DCR knows the engine (see the
+    module docstring)."""
     rid = receiver_of(engine, receiver_id)
     mirror = state_file.check_path(
         f"{state_path}.rank{engine.rank}" if state_path and rid != receiver_id else state_path
@@ -98,19 +109,33 @@ def begin(engine: EngineModel, known_state: EngineState, ref: RootRef, receiver_
     lock.enter_context(state.exclusive(mirror))  # one refit per mirror; held until applied or aborted
     try:
         journal.settle(mirror)  # a mirror is never patched in place; a foreign journal is settled
-        digests = held_digests.digests_of(engine.model)  # the whole engine, while it serves (not in the pause)
+        probes = held_digests.probes_of(engine.model)  # kernels run in the engine's thread only
+        stamps = held_digests.stamps_of(engine.model)  # what the pause compares (held_digests)
         held = known_state.held
-        known = bool(held) and held["root"] == ref.url and held["mirror"] == mirror \
-            and held["digests"] == digests and state.peek_step(mirror) == held["step"]
+        plausible = bool(held) and held["root"] == ref.url and held["mirror"] == mirror \
+            and held["digests"] is not None and state.peek_step(mirror) == held["step"]
         layer_map, patchable = None, {}
-        if known:
+        if plausible:
             with SafetensorsCheckpoint(mirror) as ck:
                 schema = tuple(sorted((n, i.dtype, tuple(i.shape)) for n, i in ck.infos.items()))
             layer_map, patchable = _layer_map(engine, known_state, schema)
-        return Begun(ref, rid, mirror, digests, known, layer_map, patchable, lock)
+        return Begun(ref, rid, mirror, {}, False, layer_map, patchable, lock, stamps, probes,
+                     dict(held["digests"]) if plausible else None)
     except BaseException:
         lock.close()
         raise
+
+
+def digest(engine: EngineModel, b: Begun) -> None:
+    """Step 1 of the check (``held_digests``): every module's digest, with the kernels' read-backs
+    ``begin`` took; DCR knows the engine when they are the digests it recorded after its last apply.
+    Reads only, no kernel: it may run beside the engine's forward passes (a background prepare's
+    thread), so the engine's own thread pays only for the read-backs."""
+    if b.probes is None:
+        return
+    b.digests = held_digests.digests_of(engine.model, probes=b.probes)
+    b.known = b.expected is not None and b.digests == b.expected
+    b.probes = None
 
 
 def stage(engine: EngineModel, b: Begun, step: int | None, opts: ReceiveOptions) -> Prepared:
@@ -118,6 +143,7 @@ def stage(engine: EngineModel, b: Begun, step: int | None, opts: ReceiveOptions)
     leases = Leases(b.ref, b.receiver_id, opts.lease_seconds)  # released after the apply (or an abort)
     t0 = time.perf_counter()
     try:
+        digest(engine, b)
         def staged_for(p: RefitPlan):
             if not p.moves:
                 return None
@@ -142,7 +168,7 @@ def stage(engine: EngineModel, b: Begun, step: int | None, opts: ReceiveOptions)
                 layers = b.layer_map.layers_of(reload)
                 touched = _touched(engine.model, layers, patches)
         return Prepared(b.ref, b.receiver_id, b.mirror, plan, staged, reload, layers, patches, touched,
-                        len(changed), b.known, b.digests, leases, time.perf_counter() - t0, b.lock)
+                        len(changed), b.known, b.digests, leases, time.perf_counter() - t0, b.lock, b.stamps)
     except BaseException:
         leases.release()
         b.lock.close()
@@ -152,6 +178,7 @@ def stage(engine: EngineModel, b: Begun, step: int | None, opts: ReceiveOptions)
 def release(p: Prepared) -> None:
     """Drop what a prepared refit holds: its staged mirror (if not installed), its leases, the lock."""
     try:
+        p.settle.close()
         if p.staged is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(p.staged.path)

@@ -21,6 +21,14 @@ The check, the same for both receivers (a delta is never applied onto bits DCR d
 
 A module the refit does not write, rewritten between 1 and 3, is found by the next refit's step 1.
 
+An engine's pause window keeps only what must run there (``flows.receive.engine_apply``): step 2
+in full for the modules patched in place (a patch writes some elements: the rest must be what the
+prepare saw) and as *stamps* (``stamps_of``: a few sampled blocks of every tensor) for every other module (a layer reloaded whole does not depend on what it held: the stamps
+are there to notice another reload of the engine between the prepare and the pause, and refuse);
+step 3's kernel read-backs (``probes_of``: a kernel runs in the engine's own thread, never beside a
+forward pass), then, once the engine serves again, the bytes (``digests_of`` with those probes),
+with the stamps taken at the end of the pause compared again after them.
+
 Cost: one read of the whole target per refit, before it is modified (0.11 s per GiB of BF16 on
 CPU with 2 free cores; hashing every block on one thread took 0.185 s), plus two reads of the
 modules the refit writes; no memory for CPU tensors, host copies of at most ``HOST_CHUNK_BYTES``
@@ -32,14 +40,18 @@ tensor 19 times in 20, and every tensor kept as a plain attribute (docs/ARCHITEC
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import blake3
+import numpy as np
 import torch
 
 from flows.receive.live_tensors import has_kernel, kernel_probe, module_tensors, raw_bytes
 
 HOST_CHUNK_BYTES = 64 << 20
+STAMP_BLOCKS = 32  # sampled blocks per tensor (evenly spread, first and last byte included) ...
+STAMP_BLOCK_BYTES = 64  # ... of this many bytes: 2 KiB per tensor
 
 
 def _hasher() -> blake3.blake3:
@@ -58,8 +70,9 @@ def _update(h: blake3.blake3, t: torch.Tensor) -> None:
 
 
 @torch.inference_mode()
-def module_digest(name: str, mod: torch.nn.Module) -> str | None:
-    """BLAKE3 of what ``mod`` holds itself and of its kernel's output (None: it holds nothing)."""
+def module_digest(name: str, mod: torch.nn.Module, probe: torch.Tensor | None = None) -> str | None:
+    """BLAKE3 of what ``mod`` holds itself and of its kernel's output (None: it holds nothing);
+    ``probe``: that output, already read (``probes_of``)."""
     h, held = _hasher(), False
     for tname, t in module_tensors(f"{name}." if name else "", mod):
         h.update(f"{tname}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
@@ -67,21 +80,90 @@ def module_digest(name: str, mod: torch.nn.Module) -> str | None:
         held = True
     if has_kernel(mod):
         h.update(b"<kernel>\0")
-        _update(h, kernel_probe(mod))
+        _update(h, kernel_probe(mod) if probe is None else probe)
         held = True
     return h.hexdigest() if held else None
 
 
-def digests_of(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, str]:
-    """Module name -> digest for every module that holds something (``names``: only those)."""
+def digests_of(model: torch.nn.Module, names: Iterable[str] | None = None,
+               probes: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+    """Module name -> digest for every module that holds something (``names``: only those).
+    ``probes``: the kernels' outputs already read (``probes_of``), so that no kernel runs here: a
+    thread beside the engine's forward passes may then hash (a kernel call shares state with them)."""
     wanted = None if names is None else set(names)
     out = {}
     for name, mod in model.named_modules():
         if wanted is None or name in wanted:
-            d = module_digest(name, mod)
+            if probes is not None and has_kernel(mod) and name not in probes:
+                raise KeyError(f"module {name!r}: its kernel's output was not read in the engine's thread")
+            d = module_digest(name, mod) if probes is None else module_digest(name, mod, probes.get(name))
             if d is not None:
                 out[name] = d
     return out
+
+
+@torch.inference_mode()
+def probes_of(model: torch.nn.Module, names: Iterable[str] | None = None,
+              have: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Module name -> its kernel's output for the fixed probe row, for the modules ``names`` (None:
+    all) that compute through a kernel: the part of their digests that must run in the engine's
+    own thread (vLLM's CPU kernels keep per-call state: never beside a forward pass). ``have``:
+    outputs already read (an engine's reload reads back the kernels it rebuilds)."""
+    wanted = None if names is None else set(names)
+    have = have or {}
+    return {name: have[name] if name in have else kernel_probe(mod).clone() for name, mod in model.named_modules()
+            if (wanted is None or name in wanted) and has_kernel(mod)}
+
+
+@torch.inference_mode()
+def stamps_of(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, str]:
+    """Module name -> a stamp of the tensors it holds itself: name, dtype, shape and
+    ``STAMP_BLOCKS`` blocks of ``STAMP_BLOCK_BYTES`` sampled evenly over each tensor's bytes (all
+    of a smaller one). About a millisecond for a whole engine. A reload of the engine's weights
+    from another step changes a sampled block of nearly every tensor it writes; a write of a few
+    elements between the samples does not (the full digests are the check that sees those). A
+    kernel's packed copy is not read (its module's digest reads it through the kernel)."""
+    wanted = None if names is None else set(names)
+    out = {}
+    for name, mod in model.named_modules():
+        if wanted is not None and name not in wanted:
+            continue
+        h, held = _hasher(), False
+        for tname, t in module_tensors(f"{name}." if name else "", mod):
+            t = t.detach()
+            h.update(f"{tname}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
+            sampled = _sampled(t)
+            if isinstance(sampled, np.ndarray):
+                h.update(sampled)
+            else:
+                _update(h, sampled)
+            held = True
+        if held:
+            out[name] = h.hexdigest()
+    return out
+
+
+def _sampled(t: torch.Tensor) -> torch.Tensor | np.ndarray:
+    """``STAMP_BLOCKS`` blocks of ``t``'s raw bytes, evenly spread (all of them for a small tensor)."""
+    if not t.numel():
+        return t.new_empty(0, dtype=torch.uint8)
+    if t.device.type == "cpu" and t.is_contiguous():
+        b = raw_bytes(t)
+        return b if b.size <= STAMP_BLOCKS * STAMP_BLOCK_BYTES else b[_stamp_index(b.size)]
+    flat = t.contiguous().reshape(-1).view(torch.uint8)
+    n = flat.numel()
+    if n <= STAMP_BLOCKS * STAMP_BLOCK_BYTES:
+        return flat
+    return flat[torch.from_numpy(_stamp_index(n)).to(flat.device)]
+
+
+@functools.lru_cache(maxsize=1024)
+def _stamp_index(n: int) -> np.ndarray:
+    """The byte positions ``_sampled`` reads of ``n`` bytes (first and last block included)."""
+    starts = np.linspace(0, n - STAMP_BLOCK_BYTES, STAMP_BLOCKS).astype(np.int64)
+    index = (starts[:, None] + np.arange(STAMP_BLOCK_BYTES, dtype=np.int64)[None, :]).reshape(-1)
+    index.flags.writeable = False
+    return index
 
 
 def unchanged(model: torch.nn.Module, held: dict[str, str] | None, names: Iterable[str] | None = None) -> bool:
@@ -94,13 +176,14 @@ def unchanged(model: torch.nn.Module, held: dict[str, str] | None, names: Iterab
     return digests_of(model, names) == {k: v for k, v in held.items() if k in names}
 
 
-def after(model: torch.nn.Module, held: dict[str, str], written: Iterable[str] | None) -> dict[str, str]:
-    """The record after a refit that wrote the modules ``written`` (None: any): those hashed again,
-    every other module's digest kept from ``held``."""
+def after(model: torch.nn.Module, held: dict[str, str], written: Iterable[str] | None,
+          probes: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+    """The record after a refit that wrote the modules ``written`` (None: any): those hashed again
+    (``probes``: their kernels' outputs, already read), every other module's digest kept from ``held``."""
     if written is None:
-        return digests_of(model)
+        return digests_of(model, None, probes)
     written = set(written)
-    return {**{k: v for k, v in held.items() if k not in written}, **digests_of(model, written)}
+    return {**{k: v for k, v in held.items() if k not in written}, **digests_of(model, written, probes)}
 
 
 def holders(model: torch.nn.Module, tensors: Iterable[torch.Tensor]) -> set[str]:

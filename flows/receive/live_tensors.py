@@ -23,6 +23,7 @@ and describes a live torch module (``flows.receive.module``) the same way (``hel
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import blake3
@@ -106,9 +107,14 @@ def kernel_output(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 def kernel_probe(mod: torch.nn.Module) -> torch.Tensor:
     """What the module's CPU linear kernel computes for one fixed pseudo-random row: one pass over
     its weights, like hashing them (``held_digests`` hashes it)."""
-    k = mod.input_size_per_partition
+    return kernel_output(mod, _probe_row(mod.input_size_per_partition, _kernel_dtype(mod)))
+
+
+@functools.lru_cache(maxsize=64)
+def _probe_row(k: int, dtype: torch.dtype) -> torch.Tensor:
+    """The fixed pseudo-random input row of ``k`` elements (kernels only read it)."""
     g = torch.Generator().manual_seed(PROBE_SEED + k)
-    return kernel_output(mod, torch.randn(1, k, generator=g, dtype=torch.float32).to(_kernel_dtype(mod)))
+    return torch.randn(1, k, generator=g, dtype=torch.float32).to(dtype)
 
 
 @torch.inference_mode()

@@ -10,6 +10,7 @@ step passes references (the plan, the staged file's path), so each can run as it
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from flows.receive.records import ReceiverCommit
 from storage import layout, leases, reader
 from storage.catalog import Catalog, unpublished, utc_now
 from storage.local import bundled, journal, materialized, sidecar, state
+from storage.local.objects import fsync_dir
 from storage.local.safetensors import SafetensorsCheckpoint, StreamingSafetensorsWriter, install
 from storage.reader import RefitPlan
 from storage.root import RootRef, open_root, same_root
@@ -178,13 +180,24 @@ def stage_rewrite(plan: RefitPlan, state_path: str, options: ReceiveOptions) -> 
     return Staged(state_path, tmp, False, pulled)
 
 
-def install_state(staged: Staged) -> None:
+def install_state(staged: Staged, later: contextlib.ExitStack | None = None) -> None:
     """Make the staged refit the state: rename the new file over it, or put the journal in force,
     patch the file (page cache) and commit the patch (the journal becomes a redo journal; the file's
     fsync is left to the kernel's writeback and the next ``journal.settle``). A crash before the
-    commit is rolled back by the next receive, one after it rolled forward."""
+    commit is rolled back by the next receive, one after it rolled forward. ``later`` (a rename:
+    an engine's pause window): the directory's sync and the freeing of the old file's pages (the
+    kernel frees them when its last reference goes: milliseconds per hundred MB) are left to it,
+    closed after the pause and before anything is recorded."""
     if staged.exact is not None:
         materialized.install_all(staged.state_path, staged.exact, staged.moves, staged.about or {})
+        events.reached("receive.replaced", path=staged.state_path)
+        return
+    if not staged.in_place and later is not None:
+        with contextlib.suppress(FileNotFoundError):
+            later.enter_context(open(staged.state_path, "rb"))  # the old file lives on until then
+        install(staged.path, staged.state_path, durable=False)
+        later.callback(fsync_dir, os.path.dirname(os.path.abspath(staged.state_path)))
+        materialized.remove_record(staged.state_path)
         events.reached("receive.replaced", path=staged.state_path)
         return
     if not staged.in_place:

@@ -136,7 +136,8 @@ class Faults:
 
 class SimDataPath:
     """``engine_prepare`` and ``engine_apply`` of ``flows.receive.engine`` in the simulation (see
-    the module docstring): ``begin``, ``stage``, ``release`` and ``apply`` with their signatures."""
+    the module docstring): ``begin``, ``digest``, ``stage``, ``release`` and ``apply`` with their
+    signatures."""
 
     def __init__(self, faults: Faults, on_apply):
         self.faults = faults
@@ -152,6 +153,9 @@ class SimDataPath:
         held = known_state.held
         known = bool(held) and held["root"] == ref.url and held["digests"] == digests
         return Begun(ref, receiver_id, "sim-mirror", digests, known, None, {}, contextlib.ExitStack())
+
+    def digest(self, engine, b: Begun) -> None:
+        return None  # ``begin`` already said whether the engine is known
 
     def stage(self, engine, b: Begun, step: int | None, opts) -> Prepared:
         sched = self._sched()

@@ -1,0 +1,178 @@
+"""An engine's pause window (``flows.receive.engine_apply``) on a vLLM-style model with the model's
+own ``load_weights`` as its reload (DCR's engine receiver, no vLLM): what the pause reads of the
+engine, what it refuses, and the digests taken once the engine serves again.
+
+- In the pause, only the modules patched in place are hashed in full; every module is stamped
+  (sampled blocks); the touched modules' bytes are hashed after it (``settle``), in a thread.
+- Another reload of the engine between the prepare and the pause is refused, nothing applied; a
+  write to a layer the apply reloads whole is overwritten (the layer does not depend on what it
+  held); a write to a module patched in place is refused.
+- A reload by anyone else right after the pause, before the digests are taken, leaves the engine
+  unknown: the next refit loads it whole, exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkpoint
+from dcr_core.errors import StateMismatchError
+from flows import run_publish
+from flows.options import PublishOptions
+from flows.receive import engine_apply, held_digests
+from flows.receive.engine import EngineReceiver
+from flows.receive.receiver import Binding
+from storage.root import RootRef
+from tests.support.helpers import assert_bits_equal, dtype_name, nasty_tensor
+
+NORM = "model.layers.1.input_layernorm.weight"
+EMB = "model.embed_tokens.weight"
+Q = "model.layers.0.self_attn.q_proj.weight"
+
+
+class _LoaderEngine:
+    """An engine whose in-place reload is the model's own ``load_weights`` (as vLLM's layerwise
+    reload is, for the whole layers the receiver passes)."""
+
+    kind, rank, ranks = "loader", 0, 1
+
+    def __init__(self, model):
+        self.model = model
+
+    def reload(self, weights, layers):
+        self.model.load_weights(weights)
+
+    def abandon_reload(self):
+        pass
+
+
+def _steps() -> tuple[LlamaConfig, list[dict[str, torch.Tensor]]]:
+    """Step 0; step 1: every weight new except the norms, one norm changed in one element (a patch),
+    the embedding full of NaNs with payloads, signed zeros, infinities and subnormals; step 2: new again."""
+    cfg = LlamaConfig()
+    cks = [{n: t for n, t in canonical_checkpoint(cfg, seed=s).items() if not n.endswith("inv_freq")} for s in range(3)]
+    for s in (1, 2):
+        for n in cks[s]:
+            if "norm" in n:
+                cks[s][n] = cks[0][n].clone()
+    cks[1][NORM].view(torch.int16)[3] ^= 1
+    emb = cks[0][EMB]
+    cks[1][EMB] = nasty_tensor(dtype_name(emb), tuple(emb.shape), seed=1)
+    return cfg, cks
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    cfg, cks = _steps()
+    root = str(tmp_path_factory.mktemp("pause") / "bucket")
+    opts = PublishOptions(chunk_bytes=4096, cache_dir=str(tmp_path_factory.mktemp("cache")))
+    for s, ck in enumerate(cks):
+        run_publish(root, ck, s, options=opts)
+    return cfg, cks, root
+
+
+def _dense(cfg, ck) -> dict[str, torch.Tensor]:
+    m = VllmLlama(cfg)
+    m.load_weights(list(ck.items()))
+    return dict(m.state_dict())
+
+
+def _worker(cfg, cks, root, tmp_path) -> tuple[VllmLlama, EngineReceiver]:
+    model = VllmLlama(cfg)
+    model.load_weights(list(cks[0].items()))
+    worker = EngineReceiver(_LoaderEngine(model))
+    worker.bind(Binding(RootRef(root), "pause", mirror=str(tmp_path / "mirror.safetensors")))
+    assert worker.refit(0).step == 0  # known from now on
+    worker.wait()
+    return model, worker
+
+
+def test_the_pause_hashes_only_the_patched_modules_and_the_rest_is_hashed_once_it_serves(chain, tmp_path, monkeypatch):
+    cfg, cks, root = chain
+    model, worker = _worker(cfg, cks, root, tmp_path)
+    hashed: list[tuple[str, str]] = []  # (module, thread)
+    real = held_digests.module_digest
+
+    def counted(name, mod, probe=None):
+        hashed.append((name, threading.current_thread().name))
+        return real(name, mod, probe)
+
+    monkeypatch.setattr(held_digests, "module_digest", counted)
+    worker.prepare(1)
+    patched = engine_apply.patched_modules(model, worker._prepared)
+    hashed.clear()
+    worker.apply()
+    in_pause = {n for n, thread in hashed if thread != "dcr-settle"}
+    worker.record()
+    worker.wait()
+    r = worker.last.model_dump()
+    assert r["mode"] == "delta" and r["patched_tensors"] and r["reloaded_tensors"], r
+    assert "model.layers.1.input_layernorm" in patched and "model.embed_tokens" not in patched
+    assert in_pause == patched, "the pause hashes only the modules it patches"
+    settled = {n for n, thread in hashed if thread == "dcr-settle"}
+    assert {"model.embed_tokens", "model.layers.0.self_attn.qkv_proj", *patched} <= settled
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
+    status = worker.status()
+    assert status["known"] and status["held"]["step"] == 1
+    assert status["held"]["fingerprint"] == held_digests.fingerprint(model), "the digests taken after the pause are exact"
+    assert worker.refit(2).details["mode"] == "delta"  # what the settled digests say, the next prepare finds
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[2]))
+
+
+@pytest.mark.faults(component="engine receiver", outcome="the engine reloaded by someone else between the prepare and the pause: the pause's stamps see it, nothing is applied (StateMismatchError), and the next refit loads the engine whole, exactly")
+def test_a_reload_between_the_prepare_and_the_pause_is_refused_and_nothing_is_applied(chain, tmp_path):
+    cfg, cks, root = chain
+    model, worker = _worker(cfg, cks, root, tmp_path)
+    worker.prepare(1)
+    model.load_weights(list(cks[2].items()))  # another reload, not DCR's
+    with pytest.raises(StateMismatchError, match="changed since dcr_prepare"):
+        worker.apply()
+    worker.release()
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[2]))
+    assert worker.refit(1).details["mode"] == "full"
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
+
+
+@pytest.mark.faults(component="engine receiver", outcome="one element written by someone else between the prepare and the pause: in a module patched in place, refused (its full digest), nothing applied; in a layer reloaded whole, overwritten: the engine equals the step and its record is exact")
+@pytest.mark.parametrize("where", ["patched", "reloaded"])
+def test_one_element_written_before_the_pause(chain, tmp_path, where):
+    cfg, cks, root = chain
+    model, worker = _worker(cfg, cks, root, tmp_path)
+    worker.prepare(1)
+    module = "model.layers.1.input_layernorm" if where == "patched" else "model.layers.0.self_attn.qkv_proj"
+    w = model.get_submodule(module).weight
+    w.data.view(-1).view(torch.int16)[w.numel() // 2 + 1] ^= 1 << 3  # through .data: no version bump
+    if where == "patched":
+        with pytest.raises(StateMismatchError, match="changed since dcr_prepare"):
+            worker.apply()
+        worker.release()
+        return
+    worker.apply()
+    worker.record()
+    worker.release()
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
+    assert worker.status()["known"]
+
+
+@pytest.mark.faults(component="engine receiver", outcome="the engine reloaded by someone else right after the pause, before the digests for the record were taken: their stamps see it, the engine is unknown, and the next refit loads it whole, exactly")
+def test_a_reload_right_after_the_pause_leaves_the_engine_unknown(chain, tmp_path, monkeypatch):
+    cfg, cks, root = chain
+    model, worker = _worker(cfg, cks, root, tmp_path)
+    real = engine_apply.settle
+    landed = []
+
+    def foreign_reload_first(*args):
+        model.load_weights(list(cks[2].items()))
+        landed.append(True)
+        return real(*args)
+
+    monkeypatch.setattr(engine_apply, "settle", foreign_reload_first)
+    worker.refit(1)
+    assert worker.wait() is None and landed, "the engine is unknown once its digests saw the other reload"
+    monkeypatch.setattr(engine_apply, "settle", real)
+    assert worker.refit(1).details["mode"] == "full"
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
+    assert worker.status()["known"]
