@@ -74,6 +74,7 @@ class Member(BaseModel):
     outcome: MemberOutcome
     error: str | None = None
     pause_seconds: float = Field(default=0.0, ge=0)
+    bytes_pulled: int | None = Field(default=None, ge=0)  # by its prepare for this switch (None: not known)
 
 
 class FleetRecord(BaseModel):

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from flows.cli.common import add_common, say, step_arg, storage_options, use_prefect
 from flows.cli.values import SECONDS, WAIT
+from flows.maintenance.audit import human_bytes
 from flows.receive.fleet import FleetResult, FleetSwitchError, run_fleet
 from flows.receive.fleet_members import HTTP_TIMEOUT
 
@@ -38,7 +39,9 @@ def format_result(r: FleetResult) -> str:
     for m in r.members:
         step = m["step"] if m["step"] is not None else "unknown"
         err = f": {m['error']}" if m.get("error") else ""
-        lines.append(f"  {m['url']} ({m['receiver']}): step {step}, {m['outcome']}, pause {m['pause_seconds']:.3f} s{err}")
+        pulled = "" if m.get("bytes_pulled") is None else f", pulled {human_bytes(m['bytes_pulled'])}"
+        lines.append(f"  {m['url']} ({m['receiver']}): step {step}, {m['outcome']}, pause {m['pause_seconds']:.3f} s"
+                     f"{pulled}{err}")
     return "\n".join(lines)
 
 

@@ -291,7 +291,7 @@ def _switch(m: dict, step: int) -> dict:
         r.release()
     if error is not None:
         raise SwitchFailed(error, applied)
-    return {"pause_seconds": time.perf_counter() - t0}
+    return {"pause_seconds": time.perf_counter() - t0, "bytes_pulled": r.bytes_pulled()}
 
 
 def _unchanged(m: dict, target: int) -> bool:
@@ -305,8 +305,9 @@ def apply_members(members: list[dict], target: int) -> list[dict]:
     member already serving ``target`` is not paused: what it prepared is released."""
     def apply(m):
         if _unchanged(m, target):
-            _receiver(m).release()
-            return {"pause_seconds": 0.0}
+            r = _receiver(m)
+            r.release()
+            return {"pause_seconds": 0.0, "bytes_pulled": r.bytes_pulled()}
         return _switch(m, target)
 
     results = _each(members, apply)
@@ -354,7 +355,8 @@ def record_fleet(root: RootRef, name: str, target: int, previous: int | None, ou
     """Write the fleet's record (``storage.fleet``: conditional on ``epoch``) from what the members
     said (``read_back_members``): its outcome and version are theirs; the record as written."""
     entries = [fleet.Member(url=m["url"], receiver=m["receiver"], step=m.get("step"), outcome=m["outcome"],
-                            error=m.get("error"), pause_seconds=m.get("pause_seconds", 0.0)) for m in members]
+                            error=m.get("error"), pause_seconds=m.get("pause_seconds", 0.0),
+                            bytes_pulled=m.get("bytes_pulled")) for m in members]
     steps = [e.step for e in entries]
     rec = fleet.FleetRecord(fleet=name, version=fleet.version_of(steps), target=target, previous=previous,
                             outcome=fleet.served_outcome(cast(fleet.Outcome, outcome), target, steps), members=entries,

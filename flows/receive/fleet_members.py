@@ -110,6 +110,7 @@ class _WeightTransfer(Receiver):
         self._unsure = False  # its version may not be the step it serves (see the class docstring)
         self._admitted = False  # it answered this switch's init: it has seen (and keeps) its epoch
         self._expected: Any = _UNSEEN  # the version it should say: as first asked, then as this switch set it
+        self._pulled: int | None = None  # bytes its last prepare pulled, as it reported them (None: unknown)
 
     # -- the calls -------------------------------------------------------------------------------
 
@@ -136,11 +137,18 @@ class _WeightTransfer(Receiver):
     def _init_info(self, step: int | None) -> dict:
         b = self.binding
         return {"root": b.root.url, "receiver_id": b.receiver_id, "storage_options": dict(b.root.storage_options),
-                "prepare": True, "step": step, **self._fence()}
+                "prepare": True, "step": step, "prepare_id": uuid.uuid4().hex, **self._fence()}
 
     def _prepared(self, init_info: dict) -> None:
         """Between the init and the start: a server's prepare report awaited."""
         return None
+
+    def _reports(self, prepare_id: str) -> list[dict]:
+        """This prepare's reports in ROOT, read once the start returned (the prepare is over then)."""
+        return prepare_reports(Catalog(open_root(self.binding.root)), self.binding.receiver_id, prepare_id)
+
+    def bytes_pulled(self) -> int | None:
+        return self._pulled
 
     # -- the lifecycle ---------------------------------------------------------------------------
 
@@ -160,6 +168,7 @@ class _WeightTransfer(Receiver):
 
     def stage(self, step: int | None) -> None:
         init = self._init_info(step)
+        self._pulled = None
         for attempt in (1, 2):
             self._init(init)
             self._admitted = True
@@ -167,6 +176,8 @@ class _WeightTransfer(Receiver):
             try:
                 self._start()  # returns once staged and verified
                 self._open = True
+                if self._pulled is None:
+                    self._pulled = _pulled(self._reports(init["prepare_id"]))
                 return
             except MemberError as e:
                 if e.status is None or attempt == 2:
@@ -181,6 +192,7 @@ class _WeightTransfer(Receiver):
 
     def install(self, step: int | None) -> None:
         if not self._open:  # taken back (nothing prepared): the update pulls the step in the pause
+            self._pulled = None  # (what it pulls then is in its receiver record, not known here)
             self._start()
             self._open = True
         try:
@@ -256,14 +268,14 @@ class HttpServer(_WeightTransfer):
 
     def _init_info(self, step: int | None) -> dict:
         sent = credentials.for_another_process(self.binding.root, self.url)  # a local ROOT as an absolute path
-        return {**super()._init_info(step), "root": sent.url, "storage_options": dict(sent.storage_options),
-                "prepare_id": uuid.uuid4().hex}
+        return {**super()._init_info(step), "root": sent.url, "storage_options": dict(sent.storage_options)}
 
     def _prepared(self, init_info: dict) -> None:
         reports = await_prepared(self.binding.root, {"url": self.url, "receiver": init_info["receiver_id"]},
                                  init_info["prepare_id"], self.timeout, clock=self.clock)
         if reports:
             self._reported = init_info["prepare_id"]
+            self._pulled = _pulled(reports)
         held = [r["held"] for r in reports or () if "held" in r]  # (a DCR before reports said none)
         if held and (len(set(held)) > 1 or self._expected is _UNSEEN or held[0] != _step(self._expected)):
             self._unsure = True  # its version is not what its engine holds, as DCR knows it (a restart, a stray finish)
@@ -299,6 +311,28 @@ class HttpServer(_WeightTransfer):
         self._post("/resume")
 
 
+def _pulled(reports: list[dict] | None) -> int | None:
+    """The bytes a member's prepare pulled: the sum of its ranks' reports (None: one did not say)."""
+    if not reports or any(not isinstance(r.get("bytes_pulled"), int) for r in reports):
+        return None
+    return sum(r["bytes_pulled"] for r in reports)
+
+
+def prepare_reports(cat: Catalog, rid: str, prepare_id: str) -> list[dict]:
+    """The reports of prepare ``prepare_id`` by receiver ``rid`` (one, or one per TP rank as
+    ``<rid>-rankK``): all of them, or only the failed ones while some rank has not reported."""
+    docs = [d for d in (cat.prepared(rid),) if d and d.get("prepare_id") == prepare_id]
+    if not docs:
+        first = cat.prepared(f"{rid}-rank0")
+        if first and first.get("prepare_id") == prepare_id:
+            ranks = first.get("ranks") if isinstance(first.get("ranks"), int) else 1
+            docs = [first] + [cat.prepared(f"{rid}-rank{k}") for k in range(1, ranks)]
+            docs = [d for d in docs if d and d.get("prepare_id") == prepare_id]
+            if len(docs) < ranks:
+                docs = [d for d in docs if not d.get("ok")]  # a failure is enough to stop waiting
+    return docs
+
+
 def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll: float = 0.02,
                    clock: Clock = SYSTEM) -> list[dict] | None:
     """Wait until every worker of member ``m`` (``url``, ``receiver``) reported the prepare
@@ -307,18 +341,9 @@ def await_prepared(root: RootRef, m: dict, prepare_id: str, timeout: float, poll
     came within ``timeout`` (a member whose DCR does not report: the start call then waits for the
     prepare, in its engine loop)."""
     cat = Catalog(open_root(root))
-    rid = m["receiver"]
     deadline = clock.monotonic() + timeout
     while True:
-        docs = [d for d in (cat.prepared(rid),) if d and d.get("prepare_id") == prepare_id]
-        if not docs:
-            first = cat.prepared(f"{rid}-rank0")
-            if first and first.get("prepare_id") == prepare_id:
-                ranks = first.get("ranks") if isinstance(first.get("ranks"), int) else 1
-                docs = [first] + [cat.prepared(f"{rid}-rank{k}") for k in range(1, ranks)]
-                docs = [d for d in docs if d and d.get("prepare_id") == prepare_id]
-                if len(docs) < ranks:
-                    docs = [d for d in docs if not d.get("ok")]  # a failure is enough to stop waiting
+        docs = prepare_reports(cat, m["receiver"], prepare_id)
         failed = [d for d in docs if not d.get("ok")]
         if failed:
             raise MemberError(f"{m['url']}: preparing step {failed[0].get('step')} failed: {failed[0].get('error')}", 500)

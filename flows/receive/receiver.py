@@ -61,7 +61,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcr_core.errors import FencedError, UsageError
+from dcr_core.errors import DCRError, FencedError, UsageError
 from flows.options import ReceiveOptions
 from flows.results import ReceiveResult, as_dict
 from storage import layout, signing
@@ -254,6 +254,13 @@ class Receiver(ABC):
     @abstractmethod
     def release(self) -> None:
         """Drop leases, locks, and what was staged but not applied; safe to call at any time."""
+
+    def bytes_pulled(self) -> int | None:
+        """The bytes the last prepare and apply pulled from ROOT (None: not known here)."""
+        try:
+            return self.result().bytes_pulled
+        except DCRError:
+            return None
 
     def result(self) -> ReceiveResult:
         """What the last ``refit`` did."""

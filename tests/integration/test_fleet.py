@@ -109,6 +109,9 @@ def test_state_file_members_switch_all_or_nothing_through_the_same_calls(root, t
     assert (r.outcome, r.version) == ("switched", 2)
     for p in (a, b):
         assert_bits_equal(read_state(p), steps[2])
+    full = sum(t.numel() * t.element_size() for t in steps[2].values())
+    pulled = [m["bytes_pulled"] for m in fleet.read(Root(root), "f").model_dump()["members"]]
+    assert [m["bytes_pulled"] for m in r.members] == pulled and all(0 < p < full for p in pulled), pulled
     r = run_fleet(root, members, step=1, name="f")  # back: the inverse delta
     assert (r.outcome, r.version, r.previous) == ("switched", 1, 2)
     for p in (a, b):

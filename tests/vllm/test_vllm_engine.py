@@ -106,7 +106,7 @@ def test_refits_of_a_running_engine_equal_a_fresh_engine_after_every_step(traine
             assert 0 < r["bytes_pulled"] < full_bytes / 2, r
             assert r["pause_seconds"] >= r["reload_seconds"] > 0
             _assert_same_engine(llm, refs[step])
-            assert llm.collective_rpc("dcr_status")[0]["known"]  # digests re-hashed in the pause equal the engine's
+            assert llm.collective_rpc("dcr_status")[0]["known"]  # the digests recorded after the pause equal the engine's
         back = refit_engine(llm, trained.root, "rollout", step=1, state_path=mirror)  # XOR masks step back too
         assert (back["mode"], back["from_step"], back["step"]) == ("delta", STEPS, 1)
         _assert_same_engine(llm, refs[1])
@@ -118,8 +118,9 @@ def test_refits_of_a_running_engine_equal_a_fresh_engine_after_every_step(traine
 def test_a_refit_that_touches_some_layers_reloads_only_those_layers_and_whole(llama, tmp_path):
     """Step 4 changes one element of q_proj in layer 0 and one of a norm in layer 1: vLLM's fused
     qkv_proj of layer 0 is reloaded from q, k and v (k and v unchanged); the norm keeps the
-    checkpoint's layout and is patched in place (one element); the pause hashes only those two
-    modules, and the digests it keeps equal the whole engine's."""
+    checkpoint's layout and is patched in place (one element); only those two modules are hashed
+    again (the norm checked in the pause, both recorded after it), and the kept digests equal the
+    whole engine's."""
     ck = {n: t.clone() for n, t in llama.checkpoints[-1].items()}
     ck["model.layers.0.self_attn.q_proj.weight"].view(-1)[7] += 1  # BF16: a different bit pattern
     ck["model.layers.1.input_layernorm.weight"].view(-1)[3] *= -1
@@ -132,7 +133,7 @@ def test_a_refit_that_touches_some_layers_reloads_only_those_layers_and_whole(ll
         worker = r["workers"][0]
         assert (r["mode"], worker["changed_tensors"], r["reloaded_tensors"]) == ("delta", 2, 3), r  # q, k, v
         assert (worker["patched_tensors"], worker["patched_elements"]) == (1, 1), worker  # the norm's element
-        assert worker["hashed_modules"] == 2, worker  # qkv_proj and the norm, before and after
+        assert worker["hashed_modules"] == 2, worker  # qkv_proj and the norm, for the record
         _assert_same_engine(llm, ref)
         assert llm.collective_rpc("dcr_status")[0]["known"]  # the kept digests equal the whole engine's
 
@@ -461,7 +462,9 @@ def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, f
     """``dcr fleet`` over two real servers: a member down before the switch means nobody switches;
     1 -> 3 with one member's apply failing (injected) takes the other back to 1, both exact; then
     1 -> 3 -> 1, each member equal to fresh engines, top logprobs equal across the fleet; a member
-    serves while it pulls (phase 1 waits for its report in ROOT, not in its engine loop)."""
+    serves while it pulls (phase 1 waits for its report in ROOT, not in its engine loop); each
+    member's pulled bytes are in the result; two coordinators at once, to different steps, leave
+    both members on the record's step."""
     from dcr_bench.vllm_server import Server, call, checksums, completions, free_port, set_failpoints
     from flows.receive.fleet import FleetSwitchError, run_fleet
     from storage import fleet
@@ -479,6 +482,8 @@ def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, f
         engines = [f"a={a.url}", f"b={b.url}"]
         r = run_fleet(llama.root, engines, step=1, name="f")
         assert (r.outcome, r.version, r.previous) == ("switched", 1, None)
+        first = [m["bytes_pulled"] for m in r.members]  # each member's prepare pulled a whole step
+        assert all(p > 0 for p in first), r.members
         for s in (a, b):
             _serves(s.url, fleet_env, 1)
 
@@ -493,6 +498,7 @@ def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, f
         for step in (3, 1):
             r = run_fleet(llama.root, engines, step=step, name="f")
             assert (r.outcome, r.version) == ("switched", step)
+            assert all(0 < m["bytes_pulled"] < p for m, p in zip(r.members, first)), r.members  # deltas
             for s in (a, b):
                 _serves(s.url, fleet_env, step)
         assert completions(a.url) == completions(b.url)  # with their top logprobs
@@ -521,6 +527,34 @@ def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, f
             call(a.url, "/init_weight_transfer_engine", {"init_info": {"root": llama.root, "receiver_id": "a",
                                                                        "fleet": "f", "epoch": 1}})
         _serves(a.url, fleet_env, 1)
+
+        # two coordinators at once, to different steps over the same servers (members in opposite
+        # orders): one waits for the other's lease, both switch, and the members end on one step,
+        # the record's; neither outlives its bound
+        barrier, box = threading.Barrier(2), {}
+
+        def coordinator(step):
+            barrier.wait()
+            try:
+                box[step] = run_fleet(llama.root, engines[:: 1 if step == 3 else -1], step=step, name="f", wait=120,
+                                      timeout=120)
+            except Exception as e:  # noqa: BLE001 - asserted below
+                box[step] = e
+
+        threads = [threading.Thread(target=coordinator, args=(s,)) for s in (3, 1)]
+        t0 = time.monotonic()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(300)
+        assert time.monotonic() - t0 < 240 and not any(t.is_alive() for t in threads)
+        assert {s: (r.outcome, r.version) for s, r in box.items()} in (
+            {3: ("switched", 3), 1: ("unchanged", 1)},  # to 1 first: nothing to do; then to 3
+            {3: ("switched", 3), 1: ("switched", 1)}), box  # to 3 first, then back to 1
+        rec = fleet.read(open_root(llama.root), "f")
+        assert rec.version in (1, 3) and [m.step for m in rec.members] == [rec.version] * 2, rec
+        for s in (a, b):
+            _serves(s.url, fleet_env, rec.version)
     finally:
         a.stop(), b.stop()
 
