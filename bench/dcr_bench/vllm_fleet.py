@@ -10,6 +10,9 @@ touches one layer, as a partly frozen model's would), then back to 1 (two steps 
 baseline: vLLM's own full reload of step 1 from a local directory (``/pause``, ``reload_weights``
 over ``/collective_rpc``, ``/resume``: no network, no DCR) on every member at once, as a fleet's
 members apply.
+Then ``--rounds`` rounds (default 3) of an AdamW delta to step 2, one back to 1 and vLLM's own
+reload, interleaved: the pause ratio (medians; one engine's times vary by up to a tenth between
+runs on this machine).
 Reported per switch: the fleet's wall time (prepare while serving + apply), each member's pause
 (the coordinator's ``/update_weights`` + ``/finish_weight_update``, HTTP included; the server is
 paused for that long), the engine's own account of its pause (the check of the modules it will
@@ -22,10 +25,12 @@ under ``--out``.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import shutil
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,6 +40,7 @@ from dcr_bench.models.hf_tiny import checkpoint, make_model, save_config, train
 from dcr_bench.vllm_server import Server, call, checksums
 from flows import run_materialize, run_publish
 from flows.options import PublishOptions
+from flows.receive import fleet_members
 from flows.receive.fleet import run_fleet
 from storage.catalog import Catalog, utc_epoch
 from storage.root import open_root
@@ -42,7 +48,7 @@ from storage.root import open_root
 DEFAULT_MODELS = "llama:tiny,llama:medium"
 
 
-def run_model(kind: str, size: str, base: str, lr: float, members: int = 2) -> dict:
+def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, rounds: int = 3) -> dict:
     model = make_model(kind, size, seed=1)
     cks = [checkpoint(model), *train(model, 3, lr=lr, seed=2)]
     last = f"model.layers.{model.config.num_hidden_layers - 1}."
@@ -67,46 +73,67 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2) -> d
     for s in (1, 2, 3):
         with vllm_engine.serving(model_dir(s), extension=False) as llm:
             fresh[s] = llm.collective_rpc("compute_weight_checksums")[0]
-    servers = [Server(model_dir(0), os.path.join(base, f"server-{i}.log"), extension=False) for i in range(members)]
-    switches = []
+    servers = [Server(model_dir(0), os.path.join(base, f"server-{i}.log"), extension=False,
+                      env={"DCR_CACHE_DIR": os.path.join(base, f"server-{i}-cache")})  # its mirror, removed with base
+               for i in range(members)]
+    switches: list[dict] = []
+    rounds_run: list[dict] = []
     try:
         for s in servers:
             s.wait_ready()
         engines = [f"m{i}={s.url}" for i, s in enumerate(servers)]
         cat = Catalog(open_root(root))
-        for label, step in (("first switch (DCR reloads all)", 1), ("delta", 2), ("delta, one layer", 3),
-                            ("delta back two steps", 1)):
+
+        def switch(label: str, step: int) -> dict:
             t0, since = time.perf_counter(), int(time.time())
-            r = run_fleet(root, engines, step=step, name="bench")
+            with _timed_calls("/init_weight_transfer_engine") as inits:
+                r = run_fleet(root, engines, step=step, name="bench")
             wall = time.perf_counter() - t0
-            records = _records(cat, step, [m["receiver"] for m in r.members], since)
-            switches.append({
+            records = _records(cat, step, [m["receiver"] for m in r.members], since)  # (its threads are done)
+            row = {
                 "switch": label, "to_step": step, "outcome": r.outcome, "wall_seconds": wall,
                 "pause_seconds": [m["pause_seconds"] for m in r.members],
+                "init_seconds": [sum(inits.get(m["url"], [0.0])) for m in r.members],
                 "engine_pause_seconds": [rec.get("pause_seconds") for rec in records],
                 "bytes_pulled": [rec.get("bytes_pulled") for rec in records],
+                "fleet_bytes_pulled": [m.get("bytes_pulled") for m in r.members],
                 "modes": [rec.get("mode") for rec in records],
                 "engine": [{k: rec.get(k) for k in ENGINE_KEYS} for rec in records],
                 "exact": all(checksums(s.url) == fresh[step] for s in servers),
-            })
-            print(json.dumps(switches[-1]), flush=True)
+            }
+            print(json.dumps(row), flush=True)
+            return row
+
         step1 = model_dir(1)
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(len(servers)) as pool:  # at once, as the fleet's members apply
-            pauses = list(pool.map(lambda s: vllm_reload(s.url, step1), servers))
-        switches.append({"switch": "vLLM's own full reload from disk (baseline)", "to_step": 1, "outcome": "reloaded",
-                         "wall_seconds": time.perf_counter() - t0, "pause_seconds": pauses,
-                         "engine_pause_seconds": [None] * len(servers), "bytes_pulled": [full_bytes] * len(servers),
-                         "modes": ["full"] * len(servers), "engine": [{} for _ in servers],
-                         "exact": all(checksums(s.url) == fresh[1] for s in servers)})
-        print(json.dumps(switches[-1]), flush=True)
+
+        def baseline(label: str) -> dict:
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(len(servers)) as pool:  # at once, as the fleet's members apply
+                pauses = list(pool.map(lambda s: vllm_reload(s.url, step1), servers))
+            row = {"switch": label, "to_step": 1, "outcome": "reloaded",
+                   "wall_seconds": time.perf_counter() - t0, "pause_seconds": pauses,
+                   "engine_pause_seconds": [None] * len(servers), "bytes_pulled": [full_bytes] * len(servers),
+                   "modes": ["full"] * len(servers), "engine": [{} for _ in servers],
+                   "exact": all(checksums(s.url) == fresh[1] for s in servers)}
+            print(json.dumps(row), flush=True)
+            return row
+
+        for label, step in (("first switch (DCR reloads all)", 1), ("delta", 2), ("delta, one layer", 3),
+                            ("delta back two steps", 1)):
+            switches.append(switch(label, step))
+        switches.append(baseline(BASELINE))
+        for k in range(rounds):  # AdamW deltas and the baseline interleaved: one engine's times vary by a tenth
+            rounds_run.append({"delta": switch(f"AdamW delta, round {k + 1}", 2),
+                               "back": switch(f"AdamW delta back, round {k + 1}", 1),
+                               "baseline": baseline(f"{BASELINE}, round {k + 1}")})
     finally:
         for s in servers:
             s.stop()
     return {"model": f"{kind}:{size}", "parameters": params, "checkpoint_bytes": full_bytes, "lr": lr,
-            "members": members, "switches": switches}
+            "members": members, "switches": switches, "rounds": rounds_run, "pause_ratio": pause_ratio(switches, rounds_run)}
 
 
+BASELINE = "vLLM's own full reload from disk (baseline)"
 ENGINE_KEYS = ("check_seconds", "reload_seconds", "digest_seconds", "reloaded_tensors", "patched_tensors",
                "patched_elements", "hashed_modules")
 
@@ -150,20 +177,76 @@ def _engine_cell(s: dict) -> tuple[str, str]:
 
 def _markdown(results: list[dict]) -> str:
     mb = 1e6
-    lines = ["| model | checkpoint MB | switch | fleet wall s | pause per member s | engine pause s | "
+    lines = ["| model | checkpoint MB | switch | fleet wall s | pause per member s | pause / vLLM's reload | engine pause s | "
              "in the engine: check / reload+patch / digests s | reloaded / patched tensors (modules hashed) | "
              "pulled per member MB | exact |",
-             "|---|---:|---|---:|---|---|---|---|---|---|"]
+             "|---|---:|---|---:|---|---|---|---|---|---|---|"]
     for r in results:
+        base = baseline_pauses(r)
         for s in r["switches"]:
             split, counts = _engine_cell(s)
+            ratio = " / ".join(f"{p / b:.2f}" for p, b in zip(s["pause_seconds"], base))
             lines.append(
                 f"| {r['model']} | {r['checkpoint_bytes'] / mb:.1f} | {s['switch']} ({s['outcome']}) | {s['wall_seconds']:.2f} | "
-                f"{' / '.join(f'{p:.3f}' for p in s['pause_seconds'])} | "
+                f"{' / '.join(f'{p:.3f}' for p in s['pause_seconds'])} | {ratio} | "
                 f"{' / '.join('-' if p is None else f'{p:.3f}' for p in s['engine_pause_seconds'])} | {split} | {counts} | "
                 f"{' / '.join('-' if b is None else f'{b / mb:.2f}' for b in s['bytes_pulled'])} | "
                 f"{'yes' if s['exact'] else 'NO'} |")
+    lines += ["", "| model | AdamW delta pauses s (to 2 and back, each round) | median | vLLM's full reload s (each round) | median | ratio |",
+              "|---|---|---|---|---|---|"]
+    for r in results:
+        q = r.get("pause_ratio") or {}
+        if not q:
+            continue
+        for i in range(r["members"]):
+            lines.append(f"| {r['model']}{f' (member {i})' if r['members'] > 1 else ''} | "
+                         f"{', '.join(f'{p[i]:.3f}' for p in q['delta_pauses'])} | {q['delta_median'][i]:.3f} | "
+                         f"{', '.join(f'{p[i]:.3f}' for p in q['baseline_pauses'])} | {q['baseline_median'][i]:.3f} | "
+                         f"{q['ratio'][i]:.2f} |")
     return "\n".join(lines) + "\n"
+
+
+@contextlib.contextmanager
+def _timed_calls(route: str):
+    """Member URL -> seconds of each ``route`` request the fleet made meanwhile. The prepare's init
+    call runs in the server's engine loop: the member serves nothing while it reads its kernels
+    back (``engine_prepare.begin``), so this is the switch's other stall besides its pause."""
+    times: dict[str, list[float]] = {}
+    real = fleet_members.http_call
+
+    def timed(url, r, *args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return real(url, r, *args, **kwargs)
+        finally:
+            if r == route:
+                times.setdefault(url.rstrip("/"), []).append(time.perf_counter() - t0)
+
+    fleet_members.http_call = timed
+    try:
+        yield times
+    finally:
+        fleet_members.http_call = real
+
+
+def baseline_pauses(r: dict) -> list[float]:
+    """Per member, the median pause of vLLM's own full reloads (every baseline run) of model result ``r``."""
+    runs = [s["pause_seconds"] for s in r["switches"] if s["switch"].startswith(BASELINE)]
+    runs += [x["baseline"]["pause_seconds"] for x in r.get("rounds", ())]
+    return [statistics.median(p) for p in zip(*runs)]
+
+
+def pause_ratio(switches: list[dict], rounds: list[dict]) -> dict:
+    """An AdamW step's pause against vLLM's own full reload, per member: medians over the interleaved
+    rounds (each: a delta to step 2, one back to 1, vLLM's reload of step 1), every run kept."""
+    if not rounds:
+        return {}
+    deltas = [x[k]["pause_seconds"] for x in rounds for k in ("delta", "back")]
+    base = [x["baseline"]["pause_seconds"] for x in rounds]
+    d = [statistics.median(p) for p in zip(*deltas)]
+    b = [statistics.median(p) for p in zip(*base)]
+    return {"delta_pauses": deltas, "baseline_pauses": base, "delta_median": d, "baseline_median": b,
+            "ratio": [x / y for x, y in zip(d, b)]}
 
 
 LABELS = {"first switch (DCR reloads all)": "first switch\n(DCR reloads all)", "delta": "delta",
@@ -205,6 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=3e-6, help="AdamW learning rate of the training steps (default 3e-6)")
     ap.add_argument("--members", type=int, default=2,
                     help="servers in the fleet (default 2; they share this machine's cores, so 1 measures an engine alone)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds of an AdamW delta to step 2 and back, and vLLM's own full reload, interleaved, for the "
+                    "pause ratio (default 3)")
     ap.add_argument("--out", default="docs/bench-vllm-fleet", help="where results.json, results.md and fleet.png go")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -213,15 +299,17 @@ def main(argv: list[str] | None = None) -> int:
         kind, _, size = spec.partition(":")
         with tempfile.TemporaryDirectory(prefix="dcr-vllm-fleet-") as base:
             print(f"dcr-bench vllm fleet: {spec} ...", flush=True)
-            results.append(run_model(kind, size or "tiny", base, args.lr, args.members))
-    meta = {"machine": platform.platform(), "cpus": os.cpu_count()}
+            results.append(run_model(kind, size or "tiny", base, args.lr, args.members, args.rounds))
+    meta = {"machine": platform.platform(), "cpus": os.cpu_count(),
+            "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}  # the servers inherit them
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(_markdown(results))
     _plot(results, os.path.join(args.out, "fleet.png"))
     print(_markdown(results))
-    return 0 if all(s["exact"] and s["outcome"] in ("switched", "reloaded") for r in results for s in r["switches"]) else 1
+    rows = [s for r in results for s in r["switches"] + [x[k] for x in r["rounds"] for k in ("delta", "back", "baseline")]]
+    return 0 if all(s["exact"] and s["outcome"] in ("switched", "reloaded") for s in rows) else 1
 
 
 if __name__ == "__main__":
