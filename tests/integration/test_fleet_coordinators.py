@@ -6,6 +6,7 @@ member said it serves."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import subprocess
@@ -26,7 +27,7 @@ from storage import fleet, fleet_lease
 from storage.root import Root, RootRef
 from tests.support.cli import REPO, dcr
 from tests.support.clock import ManualClock
-from tests.support.helpers import assert_bits_equal, chain_of_steps, read_state
+from tests.support.helpers import assert_bits_equal, at_once, chain_of_steps, read_state
 from tests.support.kill import kill_at, sweep
 
 STEPS = chain_of_steps(3, seed=61)
@@ -138,24 +139,9 @@ def test_two_coordinators_at_once_never_leave_the_members_apart(root, members, w
     """Two switches to different steps started together: without --wait one is refused (or comes
     after the other), with it both switch; the members always end on one step, the record's, and
     neither outlives its bound."""
-    barrier = threading.Barrier(2)
-    results: dict = {}
-
-    def switch(step):
-        barrier.wait()
-        try:
-            results[step] = run_fleet(root, _engines(members)[::1 if step == 1 else -1], step=step, name="f", wait=wait,
-                                      timeout=20)
-        except Exception as e:  # noqa: BLE001 - asserted below
-            results[step] = e
-
-    threads = [threading.Thread(target=switch, args=(s,)) for s in (1, 2)]
-    t0 = time.monotonic()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
-    assert time.monotonic() - t0 < 20
+    results, seconds = at_once({step: functools.partial(run_fleet, root, _engines(members)[::1 if step == 1 else -1],
+                                                        step=step, name="f", wait=wait, timeout=20) for step in (1, 2)}, 60)
+    assert seconds < 20
     ok = [s for s, r in results.items() if isinstance(r, FleetResult)]
     assert ok and all(isinstance(results[s], BusyError) for s in set(results) - set(ok)), results
     if wait:

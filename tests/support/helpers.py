@@ -11,7 +11,9 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping
 
 import numpy as np
 import torch
@@ -405,3 +407,26 @@ def module_bits(module: torch.nn.Module) -> dict[str, torch.Tensor]:
 def assert_one_line(err: BaseException) -> None:
     """An error's message is one line (the contract's one-line errors)."""
     assert len(str(err).splitlines()) == 1, str(err)
+
+
+def at_once(calls: Mapping[Hashable, Callable[[], object]], timeout: float) -> tuple[dict, float]:
+    """Run every call in its own thread, released together (a barrier); returns key -> its result
+    or the exception it raised, and the seconds until all were done (a thread still running after
+    ``timeout`` fails the test)."""
+    barrier, results = threading.Barrier(len(calls)), {}
+
+    def run(key, call):
+        barrier.wait()
+        try:
+            results[key] = call()
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            results[key] = e
+
+    threads = [threading.Thread(target=run, args=kv) for kv in calls.items()]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    assert not any(t.is_alive() for t in threads), f"still running after {timeout:.0f} s"
+    return results, time.monotonic() - t0

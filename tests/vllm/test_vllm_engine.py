@@ -12,6 +12,7 @@ dumps are taken first. Tensor parallelism runs its workers in processes of their
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import threading
@@ -33,6 +34,7 @@ from flows.options import PublishOptions
 from flows.receive.vllm_refit import apply_refit, prepare_refit, refit_engine
 from storage.catalog import Catalog
 from storage.root import open_root
+from tests.support.helpers import at_once
 
 pytestmark = pytest.mark.vllm
 STEPS = 3
@@ -531,23 +533,9 @@ def test_a_fleet_switches_all_or_nothing_and_takes_members_back_exactly(llama, f
         # two coordinators at once, to different steps over the same servers (members in opposite
         # orders): one waits for the other's lease, both switch, and the members end on one step,
         # the record's; neither outlives its bound
-        barrier, box = threading.Barrier(2), {}
-
-        def coordinator(step):
-            barrier.wait()
-            try:
-                box[step] = run_fleet(llama.root, engines[:: 1 if step == 3 else -1], step=step, name="f", wait=120,
-                                      timeout=120)
-            except Exception as e:  # noqa: BLE001 - asserted below
-                box[step] = e
-
-        threads = [threading.Thread(target=coordinator, args=(s,)) for s in (3, 1)]
-        t0 = time.monotonic()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(300)
-        assert time.monotonic() - t0 < 240 and not any(t.is_alive() for t in threads)
+        box, seconds = at_once({step: functools.partial(run_fleet, llama.root, engines[:: 1 if step == 3 else -1],
+                                                        step=step, name="f", wait=120, timeout=120) for step in (3, 1)}, 300)
+        assert seconds < 240
         assert {s: (r.outcome, r.version) for s, r in box.items()} in (
             {3: ("switched", 3), 1: ("unchanged", 1)},  # to 1 first: nothing to do; then to 3
             {3: ("switched", 3), 1: ("switched", 1)}), box  # to 3 first, then back to 1
