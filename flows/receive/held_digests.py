@@ -119,7 +119,7 @@ def probes_of(model: torch.nn.Module, names: Iterable[str] | None = None,
 def stamps_of(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, str]:
     """Module name -> a stamp of the tensors it holds itself: name, dtype, shape and
     ``STAMP_BLOCKS`` blocks of ``STAMP_BLOCK_BYTES`` sampled evenly over each tensor's bytes (all
-    of a smaller one). About a millisecond for a whole engine. A reload of the engine's weights
+    of a smaller one). A few milliseconds for a whole engine (3 ms for 124M parameters on CPU). A reload of the engine's weights
     from another step changes a sampled block of nearly every tensor it writes; a write of a few
     elements between the samples does not (the full digests are the check that sees those). A
     kernel's packed copy is not read (its module's digest reads it through the kernel)."""
@@ -132,34 +132,27 @@ def stamps_of(model: torch.nn.Module, names: Iterable[str] | None = None) -> dic
         for tname, t in module_tensors(f"{name}." if name else "", mod):
             t = t.detach()
             h.update(f"{tname}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
-            sampled = _sampled(t)
-            if isinstance(sampled, np.ndarray):
-                h.update(sampled)
-            else:
-                _update(h, sampled)
+            _update_sampled(h, t)
             held = True
         if held:
             out[name] = h.hexdigest()
     return out
 
 
-def _sampled(t: torch.Tensor) -> torch.Tensor | np.ndarray:
-    """``STAMP_BLOCKS`` blocks of ``t``'s raw bytes, evenly spread (all of them for a small tensor)."""
-    if not t.numel():
-        return t.new_empty(0, dtype=torch.uint8)
-    if t.device.type == "cpu" and t.is_contiguous():
+def _update_sampled(h: blake3.blake3, t: torch.Tensor) -> None:
+    """Feed ``STAMP_BLOCKS`` blocks of ``t``'s raw bytes, evenly spread (all of them for a small tensor)."""
+    whole = STAMP_BLOCKS * STAMP_BLOCK_BYTES
+    if t.numel() and t.device.type == "cpu" and t.is_contiguous():
         b = raw_bytes(t)
-        return b if b.size <= STAMP_BLOCKS * STAMP_BLOCK_BYTES else b[_stamp_index(b.size)]
-    flat = t.contiguous().reshape(-1).view(torch.uint8)
-    n = flat.numel()
-    if n <= STAMP_BLOCKS * STAMP_BLOCK_BYTES:
-        return flat
-    return flat[torch.from_numpy(_stamp_index(n)).to(flat.device)]
+        h.update(b if b.size <= whole else b[_stamp_index(b.size)])
+        return
+    flat = t.contiguous().reshape(-1).view(torch.uint8) if t.numel() else t.new_empty(0, dtype=torch.uint8)
+    _update(h, flat if flat.numel() <= whole else flat[torch.from_numpy(_stamp_index(flat.numel())).to(flat.device)])
 
 
 @functools.lru_cache(maxsize=1024)
 def _stamp_index(n: int) -> np.ndarray:
-    """The byte positions ``_sampled`` reads of ``n`` bytes (first and last block included)."""
+    """The byte positions ``_update_sampled`` reads of ``n`` bytes (first and last block included)."""
     starts = np.linspace(0, n - STAMP_BLOCK_BYTES, STAMP_BLOCKS).astype(np.int64)
     index = (starts[:, None] + np.arange(STAMP_BLOCK_BYTES, dtype=np.int64)[None, :]).reshape(-1)
     index.flags.writeable = False

@@ -377,22 +377,6 @@ def test_kill_9_during_a_bundled_publish_commits_nothing_and_a_rerun_is_exact(tm
     assert_bits_equal(read_state(state), ck1)
 
 
-class _LoaderEngine:
-    """An engine whose in-place reload is the model's own ``load_weights`` (as vLLM's layerwise
-    reload is, for the whole layers the receiver passes): DCR's engine receiver with no vLLM."""
-
-    kind, rank, ranks = "loader", 0, 1
-
-    def __init__(self, model):
-        self.model = model
-
-    def reload(self, weights, layers):
-        self.model.load_weights(weights)
-
-    def abandon_reload(self):
-        pass  # no half-processed layers to put back
-
-
 def test_an_engine_worker_refits_a_bundled_chain_exactly_patching_and_reloading_members(tmp_path):
     """The engine receiver (prepare, pause, rollback: ``flows.receive.engine``, what vLLM's worker
     extension and backend run) on a vLLM-style model whose small tensors are bundled: a changed
@@ -409,6 +393,7 @@ def test_an_engine_worker_refits_a_bundled_chain_exactly_patching_and_reloading_
     from flows.receive.engine import EngineReceiver
     from flows.receive.receiver import Binding
     from storage.root import RootRef
+    from tests.support.loader_engine import LoaderEngine
 
     cfg = LlamaConfig()  # no inv_freq: a buffer feeds every layer, and a keyframe move would reload all
     cks = [{n: t for n, t in canonical_checkpoint(cfg, seed=0).items() if not n.endswith("inv_freq")}]
@@ -435,7 +420,7 @@ def test_an_engine_worker_refits_a_bundled_chain_exactly_patching_and_reloading_
 
     model = VllmLlama(cfg)
     model.load_weights(list(cks[0].items()))
-    worker = EngineReceiver(_LoaderEngine(model))
+    worker = EngineReceiver(LoaderEngine(model))
     worker.bind(Binding(RootRef(root), "v", mirror=str(tmp_path / "mirror.safetensors")))
 
     def refit(step):

@@ -27,26 +27,11 @@ from flows.receive.engine import EngineReceiver
 from flows.receive.receiver import Binding
 from storage.root import RootRef
 from tests.support.helpers import assert_bits_equal, dtype_name, nasty_tensor
+from tests.support.loader_engine import LoaderEngine
 
 NORM = "model.layers.1.input_layernorm.weight"
 EMB = "model.embed_tokens.weight"
 Q = "model.layers.0.self_attn.q_proj.weight"
-
-
-class _LoaderEngine:
-    """An engine whose in-place reload is the model's own ``load_weights`` (as vLLM's layerwise
-    reload is, for the whole layers the receiver passes)."""
-
-    kind, rank, ranks = "loader", 0, 1
-
-    def __init__(self, model):
-        self.model = model
-
-    def reload(self, weights, layers):
-        self.model.load_weights(weights)
-
-    def abandon_reload(self):
-        pass
 
 
 def _steps() -> tuple[LlamaConfig, list[dict[str, torch.Tensor]]]:
@@ -83,7 +68,7 @@ def _dense(cfg, ck) -> dict[str, torch.Tensor]:
 def _worker(cfg, cks, root, tmp_path) -> tuple[VllmLlama, EngineReceiver]:
     model = VllmLlama(cfg)
     model.load_weights(list(cks[0].items()))
-    worker = EngineReceiver(_LoaderEngine(model))
+    worker = EngineReceiver(LoaderEngine(model))
     worker.bind(Binding(RootRef(root), "pause", mirror=str(tmp_path / "mirror.safetensors")))
     assert worker.refit(0).step == 0  # known from now on
     worker.wait()
