@@ -11,8 +11,9 @@ baseline: vLLM's own full reload of step 1 from a local directory (``/pause``, `
 over ``/collective_rpc``, ``/resume``: no network, no DCR) on every member at once, as a fleet's
 members apply.
 Then ``--rounds`` rounds (default 3) of an AdamW delta to step 2, one back to 1 and vLLM's own
-reload, interleaved: the pause ratio (medians; one engine's times vary by up to a tenth between
-runs on this machine).
+reload twice, interleaved: the pause ratio, as the ratio of the medians and as the median of each
+round's own ratio (one engine's times vary by up to a tenth between runs on this machine, and
+drift within one).
 Reported per switch: the fleet's wall time (prepare while serving + apply), each member's pause
 (the coordinator's ``/update_weights`` + ``/finish_weight_update``, HTTP included; the server is
 paused for that long), the engine's own account of its pause (the check of the modules it will
@@ -125,7 +126,8 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, roun
         for k in range(rounds):  # AdamW deltas and the baseline interleaved: one engine's times vary by a tenth
             rounds_run.append({"delta": switch(f"AdamW delta, round {k + 1}", 2),
                                "back": switch(f"AdamW delta back, round {k + 1}", 1),
-                               "baseline": baseline(f"{BASELINE}, round {k + 1}")})
+                               "baseline": baseline(f"{BASELINE}, round {k + 1}"),
+                               "baseline2": baseline(f"{BASELINE}, round {k + 1}, again")})
     finally:
         for s in servers:
             s.stop()
@@ -192,8 +194,9 @@ def _markdown(results: list[dict]) -> str:
                 f"{' / '.join('-' if p is None else f'{p:.3f}' for p in s['engine_pause_seconds'])} | {split} | {counts} | "
                 f"{' / '.join('-' if b is None else f'{b / mb:.2f}' for b in s['bytes_pulled'])} | "
                 f"{'yes' if s['exact'] else 'NO'} |")
-    lines += ["", "| model | AdamW delta pauses s (to 2 and back, each round) | median | vLLM's full reload s (each round) | median | ratio |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| model | AdamW delta pauses s (to 2 and back, each round) | median | vLLM's full reload s (twice, each "
+              "round) | median | ratio | paired ratio (median of rounds') |",
+              "|---|---|---|---|---|---|---|"]
     for r in results:
         q = r.get("pause_ratio") or {}
         if not q:
@@ -202,8 +205,17 @@ def _markdown(results: list[dict]) -> str:
             lines.append(f"| {r['model']}{f' (member {i})' if r['members'] > 1 else ''} | "
                          f"{', '.join(f'{p[i]:.3f}' for p in q['delta_pauses'])} | {q['delta_median'][i]:.3f} | "
                          f"{', '.join(f'{p[i]:.3f}' for p in q['baseline_pauses'])} | {q['baseline_median'][i]:.3f} | "
-                         f"{q['ratio'][i]:.2f} |")
+                         f"{q['ratio'][i]:.2f} | {_paired(q, i)} |")
     return "\n".join(lines) + "\n"
+
+
+def _paired(q: dict, i: int) -> str:
+    """Member ``i``'s paired ratio, with the range of the rounds' ratios (results written before the
+    rounds ran two reloads have none: "-")."""
+    if "paired" not in q:
+        return "-"
+    rs = [x[i] for x in q["round_ratios"]]
+    return f"{q['paired'][i]:.2f} ({min(rs):.2f}-{max(rs):.2f})"
 
 
 @contextlib.contextmanager
@@ -232,21 +244,34 @@ def _timed_calls(route: str):
 def baseline_pauses(r: dict) -> list[float]:
     """Per member, the median pause of vLLM's own full reloads (every baseline run) of model result ``r``."""
     runs = [s["pause_seconds"] for s in r["switches"] if s["switch"].startswith(BASELINE)]
-    runs += [x["baseline"]["pause_seconds"] for x in r.get("rounds", ())]
+    runs += [x[k]["pause_seconds"] for x in r.get("rounds", ()) for k in BASELINE_KEYS if k in x]
     return [statistics.median(p) for p in zip(*runs)]
 
 
+BASELINE_KEYS = ("baseline", "baseline2")
+
+
 def pause_ratio(switches: list[dict], rounds: list[dict]) -> dict:
-    """An AdamW step's pause against vLLM's own full reload, per member: medians over the interleaved
-    rounds (each: a delta to step 2, one back to 1, vLLM's reload of step 1), every run kept."""
+    """An AdamW step's pause against vLLM's own full reload, per member, over the interleaved rounds
+    (each: a delta to step 2, one back to 1, then vLLM's reload of step 1 twice), every run kept:
+    ``ratio`` is the ratio of the medians; ``paired`` the median of each round's ratio (its two
+    deltas' mean over its two reloads' mean), which a drift of the machine's speed across the run
+    leaves alone."""
     if not rounds:
         return {}
     deltas = [x[k]["pause_seconds"] for x in rounds for k in ("delta", "back")]
-    base = [x["baseline"]["pause_seconds"] for x in rounds]
+    base = [x[k]["pause_seconds"] for x in rounds for k in BASELINE_KEYS if k in x]
     d = [statistics.median(p) for p in zip(*deltas)]
     b = [statistics.median(p) for p in zip(*base)]
+
+    def mean(x: dict, keys) -> list[float]:
+        runs = [x[k]["pause_seconds"] for k in keys if k in x]
+        return [statistics.fmean(p) for p in zip(*runs)]
+
+    per_round = [[p / q for p, q in zip(mean(x, ("delta", "back")), mean(x, BASELINE_KEYS))] for x in rounds]
     return {"delta_pauses": deltas, "baseline_pauses": base, "delta_median": d, "baseline_median": b,
-            "ratio": [x / y for x, y in zip(d, b)]}
+            "ratio": [x / y for x, y in zip(d, b)], "round_ratios": per_round,
+            "paired": [statistics.median(p) for p in zip(*per_round)]}
 
 
 LABELS = {"first switch (DCR reloads all)": "first switch\n(DCR reloads all)", "delta": "delta",
@@ -268,7 +293,8 @@ def _plot(results: list[dict], path: str) -> None:
         q = r.get("pause_ratio") or {}
         if q:  # the interleaved rounds' medians (no wall: several switches each)
             labels += [f"AdamW delta\n(median of {len(q['delta_pauses'])})",
-                       f"vLLM full reload\n(median of {len(q['baseline_pauses'])};\nratio {max(q['ratio']):.2f})"]
+                       f"vLLM full reload\n(median of {len(q['baseline_pauses'])};\nratio {max(q['ratio']):.2f}"
+                       + (f", paired {max(q['paired']):.2f})" if "paired" in q else ")")]
             pauses += [max(q["delta_median"]), max(q["baseline_median"])]
             walls += [0.0, 0.0]
         x = list(range(len(labels)))
@@ -296,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--members", type=int, default=2,
                     help="servers in the fleet (default 2; they share this machine's cores, so 1 measures an engine alone)")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of an AdamW delta to step 2 and back, and vLLM's own full reload, interleaved, for the "
+                    help="rounds of an AdamW delta to step 2 and back, and vLLM's own full reload twice, interleaved, for the "
                     "pause ratio (default 3)")
     ap.add_argument("--out", default="docs/bench-vllm-fleet", help="where results.json, results.md and fleet.png go")
     args = ap.parse_args(argv)
@@ -315,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         f.write(_markdown(results))
     _plot(results, os.path.join(args.out, "fleet.png"))
     print(_markdown(results))
-    rows = [s for r in results for s in r["switches"] + [x[k] for x in r["rounds"] for k in ("delta", "back", "baseline")]]
+    rows = [s for r in results for s in r["switches"] + [x[k] for x in r["rounds"] for k in ("delta", "back", *BASELINE_KEYS)]]
     return 0 if all(s["exact"] and s["outcome"] in ("switched", "reloaded") for s in rows) else 1
 
 

@@ -87,11 +87,8 @@ class BundledView:
             return self.inner.mapped_bits(name)
         if not self.one_run(name):
             return self.bits(name)
-        storage = DTYPES[m.dtype].storage
-        if not m.numel:
-            return np.empty(0, storage)
-        path = self.inner.file_named(m.names[0])
-        return np.memmap(path, dtype=storage, mode="r", offset=self.data_offset(name), shape=(m.numel,))
+        return self.inner.mapped_range(self.inner.file_named(m.names[0]), self.data_offset(name), m.numel,
+                                       DTYPES[m.dtype].storage)
 
     def bits(self, name: str) -> np.ndarray:
         m = self.bundles.get(name)

@@ -14,6 +14,7 @@ import io
 import itertools
 import json
 import math
+import mmap
 import os
 import struct
 import uuid
@@ -366,10 +367,19 @@ class SafetensorsCheckpoint:
         the OS can drop, not memory DCR holds. For bits read in place (a publisher's baseline)."""
         info = self.infos[name]
         dt = DTYPES[info.dtype]
-        count = info.nbytes // dt.itemsize
+        return self.mapped_range(self._where[name], self._offset[name], info.nbytes // dt.itemsize, dt.storage)
+
+    def mapped_range(self, f: str, offset: int, count: int, storage) -> np.ndarray:
+        """``count`` elements of numpy dtype ``storage`` at byte ``offset`` of file ``f`` (one of
+        this checkpoint's), read-only, through a map of those bytes of the file as it was opened
+        (not of the path: a file replaced meanwhile is not read). The map is the array's: unmapped
+        once nothing views it (touched pages do not stay in the process), valid after ``close``."""
         if not count:
-            return np.empty(0, dtype=dt.storage)
-        return np.memmap(self._where[name], dtype=dt.storage, mode="r", offset=self._offset[name], shape=(count,))
+            return np.empty(0, dtype=storage)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY
+        m = mmap.mmap(self._fh[f].fileno(), offset - start + count * np.dtype(storage).itemsize,
+                      access=mmap.ACCESS_READ, offset=start)
+        return np.frombuffer(m, dtype=storage, count=count, offset=offset - start)
 
     def close(self) -> None:
         for fh in self._fh.values():
