@@ -201,14 +201,15 @@ def is_held(rec: LeaseRecord | None, now: float, gone: Callable[[Holder], bool] 
     return not gone(rec.holder)
 
 
-def _utc(at: float) -> str:
+def utc(at: float) -> str:
+    """``at`` (epoch seconds) as an ISO 8601 UTC time, as lease messages give it."""
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(at))
 
 
 def busy_message(name: str, rec: LeaseRecord, now: float, wait: float) -> str:
     left = max(0.0, rec.expires_at - now)
     said = (f"fleet {name}: another coordinator is switching it: {rec.holder.describe()} holds its lease (epoch "
-            f"{rec.epoch}) until {_utc(rec.expires_at)} (in {left:.0f} s, renewed while it switches)")
+            f"{rec.epoch}) until {utc(rec.expires_at)} (in {left:.0f} s, renewed while it switches)")
     if wait > 0:
         return f"{said}; it did not come free in {wait:g} s (--wait)"
     return f"{said}; retry later, or pass --wait SECONDS"
@@ -254,14 +255,14 @@ class FleetLease:
                 raise UsageError(f"fleet {self.name}: the lease of epoch {self.epoch} was released")
             now = self.clock.time()
             if now >= self._rec.expires_at:
-                self._lose(f"it expired at {_utc(self._rec.expires_at)} before a renewal got through")
+                self._lose(f"it expired at {utc(self._rec.expires_at)} before a renewal got through")
             rec = self._rec.model_copy(update={"expires_at": now + self.ttl})
             try:
                 self.root.write(self.key, rec.model_dump_json().encode())
                 latest = _epochs(self.root, self.name)
             except (DCRError, OSError) as e:
                 log.warning("fleet %s: renewing the lease of epoch %d failed (%s: %s); it holds until %s",
-                            self.name, self.epoch, type(e).__name__, e, _utc(self._rec.expires_at))
+                            self.name, self.epoch, type(e).__name__, e, utc(self._rec.expires_at))
                 return
             self._rec = rec
             if latest and latest[-1] > self.epoch:
@@ -288,7 +289,7 @@ class FleetLease:
                 self.root.write(self.key, self._rec.model_copy(update={"released": True}).model_dump_json().encode())
             except (DCRError, OSError) as e:
                 log.warning("fleet %s: releasing the lease of epoch %d failed (%s); it expires at %s",
-                            self.name, self.epoch, e, _utc(self._rec.expires_at))
+                            self.name, self.epoch, e, utc(self._rec.expires_at))
 
 
 def take(root: Root, name: str, ttl: float = DEFAULT_TTL, wait: float = 0.0, clock: Clock = SYSTEM,

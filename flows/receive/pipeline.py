@@ -224,6 +224,9 @@ class StateFile(Receiver):
         if newer is not None and self._lock is not None:
             fleet_epochs.write(path, newer)
 
+    def seen_fleets(self) -> dict[str, int]:
+        return fleet_epochs.read(self.path)
+
     def version(self) -> int | None:
         path = self.path
         return state.peek_step(path) if os.path.exists(path) else None

@@ -35,7 +35,9 @@ Fencing, the same for every kind: a coordinator's binding carries its fleet's na
 refuses a binding whose epoch is older than the highest this receiver has seen for that fleet
 (``FencedError``: "fleet NAME epoch E is older than epoch F this member has seen: another
 coordinator took over"), and otherwise remembers it (``fence``). So once a newer coordinator
-reached a member, one that lost its lease (paused, partitioned, slow) can no longer change it.
+reached a member, one that lost its lease (paused, partitioned, slow) can no longer change it. A
+binding of no coordinator at all (a ``dcr receive``, a hand-made update) is refused while a fleet
+the receiver has seen is being switched in its ROOT (``outside_fleets``: that fleet's lease held).
 Where the highest epochs are kept is the kind's (``fence``): by default in the receiver object
 (``Epochs``), which suits a receiver that lives as long as its target (the ``dcr`` backend inside
 a vLLM server or an in-process ``LLM``: a restarted server forgets, which is safe because it starts
@@ -56,16 +58,17 @@ import importlib
 import os
 import re
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from dcr_core.errors import DCRError, FencedError, UsageError
+from dcr_core.errors import BusyError, DCRError, FencedError, UsageError
 from flows.options import ReceiveOptions
 from flows.results import ReceiveResult, as_dict
-from storage import layout, signing
-from storage.root import RootRef
+from storage import fleet_lease, layout, signing
+from storage.root import RootRef, open_root
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,29 @@ class Epochs:
         with self._lock:
             return self._seen.get(fleet)
 
+    def seen(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._seen)
+
+
+def outside_fleets(name: str, seen: Mapping[str, int], root: RootRef) -> None:
+    """Refuse (``BusyError``, one line) a change that no fleet coordinator makes to ``name``, a
+    member of the fleets ``seen`` (the highest epoch it has seen of each), while one of those fleets
+    is being switched in ROOT (its lease held, ``storage.fleet_lease``): that change would race the
+    coordinator's switch and leave the fleet's record untrue. A fleet no one is switching lets it
+    through: the next switch asks every member its step."""
+    if not seen:
+        return
+    r = open_root(root)
+    now = time.time()
+    for fleet in sorted(seen):
+        epoch, rec = fleet_lease.newest(r, fleet)
+        if fleet_lease.is_held(rec, now):
+            raise BusyError(f"{name}: a member of fleet {fleet}, which {rec.holder.describe()} is switching "
+                            f"(lease epoch {epoch}, until {fleet_lease.utc(rec.expires_at)}): a change outside "
+                            "the fleet would race it and leave its record untrue; retry once it is done, "
+                            "or switch the member with dcr fleet")
+
 
 def check_arguments(receiver_id: str | None, step: int | None, options: Any) -> ReceiveOptions:
     """A refit's receiver id and step checked (one line naming what is wrong), and its options."""
@@ -172,6 +198,12 @@ class Receiver(ABC):
         a fleet epoch older than one seen (``fence``); a kind that refuses more calls it too."""
         if binding.epoch is not None and binding.coordinator is not None:
             self.fence(binding.coordinator, binding.epoch)
+        elif binding.coordinator is None:  # no fleet's request: not while a fleet it belongs to switches
+            outside_fleets(self.name, self.seen_fleets(), binding.root)
+
+    def seen_fleets(self) -> dict[str, int]:
+        """The highest epoch this receiver has seen of each fleet (what ``fence`` keeps)."""
+        return self.epochs.seen()
 
     def fence(self, fleet: str, epoch: int) -> None:
         """Refuse (``FencedError``) a request of fleet ``fleet`` made at ``epoch`` if it is older

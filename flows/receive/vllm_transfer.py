@@ -62,7 +62,7 @@ from flows.options import ReceiveOptions
 from flows.receive import vllm_fixups
 from flows.receive.engine import EngineReceiver
 from flows.receive.engine_model import Weights
-from flows.receive.receiver import Binding, check_arguments, check_fence
+from flows.receive.receiver import Binding, check_arguments, check_fence, outside_fleets
 from flows.receive.records import WorkerResult
 from storage import layout
 from storage.root import RootRef
@@ -198,6 +198,8 @@ class DCRWeightTransferEngine(WeightTransferEngine[DCRInitInfo, DCRUpdateInfo]):
         r = self._receiver
         if update_info.epoch is not None and update_info.fleet is not None:
             r.fence(update_info.fleet, update_info.epoch)  # before anything changes
+        else:  # no fleet's update: not while a fleet this engine belongs to switches
+            outside_fleets(r.name, r.seen_fleets(), r.binding.root)
         prepared = r.prepared_step()
         step = update_info.step if update_info.step is not None else prepared
         if prepared is None or step != prepared:

@@ -302,3 +302,29 @@ def test_a_server_member_is_sent_no_credentials_and_an_absolute_root(root, tmp_p
         root, {"anon": False, "endpoint_url": "http://s3:9000"}, "f-gen")
     with pytest.raises(UsageError, match="lives in this process only"):
         server.bind(Binding(RootRef("memory://bucket"), "f-gen"))
+
+
+def test_a_plain_receive_of_a_member_waits_out_its_fleets_switch(root, tmp_path):
+    """A ``dcr receive`` of a state file that a fleet switched (its epochs kept beside it) is refused
+    in one line while that fleet's lease is held (another coordinator is switching it), before the
+    file or ROOT changes; once the lease is released it goes through."""
+    from dcr_core.errors import BusyError
+    from flows import run_receive
+    from storage import fleet_lease
+    from storage.root import open_root
+    from tests.support.helpers import assert_one_line, file_bytes
+
+    a, b = _state_members(root, tmp_path)
+    run_fleet(root, [f"state:{a}", f"state:{b}"], step=1, name="gen")
+    before = file_bytes(a)
+    lease = fleet_lease.take(open_root(root), "gen", 30.0, 0.0)  # a coordinator switching fleet gen
+    try:
+        with pytest.raises(BusyError, match=rf"^{a}: a member of fleet gen, which .* is switching \(lease epoch "
+                           r"2, until .*\): a change outside the fleet would race it") as e:
+            run_receive(root, "ra", a, step=2)
+        assert_one_line(e.value)
+        assert file_bytes(a) == before
+        run_receive(root, "other", str(tmp_path / "c.safetensors"), step=2)  # a file no fleet switched: as ever
+    finally:
+        lease.release()
+    assert run_receive(root, "ra", a, step=2).step == 2  # nobody switching: the next switch asks it its step

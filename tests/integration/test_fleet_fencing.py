@@ -196,3 +196,24 @@ def test_a_members_version_is_believed_only_where_the_switch_can_vouch_for_it(tm
     with pytest.raises(MemberError, match="timed out"):
         m.stage(2)
     assert (server.version, m.version()) == ("1", None)  # a coordinator that lost its lease can still move it
+
+
+def test_the_dcr_backend_takes_no_change_from_outside_a_fleet_that_is_switching_it(vllm_transfer, tmp_path):
+    """An init or update without a fleet's epoch, to an engine a fleet has switched, is refused in one
+    line while that fleet's lease is held in ROOT, before anything is bound, dropped or applied."""
+    from dcr_core.errors import BusyError
+    from storage import fleet_lease
+
+    eng = vllm_transfer.DCRWeightTransferEngine(None, None, torch.device("cpu"), torch.nn.Linear(2, 2))
+    root = str(tmp_path / "bucket")
+    eng.init_transfer_engine(eng.parse_init_info({"root": root, "receiver_id": "f-a", "fleet": "f", "epoch": 2}))
+    lease = fleet_lease.take(open_root(root), "f", 30.0, 0.0)
+    try:
+        for call in (lambda: eng.init_transfer_engine(eng.parse_init_info({"root": root, "receiver_id": "vllm"})),
+                     lambda: eng.update_weights({"step": 1})):
+            with pytest.raises(BusyError, match=r"^.*: a member of fleet f, which .* is switching \(lease epoch 1, "):
+                call()
+        assert (eng._bound.root, eng._bound.epoch) == (root, 2)  # still bound as the fleet left it
+    finally:
+        lease.release()
+    eng.init_transfer_engine(eng.parse_init_info({"root": root, "receiver_id": "vllm"}))  # nobody switching
