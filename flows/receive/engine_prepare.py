@@ -40,7 +40,7 @@ from flows.receive.module import default_mirror_path
 from flows.receive.pipeline import Leases
 from flows.receive.records import ReceiverCommit, WorkerPrepared
 from storage import reader
-from storage.local import journal, state
+from storage.local import journal, objects, state
 from storage.local.safetensors import SafetensorsCheckpoint
 from storage.manifest import Manifest
 from storage.reader import RefitPlan
@@ -167,6 +167,12 @@ def stage(engine: EngineModel, b: Begun, step: int | None, opts: ReceiveOptions)
             if reload is not None:
                 layers = b.layer_map.layers_of(reload)
                 touched = _touched(engine.model, layers, patches)
+        if staged is not None and not staged.in_place and staged.exact is None:
+            # The old mirror is read again only by a failed apply's roll-back: its pages leave the
+            # page cache now, while the engine serves, not after the pause. Two copies of the
+            # checkpoint cached at once left the pause's reload (whose allocations churn about three
+            # times the model's size) short of free memory, reclaiming beside it (docs/vllm.md).
+            objects.drop_cached(b.mirror)
         return Prepared(b.ref, b.receiver_id, b.mirror, plan, staged, reload, layers, patches, touched,
                         len(changed), b.known, b.digests, leases, time.perf_counter() - t0, b.lock, b.stamps)
     except BaseException:

@@ -304,6 +304,22 @@ def remove(base: str, path: str, recursive: bool = False, attempts: int = 5) -> 
                 time.sleep(0.05 * (n + 1))
 
 
+def drop_cached(path: str) -> None:
+    """Ask the kernel to drop ``path``'s clean pages from the page cache (``POSIX_FADV_DONTNEED``;
+    dirty ones are written back first, later). Best effort: a file that is gone, or a file system
+    that keeps its pages (tmpfs), is left as it is; reading the file still gives its bytes."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(directory: str) -> None:
     """Make a rename or link durable (best effort: not every file system fsyncs directories)."""
     try:

@@ -9,6 +9,8 @@ engine, what it refuses, and the digests taken once the engine serves again.
   held); a write to a module patched in place is refused.
 - A reload by anyone else right after the pause, before the digests are taken, leaves the engine
   unknown: the next refit loads it whole, exactly.
+- The prepare drops the old mirror's pages from the page cache; a reload that dies halfway is
+  rolled back from that mirror, read from disk, to the engine's old bits.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from flows.receive import engine_apply, held_digests
 from flows.receive.engine import EngineReceiver
 from flows.receive.receiver import Binding
 from storage.root import RootRef
+from tests.support import page_cache
 from tests.support.helpers import assert_bits_equal, dtype_name, nasty_tensor
 from tests.support.loader_engine import LoaderEngine
 
@@ -161,3 +164,39 @@ def test_a_reload_right_after_the_pause_leaves_the_engine_unknown(chain, tmp_pat
     assert worker.refit(1).details["mode"] == "full"
     assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
     assert worker.status()["known"]
+
+
+def test_the_prepare_drops_the_old_mirrors_pages_and_a_failed_reload_rolls_back_from_disk(chain, tmp_path):
+    """The old mirror is read again only by a failed apply's roll-back: the prepare drops its pages
+    from the page cache (the pause's reload then has the memory), and that roll-back, reading it back
+    from disk, still gives the engine its old bits."""
+    if not page_cache.drops_pages(str(tmp_path)):
+        pytest.skip(f"{tmp_path} is on a file system that keeps its pages")
+    cfg, cks, root = chain
+    model, worker = _worker(cfg, cks, root, tmp_path)
+    mirror = str(tmp_path / "mirror.safetensors")
+    with open(mirror, "rb") as f:
+        f.read()
+    assert page_cache.resident_pages(mirror) > 0
+    worker.prepare(1)
+    staged = worker._prepared.staged.path
+    assert page_cache.resident_pages(mirror) == 0, "the old mirror's pages were dropped by the prepare"
+    assert page_cache.resident_pages(staged) > 0, "the staged mirror's were kept for the pause"
+    real, calls = worker.engine.reload, []
+
+    def half_then_fail(weights, layers):  # the apply's reload dies halfway; the roll-back's succeeds
+        calls.append(layers)
+        if len(calls) == 1:
+            weights = list(weights)
+            real(weights[: len(weights) // 2], layers)
+            raise RuntimeError("reload died halfway")
+        return real(weights, layers)
+
+    worker.engine.reload = half_then_fail
+    with pytest.raises(RuntimeError, match="died halfway"):
+        worker.apply()
+    assert len(calls) == 2, "the roll-back reloaded from the old mirror"
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[0]))
+    worker.engine.reload = real
+    assert worker.refit(1).step == 1
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
