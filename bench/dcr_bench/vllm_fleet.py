@@ -18,8 +18,10 @@ Reported per switch: the fleet's wall time (prepare while serving + apply), each
 (the coordinator's ``/update_weights`` + ``/finish_weight_update``, HTTP included; the server is
 paused for that long), the engine's own account of its pause (the check of the modules it will
 touch, the reload and in-place patches, the digests of what it touched), bytes pulled per member
-(its receiver record in ROOT), and whether every member's weights equal a fresh engine's on the
-step (``/weight_checker`` checksums). Writes ``results.json``, ``results.md`` and ``fleet.png``
+(its receiver record in ROOT), the machine's free memory when each pause began and the pages the
+kernel's reclaimer scanned while it lasted (a pause short of free pages reclaims beside the
+reload), and whether every member's weights equal a fresh engine's on the step
+(``/weight_checker`` checksums). Writes ``results.json``, ``results.md`` and ``fleet.png``
 under ``--out``.
 """
 
@@ -87,7 +89,7 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, roun
 
         def switch(label: str, step: int) -> dict:
             t0, since = time.perf_counter(), int(time.time())
-            with _timed_calls("/init_weight_transfer_engine") as inits:
+            with _timed_calls("/init_weight_transfer_engine") as inits, _memory_in_pauses() as memory:
                 r = run_fleet(root, engines, step=step, name="bench")
             wall = time.perf_counter() - t0
             records = _records(cat, step, [m["receiver"] for m in r.members], since)  # (its threads are done)
@@ -101,6 +103,7 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, roun
                 "modes": [rec.get("mode") for rec in records],
                 "engine": [{k: rec.get(k) for k in ENGINE_KEYS} for rec in records],
                 "exact": all(checksums(s.url) == fresh[step] for s in servers),
+                **_memory_fields([memory.get(m["url"].rstrip("/"), {}) for m in r.members]),
             }
             print(json.dumps(row), flush=True)
             return row
@@ -109,10 +112,16 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, roun
 
         def baseline(label: str) -> dict:
             t0 = time.perf_counter()
+            def reload_one(s: Server) -> tuple[float, dict]:
+                m0 = machine_memory()
+                pause = vllm_reload(s.url, step1)
+                return pause, {"free_mb": m0["free_mb"], "scanned_pages": machine_memory()["scanned"] - m0["scanned"]}
+
             with ThreadPoolExecutor(len(servers)) as pool:  # at once, as the fleet's members apply
-                pauses = list(pool.map(lambda s: vllm_reload(s.url, step1), servers))
+                done = list(pool.map(reload_one, servers))
+            pauses = [p for p, _ in done]
             row = {"switch": label, "to_step": 1, "outcome": "reloaded",
-                   "wall_seconds": time.perf_counter() - t0, "pause_seconds": pauses,
+                   "wall_seconds": time.perf_counter() - t0, "pause_seconds": pauses, **_memory_fields([m for _, m in done]),
                    "engine_pause_seconds": [None] * len(servers), "bytes_pulled": [full_bytes] * len(servers),
                    "modes": ["full"] * len(servers), "engine": [{} for _ in servers],
                    "exact": all(checksums(s.url) == fresh[1] for s in servers)}
@@ -179,10 +188,11 @@ def _engine_cell(s: dict) -> tuple[str, str]:
 
 def _markdown(results: list[dict]) -> str:
     mb = 1e6
-    lines = ["| model | checkpoint MB | switch | fleet wall s | pause per member s | pause / vLLM's reload | engine pause s | "
+    lines = ["| model | checkpoint MB | switch | fleet wall s | pause per member s | pause / vLLM's reload | "
+             "free MB at the pause, pages reclaim scanned in it | engine pause s | "
              "in the engine: check / reload+patch / digests s | reloaded / patched tensors (modules hashed) | "
              "pulled per member MB | exact |",
-             "|---|---:|---|---:|---|---|---|---|---|---|---|"]
+             "|---|---:|---|---:|---|---|---|---|---|---|---|---|"]
     for r in results:
         base = baseline_pauses(r)
         for s in r["switches"]:
@@ -190,7 +200,7 @@ def _markdown(results: list[dict]) -> str:
             ratio = " / ".join(f"{p / b:.2f}" for p, b in zip(s["pause_seconds"], base))
             lines.append(
                 f"| {r['model']} | {r['checkpoint_bytes'] / mb:.1f} | {s['switch']} ({s['outcome']}) | {s['wall_seconds']:.2f} | "
-                f"{' / '.join(f'{p:.3f}' for p in s['pause_seconds'])} | {ratio} | "
+                f"{' / '.join(f'{p:.3f}' for p in s['pause_seconds'])} | {ratio} | {_memory_cell(s)} | "
                 f"{' / '.join('-' if p is None else f'{p:.3f}' for p in s['engine_pause_seconds'])} | {split} | {counts} | "
                 f"{' / '.join('-' if b is None else f'{b / mb:.2f}' for b in s['bytes_pulled'])} | "
                 f"{'yes' if s['exact'] else 'NO'} |")
@@ -216,6 +226,58 @@ def _paired(q: dict, i: int) -> str:
         return "-"
     rs = [x[i] for x in q["round_ratios"]]
     return f"{q['paired'][i]:.2f} ({min(rs):.2f}-{max(rs):.2f})"
+
+
+def machine_memory() -> dict:
+    """This machine's free memory (MB) and the pages the kernel's reclaimer has scanned since boot,
+    kswapd's and direct reclaim's (``/proc/meminfo``, ``/proc/vmstat``): the bench's servers run
+    here, so a pause that starts short of free pages shows as reclaim scanned during it."""
+    with open("/proc/meminfo") as f:
+        free = next(int(line.split()[1]) for line in f if line.startswith("MemFree:")) // 1024
+    with open("/proc/vmstat") as f:
+        vm = dict(line.split() for line in f)
+    return {"free_mb": free, "scanned": int(vm.get("pgscan_kswapd", 0)) + int(vm.get("pgscan_direct", 0))}
+
+
+@contextlib.contextmanager
+def _memory_in_pauses():
+    """Member URL -> the machine's memory around the member's pause in the switch made meanwhile
+    (from its ``/pause`` to its ``/resume``): free MB when it began, and pages the reclaimer scanned
+    while it lasted (machine-wide: with two members, their pauses overlap)."""
+    seen: dict[str, dict] = {}
+    began: dict[str, dict] = {}
+    real = fleet_members.http_call
+
+    def watched(url, r, *args, **kwargs):
+        u = url.rstrip("/")
+        if r == "/pause":
+            began[u] = machine_memory()
+        try:
+            return real(url, r, *args, **kwargs)
+        finally:
+            if r == "/resume" and u in began:
+                m0 = began.pop(u)
+                seen[u] = {"free_mb": m0["free_mb"], "scanned_pages": machine_memory()["scanned"] - m0["scanned"]}
+
+    fleet_members.http_call = watched
+    try:
+        yield seen
+    finally:
+        fleet_members.http_call = real
+
+
+def _memory_fields(per_member: list[dict]) -> dict:
+    return {"free_mb_at_pause": [m.get("free_mb") for m in per_member],
+            "reclaim_scanned_pages": [m.get("scanned_pages") for m in per_member]}
+
+
+def _memory_cell(s: dict) -> str:
+    """Free MB when each member's pause began, and the pages reclaim scanned during it ("-": a
+    result written before the bench measured them)."""
+    free, scanned = s.get("free_mb_at_pause"), s.get("reclaim_scanned_pages")
+    if not free:
+        return "-"
+    return " / ".join("-" if f is None else f"{f}, {n}" for f, n in zip(free, scanned))
 
 
 @contextlib.contextmanager
