@@ -306,8 +306,9 @@ def remove(base: str, path: str, recursive: bool = False, attempts: int = 5) -> 
 
 def drop_cached(path: str) -> None:
     """Ask the kernel to drop ``path``'s clean pages from the page cache (``POSIX_FADV_DONTNEED``;
-    dirty ones are written back first, later). Best effort: a file that is gone, or a file system
-    that keeps its pages (tmpfs), is left as it is; reading the file still gives its bytes."""
+    dirty ones are only queued for writeback and stay, and so do pages mapped by a process). Best
+    effort: a file that is gone, or a file system that keeps its pages (tmpfs), is left as it is;
+    reading the file still gives its bytes."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:
