@@ -67,6 +67,7 @@ bench-vllm: $(VLLM_VENV)/.installed
 	$(VLLM_PY) -m dcr_bench.vllm_refit --out docs/bench-vllm
 	$(VLLM_PY) -m dcr_bench.vllm_fleet --out docs/bench-vllm-fleet
 	$(VLLM_PY) -m dcr_bench.vllm_fleet --members 1 --models llama:medium,llama:large --rounds 8 --out docs/bench-vllm-fleet/one-member
+	$(VLLM_PY) -m dcr_bench.vllm_pause_parts --models llama:medium,llama:large --rounds 16 --out docs/bench-vllm-pause-parts
 
 # The backend matrix: every conformance and refit test against the S3 server, the GCS emulator and
 # Azurite (Node.js and npm needed: infra/start-azurite.sh installs Azurite on its first use).
