@@ -34,12 +34,11 @@ import os
 import platform
 import shutil
 import statistics
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from dcr_bench import vllm_engine
-from dcr_bench.models.hf_tiny import checkpoint, make_model, save_config, train
+from dcr_bench.models.hf_tiny import checkpoint, each_model, make_model, save_config, train
 from dcr_bench.vllm_server import Server, call, checksums
 from flows import run_materialize, run_publish
 from flows.options import PublishOptions
@@ -390,11 +389,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     results = []
-    for spec in args.models.split(","):
-        kind, _, size = spec.partition(":")
-        with tempfile.TemporaryDirectory(prefix="dcr-vllm-fleet-") as base:
-            print(f"dcr-bench vllm fleet: {spec} ...", flush=True)
-            results.append(run_model(kind, size or "tiny", base, args.lr, args.members, args.rounds))
+    for kind, size, base in each_model(args.models, "dcr-vllm-fleet-"):
+        print(f"dcr-bench vllm fleet: {kind}:{size} ...", flush=True)
+        results.append(run_model(kind, size, base, args.lr, args.members, args.rounds))
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(),
             "malloc": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}}  # the servers inherit them
     with open(os.path.join(args.out, "results.json"), "w") as f:

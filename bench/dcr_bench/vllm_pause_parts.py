@@ -24,13 +24,12 @@ import json
 import os
 import platform
 import statistics
-import tempfile
 import time
 
 from safetensors.torch import save_file
 
 from dcr_bench import vllm_engine
-from dcr_bench.models.hf_tiny import checkpoint, make_model, save_config, train
+from dcr_bench.models.hf_tiny import checkpoint, each_model, make_model, save_config, train
 from dcr_core.dtypes import DTYPES
 from flows.receive import vllm_fixups
 from flows.receive.engine_apply import _mapped
@@ -114,11 +113,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
     results = []
-    for spec in args.models.split(","):
-        kind, _, size = spec.partition(":")
-        with tempfile.TemporaryDirectory(prefix="dcr-pause-parts-") as base:
-            print(f"dcr-bench vllm pause parts: {spec} ...", flush=True)
-            results.append(run_model(kind, size or "tiny", base, args.lr, args.rounds))
+    for kind, size, base in each_model(args.models, "dcr-pause-parts-"):
+        print(f"dcr-bench vllm pause parts: {kind}:{size} ...", flush=True)
+        results.append(run_model(kind, size, base, args.lr, args.rounds))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": {"machine": platform.platform(), "cpus": os.cpu_count()}, "results": results}, f, indent=2)
     with open(os.path.join(args.out, "results.md"), "w") as f:

