@@ -10,10 +10,13 @@ touches one layer, as a partly frozen model's would), then back to 1 (two steps 
 baseline: vLLM's own full reload of step 1 from a local directory (``/pause``, ``reload_weights``
 over ``/collective_rpc``, ``/resume``: no network, no DCR) on every member at once, as a fleet's
 members apply.
-Then ``--rounds`` rounds (default 3) of an AdamW delta to step 2, one back to 1 and vLLM's own
-reload twice, interleaved: the pause ratio, as the ratio of the medians and as the median of each
-round's own ratio (one engine's times vary by up to a tenth between runs on this machine, and
-drift within one).
+Then ``--rounds`` rounds (default 3), interleaved: a switch to step 0 right after vLLM's own
+reloads (not counted: DCR reloads every weight, since vLLM's reload of step 1 left the engine
+other than DCR's record says), the AdamW deltas 0 -> 1 and 1 -> 2, and vLLM's own reload twice:
+the pause ratio of the two deltas against the two reloads, as the ratio of the medians and as the
+median of each round's own ratio (one engine's times vary by up to a tenth between runs on this
+machine, and drift within one). A switch measured as a delta that was not applied as one fails
+the run.
 Reported per switch: the fleet's wall time (prepare while serving + apply), each member's pause
 (the coordinator's ``/update_weights`` + ``/finish_weight_update``, HTTP included; the server is
 paused for that long), the engine's own account of its pause (the check of the modules it will
@@ -83,10 +86,11 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, roun
     try:
         for s in servers:
             s.wait_ready()
+        fresh[0] = checksums(servers[0].url)  # started on step 0: a fresh engine on it
         engines = [f"m{i}={s.url}" for i, s in enumerate(servers)]
         cat = Catalog(open_root(root))
 
-        def switch(label: str, step: int) -> dict:
+        def switch(label: str, step: int, mode: str | None = None) -> dict:
             t0, since = time.perf_counter(), int(time.time())
             with _timed_calls("/init_weight_transfer_engine") as inits, _memory_in_pauses() as memory:
                 r = run_fleet(root, engines, step=step, name="bench")
@@ -105,6 +109,8 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, roun
                 **_memory_fields([memory.get(m["url"].rstrip("/"), {}) for m in r.members]),
             }
             print(json.dumps(row), flush=True)
+            if mode is not None and row["modes"] != [mode] * len(servers):
+                raise RuntimeError(f"{label}: applied as {row['modes']}, measured as {mode}")
             return row
 
         step1 = model_dir(1)
@@ -132,8 +138,9 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, roun
             switches.append(switch(label, step))
         switches.append(baseline(BASELINE))
         for k in range(rounds):  # AdamW deltas and the baseline interleaved: one engine's times vary by a tenth
-            rounds_run.append({"delta": switch(f"AdamW delta, round {k + 1}", 2),
-                               "back": switch(f"AdamW delta back, round {k + 1}", 1),
+            rounds_run.append({"known": switch(f"{RELEARN}, round {k + 1}", 0),
+                               "delta": switch(f"AdamW delta 0 -> 1, round {k + 1}", 1, "delta"),
+                               "delta2": switch(f"AdamW delta 1 -> 2, round {k + 1}", 2, "delta"),
                                "baseline": baseline(f"{BASELINE}, round {k + 1}"),
                                "baseline2": baseline(f"{BASELINE}, round {k + 1}, again")})
     finally:
@@ -144,6 +151,7 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, roun
 
 
 BASELINE = "vLLM's own full reload from disk (baseline)"
+RELEARN = "DCR to step 0, right after vLLM's reload"
 ENGINE_KEYS = ("check_seconds", "reload_seconds", "digest_seconds", "reloaded_tensors", "patched_tensors",
                "patched_elements", "hashed_modules")
 
@@ -203,9 +211,10 @@ def _markdown(results: list[dict]) -> str:
                 f"{' / '.join('-' if p is None else f'{p:.3f}' for p in s['engine_pause_seconds'])} | {split} | {counts} | "
                 f"{' / '.join('-' if b is None else f'{b / mb:.2f}' for b in s['bytes_pulled'])} | "
                 f"{'yes' if s['exact'] else 'NO'} |")
-    lines += ["", "| model | AdamW delta pauses s (to 2 and back, each round) | median | vLLM's full reload s (twice, each "
-              "round) | median | ratio | paired ratio (median of rounds') |",
-              "|---|---|---|---|---|---|---|"]
+    lines += ["", "| model | AdamW delta pauses s (0 -> 1 and 1 -> 2, each round) | median | vLLM's full reload s (twice, each "
+              "round) | median | ratio | paired ratio (median of rounds') | DCR to step 0 right after vLLM's reload s "
+              "(median; mode) |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in results:
         q = r.get("pause_ratio") or {}
         if not q:
@@ -214,8 +223,17 @@ def _markdown(results: list[dict]) -> str:
             lines.append(f"| {r['model']}{f' (member {i})' if r['members'] > 1 else ''} | "
                          f"{', '.join(f'{p[i]:.3f}' for p in q['delta_pauses'])} | {q['delta_median'][i]:.3f} | "
                          f"{', '.join(f'{p[i]:.3f}' for p in q['baseline_pauses'])} | {q['baseline_median'][i]:.3f} | "
-                         f"{q['ratio'][i]:.2f} | {_paired(q, i)} |")
+                         f"{q['ratio'][i]:.2f} | {_paired(q, i)} | {_relearn(r, i)} |")
     return "\n".join(lines) + "\n"
+
+
+def _relearn(r: dict, i: int) -> str:
+    """Member ``i``'s median pause of DCR's switches right after vLLM's reloads ("-": none ran)."""
+    runs = [x["known"] for x in r.get("rounds", ()) if "known" in x]
+    if not runs:
+        return "-"
+    modes = sorted({x["modes"][i] for x in runs})
+    return f"{statistics.median(x['pause_seconds'][i] for x in runs):.3f}; {', '.join(modes)}"
 
 
 def _paired(q: dict, i: int) -> str:
@@ -310,17 +328,20 @@ def baseline_pauses(r: dict) -> list[float]:
 
 
 BASELINE_KEYS = ("baseline", "baseline2")
+DELTA_KEYS = ("delta", "delta2")  # the AdamW deltas of a round
+ROUND_KEYS = ("known", *DELTA_KEYS)  # DCR's switches of a round
 
 
 def pause_ratio(switches: list[dict], rounds: list[dict]) -> dict:
     """An AdamW step's pause against vLLM's own full reload, per member, over the interleaved rounds
-    (each: a delta to step 2, one back to 1, then vLLM's reload of step 1 twice), every run kept:
+    (each: DCR's full switch to step 0 after vLLM's reload, not counted, the deltas 0 -> 1 and
+    1 -> 2, then vLLM's reload of step 1 twice), every run kept:
     ``ratio`` is the ratio of the medians; ``paired`` the median of each round's ratio (its two
     deltas' mean over its two reloads' mean), which a drift of the machine's speed across the run
     leaves alone."""
     if not rounds:
         return {}
-    deltas = [x[k]["pause_seconds"] for x in rounds for k in ("delta", "back")]
+    deltas = [x[k]["pause_seconds"] for x in rounds for k in DELTA_KEYS]
     base = [x[k]["pause_seconds"] for x in rounds for k in BASELINE_KEYS if k in x]
     d = [statistics.median(p) for p in zip(*deltas)]
     b = [statistics.median(p) for p in zip(*base)]
@@ -329,7 +350,7 @@ def pause_ratio(switches: list[dict], rounds: list[dict]) -> dict:
         runs = [x[k]["pause_seconds"] for k in keys if k in x]
         return [statistics.fmean(p) for p in zip(*runs)]
 
-    per_round = [[p / q for p, q in zip(mean(x, ("delta", "back")), mean(x, BASELINE_KEYS))] for x in rounds]
+    per_round = [[p / q for p, q in zip(mean(x, DELTA_KEYS), mean(x, BASELINE_KEYS))] for x in rounds]
     return {"delta_pauses": deltas, "baseline_pauses": base, "delta_median": d, "baseline_median": b,
             "ratio": [x / y for x, y in zip(d, b)], "round_ratios": per_round,
             "paired": [statistics.median(p) for p in zip(*per_round)]}
@@ -383,8 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--members", type=int, default=2,
                     help="servers in the fleet (default 2; they share this machine's cores, so 1 measures an engine alone)")
     ap.add_argument("--rounds", type=int, default=3,
-                    help="rounds of an AdamW delta to step 2 and back, and vLLM's own full reload twice, interleaved, for the "
-                    "pause ratio (default 3)")
+                    help="rounds of DCR's switch to step 0, the AdamW deltas 0 -> 1 and 1 -> 2, and vLLM's own full reload "
+                    "twice, interleaved, for the pause ratio (default 3)")
     ap.add_argument("--out", default="docs/bench-vllm-fleet", help="where results.json, results.md and fleet.png go")
     args = ap.parse_args(argv)
     os.makedirs(args.out, exist_ok=True)
@@ -400,7 +421,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write(_markdown(results))
     _plot(results, os.path.join(args.out, "fleet.png"))
     print(_markdown(results))
-    rows = [s for r in results for s in r["switches"] + [x[k] for x in r["rounds"] for k in ("delta", "back", *BASELINE_KEYS)]]
+    rows = [s for r in results for s in r["switches"] + [x[k] for x in r["rounds"] for k in (*ROUND_KEYS, *BASELINE_KEYS)
+                                                         if k in x]]
     return 0 if all(s["exact"] and s["outcome"] in ("switched", "reloaded") for s in rows) else 1
 
 

@@ -205,9 +205,14 @@ class EngineReceiver(Receiver):
         return None if held is None else {k: v for k, v in held.items() if k != "digests"}
 
     def status(self) -> dict:
+        """What DCR knows the engine holds, checked against every module (kernels read back: the
+        engine's thread only); completes the last apply's record (``engine_prepare.complete_record``)."""
         self._settled()
+        probes = held_digests.probes_of(self.engine.model)
+        engine_prepare.complete_record(self.known, self.engine.model, probes)
         held = self.known.held
-        known = held is not None and held_digests.unchanged(self.engine.model, held["digests"])
+        known = held is not None and held["digests"] is not None \
+            and held_digests.digests_of(self.engine.model, probes=probes) == held["digests"]
         return {"held": self.public_held(), "known": known, "prepared": self._prepared is not None}
 
     def fingerprint(self) -> str:

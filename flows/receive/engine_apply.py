@@ -11,15 +11,18 @@ The pause holds no full read of the engine (``held_digests``, "An engine's pause
   and every module's stamps (sampled blocks) with the prepare's: another reload of the engine
   since the prepare is refused (``StateMismatchError``, nothing applied). A layer reloaded whole
   does not depend on what it held.
-- after the reload, the kernels of the modules the apply may change (``Prepared.touched``) are
-  read back (``probes_of``: in the engine's thread) and those modules stamped; ``known.held``
-  (root, step, policy digest, mirror) is set, its digests still pending;
+- after the reload, the modules the apply may change (``Prepared.touched``) are stamped and the
+  kernels they compute through kept by reference (``kernels_of``: no kernel runs in the pause);
+  ``known.held`` (root, step, policy digest, mirror) is set, its digests still to come;
 - once the engine serves again, ``settle`` (in a thread, ``EngineReceiver``) hashes those modules'
-  bytes with the read-backs, for the record (``EngineState.held``: module digests and their
-  fingerprint), and compares their stamps again: a write by anyone else in between leaves the
-  engine unknown (the next refit reloads it whole). Every other module keeps the digest the
-  prepare took while the engine served. The mirror's directory is synced and the old mirror's
-  pages freed there too (``Prepared.settle``).
+  bytes for the record (``EngineState.held``: module digests and their fingerprint), and compares
+  their stamps again: a write by anyone else in between leaves the engine unknown (the next refit
+  reloads it whole). Every other module keeps the digest the prepare took while the engine served.
+  The mirror's directory is synced and the old mirror's pages freed there too (``Prepared.settle``).
+  A kernel module's digest stays ``Pending`` until the next call in the engine's own thread reads
+  its kernel back (the next prepare, which reads every kernel anyway, or ``status``): the record is
+  completed then (``engine_prepare.complete_record``), if the module still computes through the
+  kernel the pause left.
 
 A failed reload is rolled back (``roll_back``): the same layers reloaded with the old step's values
 from the current mirror (a known engine), or every weight from the engine's own model path (an
@@ -80,11 +83,11 @@ def apply(engine: EngineModel, known: EngineState, p: Prepared) -> WorkerResult:
     names = sorted(infos) if p.reload is None else p.reload
     source = p.staged.path if p.staged else p.mirror
     t0 = time.perf_counter()
-    patched, readbacks = 0, None
+    patched = 0
     try:
         patched = param_patch.apply(p.patches)
         if names or not p.patches:
-            readbacks = reload(engine, source, infos, names, p.layers)
+            reload(engine, source, infos, names, p.layers)
     except BaseException as e:
         param_patch.undo(p.patches)
         roll_back(engine, known, p, names, e)
@@ -95,16 +98,16 @@ def apply(engine: EngineModel, known: EngineState, p: Prepared) -> WorkerResult:
         state_file.install_state(p.staged, later=p.settle)  # its directory synced after the pause
         p.staged = None
     t1 = time.perf_counter()
-    probes = held_digests.probes_of(model, p.touched, readbacks)  # kernels run here, in the engine's thread
+    kernels = held_digests.kernels_of(model, p.touched)  # read back by the next prepare, not here
     stamps = held_digests.stamps_of(model, p.touched)
     digest_s = time.perf_counter() - t1
     held = {"root": p.ref.url, "step": p.plan.target_step, "policy_digest": target.policy_digest,
             "mirror": p.mirror, "fingerprint": None, "digests": None}  # the digests: once settled
     known.held = held
-    p.after = lambda: settle(known, model, held, p, probes, stamps)
+    p.after = lambda: settle(known, model, held, p, kernels, stamps)
     pause = time.perf_counter() - t_apply  # the engine serves nothing while this RPC runs
     events.reached("receive.engine-reloaded", step=p.plan.target_step)
-    hashed = len(stamps) if p.touched is None else len(p.touched & (set(stamps) | set(probes)))
+    hashed = len(stamps) if p.touched is None else len(p.touched & (set(stamps) | set(kernels)))
     timing = {"pause_seconds": pause, "reload_seconds": reload_s, "check_seconds": check_s,
               "digest_seconds": digest_s, "reloaded_tensors": len(names), "patched_tensors": len(p.patches),
               "patched_elements": patched, "hashed_modules": hashed}
@@ -113,14 +116,15 @@ def apply(engine: EngineModel, known: EngineState, p: Prepared) -> WorkerResult:
     return WorkerResult(**out.model_dump(), **timing)
 
 
-def settle(known: EngineState, model, held: dict, p: Prepared, probes: dict, stamps: dict[str, str]) -> float:
+def settle(known: EngineState, model, held: dict, p: Prepared, kernels: dict, stamps: dict[str, str]) -> float:
     """After the pause, while the engine serves (see the module docstring): the touched modules'
-    digests for ``held`` (what ``known.held`` was set to in the pause), checked against the stamps
-    taken at its end; then the mirror's directory synced and the old mirror freed. Returns the
-    seconds it took. Reads only: safe beside the engine's forward passes (no kernel runs)."""
+    digests for ``held`` (what ``known.held`` was set to in the pause; a kernel module's ``Pending``
+    on its kernel, ``kernels``), checked against the stamps taken at its end; then the mirror's
+    directory synced and the old mirror freed. Returns the seconds it took. Reads only: safe beside
+    the engine's forward passes (no kernel runs)."""
     t0 = time.perf_counter()
     try:
-        digests = held_digests.after(model, p.digests, p.touched, probes)
+        digests = held_digests.after(model, p.digests, p.touched, kernels)
         still = held_digests.stamps_of(model, p.touched) == stamps
         p.settle.close()
     except BaseException:
@@ -128,8 +132,9 @@ def settle(known: EngineState, model, held: dict, p: Prepared, probes: dict, sta
             known.held = None
         raise
     if known.held is held:
-        if still:
-            held.update(digests=digests, fingerprint=held_digests.combine(digests))
+        if still:  # the fingerprint: once every kernel part is read (engine_prepare.complete_record)
+            held.update(digests=digests, fingerprint=None if held_digests.pending(digests)
+                        else held_digests.combine(digests))
         else:
             known.held = None
             log.warning("the engine's weights changed right after DCR applied step %s (another reload?): "
@@ -145,13 +150,13 @@ def patched_modules(model, p: Prepared) -> set[str]:
 
 
 def reload(engine: EngineModel, path: str | None, infos: dict[str, TensorInfo] | None, names: list[str],
-           layers: set[str] | None) -> dict | None:
+           layers: set[str] | None) -> None:
     """The engine's in-place reload of ``names`` read from the state file at ``path`` (None: every
     weight from the engine's own checkpoint), each viewed with its dtype and shape in ``infos``
-    (the step's tensors, bundles' members by name; None: the file's own header). Returns what the
-    engine's reload returns (kernels read back as they were rebuilt, or None)."""
+    (the step's tensors, bundles' members by name; None: the file's own header)."""
     if path is None:
-        return engine.reload(None, layers)  # from where the engine was loaded
+        engine.reload(None, layers)  # from where the engine was loaded
+        return
     with SafetensorsCheckpoint(path) as ck:
         held = ck.infos if infos is None else infos
 
@@ -162,7 +167,7 @@ def reload(engine: EngineModel, path: str | None, infos: dict[str, TensorInfo] |
                 events.reached("receive.engine-tensor", name=n)
                 yield n, t
 
-        return engine.reload(weights(), layers)
+        engine.reload(weights(), layers)
 
 
 def roll_back(engine: EngineModel, known: EngineState, p: Prepared, names: list[str], error: BaseException) -> None:

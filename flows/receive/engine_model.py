@@ -43,13 +43,13 @@ class EngineModel(Protocol):
     def ranks(self) -> int:
         """The engine's tensor-parallel size: with more than one, each rank is its own receiver."""
 
-    def reload(self, weights: Weights | None, layers: set[str] | None) -> dict[str, torch.Tensor] | None:
+    def reload(self, weights: Weights | None, layers: set[str] | None) -> None:
         """Reload ``weights`` (checkpoint names and tensors) in place through the engine's own
         loading path, post-load processing included (a layer's kernels rebuilt); ``layers``: the
         layers they feed (None: all). ``weights`` None: every weight from the engine's own
-        checkpoint (where it was loaded from). A layer is given every tensor that feeds it.
-        May return the read-backs of kernels it rebuilt (module name -> ``live_tensors.kernel_probe``
-        of the module as it now is), taken while it reloaded; the others are read back after it."""
+        checkpoint (where it was loaded from). A layer is given every tensor that feeds it. A
+        kernel it rebuilds is a new callable (``live_tensors.has_kernel``: DCR's record tells
+        kernels apart by identity between a pause and the next read-back, ``held_digests.Pending``)."""
 
     def abandon_reload(self) -> None:
         """Close a reload an exception cut off, so that the next reload starts from the engine's

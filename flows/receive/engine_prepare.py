@@ -5,10 +5,11 @@ engine: it is reached through its ``EngineModel`` (``flows.receive.engine_model`
 ``begin`` runs in the calling thread (the engine's: it runs the engine's kernels, never beside a
 forward pass): it locks the worker's *mirror* (a DCR state file holding the canonical checkpoint of
 the step the engine serves, one per ROOT and receiver) and reads back every module's kernel and
-stamps (``held_digests``); ``digest``, at the start of ``stage`` (which may run in a thread,
-beside forward passes: it only reads), hashes every module of the engine with those read-backs
-(step 1) and decides whether DCR knows the engine: its digests are those recorded after DCR's last apply
-(``EngineState.held``) and the mirror holds that step. ``stage`` only reads the bucket and the
+stamps (``held_digests``), which completes the last apply's record (its kernels' digests, left
+``Pending`` by the pause: ``complete_record``); ``digest``, at the start of ``stage`` (which may run
+in a thread, beside forward passes: it only reads), hashes every module of the engine with those
+read-backs (step 1) and decides whether DCR knows the engine: its digests are those recorded after
+DCR's last apply (``EngineState.held``) and the mirror holds that step. ``stage`` only reads the bucket and the
 mirror (it may run in a thread): plan from the mirror's step, lease the steps read, stage the next
 mirror (only the changed chunks pulled, every tensor verified against the step's digest), and, for
 a known engine, split the changed tensors into those patched in place (``param_patch``: their
@@ -111,6 +112,7 @@ def begin(engine: EngineModel, known_state: EngineState, ref: RootRef, receiver_
         journal.settle(mirror)  # a mirror is never patched in place; a foreign journal is settled
         probes = held_digests.probes_of(engine.model)  # kernels run in the engine's thread only
         stamps = held_digests.stamps_of(engine.model)  # what the pause compares (held_digests)
+        complete_record(known_state, engine.model, probes)  # the last apply's kernels, read back now
         held = known_state.held
         plausible = bool(held) and held["root"] == ref.url and held["mirror"] == mirror \
             and held["digests"] is not None and state.peek_step(mirror) == held["step"]
@@ -124,6 +126,18 @@ def begin(engine: EngineModel, known_state: EngineState, ref: RootRef, receiver_
     except BaseException:
         lock.close()
         raise
+
+
+def complete_record(known: EngineState, model, probes: dict | None = None) -> None:
+    """In the engine's own thread, after the last apply settled: read the kernel part of every
+    ``Pending`` digest of ``known.held`` (``probes``: the kernels' outputs, already read), so that
+    the record is whole again (its fingerprint set). A module that no longer computes through the
+    kernel the pause left gets a digest no module has: the engine is unknown to the next prepare."""
+    held = known.held
+    if held is None or not held_digests.pending(held.get("digests")):
+        return
+    digests = held_digests.resolve(model, held["digests"], probes)
+    held.update(digests=digests, fingerprint=held_digests.combine(digests))
 
 
 def digest(engine: EngineModel, b: Begun) -> None:

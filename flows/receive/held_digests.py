@@ -23,11 +23,16 @@ A module the refit does not write, rewritten between 1 and 3, is found by the ne
 
 An engine's pause window keeps only what must run there (``flows.receive.engine_apply``): step 2
 in full for the modules patched in place (a patch writes some elements: the rest must be what the
-prepare saw) and as *stamps* (``stamps_of``: a few sampled blocks of every tensor) for every other module (a layer reloaded whole does not depend on what it held: the stamps
-are there to notice another reload of the engine between the prepare and the pause, and refuse);
-step 3's kernel read-backs (``probes_of``: a kernel runs in the engine's own thread, never beside a
-forward pass), then, once the engine serves again, the bytes (``digests_of`` with those probes),
-with the stamps taken at the end of the pause compared again after them.
+prepare saw) and as *stamps* (``stamps_of``: a few sampled blocks of every tensor) for every other
+module (a layer reloaded whole does not depend on what it held: the stamps are there to notice
+another reload of the engine between the prepare and the pause, and refuse). Step 3 runs no kernel
+in the pause: it keeps a reference to each kernel the modules now compute through (``kernels_of``)
+and, once the engine serves again, hashes the bytes (``digests_of`` with those kernels), with the
+stamps taken at the end of the pause compared again after them. A kernel module's digest is then
+``Pending``: its kernel part is read back by the next call that runs in the engine's own thread
+anyway (the next prepare reads every kernel back; ``resolve``), and only if the module still
+computes through the very kernel the pause left (by identity: a rebuilt kernel is a new callable),
+else the engine is unknown.
 
 Cost: one read of the whole target per refit, before it is modified (0.11 s per GiB of BF16 on
 CPU with 2 free cores; hashing every block on one thread took 0.185 s), plus two reads of the
@@ -41,7 +46,8 @@ tensor 19 times in 20, and every tensor kept as a plain attribute (docs/ARCHITEC
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
 
 import blake3
 import numpy as np
@@ -69,32 +75,106 @@ def _update(h: blake3.blake3, t: torch.Tensor) -> None:
         h.update(flat[at : at + HOST_CHUNK_BYTES].cpu().numpy())
 
 
-@torch.inference_mode()
-def module_digest(name: str, mod: torch.nn.Module, probe: torch.Tensor | None = None) -> str | None:
-    """BLAKE3 of what ``mod`` holds itself and of its kernel's output (None: it holds nothing);
-    ``probe``: that output, already read (``probes_of``)."""
+def _held_hasher(name: str, mod: torch.nn.Module) -> tuple[blake3.blake3, bool]:
+    """A hasher fed with what ``mod`` holds itself (its digest but the kernel's part), and whether it holds any."""
     h, held = _hasher(), False
     for tname, t in module_tensors(f"{name}." if name else "", mod):
         h.update(f"{tname}\0{t.dtype}\0{tuple(t.shape)}\0".encode())
         _update(h, t)
         held = True
+    return h, held
+
+
+def _with_kernel(h: blake3.blake3, probe: torch.Tensor) -> str:
+    h.update(b"<kernel>\0")
+    _update(h, probe)
+    return h.hexdigest()
+
+
+@torch.inference_mode()
+def module_digest(name: str, mod: torch.nn.Module, probe: torch.Tensor | None = None) -> str | None:
+    """BLAKE3 of what ``mod`` holds itself and of its kernel's output (None: it holds nothing);
+    ``probe``: that output, already read (``probes_of``)."""
+    h, held = _held_hasher(name, mod)
     if has_kernel(mod):
-        h.update(b"<kernel>\0")
-        _update(h, kernel_probe(mod) if probe is None else probe)
-        held = True
+        return _with_kernel(h, kernel_probe(mod) if probe is None else probe)
     return h.hexdigest() if held else None
 
 
-def digests_of(model: torch.nn.Module, names: Iterable[str] | None = None,
-               probes: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
-    """Module name -> digest for every module that holds something (``names``: only those).
-    ``probes``: the kernels' outputs already read (``probes_of``), so that no kernel runs here: a
-    thread beside the engine's forward passes may then hash (a kernel call shares state with them)."""
+KERNEL_REPLACED = "<kernel replaced>"  # a resolved digest no module hashes to: the kernel is not the one recorded
+
+
+class Pending:
+    """A module's digest whose kernel part is read later, in the engine's thread (``resolve``):
+    the hash of what the module holds itself, and the kernel it computes through, by identity
+    (``kernels_of``). Nothing outside native code writes a built kernel's packed weights: an
+    engine rebuilds a kernel by assigning a new callable (vLLM's ``dispatch_cpu_unquantized_gemm``
+    does), so the same callable reads back what it held when it was recorded."""
+
+    __slots__ = ("_hasher", "kernel")
+
+    def __init__(self, hasher: blake3.blake3, kernel: Callable[[], object | None]):
+        self._hasher, self.kernel = hasher, kernel
+
+    def resolve(self, mod: torch.nn.Module | None, probe: torch.Tensor | None = None) -> str:
+        """The digest, with ``mod``'s kernel output (``probe``, or read now: the engine's thread only),
+        or ``KERNEL_REPLACED`` when ``mod`` no longer computes through the recorded kernel."""
+        current = vars(mod).get("cpu_linear") if mod is not None and has_kernel(mod) else None
+        if current is None or self.kernel() is not current:
+            return KERNEL_REPLACED
+        with torch.inference_mode():
+            return _with_kernel(self._hasher.copy(), kernel_probe(mod) if probe is None else probe)
+
+    def __repr__(self) -> str:
+        return "Pending(<kernel>)"
+
+
+def kernels_of(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, Callable[[], object | None]]:
+    """Module name -> a reference to the kernel it computes through now (a weak one where the
+    callable allows it), for the modules ``names`` (None: all) that have one: what the pause keeps
+    of the kernels it rebuilt, instead of reading them back (``Pending``)."""
     wanted = None if names is None else set(names)
     out = {}
     for name, mod in model.named_modules():
+        if (wanted is None or name in wanted) and has_kernel(mod):
+            fn = vars(mod)["cpu_linear"]
+            try:
+                out[name] = weakref.ref(fn)
+            except TypeError:  # a callable without weak references: kept alive until resolved
+                out[name] = lambda fn=fn: fn
+    return out
+
+
+def pending(digests: dict[str, str | Pending] | None) -> bool:
+    """Whether a record still has digests whose kernel part is to be read (``resolve``)."""
+    return digests is not None and any(isinstance(d, Pending) for d in digests.values())
+
+
+def resolve(model: torch.nn.Module, digests: dict[str, str | Pending],
+            probes: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+    """``digests`` with every ``Pending`` one completed by its module's kernel output (``probes``:
+    already read; the others are read now, so in the engine's thread only)."""
+    mods = dict(model.named_modules())
+    return {name: d.resolve(mods.get(name), None if probes is None else probes.get(name)) if isinstance(d, Pending)
+            else d for name, d in digests.items()}
+
+
+def digests_of(model: torch.nn.Module, names: Iterable[str] | None = None,
+               probes: dict[str, torch.Tensor] | None = None,
+               kernels: dict[str, Callable[[], object | None]] | None = None) -> dict[str, str | Pending]:
+    """Module name -> digest for every module that holds something (``names``: only those).
+    ``probes``: the kernels' outputs already read (``probes_of``), so that no kernel runs here: a
+    thread beside the engine's forward passes may then hash (a kernel call shares state with them).
+    ``kernels``: the kernels recorded in the pause (``kernels_of``), whose modules' digests are then
+    ``Pending`` (their kernel part read later, ``resolve``) and which no kernel runs for either."""
+    wanted = None if names is None else set(names)
+    out: dict[str, str | Pending] = {}
+    for name, mod in model.named_modules():
         if wanted is None or name in wanted:
-            if probes is not None and has_kernel(mod) and name not in probes:
+            if has_kernel(mod) and kernels is not None and name in kernels:
+                out[name] = Pending(_held_hasher(name, mod)[0], kernels[name])
+                continue
+            if (probes is not None or kernels is not None) and has_kernel(mod) and name not in (probes or {}):
                 raise KeyError(f"module {name!r}: its kernel's output was not read in the engine's thread")
             d = module_digest(name, mod) if probes is None else module_digest(name, mod, probes.get(name))
             if d is not None:
@@ -103,15 +183,12 @@ def digests_of(model: torch.nn.Module, names: Iterable[str] | None = None,
 
 
 @torch.inference_mode()
-def probes_of(model: torch.nn.Module, names: Iterable[str] | None = None,
-              have: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+def probes_of(model: torch.nn.Module, names: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
     """Module name -> its kernel's output for the fixed probe row, for the modules ``names`` (None:
     all) that compute through a kernel: the part of their digests that must run in the engine's
-    own thread (vLLM's CPU kernels keep per-call state: never beside a forward pass). ``have``:
-    outputs already read (an engine's reload reads back the kernels it rebuilds)."""
+    own thread (vLLM's CPU kernels keep per-call state: never beside a forward pass)."""
     wanted = None if names is None else set(names)
-    have = have or {}
-    return {name: have[name] if name in have else kernel_probe(mod).clone() for name, mod in model.named_modules()
+    return {name: kernel_probe(mod).clone() for name, mod in model.named_modules()
             if (wanted is None or name in wanted) and has_kernel(mod)}
 
 
@@ -170,13 +247,14 @@ def unchanged(model: torch.nn.Module, held: dict[str, str] | None, names: Iterab
 
 
 def after(model: torch.nn.Module, held: dict[str, str], written: Iterable[str] | None,
-          probes: dict[str, torch.Tensor] | None = None) -> dict[str, str]:
+          kernels: dict[str, Callable[[], object | None]] | None = None) -> dict[str, str | Pending]:
     """The record after a refit that wrote the modules ``written`` (None: any): those hashed again
-    (``probes``: their kernels' outputs, already read), every other module's digest kept from ``held``."""
+    (``kernels``: their kernels, as the pause left them: their digests ``Pending``), every other
+    module's digest kept from ``held``."""
     if written is None:
-        return digests_of(model, None, probes)
+        return digests_of(model, None, kernels=kernels)
     written = set(written)
-    return {**{k: v for k, v in held.items() if k not in written}, **digests_of(model, written, probes)}
+    return {**{k: v for k, v in held.items() if k not in written}, **digests_of(model, written, kernels=kernels)}
 
 
 def holders(model: torch.nn.Module, tensors: Iterable[torch.Tensor]) -> set[str]:
@@ -193,7 +271,9 @@ def holders(model: torch.nn.Module, tensors: Iterable[torch.Tensor]) -> set[str]
 
 
 def combine(digests: dict[str, str]) -> str:
-    """One fingerprint for a map of module digests."""
+    """One fingerprint for a map of module digests (``resolve``d: no ``Pending`` one)."""
+    if pending(digests):
+        raise ValueError("a digest's kernel part is not read yet (held_digests.resolve)")
     h = _hasher()
     for name in sorted(digests):
         h.update(f"{name}\0{digests[name]}\0".encode())

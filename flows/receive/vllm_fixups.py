@@ -33,13 +33,11 @@ A vLLM upgrade may fix or change any of these; the exactness tests say which.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
 
 from flows.receive.layer_probe import tied_followers
-from flows.receive.live_tensors import has_kernel, kernel_probe
 
 
 def _layers(model: torch.nn.Module, layers: set[str] | None):
@@ -85,48 +83,12 @@ def abandon_reload(model: torch.nn.Module, model_config) -> None:
 
 
 def reload(model: torch.nn.Module, vllm_config, layers: set[str] | None,
-           reload_weights: Callable[[], None]) -> dict[str, torch.Tensor]:
-    """vLLM's in-place reload (``reload_weights()``) of ``layers`` (None: all), with fixes 1 and 2.
-    Returns the read-backs of the CPU kernels it rebuilt (module name -> ``live_tensors.kernel_probe``),
-    each taken right after vLLM built it, while its packed weights are still in the CPU's cache (a
-    quarter cheaper than reading them all back afterwards, in the pause)."""
+           reload_weights: Callable[[], None]) -> None:
+    """vLLM's in-place reload (``reload_weights()``) of ``layers`` (None: all), with fixes 1 and 2."""
     before_reload(model, layers)
-    readbacks: dict[str, torch.Tensor] = {}
-    with _reading_back(model, layers, readbacks):
-        reload_weights()
+    reload_weights()
     with current_config(vllm_config):
-        for name in after_reload(model, layers):  # rebuilt once more: read back later, by the caller
-            readbacks.pop(name, None)
-    return readbacks
-
-
-@contextlib.contextmanager
-def _reading_back(model: torch.nn.Module, layers: set[str] | None, out: dict[str, torch.Tensor]):
-    """While vLLM reloads, read back each kernel of ``layers`` as soon as its module is processed
-    (``quant_method.process_weights_after_loading``, what builds the kernel; its module's tensors are
-    then put back in place by copies, which the kernel does not read)."""
-    names = {id(mod): name for name, mod in _layers(model, layers) if has_kernel(mod)}
-    wrapped = []
-    for name, mod in _layers(model, layers):
-        method = getattr(mod, "quant_method", None)
-        process = getattr(method, "process_weights_after_loading", None)
-        if id(mod) not in names or not callable(process) or "process_weights_after_loading" in vars(method):
-            continue  # no kernel, or a method shared with a module already wrapped
-
-        def read_back(layer, _process=process):
-            _process(layer)
-            name = names.get(id(layer))
-            if name is not None and has_kernel(layer):
-                with torch.inference_mode():
-                    out[name] = kernel_probe(layer).clone()
-
-        method.process_weights_after_loading = read_back
-        wrapped.append(method)
-    try:
-        yield
-    finally:
-        for method in wrapped:
-            del method.process_weights_after_loading
+        after_reload(model, layers)
 
 
 def abandon(model: torch.nn.Module, vllm_config, model_config) -> None:

@@ -137,7 +137,7 @@ class VllmEngineModel:
 
         return get_tensor_model_parallel_rank()
 
-    def reload(self, weights: Weights | None, layers: set[str] | None) -> dict:
+    def reload(self, weights: Weights | None, layers: set[str] | None) -> None:
         """vLLM's in-place layerwise reload; without weights, every weight from the engine's own model path."""
         from vllm.model_executor.model_loader.reload.inplace import reload_weights  # noqa: PLC0415
 
@@ -147,7 +147,7 @@ class VllmEngineModel:
             with vllm_fixups.current_config(cfg):
                 reload_weights(cfg, self.model, weights_iterator=weights, weights_path=None, is_checkpoint_format=True)
 
-        return vllm_fixups.reload(self.model, cfg, layers, run)
+        vllm_fixups.reload(self.model, cfg, layers, run)
 
     def abandon_reload(self) -> None:
         vllm_fixups.abandon(self.model, self._engine.vllm_config, self._engine.model_config)

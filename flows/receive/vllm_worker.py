@@ -68,10 +68,10 @@ class VllmWorker:
     def ranks(self) -> int:
         return getattr(getattr(self.worker, "parallel_config", None), "tensor_parallel_size", 1)
 
-    def reload(self, weights: Weights | None, layers: set[str] | None) -> dict:
+    def reload(self, weights: Weights | None, layers: set[str] | None) -> None:
         w = self.worker  # without weights, vLLM reloads from model_config.model, where the engine was loaded from
-        return vllm_fixups.reload(self.model, w.vllm_config, layers,
-                                  w.reload_weights if weights is None else lambda: w.reload_weights(weights_iterator=weights))
+        vllm_fixups.reload(self.model, w.vllm_config, layers,
+                           w.reload_weights if weights is None else lambda: w.reload_weights(weights_iterator=weights))
 
     def abandon_reload(self) -> None:
         vllm_fixups.abandon(self.model, self.worker.vllm_config, self.worker.model_config)

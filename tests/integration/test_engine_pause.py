@@ -11,6 +11,10 @@ engine, what it refuses, and the digests taken once the engine serves again.
   unknown: the next refit loads it whole, exactly.
 - The prepare drops the old mirror's pages from the page cache; a reload that dies halfway is
   rolled back from that mirror, read from disk, to the engine's old bits.
+- With repacked kernels (``KernelEngine``: opaque handles, as vLLM's CPU backend builds): the pause
+  and the digests after it run no kernel; the next prepare (or a status call) reads them back and
+  completes the record, exactly; a kernel rebuilt by anyone else in between, its module's tensors
+  untouched, leaves the engine unknown and the next refit loads it whole.
 """
 
 from __future__ import annotations
@@ -24,13 +28,13 @@ from dcr_bench.models.llama_vllm import LlamaConfig, VllmLlama, canonical_checkp
 from dcr_core.errors import StateMismatchError
 from flows import run_publish
 from flows.options import PublishOptions
-from flows.receive import engine_apply, held_digests
+from flows.receive import engine_apply, held_digests, live_tensors
 from flows.receive.engine import EngineReceiver
 from flows.receive.receiver import Binding
 from storage.root import RootRef
 from tests.support import page_cache
 from tests.support.helpers import assert_bits_equal, dtype_name, nasty_tensor
-from tests.support.loader_engine import LoaderEngine
+from tests.support.loader_engine import KernelEngine, LoaderEngine, linear_layers, repack
 
 NORM = "model.layers.1.input_layernorm.weight"
 EMB = "model.embed_tokens.weight"
@@ -68,10 +72,10 @@ def _dense(cfg, ck) -> dict[str, torch.Tensor]:
     return dict(m.state_dict())
 
 
-def _worker(cfg, cks, root, tmp_path) -> tuple[VllmLlama, EngineReceiver]:
+def _worker(cfg, cks, root, tmp_path, engine=LoaderEngine) -> tuple[VllmLlama, EngineReceiver]:
     model = VllmLlama(cfg)
     model.load_weights(list(cks[0].items()))
-    worker = EngineReceiver(LoaderEngine(model))
+    worker = EngineReceiver(engine(model))
     worker.bind(Binding(RootRef(root), "pause", mirror=str(tmp_path / "mirror.safetensors")))
     assert worker.refit(0).step == 0  # known from now on
     worker.wait()
@@ -200,3 +204,88 @@ def test_the_prepare_drops_the_old_mirrors_pages_and_a_failed_reload_rolls_back_
     worker.engine.reload = real
     assert worker.refit(1).step == 1
     assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
+
+
+def _kernels(model) -> dict[str, torch.Tensor]:
+    """Every kernel's weights, read back through the kernel (``live_tensors.readback``), as bytes."""
+    return {n: torch.from_numpy(b) for n, b in live_tensors.readback(model).items()}
+
+
+def _dense_kernels(cfg, ck) -> dict[str, torch.Tensor]:
+    m = VllmLlama(cfg)
+    m.load_weights(list(ck.items()))
+    return _kernels(KernelEngine(m).model)
+
+
+def test_with_kernels_the_pause_runs_none_and_the_next_prepare_completes_the_record(chain, tmp_path, monkeypatch):
+    cfg, cks, root = chain
+    model, worker = _worker(cfg, cks, root, tmp_path, KernelEngine)
+    assert linear_layers(model)
+    probed: list[tuple[str, str]] = []  # (module input size, thread)
+    real = held_digests.kernel_probe
+
+    def counted(mod):
+        probed.append((mod.input_size_per_partition, threading.current_thread().name))
+        return real(mod)
+
+    monkeypatch.setattr(held_digests, "kernel_probe", counted)
+    worker.prepare(1)
+    assert len(probed) == len(linear_layers(model)), "the prepare reads every kernel back"
+    probed.clear()
+    worker.apply()
+    worker.record()
+    worker.wait()
+    assert probed == [], "neither the pause nor the digests after it run a kernel"
+    held = worker.known.held
+    assert held["step"] == 1 and held["fingerprint"] is None and held_digests.pending(held["digests"])
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
+    assert_bits_equal(_kernels(model), _dense_kernels(cfg, cks[1]))
+    status = worker.status()  # reads the kernels back in the calling (engine's) thread
+    assert status["known"] and status["held"]["fingerprint"] == held_digests.fingerprint(model)
+    assert not held_digests.pending(worker.known.held["digests"])
+    r = worker.refit(2)  # its prepare completes the record as well (left pending again by the 1 -> 2 pause)
+    assert r.details["mode"] == "delta", r.details
+    worker.wait()
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[2]))
+    assert_bits_equal(_kernels(model), _dense_kernels(cfg, cks[2]))
+    assert worker.refit(2).details["mode"] == "current", "the completed record is what the engine holds"
+
+
+@pytest.mark.faults(component="engine receiver", outcome="a kernel rebuilt by someone else after the pause, before the next prepare read it back, with its module's tensors untouched: the recorded kernel is gone, the engine is unknown, and the next refit loads it whole, kernels exact")
+@pytest.mark.parametrize("when", ["before the digests", "after the digests"])
+def test_a_kernel_rebuilt_after_the_pause_leaves_the_engine_unknown(chain, tmp_path, monkeypatch, when):
+    cfg, cks, root = chain
+    model, worker = _worker(cfg, cks, root, tmp_path, KernelEngine)
+    victim = model.get_submodule(linear_layers(model)[0])
+    other = _dense_model_weight(cfg, cks[2], linear_layers(model)[0])
+    landed = []
+
+    def rebuild():
+        repack(victim, other)  # a new kernel computing with other weights; the module's tensors unchanged
+        landed.append(True)
+
+    if when == "before the digests":
+        real = engine_apply.settle
+
+        def rebuilt_first(*args):
+            if not landed:
+                rebuild()
+            return real(*args)
+
+        monkeypatch.setattr(engine_apply, "settle", rebuilt_first)
+    worker.refit(1)
+    worker.wait()
+    if when == "after the digests":
+        rebuild()
+    assert landed
+    assert worker.known.held is not None, "the stamps do not see a kernel: only its identity does"
+    assert not worker.status()["known"]
+    assert worker.refit(1).details["mode"] == "full"
+    assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
+    assert_bits_equal(_kernels(model), _dense_kernels(cfg, cks[1]))
+
+
+def _dense_model_weight(cfg, ck, module: str) -> torch.Tensor:
+    m = VllmLlama(cfg)
+    m.load_weights(list(ck.items()))
+    return m.get_submodule(module).weight.detach().clone()

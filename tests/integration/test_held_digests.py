@@ -191,3 +191,41 @@ def test_one_element_anywhere_in_a_large_tensor_is_seen_though_no_version_counte
         assert w._version == version and not held_digests.unchanged(model, held), at
         w.data.view(-1).view(torch.int16)[at] ^= 1
         assert held_digests.unchanged(model, held)
+
+
+class _SlottedKernel:
+    """A kernel callable that takes no weak reference (``__slots__``, no ``__weakref__``)."""
+
+    __slots__ = ("w",)
+
+    def __init__(self, w):
+        self.w = w
+
+    def __call__(self, x, weight, bias):
+        return torch.nn.functional.linear(x, self.w, bias)
+
+
+@pytest.mark.parametrize("kernel", ["lambda", "no weak reference"])
+def test_a_pending_digest_is_the_modules_digest_while_its_kernel_stays_and_never_once_replaced(kernel):
+    lin = torch.nn.Linear(8, 4, bias=True).to(torch.bfloat16)
+    packed = lin.weight.detach().clone()
+    lin.input_size_per_partition, lin.params_dtype = 8, torch.bfloat16
+
+    def build(w):
+        return (lambda x, weight, bias: torch.nn.functional.linear(x, w, bias)) if kernel == "lambda" else _SlottedKernel(w)
+
+    lin.cpu_linear = build(packed.clone())
+    model = torch.nn.Sequential(lin)
+    whole = held_digests.digests_of(model)
+    kernels = held_digests.kernels_of(model)
+    assert set(kernels) == {"0"}
+    part = held_digests.digests_of(model, kernels=kernels)
+    assert held_digests.pending(part) and not held_digests.pending(whole)
+    with pytest.raises(ValueError, match="not read yet"):
+        held_digests.combine(part)
+    assert held_digests.resolve(model, part) == whole
+    assert held_digests.resolve(model, part, held_digests.probes_of(model)) == whole
+    lin.cpu_linear = build(packed.clone())  # the same weights, another kernel: not the one recorded
+    assert held_digests.resolve(model, part) == {"0": held_digests.KERNEL_REPLACED}
+    with pytest.raises(KeyError, match="not read in the engine's thread"):
+        held_digests.digests_of(model, kernels={})
