@@ -138,7 +138,7 @@ def run_model(kind: str, size: str, base: str, lr: float, members: int = 2, roun
             switches.append(switch(label, step))
         switches.append(baseline(BASELINE))
         for k in range(rounds):  # AdamW deltas and the baseline interleaved: one engine's times vary by a tenth
-            rounds_run.append({"known": switch(f"{RELEARN}, round {k + 1}", 0),
+            rounds_run.append({"after_reload": switch(f"{RELEARN}, round {k + 1}", 0),
                                "delta": switch(f"AdamW delta 0 -> 1, round {k + 1}", 1, "delta"),
                                "delta2": switch(f"AdamW delta 1 -> 2, round {k + 1}", 2, "delta"),
                                "baseline": baseline(f"{BASELINE}, round {k + 1}"),
@@ -229,7 +229,7 @@ def _markdown(results: list[dict]) -> str:
 
 def _relearn(r: dict, i: int) -> str:
     """Member ``i``'s median pause of DCR's switches right after vLLM's reloads ("-": none ran)."""
-    runs = [x["known"] for x in r.get("rounds", ()) if "known" in x]
+    runs = [x["after_reload"] for x in r.get("rounds", ()) if "after_reload" in x]
     if not runs:
         return "-"
     modes = sorted({x["modes"][i] for x in runs})
@@ -329,7 +329,7 @@ def baseline_pauses(r: dict) -> list[float]:
 
 BASELINE_KEYS = ("baseline", "baseline2")
 DELTA_KEYS = ("delta", "delta2")  # the AdamW deltas of a round
-ROUND_KEYS = ("known", *DELTA_KEYS)  # DCR's switches of a round
+ROUND_KEYS = ("after_reload", *DELTA_KEYS)  # DCR's switches of a round
 
 
 def pause_ratio(switches: list[dict], rounds: list[dict]) -> dict:

@@ -171,12 +171,16 @@ def digests_of(model: torch.nn.Module, names: Iterable[str] | None = None,
     out: dict[str, str | Pending] = {}
     for name, mod in model.named_modules():
         if wanted is None or name in wanted:
-            if has_kernel(mod) and kernels is not None and name in kernels:
-                out[name] = Pending(_held_hasher(name, mod)[0], kernels[name])
-                continue
-            if (probes is not None or kernels is not None) and has_kernel(mod) and name not in (probes or {}):
-                raise KeyError(f"module {name!r}: its kernel's output was not read in the engine's thread")
-            d = module_digest(name, mod) if probes is None else module_digest(name, mod, probes.get(name))
+            probe = None
+            if has_kernel(mod):
+                if kernels is not None and name in kernels:
+                    out[name] = Pending(_held_hasher(name, mod)[0], kernels[name])
+                    continue
+                if probes is not None and name in probes:
+                    probe = probes[name]
+                elif probes is not None or kernels is not None:
+                    raise KeyError(f"module {name!r}: its kernel's output was not read in the engine's thread")
+            d = module_digest(name, mod) if probe is None else module_digest(name, mod, probe)
             if d is not None:
                 out[name] = d
     return out

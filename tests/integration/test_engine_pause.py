@@ -66,10 +66,15 @@ def chain(tmp_path_factory):
     return cfg, cks, root
 
 
-def _dense(cfg, ck) -> dict[str, torch.Tensor]:
+def _loaded(cfg, ck) -> VllmLlama:
+    """A fresh model loaded with ``ck``: the dense reference."""
     m = VllmLlama(cfg)
     m.load_weights(list(ck.items()))
-    return dict(m.state_dict())
+    return m
+
+
+def _dense(cfg, ck) -> dict[str, torch.Tensor]:
+    return dict(_loaded(cfg, ck).state_dict())
 
 
 def _worker(cfg, cks, root, tmp_path, engine=LoaderEngine) -> tuple[VllmLlama, EngineReceiver]:
@@ -212,9 +217,7 @@ def _kernels(model) -> dict[str, torch.Tensor]:
 
 
 def _dense_kernels(cfg, ck) -> dict[str, torch.Tensor]:
-    m = VllmLlama(cfg)
-    m.load_weights(list(ck.items()))
-    return _kernels(KernelEngine(m).model)
+    return _kernels(KernelEngine(_loaded(cfg, ck)).model)
 
 
 def test_with_kernels_the_pause_runs_none_and_the_next_prepare_completes_the_record(chain, tmp_path, monkeypatch):
@@ -257,7 +260,7 @@ def test_a_kernel_rebuilt_after_the_pause_leaves_the_engine_unknown(chain, tmp_p
     cfg, cks, root = chain
     model, worker = _worker(cfg, cks, root, tmp_path, KernelEngine)
     victim = model.get_submodule(linear_layers(model)[0])
-    other = _dense_model_weight(cfg, cks[2], linear_layers(model)[0])
+    other = _loaded(cfg, cks[2]).get_submodule(linear_layers(model)[0]).weight.detach().clone()
     landed = []
 
     def rebuild():
@@ -284,8 +287,3 @@ def test_a_kernel_rebuilt_after_the_pause_leaves_the_engine_unknown(chain, tmp_p
     assert_bits_equal(dict(model.state_dict()), _dense(cfg, cks[1]))
     assert_bits_equal(_kernels(model), _dense_kernels(cfg, cks[1]))
 
-
-def _dense_model_weight(cfg, ck, module: str) -> torch.Tensor:
-    m = VllmLlama(cfg)
-    m.load_weights(list(ck.items()))
-    return m.get_submodule(module).weight.detach().clone()
